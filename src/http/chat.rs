@@ -1,0 +1,91 @@
+//! `POST /chat`: start a turn and stream it back (NDJSON, or SSE when asked).
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::header::{ACCEPT, CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::Response;
+use utoipa::ToSchema;
+
+use super::AppState;
+use super::error::{ApiError, ErrorBody};
+use super::extract::JsonObject;
+use super::stream::{Framing, stream_body};
+use crate::turn::StartTurn;
+use crate::wire::AgentEvent;
+
+/// The body of `POST /chat`.
+/// Documents the body for OpenAPI; it is read field by field through `JsonObject`, so
+/// each bad field gets its own error sentence.
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)]
+#[serde(rename_all = "camelCase")]
+pub struct ChatRequest {
+    /// Minted (a UUID) when absent.
+    pub conversation_id: Option<String>,
+    /// Trimmed; must not be empty.
+    pub message: String,
+    /// `<credential>/<model>`; default: the conversation's sticky model, else the configured one.
+    pub model: Option<String>,
+    pub cwd: Option<String>,
+    pub reasoning_effort: Option<String>,
+}
+
+impl ChatRequest {
+    /// Reads the fields with the gateway's error sentences.
+    pub fn parse(body: &JsonObject) -> Result<StartTurn, ApiError> {
+        let conversation_id = body
+            .conversation_id("conversationId")?
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        Ok(StartTurn {
+            conversation_id,
+            message: body.message("message")?,
+            model: body.optional_str("model")?.map(str::to_owned),
+            cwd: body.optional_str("cwd")?.map(str::to_owned),
+            reasoning_effort: body.optional_str("reasoningEffort")?.map(str::to_owned),
+        })
+    }
+}
+
+/// Starts a turn and streams its events until `turn-sealed`.
+#[utoipa::path(
+    post,
+    path = "/chat",
+    tag = "chat",
+    request_body = ChatRequest,
+    responses(
+        (status = 200, description = "The turn's events: one JSON object per line (`application/x-ndjson`), or SSE with `Accept: text/event-stream`. Header `X-Conversation-Id` names the conversation.",
+            content(
+                (AgentEvent = "application/x-ndjson"),
+                (String = "text/event-stream"),
+            ),
+            headers(("X-Conversation-Id" = String, description = "The conversation the turn runs in"))),
+        (status = 400, description = "Bad body or unknown model", body = ErrorBody),
+        (status = 409, description = "A turn is already running in this conversation", body = ErrorBody),
+        (status = 413, description = "Body too large", body = ErrorBody),
+    )
+)]
+pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonObject) -> Result<Response, ApiError> {
+    let start = ChatRequest::parse(&body)?;
+    let framing = if wants_sse(&headers) { Framing::Sse } else { Framing::Ndjson };
+    let started = state.turns.start(start).await?;
+    let cursor = state.hub.read_turn(&started.buffer);
+    let mut response = Response::new(Body::from_stream(stream_body(cursor, framing)));
+    *response.status_mut() = StatusCode::OK;
+    let h = response.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static(framing.content_type()));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    if let Ok(id) = HeaderValue::from_str(&started.conversation_id) {
+        h.insert("x-conversation-id", id);
+    }
+    Ok(response)
+}
+
+fn wants_sse(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/event-stream"))
+}

@@ -1,0 +1,240 @@
+//! `/conversations`: create, list, history, metrics, title, delete.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::AppState;
+use super::error::{ApiError, ErrorBody};
+use super::extract::{ConversationId, JsonObject, QueryParams, check_id};
+use crate::store::{ConversationFilter, HistoryWindow, NewConversation, RawStoredChunk, now_ms};
+use crate::turn::StartError;
+use crate::wire::{ConversationMeta, StoredChunk, TurnMetrics};
+
+/// Longest title accepted, in characters.
+const MAX_TITLE_CHARS: usize = 512;
+/// `GET /conversations` returns at most this many when no `limit` is given.
+const DEFAULT_LIST_LIMIT: u64 = 100;
+const MAX_LIST_LIMIT: u64 = 1000;
+
+/// Documents the body for OpenAPI; it is read field by field through `JsonObject`, so
+/// each bad field gets its own error sentence.
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)]
+pub struct CreateConversation {
+    /// Client-chosen id (1-128 of `[A-Za-z0-9._:-]`); a UUID is minted when absent.
+    pub id: Option<String>,
+    pub title: Option<String>,
+    /// Sticky model for the conversation's turns.
+    pub model: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ConversationList {
+    pub conversations: Vec<ConversationMeta>,
+}
+
+/// `GET /conversations/:id`: a window of the log.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HistoryResponse {
+    pub chunks: Vec<StoredChunk>,
+    /// Seq of the last chunk returned, or `sinceSeq` when none is.
+    pub latest_seq: u64,
+}
+
+/// What is actually sent for a history read: stored chunks pass through unparsed.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct HistoryBody {
+    chunks: Vec<RawStoredChunk>,
+    latest_seq: u64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MetricsResponse {
+    /// Every sealed turn, in turn order.
+    pub turns: Vec<TurnMetrics>,
+}
+
+/// Documents the body for OpenAPI; it is read field by field through `JsonObject`, so
+/// each bad field gets its own error sentence.
+#[derive(Debug, ToSchema)]
+#[allow(dead_code)]
+pub struct TitleRequest {
+    pub title: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TitleResponse {
+    pub conversation_id: String,
+    pub title: String,
+}
+
+fn title_field(body: &JsonObject, required: bool) -> Result<Option<String>, ApiError> {
+    let title = if required { Some(body.required_str("title")?) } else { body.optional_str("title")? };
+    match title {
+        Some(t) if t.chars().count() > MAX_TITLE_CHARS => {
+            Err(ApiError::bad(format!("`title` must have at most {MAX_TITLE_CHARS} characters")))
+        }
+        t => Ok(t.map(|t| t.trim().to_owned())),
+    }
+}
+
+/// Creates a conversation.
+#[utoipa::path(
+    post,
+    path = "/conversations",
+    tag = "conversations",
+    request_body = CreateConversation,
+    responses(
+        (status = 201, body = ConversationMeta),
+        (status = 400, body = ErrorBody),
+        (status = 409, description = "The id exists", body = ErrorBody),
+        (status = 413, body = ErrorBody),
+    )
+)]
+pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<Response, ApiError> {
+    let id = match body.optional_str("id")? {
+        Some(id) => check_id(id).map_err(|e| ApiError::bad(format!("`id`: {e}")))?.to_owned(),
+        None => uuid::Uuid::new_v4().to_string(),
+    };
+    let title = title_field(&body, false)?.unwrap_or_default();
+    let model = body.optional_str("model")?;
+    if let Some(m) = model
+        && !state.turns.registry().contains(m)
+    {
+        return Err(StartError::UnknownModel(m.to_owned()).into());
+    }
+    let meta = state
+        .store
+        .create_conversation(NewConversation { id: &id, title: &title, model, now: now_ms() })
+        .await?;
+    Ok((StatusCode::CREATED, Json(meta)).into_response())
+}
+
+/// Lists conversations, newest activity first.
+#[utoipa::path(
+    get,
+    path = "/conversations",
+    tag = "conversations",
+    params(
+        ("q" = Option<String>, Query, description = "Id prefix"),
+        ("status" = Option<String>, Query, description = "Comma-separated statuses: active, idle, closed"),
+        ("limit" = Option<u64>, Query, description = "At most this many (default 100, max 1000)"),
+    ),
+    responses((status = 200, body = ConversationList), (status = 400, body = ErrorBody))
+)]
+pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<Json<ConversationList>, ApiError> {
+    let limit = query.integer("limit", 1)?.unwrap_or(DEFAULT_LIST_LIMIT);
+    if limit > MAX_LIST_LIMIT {
+        return Err(ApiError::bad(format!("`limit` must be at most {MAX_LIST_LIMIT}")));
+    }
+    let mut statuses = Vec::new();
+    for s in query.get("status").unwrap_or("").split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        if !matches!(s, "active" | "idle" | "closed") {
+            return Err(ApiError::bad(format!("`status` takes active, idle or closed, got {s:?}")));
+        }
+        statuses.push(s.to_owned());
+    }
+    let filter = ConversationFilter {
+        id_prefix: query.get("q").filter(|q| !q.is_empty()).map(str::to_owned),
+        statuses,
+        limit: limit as u32,
+    };
+    Ok(Json(ConversationList { conversations: state.store.list_conversations(&filter).await? }))
+}
+
+/// A window of the conversation's log (spec 2.3). An unknown id is an empty log.
+#[utoipa::path(
+    get,
+    path = "/conversations/{id}",
+    tag = "conversations",
+    params(
+        ("id" = String, Path, description = "Conversation id"),
+        ("sinceSeq" = Option<u64>, Query, description = "Only chunks with seq > sinceSeq (integer >= 0, default 0)"),
+        ("beforeSeq" = Option<u64>, Query, description = "Only chunks with seq < beforeSeq (integer > 0)"),
+        ("limit" = Option<u64>, Query, description = "Keep the newest `limit` of the selection (integer > 0)"),
+    ),
+    responses((status = 200, body = HistoryResponse), (status = 400, body = ErrorBody))
+)]
+pub async fn history(
+    State(state): State<AppState>,
+    ConversationId(id): ConversationId,
+    query: QueryParams,
+) -> Result<Response, ApiError> {
+    let window = HistoryWindow {
+        since_seq: query.integer("sinceSeq", 0)?.unwrap_or(0),
+        before_seq: query.integer("beforeSeq", 1)?,
+        limit: query.integer("limit", 1)?,
+    };
+    let chunks = state.store.history(&id, window).await?;
+    let latest_seq = chunks.last().map_or(window.since_seq, |c| c.seq);
+    Ok(Json(HistoryBody { chunks, latest_seq }).into_response())
+}
+
+/// Metrics of every sealed turn, in turn order.
+#[utoipa::path(
+    get,
+    path = "/conversations/{id}/metrics",
+    tag = "conversations",
+    params(("id" = String, Path, description = "Conversation id")),
+    responses((status = 200, body = MetricsResponse), (status = 400, body = ErrorBody))
+)]
+pub async fn metrics(
+    State(state): State<AppState>,
+    ConversationId(id): ConversationId,
+) -> Result<Json<MetricsResponse>, ApiError> {
+    Ok(Json(MetricsResponse { turns: state.store.turn_metrics(&id).await? }))
+}
+
+/// Renames a conversation.
+#[utoipa::path(
+    put,
+    path = "/conversations/{id}/title",
+    tag = "conversations",
+    params(("id" = String, Path, description = "Conversation id")),
+    request_body = TitleRequest,
+    responses(
+        (status = 200, body = TitleResponse),
+        (status = 400, body = ErrorBody),
+        (status = 404, description = "Unknown conversation", body = ErrorBody),
+    )
+)]
+pub async fn set_title(
+    State(state): State<AppState>,
+    ConversationId(id): ConversationId,
+    body: JsonObject,
+) -> Result<Json<TitleResponse>, ApiError> {
+    let title = title_field(&body, true)?.unwrap_or_default();
+    if !state.store.set_title(&id, &title).await? {
+        return Err(ApiError::NotFound(format!("no conversation {id:?}")));
+    }
+    Ok(Json(TitleResponse { conversation_id: id, title }))
+}
+
+/// Deletes a conversation with its log and metrics.
+#[utoipa::path(
+    delete,
+    path = "/conversations/{id}",
+    tag = "conversations",
+    params(("id" = String, Path, description = "Conversation id")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 400, body = ErrorBody),
+        (status = 404, description = "Unknown conversation", body = ErrorBody),
+        (status = 409, description = "A turn is running", body = ErrorBody),
+    )
+)]
+pub async fn delete(State(state): State<AppState>, ConversationId(id): ConversationId) -> Result<StatusCode, ApiError> {
+    match state.turns.delete(&id).await {
+        Ok(true) => Ok(StatusCode::NO_CONTENT),
+        Ok(false) => Err(ApiError::NotFound(format!("no conversation {id:?}"))),
+        Err(StartError::Busy) => Err(ApiError::Conflict("a turn is running in this conversation".into())),
+        Err(e) => Err(e.into()),
+    }
+}

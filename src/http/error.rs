@@ -1,0 +1,78 @@
+//! The one error type of the HTTP layer: every failure is `{"error": "<sentence>"}`.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::store::StoreError;
+use crate::turn::StartError;
+
+/// The body of every error response.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("request body is larger than {0} bytes")]
+    TooLarge(usize),
+    #[error("{0}")]
+    Unavailable(String),
+    /// The detail is logged, never sent.
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn bad(message: impl Into<String>) -> ApiError {
+        ApiError::BadRequest(message.into())
+    }
+
+    fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let ApiError::Internal(detail) = &self {
+            tracing::error!(error = %detail, "request failed");
+        }
+        (self.status(), Json(ErrorBody { error: self.to_string() })).into_response()
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Exists => ApiError::Conflict("a conversation with this id already exists".into()),
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<StartError> for ApiError {
+    fn from(e: StartError) -> Self {
+        match e {
+            StartError::UnknownModel(m) => ApiError::BadRequest(format!("unknown model {m:?}; GET /models lists them")),
+            StartError::Busy => ApiError::Conflict(StartError::Busy.to_string()),
+            StartError::Store(e) => e.into(),
+        }
+    }
+}

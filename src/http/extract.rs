@@ -1,0 +1,135 @@
+//! Request parsing with the gateway's own error sentences (spec 2.1): JSON bodies, path ids,
+//! query parameters.
+
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::header::CONTENT_LENGTH;
+use axum::http::request::Parts;
+use http_body_util::LengthLimitError;
+use serde_json::{Map, Value};
+
+use super::AppState;
+use super::error::ApiError;
+
+/// A request body that must be a JSON object.
+pub struct JsonObject(pub Map<String, Value>);
+
+impl FromRequest<AppState> for JsonObject {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
+        let limit = state.config.max_body_bytes;
+        let declared = req
+            .headers()
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(ApiError::TooLarge(limit));
+        }
+        let bytes = axum::body::to_bytes(req.into_body(), limit).await.map_err(|e| {
+            if e.into_inner().is::<LengthLimitError>() {
+                ApiError::TooLarge(limit)
+            } else {
+                ApiError::bad("could not read the request body")
+            }
+        })?;
+        match serde_json::from_slice::<Value>(&bytes) {
+            Ok(Value::Object(map)) => Ok(JsonObject(map)),
+            Ok(_) => Err(ApiError::bad("Request body must be a JSON object")),
+            Err(_) => Err(ApiError::bad("Invalid JSON body")),
+        }
+    }
+}
+
+impl JsonObject {
+    /// A string field that must be present.
+    pub fn required_str(&self, name: &str) -> Result<&str, ApiError> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Err(ApiError::bad(format!("`{name}` is required"))),
+            Some(Value::String(s)) => Ok(s),
+            Some(_) => Err(ApiError::bad(format!("`{name}` must be a string"))),
+        }
+    }
+
+    /// A string field that may be absent or null.
+    pub fn optional_str(&self, name: &str) -> Result<Option<&str>, ApiError> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(ApiError::bad(format!("`{name}` must be a string"))),
+        }
+    }
+
+    /// A trimmed, non-empty message field.
+    pub fn message(&self, name: &str) -> Result<String, ApiError> {
+        let text = self.required_str(name)?.trim();
+        if text.is_empty() {
+            return Err(ApiError::bad(format!("`{name}` must not be empty")));
+        }
+        Ok(text.to_owned())
+    }
+
+    /// An optional conversation id, checked like a path id.
+    pub fn conversation_id(&self, name: &str) -> Result<Option<String>, ApiError> {
+        self.optional_str(name)?
+            .map(|id| check_id(id).map(str::to_owned).map_err(|e| ApiError::bad(format!("`{name}`: {e}"))))
+            .transpose()
+    }
+}
+
+/// Conversation ids are client-chosen: 1 to 128 characters of `[A-Za-z0-9._:-]`.
+pub fn check_id(id: &str) -> Result<&str, String> {
+    if id.is_empty() || id.len() > 128 {
+        return Err("a conversation id has 1 to 128 characters".into());
+    }
+    if !id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-')) {
+        return Err("a conversation id may only contain A-Z, a-z, 0-9, '.', '_', ':' and '-'".into());
+    }
+    Ok(id)
+}
+
+/// The `:id` of a `/conversations/:id...` path, validated.
+pub struct ConversationId(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for ConversationId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Path(id) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|_| ApiError::bad("invalid conversation id in the path"))?;
+        check_id(&id).map_err(ApiError::BadRequest)?;
+        Ok(ConversationId(id))
+    }
+}
+
+/// The query string as name/value pairs (a repeated name: the last value wins).
+pub struct QueryParams(Vec<(String, String)>);
+
+impl<S: Send + Sync> FromRequestParts<S> for QueryParams {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let query = parts.uri.query().unwrap_or("");
+        Ok(QueryParams(form_urlencoded::parse(query.as_bytes()).into_owned().collect()))
+    }
+}
+
+impl QueryParams {
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.0.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    /// An optional integer parameter with a lower bound; anything else is 400 naming it.
+    pub fn integer(&self, name: &str, min: u64) -> Result<Option<u64>, ApiError> {
+        let Some(raw) = self.get(name) else { return Ok(None) };
+        let bound = if min == 0 { "an integer >= 0" } else { "an integer > 0" };
+        let value: u64 = raw
+            .parse()
+            .map_err(|_| ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}")))?;
+        if value < min {
+            return Err(ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}")));
+        }
+        Ok(Some(value))
+    }
+}

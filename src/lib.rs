@@ -1,0 +1,24 @@
+//! dispatch-gateway: sits between agent runtimes and the clients that watch them.
+//!
+//! Data flows one way: request → turn → runtime → turn → hub → transports, and only the turn
+//! writes the store.
+
+/// Flags and environment.
+pub mod config;
+/// The HTTP API: one module per resource.
+pub mod http;
+/// Replay buffers and fan-out of turn events.
+pub mod hub;
+/// Agent runtimes: the contract and its providers.
+pub mod runtime;
+/// Building the gateway and serving it.
+pub mod server;
+/// SQLite: conversations, the chunk log, turns and metrics.
+pub mod store;
+/// Running turns: wire events, chunks, metrics, sealing.
+pub mod turn;
+/// The `@dispatch/wire` types.
+pub mod wire;
+
+pub use config::Config;
+pub use server::Gateway;

@@ -1,0 +1,123 @@
+//! Agent runtimes: what produces the raw stream of one turn.
+//!
+//! A runtime knows nothing of turn ids, step ids, metrics, the log or watchers; it sends
+//! [`RawEvent`]s into a sink and the turn (`crate::turn`) makes the wire out of them.
+
+pub mod scripted;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use utoipa::ToSchema;
+
+use crate::wire::{OutputStream, Usage};
+
+/// One raw event of a runtime, in the order the runtime produced it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RawEvent {
+    /// The runtime is asking its model for a new step (optional: a step also opens implicitly
+    /// at its first event).
+    StepStart,
+    TextDelta(String),
+    ReasoningDelta(String),
+    ToolCall { id: String, name: String, input: Value },
+    ToolOutput { id: String, data: String, stream: OutputStream },
+    ToolResult { id: String, name: String, content: String, is_error: bool, duration_ms: Option<u64> },
+    Usage(Usage),
+    /// The step's generation has ended; its tool results may follow.
+    StepEnd,
+    /// The turn ended normally; `reason` becomes `done.reason`.
+    Finish { reason: String },
+    /// The turn failed.
+    Error { message: String, code: Option<String> },
+    /// The runtime's native session, to resume on the next turn.
+    SessionId(String),
+}
+
+/// What a runtime gets to run one turn.
+#[derive(Debug, Clone)]
+pub struct TurnRequest {
+    pub conversation_id: String,
+    pub turn_id: String,
+    /// The model's name inside its credential (`scripted` for `demo/scripted`).
+    pub model: String,
+    pub prompt: String,
+    pub cwd: Option<String>,
+    pub reasoning_effort: Option<String>,
+}
+
+pub type EventSink = mpsc::Sender<RawEvent>;
+
+pub type RuntimeFuture = Pin<Box<dyn Future<Output = Result<(), RuntimeError>> + Send>>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// A kind of runtime. `run_turn` drives one turn to its end, sending raw events into `sink`,
+/// and returns promptly once `cancel` fires.
+pub trait Runtime: Send + Sync + 'static {
+    fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture;
+}
+
+/// What `GET /models` says of one model.
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelInfo {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context_window: Option<u64>,
+}
+
+struct ModelEntry {
+    runtime: Arc<dyn Runtime>,
+    native_name: String,
+    info: ModelInfo,
+}
+
+/// The models the gateway can run, by `<credential>/<model>` name.
+pub struct Registry {
+    models: BTreeMap<String, ModelEntry>,
+    default_model: String,
+}
+
+impl Registry {
+    pub fn new(default_model: impl Into<String>) -> Registry {
+        Registry { models: BTreeMap::new(), default_model: default_model.into() }
+    }
+
+    pub fn add(&mut self, credential: &str, model: &str, runtime: Arc<dyn Runtime>, info: ModelInfo) {
+        self.models.insert(
+            format!("{credential}/{model}"),
+            ModelEntry { runtime, native_name: model.to_owned(), info },
+        );
+    }
+
+    pub fn default_model(&self) -> &str {
+        &self.default_model
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.models.contains_key(name)
+    }
+
+    /// The runtime and the model's own name for a full model name.
+    pub fn resolve(&self, name: &str) -> Option<(Arc<dyn Runtime>, &str)> {
+        self.models.get(name).map(|m| (m.runtime.clone(), m.native_name.as_str()))
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.models.keys().map(String::as_str)
+    }
+
+    pub fn infos(&self) -> impl Iterator<Item = (&str, &ModelInfo)> {
+        self.models.iter().map(|(k, m)| (k.as_str(), &m.info))
+    }
+}

@@ -1,0 +1,134 @@
+//! Conversation rows: create, read, list, rename, delete.
+
+use sqlx::FromRow;
+
+use super::{Store, StoreError, StoreResult};
+use crate::wire::ConversationMeta;
+
+#[derive(FromRow)]
+pub(super) struct ConversationRow {
+    id: String,
+    title: String,
+    status: String,
+    model: Option<String>,
+    created_at: i64,
+    last_activity_at: i64,
+}
+
+impl From<ConversationRow> for ConversationMeta {
+    fn from(r: ConversationRow) -> Self {
+        ConversationMeta {
+            id: r.id,
+            created_at: r.created_at,
+            last_activity_at: r.last_activity_at,
+            title: r.title,
+            status: r.status,
+            model: r.model,
+        }
+    }
+}
+
+const META_COLUMNS: &str = "id, title, status, model, created_at, last_activity_at";
+
+pub struct NewConversation<'a> {
+    pub id: &'a str,
+    pub title: &'a str,
+    pub model: Option<&'a str>,
+    pub now: i64,
+}
+
+/// What `GET /conversations` asks for; every part optional.
+#[derive(Debug, Default)]
+pub struct ConversationFilter {
+    pub id_prefix: Option<String>,
+    pub statuses: Vec<String>,
+    pub limit: u32,
+}
+
+impl Store {
+    pub async fn create_conversation(&self, c: NewConversation<'_>) -> StoreResult<ConversationMeta> {
+        let result = sqlx::query(
+            "INSERT INTO conversations (id, title, model, created_at, last_activity_at)
+             VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(c.id)
+        .bind(c.title)
+        .bind(c.model)
+        .bind(c.now)
+        .bind(c.now)
+        .execute(&self.writer)
+        .await?;
+        if result.rows_affected() == 0 {
+            return Err(StoreError::Exists);
+        }
+        Ok(ConversationMeta {
+            id: c.id.to_owned(),
+            created_at: c.now,
+            last_activity_at: c.now,
+            title: c.title.to_owned(),
+            status: "idle".to_owned(),
+            model: c.model.map(str::to_owned),
+        })
+    }
+
+    pub async fn conversation(&self, id: &str) -> StoreResult<Option<ConversationMeta>> {
+        let sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE id = ?");
+        let row: Option<ConversationRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&self.reader)
+            .await?;
+        Ok(row.map(Into::into))
+    }
+
+    /// Newest activity first.
+    pub async fn list_conversations(&self, f: &ConversationFilter) -> StoreResult<Vec<ConversationMeta>> {
+        let mut sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE 1 = 1");
+        if f.id_prefix.is_some() {
+            sql.push_str(" AND substr(id, 1, length(?1)) = ?1");
+        }
+        if !f.statuses.is_empty() {
+            // Values are bound, only the placeholders are generated.
+            let marks = vec!["?"; f.statuses.len()].join(", ");
+            sql.push_str(&format!(" AND status IN ({marks})"));
+        }
+        sql.push_str(" ORDER BY last_activity_at DESC, id LIMIT ?");
+        let mut q = sqlx::query_as::<_, ConversationRow>(sqlx::AssertSqlSafe(sql));
+        if let Some(prefix) = &f.id_prefix {
+            q = q.bind(prefix);
+        }
+        for s in &f.statuses {
+            q = q.bind(s);
+        }
+        let rows = q.bind(i64::from(f.limit)).fetch_all(&self.reader).await?;
+        Ok(rows.into_iter().map(Into::into).collect())
+    }
+
+    /// Returns false when the conversation does not exist.
+    pub async fn set_title(&self, id: &str, title: &str) -> StoreResult<bool> {
+        let r = sqlx::query("UPDATE conversations SET title = ? WHERE id = ?")
+            .bind(title)
+            .bind(id)
+            .execute(&self.writer)
+            .await?;
+        Ok(r.rows_affected() > 0)
+    }
+
+    /// Deletes the conversation with its log and turns; false when it did not exist.
+    pub async fn delete_conversation(&self, id: &str) -> StoreResult<bool> {
+        let r = sqlx::query("DELETE FROM conversations WHERE id = ?")
+            .bind(id)
+            .execute(&self.writer)
+            .await?;
+        Ok(r.rows_affected() > 0)
+    }
+
+    /// The conversation's sticky model, if it exists and has one.
+    pub async fn conversation_model(&self, id: &str) -> StoreResult<Option<String>> {
+        let model: Option<Option<String>> =
+            sqlx::query_scalar("SELECT model FROM conversations WHERE id = ?")
+                .bind(id)
+                .fetch_optional(&self.reader)
+                .await?;
+        Ok(model.flatten())
+    }
+}

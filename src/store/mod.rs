@@ -1,0 +1,106 @@
+//! The database: conversations, the chunk log and per-turn rows, in SQLite through sqlx.
+//!
+//! All writes go through one connection (`writer`), so transactions never contend with each
+//! other inside the process and `seq` is assigned in the same transaction that inserts the rows.
+//! Reads use a separate small pool and, thanks to WAL, never wait for the writer.
+
+mod conversations;
+mod log;
+mod turns;
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Sqlite, SqlitePool, Transaction};
+
+pub use conversations::{ConversationFilter, NewConversation};
+pub use log::{HistoryWindow, NewChunk, RawStoredChunk};
+pub use turns::{BeginTurn, SealTurn};
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("could not prepare the database folder {path}: {source}")]
+    Folder {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("a conversation with this id already exists")]
+    Exists,
+    #[error("stored data is corrupt: {0}")]
+    Corrupt(String),
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+#[derive(Clone)]
+pub struct Store {
+    writer: SqlitePool,
+    reader: SqlitePool,
+}
+
+impl Store {
+    /// Opens (creating when missing) the database file, applies the migrations, and repairs
+    /// turns a previous process left open (spec 1.5) before anything is served.
+    pub async fn open(path: &Path) -> StoreResult<Store> {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|source| StoreError::Folder {
+                path: parent.display().to_string(),
+                source,
+            })?;
+        }
+        let options = SqliteConnectOptions::from_str("sqlite:")?
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(5));
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .connect_with(options.clone())
+            .await?;
+        MIGRATOR.run(&writer).await?;
+        let reader = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.read_only(true))
+            .await?;
+        let store = Store { writer, reader };
+        let repaired = store.recover_interrupted(now_ms()).await?;
+        if repaired > 0 {
+            tracing::warn!(turns = repaired, "marked turns cut off by the last shutdown as interrupted");
+        }
+        Ok(store)
+    }
+
+    /// Answers whether the database serves a trivial query.
+    pub async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.reader).await.is_ok()
+    }
+
+    /// Closes both pools, waiting for queries in flight; the WAL is checkpointed on close.
+    pub async fn close(&self) {
+        self.reader.close().await;
+        self.writer.close().await;
+    }
+
+    async fn write_tx(&self) -> StoreResult<Transaction<'static, Sqlite>> {
+        Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
+    }
+}
+
+/// Wall-clock now in epoch milliseconds (for stored times only; durations use `Instant`).
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

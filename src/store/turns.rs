@@ -1,0 +1,156 @@
+//! Turn rows: opened with the user's chunk, sealed with their metrics, repaired after a crash.
+
+use sqlx::FromRow;
+
+use super::log::{NewChunk, append_in};
+use super::{Store, StoreError, StoreResult};
+use crate::wire::{Chunk, ErrorChunk, Role, TextChunk, TurnMetrics};
+
+/// The error chunk a restart appends to a turn the previous process left open.
+pub const INTERRUPTED_MESSAGE: &str = "turn interrupted: server restarted";
+pub const INTERRUPTED_CODE: &str = "interrupted";
+
+pub struct BeginTurn<'a> {
+    pub conversation_id: &'a str,
+    pub turn_id: &'a str,
+    pub model: &'a str,
+    pub user_text: &'a str,
+    /// Title given to a conversation the turn creates, or one whose title is still empty.
+    pub default_title: &'a str,
+    pub now: i64,
+}
+
+pub struct SealTurn<'a> {
+    pub conversation_id: &'a str,
+    pub turn_id: &'a str,
+    pub reason: &'a str,
+    pub metrics: &'a TurnMetrics,
+    pub now: i64,
+}
+
+impl Store {
+    /// Opens a turn: creates the conversation when missing, marks it active, records the turn
+    /// and appends the user's chunk, all in one transaction. Returns the user chunk's seq.
+    pub async fn begin_turn(&self, t: BeginTurn<'_>) -> StoreResult<u64> {
+        let mut tx = self.write_tx().await?;
+        sqlx::query(
+            "INSERT INTO conversations (id, title, status, created_at, last_activity_at)
+             VALUES (?1, ?2, 'active', ?3, ?3)
+             ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = ?3,
+                 title = CASE WHEN title = '' THEN ?2 ELSE title END",
+        )
+        .bind(t.conversation_id)
+        .bind(t.default_title)
+        .bind(t.now)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at)
+             SELECT id, ?2, turn_count + 1, ?3, ?4 FROM conversations WHERE id = ?1",
+        )
+        .bind(t.conversation_id)
+        .bind(t.turn_id)
+        .bind(t.model)
+        .bind(t.now)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE conversations SET turn_count = turn_count + 1 WHERE id = ?")
+            .bind(t.conversation_id)
+            .execute(&mut *tx)
+            .await?;
+        let user = NewChunk {
+            role: Role::User,
+            chunk: Chunk::Text(TextChunk { text: t.user_text.to_owned() }),
+            new_message: true,
+        };
+        let seq = append_in(&mut tx, t.conversation_id, t.turn_id, &[user], t.now).await?;
+        tx.commit().await?;
+        Ok(seq)
+    }
+
+    /// Seals a turn: its chunks not yet written, its metrics, and the conversation back to
+    /// idle (a closed one stays closed), in one transaction.
+    pub async fn seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<()> {
+        let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let gen_total_ms: u64 = s.metrics.steps.iter().filter_map(|st| st.gen_total_ms).sum();
+        let mut tx = self.write_tx().await?;
+        append_in(&mut tx, s.conversation_id, s.turn_id, final_chunks, s.now).await?;
+        sqlx::query(
+            "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
+             WHERE conversation_id = ? AND turn_id = ?",
+        )
+        .bind(s.now)
+        .bind(s.reason)
+        .bind(metrics)
+        .bind(s.metrics.usage.output_tokens as i64)
+        .bind(gen_total_ms as i64)
+        .bind(s.conversation_id)
+        .bind(s.turn_id)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE conversations SET last_activity_at = ?,
+                 status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
+             WHERE id = ?",
+        )
+        .bind(s.now)
+        .bind(s.conversation_id)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Every sealed turn's metrics, in turn order.
+    pub async fn turn_metrics(&self, conversation_id: &str) -> StoreResult<Vec<TurnMetrics>> {
+        let rows: Vec<(String,)> = sqlx::query_as(
+            "SELECT metrics FROM turns WHERE conversation_id = ? AND metrics IS NOT NULL ORDER BY ordinal",
+        )
+        .bind(conversation_id)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.into_iter()
+            .map(|(json,)| serde_json::from_str(&json).map_err(|e| StoreError::Corrupt(format!("turn metrics: {e}"))))
+            .collect()
+    }
+
+    /// Spec 1.5: each turn with a user message but neither metrics nor a marker gets one
+    /// `interrupted` error chunk, and its conversation goes idle. Returns how many were repaired.
+    pub async fn recover_interrupted(&self, now: i64) -> StoreResult<usize> {
+        #[derive(FromRow)]
+        struct Open {
+            conversation_id: String,
+            turn_id: String,
+        }
+        let open: Vec<Open> = sqlx::query_as(
+            "SELECT conversation_id, turn_id FROM turns
+             WHERE sealed_at IS NULL AND interrupted_at IS NULL ORDER BY conversation_id, ordinal",
+        )
+        .fetch_all(&self.writer)
+        .await?;
+        for turn in &open {
+            let mut tx = self.write_tx().await?;
+            let marker = NewChunk {
+                role: Role::Assistant,
+                chunk: Chunk::Error(ErrorChunk {
+                    message: INTERRUPTED_MESSAGE.to_owned(),
+                    code: Some(INTERRUPTED_CODE.to_owned()),
+                }),
+                new_message: true,
+            };
+            append_in(&mut tx, &turn.conversation_id, &turn.turn_id, &[marker], now).await?;
+            sqlx::query("UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?")
+                .bind(now)
+                .bind(&turn.conversation_id)
+                .bind(&turn.turn_id)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+        }
+        // Whatever was active when the process died is not active now.
+        sqlx::query("UPDATE conversations SET status = 'idle' WHERE status = 'active'")
+            .execute(&self.writer)
+            .await?;
+        Ok(open.len())
+    }
+}

@@ -1,0 +1,316 @@
+//! One running turn: raw runtime events in, wire events and log rows out (spec 1.2 to 1.4).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::Turns;
+use super::assembly::ChunkAssembler;
+use super::tally::{OpenStep, TurnTally};
+use crate::hub::TurnBuffer;
+use crate::runtime::{RawEvent, Runtime, TurnRequest};
+use crate::store::{SealTurn, Store, now_ms};
+use crate::wire::*;
+
+/// How many raw events a runtime may run ahead of the turn.
+const RAW_QUEUE: usize = 256;
+
+/// How a turn ended.
+enum End {
+    Finished(String),
+    Failed { message: String, code: Option<String> },
+    Aborted,
+}
+
+pub(super) struct TurnRun {
+    turns: Arc<Turns>,
+    store: Store,
+    buffer: Arc<TurnBuffer>,
+    cancel: CancellationToken,
+    conversation_id: String,
+    turn_id: String,
+    tally: TurnTally,
+    assembler: ChunkAssembler,
+    step: Option<OpenStep>,
+    /// When the last step boundary happened: the start of a step that opens implicitly.
+    boundary: Instant,
+    /// Which step each tool call came from, for its result.
+    call_steps: HashMap<String, String>,
+}
+
+impl TurnRun {
+    pub(super) fn new(turns: Arc<Turns>, store: Store, buffer: Arc<TurnBuffer>, cancel: CancellationToken) -> TurnRun {
+        let now = Instant::now();
+        TurnRun {
+            turns,
+            store,
+            conversation_id: buffer.conversation_id.to_string(),
+            turn_id: buffer.turn_id.to_string(),
+            buffer,
+            cancel,
+            tally: TurnTally::new(now),
+            assembler: ChunkAssembler::default(),
+            step: None,
+            boundary: now,
+            call_steps: HashMap::new(),
+        }
+    }
+
+    pub(super) async fn drive(mut self, runtime: Arc<dyn Runtime>, request: TurnRequest) {
+        let (sink, mut raw) = mpsc::channel(RAW_QUEUE);
+        let runtime_cancel = self.cancel.child_token();
+        let mut task = tokio::spawn(runtime.run_turn(request, sink, runtime_cancel.clone()));
+        let end = loop {
+            tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => break End::Aborted,
+                event = raw.recv() => match event {
+                    Some(event) => {
+                        if let Some(end) = self.handle(event).await {
+                            break end;
+                        }
+                    }
+                    None => break match (&mut task).await {
+                        Ok(Err(e)) => End::Failed { message: e.to_string(), code: Some("runtime".into()) },
+                        Err(e) if e.is_panic() => End::Failed { message: "the runtime crashed".into(), code: Some("runtime".into()) },
+                        _ => End::Failed {
+                            message: "the runtime ended the turn without finishing it".into(),
+                            code: Some("runtime".into()),
+                        },
+                    },
+                },
+            }
+        };
+        // Exactly one terminal: whatever the runtime sends after it is not read.
+        runtime_cancel.cancel();
+        drop(raw);
+        self.finish(end).await;
+    }
+
+    fn ids(&self) -> (String, String) {
+        (self.conversation_id.clone(), self.turn_id.clone())
+    }
+
+    /// Maps one raw event; returns the end when it is a terminal.
+    async fn handle(&mut self, event: RawEvent) -> Option<End> {
+        let now = Instant::now();
+        match event {
+            RawEvent::StepStart => {
+                if self.step.is_some()
+                    && let Err(end) = self.close_step(now).await
+                {
+                    return Some(end);
+                }
+                self.step = Some(self.new_step(now));
+            }
+            RawEvent::TextDelta(delta) | RawEvent::ReasoningDelta(delta) if delta.is_empty() => {}
+            RawEvent::TextDelta(delta) => {
+                self.open_step().token(now);
+                self.assembler.text(&delta);
+                let (conversation_id, turn_id) = self.ids();
+                self.buffer.publish(&AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id, turn_id, delta }));
+            }
+            RawEvent::ReasoningDelta(delta) => {
+                self.open_step().token(now);
+                self.assembler.reasoning(&delta);
+                let (conversation_id, turn_id) = self.ids();
+                self.buffer
+                    .publish(&AgentEvent::ReasoningDelta(TurnReasoningDeltaEvent { conversation_id, turn_id, delta }));
+            }
+            RawEvent::ToolCall { id, name, input } => {
+                let step_id = self.open_step().step_id.clone();
+                self.call_steps.insert(id.clone(), step_id.clone());
+                self.assembler.tool_call(ToolCallChunk {
+                    tool_call_id: id.clone(),
+                    tool_name: name.clone(),
+                    input: input.clone(),
+                    step_id: Some(step_id.clone()),
+                });
+                let (conversation_id, turn_id) = self.ids();
+                self.buffer.publish(&AgentEvent::ToolCall(TurnToolCallEvent {
+                    conversation_id,
+                    turn_id,
+                    step_id,
+                    tool_call_id: id,
+                    tool_name: name,
+                    input,
+                }));
+            }
+            RawEvent::ToolOutput { id, data, stream } => {
+                let (conversation_id, turn_id) = self.ids();
+                self.buffer.publish(&AgentEvent::ToolOutput(TurnToolOutputEvent {
+                    conversation_id,
+                    turn_id,
+                    tool_call_id: id,
+                    data,
+                    stream,
+                }));
+            }
+            RawEvent::ToolResult { id, name, content, is_error, duration_ms } => {
+                if self.step.is_some()
+                    && let Err(end) = self.close_step(now).await
+                {
+                    return Some(end);
+                }
+                let step_id = match self.call_steps.get(&id) {
+                    Some(s) => s.clone(),
+                    None => self.last_step_id(),
+                };
+                self.assembler.tool_result(ToolResultChunk {
+                    tool_call_id: id.clone(),
+                    tool_name: name.clone(),
+                    content: content.clone(),
+                    is_error,
+                    step_id: Some(step_id.clone()),
+                });
+                let (conversation_id, turn_id) = self.ids();
+                self.buffer.publish(&AgentEvent::ToolResult(TurnToolResultEvent {
+                    conversation_id,
+                    turn_id,
+                    step_id,
+                    tool_call_id: id,
+                    tool_name: name,
+                    content,
+                    is_error,
+                    duration_ms,
+                }));
+                self.boundary = now;
+            }
+            RawEvent::Usage(usage) => {
+                if self.step.is_none() && self.tally.step_count() == 0 {
+                    self.step = Some(self.new_step(self.boundary));
+                }
+                let step_id = match &self.step {
+                    Some(s) => s.step_id.clone(),
+                    None => self.last_step_id(),
+                };
+                self.tally.add_usage(self.step.as_mut(), &usage);
+                let (conversation_id, turn_id) = self.ids();
+                self.buffer.publish(&AgentEvent::Usage(TurnUsageEvent {
+                    conversation_id,
+                    turn_id,
+                    step_id: Some(step_id),
+                    usage,
+                }));
+            }
+            RawEvent::StepEnd => {
+                if self.step.is_some()
+                    && let Err(end) = self.close_step(now).await
+                {
+                    return Some(end);
+                }
+            }
+            RawEvent::Finish { reason } => return Some(End::Finished(reason)),
+            RawEvent::Error { message, code } => return Some(End::Failed { message, code }),
+            RawEvent::SessionId(id) => {
+                tracing::debug!(conversation = %self.conversation_id, session = %id, "runtime session");
+            }
+        }
+        None
+    }
+
+    fn new_step(&self, started: Instant) -> OpenStep {
+        OpenStep::new(format!("{}#{}", self.turn_id, self.tally.step_count()), started)
+    }
+
+    fn open_step(&mut self) -> &mut OpenStep {
+        if self.step.is_none() {
+            self.step = Some(self.new_step(self.boundary));
+        }
+        self.step.as_mut().expect("just opened")
+    }
+
+    fn last_step_id(&self) -> String {
+        format!("{}#{}", self.turn_id, self.tally.step_count().saturating_sub(1))
+    }
+
+    /// Ends the open step: `step-complete`, then its chunks in one transaction.
+    async fn close_step(&mut self, now: Instant) -> Result<(), End> {
+        let Some(step) = self.step.take() else { return Ok(()) };
+        let step_id = step.step_id.clone();
+        let timing = self.tally.close_step(step, now);
+        self.boundary = now;
+        let (conversation_id, turn_id) = self.ids();
+        self.buffer.publish(&AgentEvent::StepComplete(TurnStepCompleteEvent {
+            conversation_id,
+            turn_id,
+            step_id,
+            ttft_ms: timing.ttft_ms,
+            decode_ms: timing.decode_ms,
+            gen_total_ms: Some(timing.gen_total_ms),
+        }));
+        self.assembler.end_step();
+        self.flush().await
+    }
+
+    async fn flush(&mut self) -> Result<(), End> {
+        if !self.assembler.has_pending() {
+            return Ok(());
+        }
+        let chunks = self.assembler.take();
+        match self.store.append_chunks(&self.conversation_id, &self.turn_id, &chunks).await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                tracing::error!(conversation = %self.conversation_id, turn = %self.turn_id, error = %e, "could not write the turn's chunks");
+                Err(End::Failed { message: "the turn could not be written to the log".into(), code: Some("storage".into()) })
+            }
+        }
+    }
+
+    /// Closes whatever is open, then `error`?, `done`, metrics, `turn-sealed`, in that order.
+    async fn finish(mut self, mut end: End) {
+        let now = Instant::now();
+        if self.step.is_some()
+            && let Err(failed) = self.close_step(now).await
+            && !matches!(end, End::Failed { .. })
+        {
+            end = failed;
+        }
+        let reason = match &end {
+            End::Finished(reason) => reason.clone(),
+            End::Failed { .. } => "error".to_owned(),
+            End::Aborted => "aborted".to_owned(),
+        };
+        if let End::Failed { message, code } = &end {
+            self.assembler.error(message, code.as_deref());
+            let (conversation_id, turn_id) = self.ids();
+            self.buffer.publish(&AgentEvent::Error(TurnErrorEvent {
+                conversation_id,
+                turn_id,
+                message: message.clone(),
+                code: code.clone(),
+            }));
+        }
+        let duration_ms = self.tally.duration_ms(Instant::now());
+        let (conversation_id, turn_id) = self.ids();
+        self.buffer.publish(&AgentEvent::Done(TurnDoneEvent {
+            conversation_id,
+            turn_id,
+            reason: reason.clone(),
+            duration_ms: Some(duration_ms),
+            usage: self.tally.usage(),
+            context_size: self.tally.context_size(),
+        }));
+
+        let metrics = self.tally.metrics(&self.turn_id, duration_ms);
+        let rest = self.assembler.take();
+        let seal = SealTurn {
+            conversation_id: &self.conversation_id,
+            turn_id: &self.turn_id,
+            reason: &reason,
+            metrics: &metrics,
+            now: now_ms(),
+        };
+        if let Err(e) = self.store.seal_turn(seal, &rest).await {
+            // The turn row stays open; the next start marks it interrupted.
+            tracing::error!(conversation = %self.conversation_id, turn = %self.turn_id, error = %e, "could not seal the turn");
+        }
+        self.turns.release(&self.conversation_id);
+        let (conversation_id, turn_id) = self.ids();
+        let sealed = AgentEvent::TurnSealed(TurnSealedEvent { conversation_id, turn_id });
+        self.turns.hub().seal_turn(self.buffer, &sealed);
+    }
+}

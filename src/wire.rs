@@ -1,0 +1,374 @@
+//! The `@dispatch/wire` 0.6.0 types: what clients see, with serde only.
+//!
+//! Field names are camelCase, `type` tags are the seed's strings, and an absent optional is
+//! omitted rather than sent as `null`. Nothing here knows about storage or transports.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::ToSchema;
+
+/// Who produced a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Role> {
+        Some(match s {
+            "system" => Role::System,
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            "tool" => Role::Tool,
+            _ => return None,
+        })
+    }
+}
+
+/// Token counters of one step or one turn. Cache counters only when the runtime reported them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Usage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_read_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write_tokens: Option<u64>,
+}
+
+impl Usage {
+    /// Adds `other` into `self`; a cache counter stays absent until some report carries it.
+    pub fn add(&mut self, other: &Usage) {
+        self.input_tokens += other.input_tokens;
+        self.output_tokens += other.output_tokens;
+        self.cache_read_tokens = add_opt(self.cache_read_tokens, other.cache_read_tokens);
+        self.cache_write_tokens = add_opt(self.cache_write_tokens, other.cache_write_tokens);
+    }
+}
+
+fn add_opt(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+    }
+}
+
+/// One ordered piece of a message: the unit of the append-only log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type")]
+pub enum Chunk {
+    #[serde(rename = "text")]
+    Text(TextChunk),
+    #[serde(rename = "thinking")]
+    Thinking(ThinkingChunk),
+    #[serde(rename = "tool-call")]
+    ToolCall(ToolCallChunk),
+    #[serde(rename = "tool-result")]
+    ToolResult(ToolResultChunk),
+    #[serde(rename = "error")]
+    Error(ErrorChunk),
+    #[serde(rename = "system")]
+    System(SystemChunk),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TextChunk {
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ThinkingChunk {
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolCallChunk {
+    pub tool_call_id: String,
+    pub tool_name: String,
+    pub input: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_id: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolResultChunk {
+    pub tool_call_id: String,
+    pub tool_name: String,
+    pub content: String,
+    pub is_error: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_id: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ErrorChunk {
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SystemChunk {
+    pub text: String,
+}
+
+/// A persisted chunk with its sync cursor. Carries no turn id and no message id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredChunk {
+    pub seq: u64,
+    pub role: Role,
+    pub chunk: Chunk,
+}
+
+/// Durable metrics of one step: the persisted counterpart of `usage` + `step-complete`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StepMetrics {
+    pub step_id: String,
+    pub usage: Usage,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gen_total_ms: Option<u64>,
+}
+
+/// Durable metrics of one sealed turn: the persisted counterpart of `done`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnMetrics {
+    pub turn_id: String,
+    pub usage: Usage,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    pub steps: Vec<StepMetrics>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_size: Option<u64>,
+}
+
+/// A conversation as listed and created over REST. Times are epoch milliseconds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConversationMeta {
+    pub id: String,
+    pub created_at: i64,
+    pub last_activity_at: i64,
+    pub title: String,
+    /// One of `active`, `idle`, `closed`.
+    pub status: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+/// Every event a turn emits outward, discriminated by `type`.
+///
+/// The gateway emits all of these but `status`, which the wire defines without a meaning.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type")]
+pub enum AgentEvent {
+    #[serde(rename = "status")]
+    Status(StatusEvent),
+    #[serde(rename = "turn-start")]
+    TurnStart(TurnStartEvent),
+    #[serde(rename = "user-message")]
+    UserMessage(TurnInputEvent),
+    #[serde(rename = "text-delta")]
+    TextDelta(TurnTextDeltaEvent),
+    #[serde(rename = "reasoning-delta")]
+    ReasoningDelta(TurnReasoningDeltaEvent),
+    #[serde(rename = "tool-call")]
+    ToolCall(TurnToolCallEvent),
+    #[serde(rename = "tool-result")]
+    ToolResult(TurnToolResultEvent),
+    #[serde(rename = "tool-output")]
+    ToolOutput(TurnToolOutputEvent),
+    #[serde(rename = "usage")]
+    Usage(TurnUsageEvent),
+    #[serde(rename = "step-complete")]
+    StepComplete(TurnStepCompleteEvent),
+    #[serde(rename = "error")]
+    Error(TurnErrorEvent),
+    #[serde(rename = "done")]
+    Done(TurnDoneEvent),
+    #[serde(rename = "turn-sealed")]
+    TurnSealed(TurnSealedEvent),
+}
+
+impl AgentEvent {
+    /// The seed's `type` string of this event.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            AgentEvent::Status(_) => "status",
+            AgentEvent::TurnStart(_) => "turn-start",
+            AgentEvent::UserMessage(_) => "user-message",
+            AgentEvent::TextDelta(_) => "text-delta",
+            AgentEvent::ReasoningDelta(_) => "reasoning-delta",
+            AgentEvent::ToolCall(_) => "tool-call",
+            AgentEvent::ToolResult(_) => "tool-result",
+            AgentEvent::ToolOutput(_) => "tool-output",
+            AgentEvent::Usage(_) => "usage",
+            AgentEvent::StepComplete(_) => "step-complete",
+            AgentEvent::Error(_) => "error",
+            AgentEvent::Done(_) => "done",
+            AgentEvent::TurnSealed(_) => "turn-sealed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StatusEvent {
+    pub conversation_id: String,
+    pub status: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnStartEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnInputEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnTextDeltaEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+    pub delta: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnReasoningDeltaEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+    pub delta: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnToolCallEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+    pub step_id: String,
+    pub tool_call_id: String,
+    pub tool_name: String,
+    pub input: Value,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnToolResultEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+    pub step_id: String,
+    pub tool_call_id: String,
+    pub tool_name: String,
+    pub content: String,
+    pub is_error: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+}
+
+/// Which stream of a tool a `tool-output` event carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputStream {
+    Stdout,
+    Stderr,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnToolOutputEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+    pub tool_call_id: String,
+    pub data: String,
+    pub stream: OutputStream,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnUsageEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_id: Option<String>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnStepCompleteEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+    pub step_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gen_total_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnErrorEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnDoneEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+    pub reason: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_size: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnSealedEvent {
+    pub conversation_id: String,
+    pub turn_id: String,
+}
