@@ -14,7 +14,11 @@ pub enum LogFormat {
 }
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "dispatch-gateway", version, about = "Turns, an append-only log and live streams for agent runtimes")]
+#[command(
+    name = "dispatch-gateway",
+    version,
+    about = "Turns, an append-only log and live streams for agent runtimes"
+)]
 pub struct Config {
     /// Address the HTTP API (and the WebSocket at /ws) listens on.
     #[arg(long, env = "DISPATCH_LISTEN", default_value = "127.0.0.1:24203")]

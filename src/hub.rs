@@ -114,18 +114,24 @@ impl TurnBuffer {
 
     /// Number of events published so far.
     pub fn len(&self) -> usize {
-        self.state.read().unwrap_or_else(|p| p.into_inner()).frames.len()
+        self.state
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .frames
+            .len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
 }
 
 enum Position {
     /// Reading a turn; `next` is the index of the next frame to hand out.
-    Reading { buffer: Arc<TurnBuffer>, next: usize },
+    Reading {
+        buffer: Arc<TurnBuffer>,
+        next: usize,
+    },
     /// Caught up with every turn so far; waiting for the next one to begin.
     Waiting(Arc<TurnSlot>),
     Done,
@@ -153,7 +159,10 @@ impl Cursor {
                     tokio::pin!(filled);
                     filled.as_mut().enable();
                     if let Some(buffer) = slot.turn.get() {
-                        self.at = Position::Reading { buffer: buffer.clone(), next: 0 };
+                        self.at = Position::Reading {
+                            buffer: buffer.clone(),
+                            next: 0,
+                        };
                         continue;
                     }
                     filled.await;
@@ -171,7 +180,11 @@ impl Cursor {
                     };
                     *next += batch.len();
                     if sealed_end {
-                        self.at = if self.follow { Position::Waiting(buffer.next.clone()) } else { Position::Done };
+                        self.at = if self.follow {
+                            Position::Waiting(buffer.next.clone())
+                        } else {
+                            Position::Done
+                        };
                     }
                     if !batch.is_empty() {
                         return batch;
@@ -240,7 +253,10 @@ impl Hub {
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         let channel = channels
             .entry(Arc::from(conversation_id))
-            .or_insert_with(|| Channel { current: None, next: Arc::default() });
+            .or_insert_with(|| Channel {
+                current: None,
+                next: Arc::default(),
+            });
         let buffer = Arc::new(TurnBuffer {
             conversation_id: Arc::from(conversation_id),
             turn_id: Arc::from(turn_id),
@@ -262,7 +278,10 @@ impl Hub {
         buffer.push(sealed, true);
         let conversation_id = buffer.conversation_id.clone();
         if let Some(channel) = channels.get_mut(&*conversation_id)
-            && channel.current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &buffer))
+            && channel
+                .current
+                .as_ref()
+                .is_some_and(|c| Arc::ptr_eq(c, &buffer))
         {
             channel.current = None;
         }
@@ -273,7 +292,10 @@ impl Hub {
     /// Reads one turn alone, from its first event to `turn-sealed`.
     pub fn read_turn(self: &Arc<Self>, buffer: &Arc<TurnBuffer>) -> Cursor {
         Cursor {
-            at: Position::Reading { buffer: buffer.clone(), next: 0 },
+            at: Position::Reading {
+                buffer: buffer.clone(),
+                next: 0,
+            },
             follow: false,
             release: Some((self.clone(), buffer.conversation_id.clone())),
         }
@@ -285,25 +307,38 @@ impl Hub {
     pub fn subscribe(self: &Arc<Self>, conversation_id: &str) -> Cursor {
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         let key: Arc<str> = Arc::from(conversation_id);
-        let channel = channels
-            .entry(key.clone())
-            .or_insert_with(|| Channel { current: None, next: Arc::default() });
+        let channel = channels.entry(key.clone()).or_insert_with(|| Channel {
+            current: None,
+            next: Arc::default(),
+        });
         let at = match &channel.current {
-            Some(buffer) => Position::Reading { buffer: buffer.clone(), next: 0 },
+            Some(buffer) => Position::Reading {
+                buffer: buffer.clone(),
+                next: 0,
+            },
             None => Position::Waiting(channel.next.clone()),
         };
-        Cursor { at, follow: true, release: Some((self.clone(), key)) }
+        Cursor {
+            at,
+            follow: true,
+            release: Some((self.clone(), key)),
+        }
     }
 
     /// The in-flight turn of a conversation, if any.
     pub fn current(&self, conversation_id: &str) -> Option<Arc<TurnBuffer>> {
         let channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        channels.get(conversation_id).and_then(|c| c.current.clone())
+        channels
+            .get(conversation_id)
+            .and_then(|c| c.current.clone())
     }
 
     /// Number of conversations the hub holds state for (idle, unwatched ones are forgotten).
     pub fn channel_count(&self) -> usize {
-        self.channels.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
     }
 
     fn forget_if_unwatched(&self, conversation_id: &str) {

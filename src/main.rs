@@ -1,6 +1,6 @@
 use clap::Parser;
-use dispatch_gateway::config::{Config, LogFormat};
 use dispatch_gateway::Gateway;
+use dispatch_gateway::config::{Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
@@ -9,7 +9,10 @@ async fn main() -> anyhow::Result<()> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     match config.log_format {
         LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
-        LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
+        LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .init(),
     }
     let gateway = Gateway::build(config).await?;
     let listener = gateway.bind().await?;

@@ -24,7 +24,10 @@ pub enum StartupError {
     #[error("{0}")]
     Config(String),
     #[error("cannot listen on {addr}: {source}")]
-    Listen { addr: String, source: std::io::Error },
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
 }
 
 /// A gateway ready to serve: store open, runtimes registered.
@@ -39,13 +42,28 @@ impl Gateway {
             None => Script::default(),
         };
         let mut registry = Registry::new("demo/scripted");
-        let scripted = ScriptedRuntime::new(config.scripted_pace, config.scripted_reasoning, script);
-        registry.add("demo", "scripted", Arc::new(scripted), ModelInfo { context_window: Some(32_768) });
+        let scripted =
+            ScriptedRuntime::new(config.scripted_pace, config.scripted_reasoning, script);
+        registry.add(
+            "demo",
+            "scripted",
+            Arc::new(scripted),
+            ModelInfo {
+                context_window: Some(32_768),
+            },
+        );
 
         let store = Store::open(&config.database).await?;
         let hub = Hub::new();
         let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry));
-        Ok(Gateway { state: AppState { config: Arc::new(config), store, hub, turns } })
+        Ok(Gateway {
+            state: AppState {
+                config: Arc::new(config),
+                store,
+                hub,
+                turns,
+            },
+        })
     }
 
     pub fn state(&self) -> &AppState {
@@ -57,24 +75,36 @@ impl Gateway {
         let addr = self.state.config.listen;
         TcpListener::bind(addr)
             .await
-            .map_err(|source| StartupError::Listen { addr: addr.to_string(), source })
+            .map_err(|source| StartupError::Listen {
+                addr: addr.to_string(),
+                source,
+            })
     }
 
     /// Serves until `shutdown` resolves; then running turns end `done{aborted}` and seal,
     /// their streams finish, and the database is closed.
-    pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
         let state = self.state.clone();
         let turns = state.turns.clone();
         let drain = async move {
             shutdown.await;
-            tracing::info!(running = turns.running(), "shutting down: aborting running turns");
+            tracing::info!(
+                running = turns.running(),
+                "shutting down: aborting running turns"
+            );
             turns.abort_all();
             let deadline = tokio::time::Instant::now() + DRAIN_DEADLINE;
             while turns.running() > 0 && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         };
-        let result = axum::serve(listener, router(state)).with_graceful_shutdown(drain).await;
+        let result = axum::serve(listener, router(state))
+            .with_graceful_shutdown(drain)
+            .await;
         self.state.store.close().await;
         result
     }

@@ -65,15 +65,26 @@ impl ChatRequest {
         (status = 413, description = "Body too large", body = ErrorBody),
     )
 )]
-pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonObject) -> Result<Response, ApiError> {
+pub async fn chat(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: JsonObject,
+) -> Result<Response, ApiError> {
     let start = ChatRequest::parse(&body)?;
-    let framing = if wants_sse(&headers) { Framing::Sse } else { Framing::Ndjson };
+    let framing = if wants_sse(&headers) {
+        Framing::Sse
+    } else {
+        Framing::Ndjson
+    };
     let started = state.turns.start(start).await?;
     let cursor = state.hub.read_turn(&started.buffer);
     let mut response = Response::new(Body::from_stream(stream_body(cursor, framing)));
     *response.status_mut() = StatusCode::OK;
     let h = response.headers_mut();
-    h.insert(CONTENT_TYPE, HeaderValue::from_static(framing.content_type()));
+    h.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static(framing.content_type()),
+    );
     h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     if let Ok(id) = HeaderValue::from_str(&started.conversation_id) {

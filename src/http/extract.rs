@@ -26,13 +26,15 @@ impl FromRequest<AppState> for JsonObject {
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(ApiError::TooLarge(limit));
         }
-        let bytes = axum::body::to_bytes(req.into_body(), limit).await.map_err(|e| {
-            if e.into_inner().is::<LengthLimitError>() {
-                ApiError::TooLarge(limit)
-            } else {
-                ApiError::bad("could not read the request body")
-            }
-        })?;
+        let bytes = axum::body::to_bytes(req.into_body(), limit)
+            .await
+            .map_err(|e| {
+                if e.into_inner().is::<LengthLimitError>() {
+                    ApiError::TooLarge(limit)
+                } else {
+                    ApiError::bad("could not read the request body")
+                }
+            })?;
         match serde_json::from_slice::<Value>(&bytes) {
             Ok(Value::Object(map)) => Ok(JsonObject(map)),
             Ok(_) => Err(ApiError::bad("Request body must be a JSON object")),
@@ -72,7 +74,11 @@ impl JsonObject {
     /// An optional conversation id, checked like a path id.
     pub fn conversation_id(&self, name: &str) -> Result<Option<String>, ApiError> {
         self.optional_str(name)?
-            .map(|id| check_id(id).map(str::to_owned).map_err(|e| ApiError::bad(format!("`{name}`: {e}"))))
+            .map(|id| {
+                check_id(id)
+                    .map(str::to_owned)
+                    .map_err(|e| ApiError::bad(format!("`{name}`: {e}")))
+            })
             .transpose()
     }
 }
@@ -82,8 +88,13 @@ pub fn check_id(id: &str) -> Result<&str, String> {
     if id.is_empty() || id.len() > 128 {
         return Err("a conversation id has 1 to 128 characters".into());
     }
-    if !id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-')) {
-        return Err("a conversation id may only contain A-Z, a-z, 0-9, '.', '_', ':' and '-'".into());
+    if !id
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+    {
+        return Err(
+            "a conversation id may only contain A-Z, a-z, 0-9, '.', '_', ':' and '-'".into(),
+        );
     }
     Ok(id)
 }
@@ -111,24 +122,40 @@ impl<S: Send + Sync> FromRequestParts<S> for QueryParams {
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         let query = parts.uri.query().unwrap_or("");
-        Ok(QueryParams(form_urlencoded::parse(query.as_bytes()).into_owned().collect()))
+        Ok(QueryParams(
+            form_urlencoded::parse(query.as_bytes())
+                .into_owned()
+                .collect(),
+        ))
     }
 }
 
 impl QueryParams {
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.0.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.0
+            .iter()
+            .rev()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
 
     /// An optional integer parameter with a lower bound; anything else is 400 naming it.
     pub fn integer(&self, name: &str, min: u64) -> Result<Option<u64>, ApiError> {
-        let Some(raw) = self.get(name) else { return Ok(None) };
-        let bound = if min == 0 { "an integer >= 0" } else { "an integer > 0" };
+        let Some(raw) = self.get(name) else {
+            return Ok(None);
+        };
+        let bound = if min == 0 {
+            "an integer >= 0"
+        } else {
+            "an integer > 0"
+        };
         let value: u64 = raw
             .parse()
             .map_err(|_| ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}")))?;
         if value < min {
-            return Err(ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}")));
+            return Err(ApiError::bad(format!(
+                "`{name}` must be {bound}, got {raw:?}"
+            )));
         }
         Ok(Some(value))
     }

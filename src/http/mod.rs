@@ -72,6 +72,8 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
 
 async fn method_not_allowed(method: Method, uri: Uri) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let body = error::ErrorBody { error: format!("method {method} is not allowed on {}", uri.path()) };
+    let body = error::ErrorBody {
+        error: format!("method {method} is not allowed on {}", uri.path()),
+    };
     (axum::http::StatusCode::METHOD_NOT_ALLOWED, axum::Json(body)).into_response()
 }

@@ -33,7 +33,10 @@ impl Framing {
 }
 
 /// The body stream of a cursor: ends when the cursor has nothing more to give.
-pub fn stream_body(cursor: Cursor, framing: Framing) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
+pub fn stream_body(
+    cursor: Cursor,
+    framing: Framing,
+) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
     futures_util::stream::unfold(cursor, move |mut cursor| async move {
         let batch = cursor.next_batch(BATCH).await;
         if batch.is_empty() {

@@ -26,16 +26,35 @@ pub enum RawEvent {
     StepStart,
     TextDelta(String),
     ReasoningDelta(String),
-    ToolCall { id: String, name: String, input: Value },
-    ToolOutput { id: String, data: String, stream: OutputStream },
-    ToolResult { id: String, name: String, content: String, is_error: bool, duration_ms: Option<u64> },
+    ToolCall {
+        id: String,
+        name: String,
+        input: Value,
+    },
+    ToolOutput {
+        id: String,
+        data: String,
+        stream: OutputStream,
+    },
+    ToolResult {
+        id: String,
+        name: String,
+        content: String,
+        is_error: bool,
+        duration_ms: Option<u64>,
+    },
     Usage(Usage),
     /// The step's generation has ended; its tool results may follow.
     StepEnd,
     /// The turn ended normally; `reason` becomes `done.reason`.
-    Finish { reason: String },
+    Finish {
+        reason: String,
+    },
     /// The turn failed.
-    Error { message: String, code: Option<String> },
+    Error {
+        message: String,
+        code: Option<String>,
+    },
     /// The runtime's native session, to resume on the next turn.
     SessionId(String),
 }
@@ -65,7 +84,12 @@ pub enum RuntimeError {
 /// A kind of runtime. `run_turn` drives one turn to its end, sending raw events into `sink`,
 /// and returns promptly once `cancel` fires.
 pub trait Runtime: Send + Sync + 'static {
-    fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture;
+    fn run_turn(
+        &self,
+        request: TurnRequest,
+        sink: EventSink,
+        cancel: CancellationToken,
+    ) -> RuntimeFuture;
 }
 
 /// What `GET /models` says of one model.
@@ -90,13 +114,26 @@ pub struct Registry {
 
 impl Registry {
     pub fn new(default_model: impl Into<String>) -> Registry {
-        Registry { models: BTreeMap::new(), default_model: default_model.into() }
+        Registry {
+            models: BTreeMap::new(),
+            default_model: default_model.into(),
+        }
     }
 
-    pub fn add(&mut self, credential: &str, model: &str, runtime: Arc<dyn Runtime>, info: ModelInfo) {
+    pub fn add(
+        &mut self,
+        credential: &str,
+        model: &str,
+        runtime: Arc<dyn Runtime>,
+        info: ModelInfo,
+    ) {
         self.models.insert(
             format!("{credential}/{model}"),
-            ModelEntry { runtime, native_name: model.to_owned(), info },
+            ModelEntry {
+                runtime,
+                native_name: model.to_owned(),
+                info,
+            },
         );
     }
 
@@ -110,7 +147,9 @@ impl Registry {
 
     /// The runtime and the model's own name for a full model name.
     pub fn resolve(&self, name: &str) -> Option<(Arc<dyn Runtime>, &str)> {
-        self.models.get(name).map(|m| (m.runtime.clone(), m.native_name.as_str()))
+        self.models
+            .get(name)
+            .map(|m| (m.runtime.clone(), m.native_name.as_str()))
     }
 
     pub fn names(&self) -> impl Iterator<Item = &str> {

@@ -83,8 +83,10 @@ fn empty_object() -> Value {
 
 impl Script {
     pub fn load(path: &Path) -> Result<Script, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read script {}: {e}", path.display()))?;
-        serde_json::from_str(&text).map_err(|e| format!("script {} is invalid: {e}", path.display()))
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read script {}: {e}", path.display()))?;
+        serde_json::from_str(&text)
+            .map_err(|e| format!("script {} is invalid: {e}", path.display()))
     }
 }
 
@@ -98,7 +100,11 @@ impl ScriptedRuntime {
     /// `pace` in tokens per second (0 = as fast as possible); `reasoning` adds a reasoning part
     /// to the default reply.
     pub fn new(pace: f64, reasoning: bool, script: Script) -> ScriptedRuntime {
-        ScriptedRuntime { pace, reasoning, script }
+        ScriptedRuntime {
+            pace,
+            reasoning,
+            script,
+        }
     }
 
     fn plan(&self, prompt: &str) -> Rule {
@@ -160,8 +166,12 @@ struct Pacer {
 
 impl Pacer {
     fn new(tokens_per_second: f64) -> Pacer {
-        let interval = (tokens_per_second > 0.0).then(|| Duration::from_secs_f64(1.0 / tokens_per_second));
-        Pacer { interval, next: Instant::now() }
+        let interval =
+            (tokens_per_second > 0.0).then(|| Duration::from_secs_f64(1.0 / tokens_per_second));
+        Pacer {
+            interval,
+            next: Instant::now(),
+        }
     }
 
     async fn tick(&mut self, cancel: &CancellationToken) -> Result<(), Stop> {
@@ -194,13 +204,27 @@ async fn stream_text(
     for token in split_tokens(text) {
         pacer.tick(cancel).await?;
         let delta = token.to_owned();
-        send(sink, if reasoning { RawEvent::ReasoningDelta(delta) } else { RawEvent::TextDelta(delta) }).await?;
+        send(
+            sink,
+            if reasoning {
+                RawEvent::ReasoningDelta(delta)
+            } else {
+                RawEvent::TextDelta(delta)
+            },
+        )
+        .await?;
         count += 1;
     }
     Ok(count)
 }
 
-async fn play(rule: Rule, default_pace: f64, req: TurnRequest, sink: EventSink, cancel: CancellationToken) -> Result<(), Stop> {
+async fn play(
+    rule: Rule,
+    default_pace: f64,
+    req: TurnRequest,
+    sink: EventSink,
+    cancel: CancellationToken,
+) -> Result<(), Stop> {
     let mut pacer = Pacer::new(rule.pace.unwrap_or(default_pace));
     // Synthetic context: a notional system prompt plus the prompt, growing with each step.
     let mut context = 32 + (req.prompt.len() as u64).div_ceil(4);
@@ -215,16 +239,33 @@ async fn play(rule: Rule, default_pace: f64, req: TurnRequest, sink: EventSink, 
                 output += stream_text(&sink, &mut pacer, &cancel, text, false).await?;
             }
         }
-        let call_id = |i: usize, t: &ToolScript| t.id.clone().unwrap_or_else(|| format!("call_{k}_{i}"));
+        let call_id =
+            |i: usize, t: &ToolScript| t.id.clone().unwrap_or_else(|| format!("call_{k}_{i}"));
         for (i, tool) in step.tool_calls.iter().enumerate() {
             let input = tool.input.clone();
-            send(&sink, RawEvent::ToolCall { id: call_id(i, tool), name: tool.name.clone(), input }).await?;
+            send(
+                &sink,
+                RawEvent::ToolCall {
+                    id: call_id(i, tool),
+                    name: tool.name.clone(),
+                    input,
+                },
+            )
+            .await?;
             output += 8;
         }
         for (i, tool) in step.tool_calls.iter().enumerate() {
             if let Some(data) = &tool.output {
                 let (id, data) = (call_id(i, tool), data.clone());
-                send(&sink, RawEvent::ToolOutput { id, data, stream: OutputStream::Stdout }).await?;
+                send(
+                    &sink,
+                    RawEvent::ToolOutput {
+                        id,
+                        data,
+                        stream: OutputStream::Stdout,
+                    },
+                )
+                .await?;
             }
         }
         if let Some(ms) = step.stall_ms {
@@ -233,7 +274,11 @@ async fn play(rule: Rule, default_pace: f64, req: TurnRequest, sink: EventSink, 
                 _ = cancel.cancelled() => return Err(Stop),
             }
         }
-        let usage = step.usage.unwrap_or(Usage { input_tokens: context, output_tokens: output, ..Usage::default() });
+        let usage = step.usage.unwrap_or(Usage {
+            input_tokens: context,
+            output_tokens: output,
+            ..Usage::default()
+        });
         send(&sink, RawEvent::Usage(usage)).await?;
         send(&sink, RawEvent::StepEnd).await?;
         context = usage.input_tokens + usage.output_tokens;
@@ -253,14 +298,24 @@ async fn play(rule: Rule, default_pace: f64, req: TurnRequest, sink: EventSink, 
         }
     }
     let terminal = match rule.error {
-        Some(e) => RawEvent::Error { message: e.message, code: e.code },
-        None => RawEvent::Finish { reason: rule.finish.unwrap_or_else(|| "stop".to_owned()) },
+        Some(e) => RawEvent::Error {
+            message: e.message,
+            code: e.code,
+        },
+        None => RawEvent::Finish {
+            reason: rule.finish.unwrap_or_else(|| "stop".to_owned()),
+        },
     };
     send(&sink, terminal).await
 }
 
 impl Runtime for ScriptedRuntime {
-    fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture {
+    fn run_turn(
+        &self,
+        request: TurnRequest,
+        sink: EventSink,
+        cancel: CancellationToken,
+    ) -> RuntimeFuture {
         let rule = self.plan(&request.prompt);
         let pace = self.pace;
         Box::pin(async move {

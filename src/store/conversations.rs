@@ -46,7 +46,10 @@ pub struct ConversationFilter {
 }
 
 impl Store {
-    pub async fn create_conversation(&self, c: NewConversation<'_>) -> StoreResult<ConversationMeta> {
+    pub async fn create_conversation(
+        &self,
+        c: NewConversation<'_>,
+    ) -> StoreResult<ConversationMeta> {
         let result = sqlx::query(
             "INSERT INTO conversations (id, title, model, created_at, last_activity_at)
              VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
@@ -81,10 +84,15 @@ impl Store {
     }
 
     /// Newest activity first.
-    pub async fn list_conversations(&self, f: &ConversationFilter) -> StoreResult<Vec<ConversationMeta>> {
+    pub async fn list_conversations(
+        &self,
+        f: &ConversationFilter,
+    ) -> StoreResult<Vec<ConversationMeta>> {
         let mut sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE 1 = 1");
         if f.id_prefix.is_some() {
-            sql.push_str(" AND substr(id, 1, length(?1)) = ?1");
+            // Ids only use characters below U+007F, so every id with the prefix sorts in
+            // [prefix, prefix + U+007F): a range the primary key answers.
+            sql.push_str(" AND id >= ? AND id < ?");
         }
         if !f.statuses.is_empty() {
             // Values are bound, only the placeholders are generated.
@@ -94,7 +102,7 @@ impl Store {
         sql.push_str(" ORDER BY last_activity_at DESC, id LIMIT ?");
         let mut q = sqlx::query_as::<_, ConversationRow>(sqlx::AssertSqlSafe(sql));
         if let Some(prefix) = &f.id_prefix {
-            q = q.bind(prefix);
+            q = q.bind(prefix).bind(format!("{prefix}\u{7f}"));
         }
         for s in &f.statuses {
             q = q.bind(s);

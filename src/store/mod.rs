@@ -76,7 +76,10 @@ impl Store {
         let store = Store { writer, reader };
         let repaired = store.recover_interrupted(now_ms()).await?;
         if repaired > 0 {
-            tracing::warn!(turns = repaired, "marked turns cut off by the last shutdown as interrupted");
+            tracing::warn!(
+                turns = repaired,
+                "marked turns cut off by the last shutdown as interrupted"
+            );
         }
         Ok(store)
     }

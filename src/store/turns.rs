@@ -60,7 +60,9 @@ impl Store {
             .await?;
         let user = NewChunk {
             role: Role::User,
-            chunk: Chunk::Text(TextChunk { text: t.user_text.to_owned() }),
+            chunk: Chunk::Text(TextChunk {
+                text: t.user_text.to_owned(),
+            }),
             new_message: true,
         };
         let seq = append_in(&mut tx, t.conversation_id, t.turn_id, &[user], t.now).await?;
@@ -71,8 +73,14 @@ impl Store {
     /// Seals a turn: its chunks not yet written, its metrics, and the conversation back to
     /// idle (a closed one stays closed), in one transaction.
     pub async fn seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<()> {
-        let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let gen_total_ms: u64 = s.metrics.steps.iter().filter_map(|st| st.gen_total_ms).sum();
+        let metrics =
+            serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let gen_total_ms: u64 = s
+            .metrics
+            .steps
+            .iter()
+            .filter_map(|st| st.gen_total_ms)
+            .sum();
         let mut tx = self.write_tx().await?;
         append_in(&mut tx, s.conversation_id, s.turn_id, final_chunks, s.now).await?;
         sqlx::query(
@@ -110,7 +118,10 @@ impl Store {
         .fetch_all(&self.reader)
         .await?;
         rows.into_iter()
-            .map(|(json,)| serde_json::from_str(&json).map_err(|e| StoreError::Corrupt(format!("turn metrics: {e}"))))
+            .map(|(json,)| {
+                serde_json::from_str(&json)
+                    .map_err(|e| StoreError::Corrupt(format!("turn metrics: {e}")))
+            })
             .collect()
     }
 
@@ -138,13 +149,22 @@ impl Store {
                 }),
                 new_message: true,
             };
-            append_in(&mut tx, &turn.conversation_id, &turn.turn_id, &[marker], now).await?;
-            sqlx::query("UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?")
-                .bind(now)
-                .bind(&turn.conversation_id)
-                .bind(&turn.turn_id)
-                .execute(&mut *tx)
-                .await?;
+            append_in(
+                &mut tx,
+                &turn.conversation_id,
+                &turn.turn_id,
+                &[marker],
+                now,
+            )
+            .await?;
+            sqlx::query(
+                "UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?",
+            )
+            .bind(now)
+            .bind(&turn.conversation_id)
+            .bind(&turn.turn_id)
+            .execute(&mut *tx)
+            .await?;
             tx.commit().await?;
         }
         // Whatever was active when the process died is not active now.

@@ -52,7 +52,9 @@ pub enum StartError {
 enum Slot {
     /// Reserved while the turn's first rows are written.
     Starting,
-    Running { cancel: CancellationToken },
+    Running {
+        cancel: CancellationToken,
+    },
     /// Reserved while the conversation is deleted.
     Deleting,
 }
@@ -81,7 +83,12 @@ impl Drop for Reservation<'_> {
 
 impl Turns {
     pub fn new(store: Store, hub: Arc<Hub>, registry: Arc<Registry>) -> Arc<Turns> {
-        Arc::new(Turns { store, hub, registry, slots: Mutex::new(HashMap::new()) })
+        Arc::new(Turns {
+            store,
+            hub,
+            registry,
+            slots: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn registry(&self) -> &Registry {
@@ -90,7 +97,10 @@ impl Turns {
 
     /// Whether a turn is running (or starting) in this conversation.
     pub fn is_active(&self, conversation_id: &str) -> bool {
-        matches!(self.lock().get(conversation_id), Some(Slot::Starting | Slot::Running { .. }))
+        matches!(
+            self.lock().get(conversation_id),
+            Some(Slot::Starting | Slot::Running { .. })
+        )
     }
 
     /// Starts a turn: picks the model, reserves the conversation (409 when busy), writes the
@@ -129,10 +139,18 @@ impl Turns {
             turn_id: ids.1.clone(),
             text: req.message.clone(),
         }));
-        buffer.publish(&AgentEvent::TurnStart(TurnStartEvent { conversation_id: ids.0.clone(), turn_id: ids.1.clone() }));
+        buffer.publish(&AgentEvent::TurnStart(TurnStartEvent {
+            conversation_id: ids.0.clone(),
+            turn_id: ids.1.clone(),
+        }));
 
         let cancel = CancellationToken::new();
-        self.lock().insert(req.conversation_id.clone(), Slot::Running { cancel: cancel.clone() });
+        self.lock().insert(
+            req.conversation_id.clone(),
+            Slot::Running {
+                cancel: cancel.clone(),
+            },
+        );
         reservation.armed = false;
 
         let request = TurnRequest {
@@ -145,7 +163,11 @@ impl Turns {
         };
         let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel);
         tokio::spawn(run.drive(runtime, request));
-        Ok(Started { conversation_id: ids.0, turn_id: ids.1, buffer })
+        Ok(Started {
+            conversation_id: ids.0,
+            turn_id: ids.1,
+            buffer,
+        })
     }
 
     /// Deletes a conversation unless a turn runs in it. `Ok(false)` when it did not exist.
@@ -165,16 +187,27 @@ impl Turns {
 
     /// Number of turns running now.
     pub fn running(&self) -> usize {
-        self.lock().values().filter(|s| matches!(s, Slot::Running { .. })).count()
+        self.lock()
+            .values()
+            .filter(|s| matches!(s, Slot::Running { .. }))
+            .count()
     }
 
-    fn reserve<'a>(&'a self, conversation_id: &'a str, slot: Slot) -> Result<Reservation<'a>, StartError> {
+    fn reserve<'a>(
+        &'a self,
+        conversation_id: &'a str,
+        slot: Slot,
+    ) -> Result<Reservation<'a>, StartError> {
         let mut slots = self.lock();
         if slots.contains_key(conversation_id) {
             return Err(StartError::Busy);
         }
         slots.insert(conversation_id.to_owned(), slot);
-        Ok(Reservation { turns: self, conversation_id, armed: true })
+        Ok(Reservation {
+            turns: self,
+            conversation_id,
+            armed: true,
+        })
     }
 
     /// Called by a turn right before it publishes `turn-sealed`: from then on the

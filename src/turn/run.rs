@@ -21,7 +21,10 @@ const RAW_QUEUE: usize = 256;
 /// How a turn ended.
 enum End {
     Finished(String),
-    Failed { message: String, code: Option<String> },
+    Failed {
+        message: String,
+        code: Option<String>,
+    },
     Aborted,
 }
 
@@ -42,7 +45,12 @@ pub(super) struct TurnRun {
 }
 
 impl TurnRun {
-    pub(super) fn new(turns: Arc<Turns>, store: Store, buffer: Arc<TurnBuffer>, cancel: CancellationToken) -> TurnRun {
+    pub(super) fn new(
+        turns: Arc<Turns>,
+        store: Store,
+        buffer: Arc<TurnBuffer>,
+        cancel: CancellationToken,
+    ) -> TurnRun {
         let now = Instant::now();
         TurnRun {
             turns,
@@ -111,14 +119,23 @@ impl TurnRun {
                 self.open_step().token(now);
                 self.assembler.text(&delta);
                 let (conversation_id, turn_id) = self.ids();
-                self.buffer.publish(&AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id, turn_id, delta }));
+                self.buffer
+                    .publish(&AgentEvent::TextDelta(TurnTextDeltaEvent {
+                        conversation_id,
+                        turn_id,
+                        delta,
+                    }));
             }
             RawEvent::ReasoningDelta(delta) => {
                 self.open_step().token(now);
                 self.assembler.reasoning(&delta);
                 let (conversation_id, turn_id) = self.ids();
                 self.buffer
-                    .publish(&AgentEvent::ReasoningDelta(TurnReasoningDeltaEvent { conversation_id, turn_id, delta }));
+                    .publish(&AgentEvent::ReasoningDelta(TurnReasoningDeltaEvent {
+                        conversation_id,
+                        turn_id,
+                        delta,
+                    }));
             }
             RawEvent::ToolCall { id, name, input } => {
                 let step_id = self.open_step().step_id.clone();
@@ -130,26 +147,34 @@ impl TurnRun {
                     step_id: Some(step_id.clone()),
                 });
                 let (conversation_id, turn_id) = self.ids();
-                self.buffer.publish(&AgentEvent::ToolCall(TurnToolCallEvent {
-                    conversation_id,
-                    turn_id,
-                    step_id,
-                    tool_call_id: id,
-                    tool_name: name,
-                    input,
-                }));
+                self.buffer
+                    .publish(&AgentEvent::ToolCall(TurnToolCallEvent {
+                        conversation_id,
+                        turn_id,
+                        step_id,
+                        tool_call_id: id,
+                        tool_name: name,
+                        input,
+                    }));
             }
             RawEvent::ToolOutput { id, data, stream } => {
                 let (conversation_id, turn_id) = self.ids();
-                self.buffer.publish(&AgentEvent::ToolOutput(TurnToolOutputEvent {
-                    conversation_id,
-                    turn_id,
-                    tool_call_id: id,
-                    data,
-                    stream,
-                }));
+                self.buffer
+                    .publish(&AgentEvent::ToolOutput(TurnToolOutputEvent {
+                        conversation_id,
+                        turn_id,
+                        tool_call_id: id,
+                        data,
+                        stream,
+                    }));
             }
-            RawEvent::ToolResult { id, name, content, is_error, duration_ms } => {
+            RawEvent::ToolResult {
+                id,
+                name,
+                content,
+                is_error,
+                duration_ms,
+            } => {
                 if self.step.is_some()
                     && let Err(end) = self.close_step(now).await
                 {
@@ -167,16 +192,17 @@ impl TurnRun {
                     step_id: Some(step_id.clone()),
                 });
                 let (conversation_id, turn_id) = self.ids();
-                self.buffer.publish(&AgentEvent::ToolResult(TurnToolResultEvent {
-                    conversation_id,
-                    turn_id,
-                    step_id,
-                    tool_call_id: id,
-                    tool_name: name,
-                    content,
-                    is_error,
-                    duration_ms,
-                }));
+                self.buffer
+                    .publish(&AgentEvent::ToolResult(TurnToolResultEvent {
+                        conversation_id,
+                        turn_id,
+                        step_id,
+                        tool_call_id: id,
+                        tool_name: name,
+                        content,
+                        is_error,
+                        duration_ms,
+                    }));
                 self.boundary = now;
             }
             RawEvent::Usage(usage) => {
@@ -213,7 +239,10 @@ impl TurnRun {
     }
 
     fn new_step(&self, started: Instant) -> OpenStep {
-        OpenStep::new(format!("{}#{}", self.turn_id, self.tally.step_count()), started)
+        OpenStep::new(
+            format!("{}#{}", self.turn_id, self.tally.step_count()),
+            started,
+        )
     }
 
     fn open_step(&mut self) -> &mut OpenStep {
@@ -224,24 +253,31 @@ impl TurnRun {
     }
 
     fn last_step_id(&self) -> String {
-        format!("{}#{}", self.turn_id, self.tally.step_count().saturating_sub(1))
+        format!(
+            "{}#{}",
+            self.turn_id,
+            self.tally.step_count().saturating_sub(1)
+        )
     }
 
     /// Ends the open step: `step-complete`, then its chunks in one transaction.
     async fn close_step(&mut self, now: Instant) -> Result<(), End> {
-        let Some(step) = self.step.take() else { return Ok(()) };
+        let Some(step) = self.step.take() else {
+            return Ok(());
+        };
         let step_id = step.step_id.clone();
         let timing = self.tally.close_step(step, now);
         self.boundary = now;
         let (conversation_id, turn_id) = self.ids();
-        self.buffer.publish(&AgentEvent::StepComplete(TurnStepCompleteEvent {
-            conversation_id,
-            turn_id,
-            step_id,
-            ttft_ms: timing.ttft_ms,
-            decode_ms: timing.decode_ms,
-            gen_total_ms: Some(timing.gen_total_ms),
-        }));
+        self.buffer
+            .publish(&AgentEvent::StepComplete(TurnStepCompleteEvent {
+                conversation_id,
+                turn_id,
+                step_id,
+                ttft_ms: timing.ttft_ms,
+                decode_ms: timing.decode_ms,
+                gen_total_ms: Some(timing.gen_total_ms),
+            }));
         self.assembler.end_step();
         self.flush().await
     }
@@ -251,11 +287,18 @@ impl TurnRun {
             return Ok(());
         }
         let chunks = self.assembler.take();
-        match self.store.append_chunks(&self.conversation_id, &self.turn_id, &chunks).await {
+        match self
+            .store
+            .append_chunks(&self.conversation_id, &self.turn_id, &chunks)
+            .await
+        {
             Ok(_) => Ok(()),
             Err(e) => {
                 tracing::error!(conversation = %self.conversation_id, turn = %self.turn_id, error = %e, "could not write the turn's chunks");
-                Err(End::Failed { message: "the turn could not be written to the log".into(), code: Some("storage".into()) })
+                Err(End::Failed {
+                    message: "the turn could not be written to the log".into(),
+                    code: Some("storage".into()),
+                })
             }
         }
     }
@@ -310,7 +353,10 @@ impl TurnRun {
         }
         self.turns.release(&self.conversation_id);
         let (conversation_id, turn_id) = self.ids();
-        let sealed = AgentEvent::TurnSealed(TurnSealedEvent { conversation_id, turn_id });
+        let sealed = AgentEvent::TurnSealed(TurnSealedEvent {
+            conversation_id,
+            turn_id,
+        });
         self.turns.hub().seal_turn(self.buffer, &sealed);
     }
 }

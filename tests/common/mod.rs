@@ -1,0 +1,253 @@
+//! A real gateway on an ephemeral port with a real SQLite file, and a client for it.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use bytes::{Buf, BytesMut};
+use dispatch_gateway::{Config, Gateway};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub client: reqwest::Client,
+    pub config: Config,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+/// A config for tests: the given folder's database, scripted runtime at full speed.
+pub fn test_config(dir: &Path) -> Config {
+    let mut config = Config::defaults();
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    config.database = dir.join("gateway.db");
+    config.scripted_pace = 0.0;
+    config
+}
+
+/// Writes a scripted-runtime script into `dir` and returns its path.
+pub fn write_script(dir: &Path, script: Value) -> PathBuf {
+    let path = dir.join("script.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&script).unwrap()).unwrap();
+    path
+}
+
+impl TestServer {
+    pub async fn start(config: Config) -> TestServer {
+        let gateway = Gateway::build(config.clone())
+            .await
+            .expect("gateway builds");
+        let listener = gateway.bind().await.expect("binds");
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(gateway.serve(listener, async move {
+            let _ = stopped.await;
+        }));
+        TestServer {
+            addr,
+            client: reqwest::Client::new(),
+            config,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    /// Graceful stop: running turns abort and seal, the database is closed.
+    pub async fn stop(mut self) {
+        self.shutdown().await;
+    }
+
+    async fn shutdown(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.expect("server task").expect("server ran");
+        }
+    }
+
+    /// Stops this server and starts another on the same database file.
+    pub async fn restart(mut self) -> TestServer {
+        self.shutdown().await;
+        let mut config = self.config.clone();
+        config.listen = "127.0.0.1:0".parse().unwrap();
+        TestServer::start(config).await
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        let r = self.client.get(self.url(path)).send().await.unwrap();
+        read_json(r).await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .client
+            .post(self.url(path))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        read_json(r).await
+    }
+
+    pub async fn post_raw(&self, path: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
+        let r = self
+            .client
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        read_json(r).await
+    }
+
+    pub async fn put(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .client
+            .put(self.url(path))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        read_json(r).await
+    }
+
+    pub async fn delete(&self, path: &str) -> (u16, Value) {
+        let r = self.client.delete(self.url(path)).send().await.unwrap();
+        read_json(r).await
+    }
+
+    /// Starts a turn with `POST /chat` and returns the open NDJSON stream.
+    pub async fn chat_stream(&self, body: Value) -> EventStream {
+        let r = self
+            .client
+            .post(self.url("/chat"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "POST /chat answered {}", r.status());
+        assert_eq!(r.headers()["content-type"], "application/x-ndjson");
+        EventStream::new(r)
+    }
+
+    /// Runs a whole turn with `POST /chat` and returns its events.
+    pub async fn chat(&self, conversation_id: &str, message: &str) -> Vec<Value> {
+        self.chat_stream(json!({"conversationId": conversation_id, "message": message}))
+            .await
+            .collect()
+            .await
+    }
+
+    /// Every chunk of a conversation's log.
+    pub async fn history(&self, conversation_id: &str) -> Vec<Value> {
+        let (status, body) = self.get(&format!("/conversations/{conversation_id}")).await;
+        assert_eq!(status, 200);
+        body["chunks"].as_array().unwrap().clone()
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+pub async fn read_json(r: reqwest::Response) -> (u16, Value) {
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    let value = if text.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&text).unwrap_or(Value::String(text))
+    };
+    (status, value)
+}
+
+/// Reads NDJSON lines off a streaming response.
+pub struct EventStream {
+    pub headers: reqwest::header::HeaderMap,
+    body: futures_util::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
+    buf: BytesMut,
+}
+
+impl EventStream {
+    pub fn new(r: reqwest::Response) -> EventStream {
+        EventStream {
+            headers: r.headers().clone(),
+            body: r.bytes_stream().boxed(),
+            buf: BytesMut::new(),
+        }
+    }
+
+    /// The next line, or None at the end of the stream.
+    pub async fn next_line(&mut self) -> Option<String> {
+        loop {
+            if let Some(pos) = self.buf.iter().position(|b| *b == b'\n') {
+                let line = self.buf.split_to(pos + 1);
+                let mut line = line.chunk()[..pos].to_vec();
+                if line.last() == Some(&b'\r') {
+                    line.pop();
+                }
+                return Some(String::from_utf8(line).expect("utf-8 line"));
+            }
+            match self.body.next().await {
+                Some(Ok(bytes)) => self.buf.extend_from_slice(&bytes),
+                Some(Err(e)) => panic!("stream failed: {e}"),
+                None => {
+                    assert!(self.buf.is_empty(), "stream ended inside a line");
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// The next event, or None at the end of the stream.
+    pub async fn next_event(&mut self) -> Option<Value> {
+        let line = self.next_line().await?;
+        Some(
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad NDJSON line {line:?}: {e}")),
+        )
+    }
+
+    pub async fn collect(mut self) -> Vec<Value> {
+        let mut out = Vec::new();
+        while let Some(e) = self.next_event().await {
+            out.push(e);
+        }
+        out
+    }
+}
+
+/// The `type` of each event.
+pub fn types(events: &[Value]) -> Vec<&str> {
+    events.iter().map(|e| e["type"].as_str().unwrap()).collect()
+}
+
+/// Row counts of every table, read straight from the database file.
+pub async fn table_counts(db: &Path) -> Vec<(String, i64)> {
+    use sqlx::Connection;
+    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}?mode=ro", db.display()))
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    for table in ["conversations", "chunks", "turns"] {
+        let n: i64 =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
+                .fetch_one(&mut conn)
+                .await
+                .unwrap();
+        out.push((table.to_owned(), n));
+    }
+    out
+}

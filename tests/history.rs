@@ -1,0 +1,93 @@
+//! `GET /conversations/:id` windows, exactly as spec 2.3 says, and the rejected parameters.
+
+mod common;
+
+use common::*;
+use serde_json::{Value, json};
+
+fn seqs(body: &Value) -> Vec<u64> {
+    body["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["seq"].as_u64().unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn history_windows_and_parameter_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    for i in 0..3 {
+        server.chat("hist", &format!("message {i}")).await;
+    }
+    // 3 turns x (user, thinking, text) = seq 1..=9.
+    let accepted: Vec<(&str, Vec<u64>, u64)> = vec![
+        ("", (1..=9).collect(), 9),
+        ("?sinceSeq=0", (1..=9).collect(), 9),
+        ("?sinceSeq=3", (4..=9).collect(), 9),
+        ("?beforeSeq=5", (1..=4).collect(), 4),
+        ("?sinceSeq=2&beforeSeq=6", (3..=5).collect(), 5),
+        ("?limit=2", vec![8, 9], 9),
+        ("?limit=100", (1..=9).collect(), 9),
+        ("?sinceSeq=2&beforeSeq=8&limit=3", vec![5, 6, 7], 7),
+        ("?beforeSeq=4&limit=1", vec![3], 3),
+        ("?sinceSeq=9", vec![], 9),
+        ("?sinceSeq=100", vec![], 100),
+        ("?beforeSeq=1", vec![], 0),
+        ("?sinceSeq=5&beforeSeq=6", vec![], 5),
+        ("?sinceSeq=6&beforeSeq=3", vec![], 6),
+        ("?sinceSeq=007", (8..=9).collect(), 9),
+        ("?limit=1&limit=2", vec![8, 9], 9),
+    ];
+    for (query, expected, latest) in accepted {
+        let (status, body) = server.get(&format!("/conversations/hist{query}")).await;
+        assert_eq!(status, 200, "{query}: {body}");
+        assert_eq!(seqs(&body), expected, "{query}");
+        assert_eq!(body["latestSeq"], latest, "{query}");
+    }
+    // Every chunk is the full envelope.
+    let (_, body) = server.get("/conversations/hist?limit=1").await;
+    assert_eq!(body["chunks"][0]["role"], "assistant");
+    assert_eq!(body["chunks"][0]["chunk"]["type"], "text");
+
+    // An unknown conversation is an empty log, not an error.
+    assert_eq!(
+        server.get("/conversations/never-seen").await,
+        (200, json!({"chunks": [], "latestSeq": 0}))
+    );
+    assert_eq!(
+        server.get("/conversations/never-seen?sinceSeq=5").await,
+        (200, json!({"chunks": [], "latestSeq": 5}))
+    );
+
+    let rejected = [
+        ("sinceSeq", "-1"),
+        ("sinceSeq", "abc"),
+        ("sinceSeq", "1.5"),
+        ("sinceSeq", ""),
+        ("sinceSeq", "1e3"),
+        ("sinceSeq", "99999999999999999999999"),
+        ("beforeSeq", "0"),
+        ("beforeSeq", "-1"),
+        ("beforeSeq", "abc"),
+        ("beforeSeq", "1.5"),
+        ("limit", "0"),
+        ("limit", "-3"),
+        ("limit", "abc"),
+        ("limit", "1.5"),
+        ("limit", " 2"),
+    ];
+    for (name, value) in rejected {
+        let query = format!("{name}={}", value.replace(' ', "%20"));
+        for path in ["/conversations/hist", "/conversations/never-seen"] {
+            let (status, body) = server.get(&format!("{path}?{query}")).await;
+            assert_eq!(status, 400, "{path}?{query}");
+            let error = body["error"].as_str().unwrap();
+            assert!(
+                error.contains(name),
+                "{query}: {error:?} names the parameter"
+            );
+        }
+    }
+}
