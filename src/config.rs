@@ -14,11 +14,7 @@ pub enum LogFormat {
 }
 
 #[derive(Debug, Clone, Parser)]
-#[command(
-    name = "dispatch-gateway",
-    version,
-    about = "Turns, an append-only log and live streams for agent runtimes"
-)]
+#[command(name = "dispatch-gateway", version, about = "Turns, an append-only log and live streams for agent runtimes")]
 pub struct Config {
     /// Address the HTTP API (and the WebSocket at /ws) listens on.
     #[arg(long, env = "DISPATCH_LISTEN", default_value = "127.0.0.1:24203")]
@@ -44,6 +40,25 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
     pub max_body_bytes: usize,
 
+    /// Bytes a turn's replay buffer may hold before runs of deltas in it are coalesced.
+    #[arg(long, env = "DISPATCH_TURN_BUFFER_BYTES", default_value_t = 16 * 1024 * 1024)]
+    pub turn_buffer_bytes: usize,
+
+    /// Seconds between keep-alives on idle streams (SSE comment, NDJSON empty line, WebSocket
+    /// ping).
+    #[arg(long, env = "DISPATCH_KEEPALIVE_SECS", default_value_t = 15)]
+    pub keepalive_secs: u64,
+
+    /// Seconds a connection may go without its socket taking any bytes while the gateway has
+    /// bytes for it; past that it is closed (the client comes back with its cursor).
+    #[arg(long, env = "DISPATCH_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
+    pub drain_timeout_secs: u64,
+
+    /// A second listener that upgrades any path to the WebSocket protocol (existing web
+    /// clients open their socket on port 24205 with no path).
+    #[arg(long, env = "DISPATCH_WS_LISTEN")]
+    pub ws_listen: Option<SocketAddr>,
+
     /// Log output format.
     #[arg(long, env = "DISPATCH_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -59,6 +74,10 @@ impl Config {
             scripted_reasoning: true,
             scripted_script: None,
             max_body_bytes: 1024 * 1024,
+            turn_buffer_bytes: 16 * 1024 * 1024,
+            keepalive_secs: 15,
+            drain_timeout_secs: 30,
+            ws_listen: None,
             log_format: LogFormat::Text,
         }
     }

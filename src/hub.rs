@@ -1,14 +1,20 @@
 //! Fan-out of turn events: per-conversation replay buffers that every transport reads from.
 //!
 //! A turn publishes into its [`TurnBuffer`]; each event is framed once (an NDJSON line and an
-//! SSE message, both shared [`Bytes`]). Watchers do not get a queue of their own: a
-//! [`Cursor`] is a position in the buffer, so a watcher that falls behind simply reads further
-//! back (lossless, in order, batched into one write), and a turn never waits for anyone.
+//! SSE message, both shared [`Bytes`]; the WebSocket message on first use). Watchers do not get
+//! a queue of their own: a [`Cursor`] is a position in the buffer, so a watcher that falls
+//! behind reads further back (lossless, in order, batched into one write), and a turn never
+//! waits for anyone.
 //!
 //! Turns of one conversation form a chain: each buffer holds the slot its successor will be
 //! placed in, so a watcher still reading turn N finds turn N+1 even if that one has already
-//! sealed. The hub itself only keeps the buffer of the turn in flight; a sealed buffer lives on
-//! only while some watcher still reads it.
+//! sealed. The hub keeps only the buffer of the turn in flight; a sealed buffer lives on only
+//! while some watcher still reads it.
+//!
+//! Memory: past a per-turn cap, runs of consecutive text (or reasoning) deltas in the buffer are
+//! coalesced into one event with the joined text, so a late joiner still rebuilds the exact
+//! text. A watcher whose position fell inside a coalesced run is told so ([`Delivery::Lost`])
+//! and starts the turn over from its (coalesced) beginning.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -16,23 +22,41 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use bytes::{BufMut, Bytes, BytesMut};
 use tokio::sync::Notify;
 
-use crate::wire::AgentEvent;
+use crate::wire::{AgentEvent, TurnReasoningDeltaEvent, TurnTextDeltaEvent};
 
-/// One event, framed once for every transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Text,
+    Reasoning,
+    Sealed,
+    Other,
+}
+
+/// One event (or a coalesced run of deltas), framed once for every transport.
 #[derive(Debug)]
 pub struct Frame {
-    /// 0-based position of the event in its turn: the `n` of the SSE id `<turnId>:<n>`.
-    pub index: u32,
-    /// True for `turn-sealed`, the last frame of a turn.
-    pub sealed: bool,
+    /// 0-based index of the (first) event in its turn.
+    pub first: u32,
+    /// Index of the last event this frame stands for (`first` unless coalesced). The SSE id is
+    /// `<turnId>:<last>`, so resuming after it is exact.
+    pub last: u32,
+    kind: Kind,
     /// The JSON object followed by `\n`.
     pub line: Bytes,
-    /// `id: <turnId>:<n>\ndata: <json>\n\n`.
+    /// `id: <turnId>:<last>\ndata: <json>\n\n`.
     pub sse: Bytes,
+    /// `{"type":"chat.delta","event":<json>}`, built the first time a WebSocket needs it.
+    ws: OnceLock<Bytes>,
 }
 
 impl Frame {
-    fn new(turn_id: &str, index: u32, event: &AgentEvent) -> Frame {
+    fn new(turn_id: &str, first: u32, last: u32, event: &AgentEvent) -> Frame {
+        let kind = match event {
+            AgentEvent::TextDelta(_) => Kind::Text,
+            AgentEvent::ReasoningDelta(_) => Kind::Reasoning,
+            AgentEvent::TurnSealed(_) => Kind::Sealed,
+            _ => Kind::Other,
+        };
         let json = serde_json::to_vec(event).expect("wire types always serialize");
         let mut line = BytesMut::with_capacity(json.len() + 1);
         line.put_slice(&json);
@@ -41,25 +65,47 @@ impl Frame {
         sse.put_slice(b"id: ");
         sse.put_slice(turn_id.as_bytes());
         sse.put_u8(b':');
-        sse.put_slice(index.to_string().as_bytes());
+        sse.put_slice(last.to_string().as_bytes());
         sse.put_slice(b"\ndata: ");
         sse.put_slice(&json);
         sse.put_slice(b"\n\n");
-        Frame {
-            index,
-            sealed: matches!(event, AgentEvent::TurnSealed(_)),
-            line: line.freeze(),
-            sse: sse.freeze(),
-        }
+        Frame { first, last, kind, line: line.freeze(), sse: sse.freeze(), ws: OnceLock::new() }
     }
 
-    /// The bare JSON text (for a WebSocket text message).
+    /// The bare JSON text of the event.
     pub fn json(&self) -> Bytes {
         self.line.slice(..self.line.len() - 1)
     }
 
+    /// The event wrapped as a WebSocket `chat.delta` message.
+    pub fn ws(&self) -> &Bytes {
+        self.ws.get_or_init(|| {
+            let json = &self.line[..self.line.len() - 1];
+            let mut out = BytesMut::with_capacity(json.len() + 32);
+            out.put_slice(br#"{"type":"chat.delta","event":"#);
+            out.put_slice(json);
+            out.put_u8(b'}');
+            out.freeze()
+        })
+    }
+
+    /// True for `turn-sealed`, the last frame of a turn.
+    pub fn is_sealed(&self) -> bool {
+        self.kind == Kind::Sealed
+    }
+
     fn size(&self) -> usize {
-        self.line.len() + self.sse.len() + std::mem::size_of::<Frame>()
+        // The WebSocket copy is about one line long once built; count it up front.
+        2 * self.line.len() + self.sse.len() + std::mem::size_of::<Frame>()
+    }
+
+    /// The delta text of a text or reasoning frame.
+    fn delta(&self) -> Option<String> {
+        match serde_json::from_slice::<AgentEvent>(&self.line).ok()? {
+            AgentEvent::TextDelta(e) => Some(e.delta),
+            AgentEvent::ReasoningDelta(e) => Some(e.delta),
+            _ => None,
+        }
     }
 }
 
@@ -73,7 +119,12 @@ struct TurnSlot {
 #[derive(Default)]
 struct BufferState {
     frames: Vec<Arc<Frame>>,
+    /// Index the next published event gets.
+    next_index: u32,
     bytes: usize,
+    /// Coalesce when `bytes` passes this (the cap, raised after each pass so that passes are
+    /// at least half a cap of new events apart).
+    threshold: usize,
     sealed: bool,
 }
 
@@ -81,6 +132,7 @@ struct BufferState {
 pub struct TurnBuffer {
     pub conversation_id: Arc<str>,
     pub turn_id: Arc<str>,
+    cap: usize,
     state: RwLock<BufferState>,
     grown: Notify,
     next: Arc<TurnSlot>,
@@ -96,15 +148,60 @@ impl TurnBuffer {
     fn push(&self, event: &AgentEvent, last: bool) -> u32 {
         let index = {
             let mut st = self.state.write().unwrap_or_else(|p| p.into_inner());
-            let index = st.frames.len() as u32;
-            let frame = Arc::new(Frame::new(&self.turn_id, index, event));
+            let index = st.next_index;
+            let frame = Arc::new(Frame::new(&self.turn_id, index, index, event));
+            st.next_index += 1;
             st.bytes += frame.size();
             st.frames.push(frame);
             st.sealed = last;
+            if st.bytes > st.threshold {
+                self.coalesce(&mut st);
+            }
             index
         };
         self.grown.notify_waiters();
         index
+    }
+
+    /// Merges every run of two or more consecutive same-kind deltas into one frame.
+    fn coalesce(&self, st: &mut BufferState) {
+        let before = st.bytes;
+        let mut out: Vec<Arc<Frame>> = Vec::with_capacity(st.frames.len());
+        let mut run: Vec<Arc<Frame>> = Vec::new();
+        let flush = |run: &mut Vec<Arc<Frame>>, out: &mut Vec<Arc<Frame>>| {
+            if run.len() < 2 {
+                out.append(run);
+                return;
+            }
+            let first = run[0].first;
+            let last = run[run.len() - 1].last;
+            let text: String = run.iter().filter_map(|f| f.delta()).collect();
+            let (conversation_id, turn_id) = (self.conversation_id.to_string(), self.turn_id.to_string());
+            let event = if run[0].kind == Kind::Text {
+                AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id, turn_id, delta: text })
+            } else {
+                AgentEvent::ReasoningDelta(TurnReasoningDeltaEvent { conversation_id, turn_id, delta: text })
+            };
+            out.push(Arc::new(Frame::new(&self.turn_id, first, last, &event)));
+            run.clear();
+        };
+        for frame in st.frames.drain(..) {
+            let joins =
+                matches!(frame.kind, Kind::Text | Kind::Reasoning) && run.last().is_none_or(|r| r.kind == frame.kind);
+            if !joins {
+                flush(&mut run, &mut out);
+            }
+            if matches!(frame.kind, Kind::Text | Kind::Reasoning) {
+                run.push(frame);
+            } else {
+                out.push(frame);
+            }
+        }
+        flush(&mut run, &mut out);
+        st.frames = out;
+        st.bytes = st.frames.iter().map(|f| f.size()).sum();
+        st.threshold = self.cap.max(st.bytes + self.cap / 2);
+        tracing::debug!(turn = %self.turn_id, before, after = st.bytes, "coalesced the replay buffer");
     }
 
     /// Bytes held by the frames of this turn.
@@ -113,24 +210,27 @@ impl TurnBuffer {
     }
 
     /// Number of events published so far.
-    pub fn len(&self) -> usize {
-        self.state
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .frames
-            .len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    pub fn published(&self) -> u32 {
+        self.state.read().unwrap_or_else(|p| p.into_inner()).next_index
     }
 }
 
+/// What a cursor hands out next.
+#[derive(Debug)]
+pub enum Delivery {
+    /// Frames in order, all from one turn.
+    Frames(Vec<Arc<Frame>>),
+    /// The cursor's position was coalesced away; it now reads its turn from the beginning.
+    Lost,
+    /// A single-turn cursor has delivered `turn-sealed`.
+    End,
+}
+
 enum Position {
-    /// Reading a turn; `next` is the index of the next frame to hand out.
+    /// Reading a turn; `next` is the index of the next event to hand out.
     Reading {
         buffer: Arc<TurnBuffer>,
-        next: usize,
+        next: u32,
     },
     /// Caught up with every turn so far; waiting for the next one to begin.
     Waiting(Arc<TurnSlot>),
@@ -147,22 +247,19 @@ pub struct Cursor {
 }
 
 impl Cursor {
-    /// Waits until at least one frame is available, then returns every available frame up to
-    /// `max`. Returns an empty batch when a single-turn cursor has delivered `turn-sealed`.
-    pub async fn next_batch(&mut self, max: usize) -> Vec<Arc<Frame>> {
+    /// Waits until something is available, then returns every available frame up to `max`.
+    /// Cancel-safe: the position only moves when frames are returned.
+    pub async fn next_batch(&mut self, max: usize) -> Delivery {
         loop {
             match &mut self.at {
-                Position::Done => return Vec::new(),
+                Position::Done => return Delivery::End,
                 Position::Waiting(slot) => {
                     let slot = slot.clone();
                     let filled = slot.filled.notified();
                     tokio::pin!(filled);
                     filled.as_mut().enable();
                     if let Some(buffer) = slot.turn.get() {
-                        self.at = Position::Reading {
-                            buffer: buffer.clone(),
-                            next: 0,
-                        };
+                        self.at = Position::Reading { buffer: buffer.clone(), next: 0 };
                         continue;
                     }
                     filled.await;
@@ -172,36 +269,31 @@ impl Cursor {
                     let grown = buffer.grown.notified();
                     tokio::pin!(grown);
                     grown.as_mut().enable();
-                    let (batch, sealed_end) = {
+                    let (batch, at_end) = {
                         let st = buffer.state.read().unwrap_or_else(|p| p.into_inner());
-                        let end = st.frames.len().min(*next + max);
-                        let batch: Vec<Arc<Frame>> = st.frames[*next..end].to_vec();
+                        let start = st.frames.partition_point(|f| f.last < *next);
+                        if st.frames.get(start).is_some_and(|f| f.first < *next) {
+                            *next = 0;
+                            return Delivery::Lost;
+                        }
+                        let end = st.frames.len().min(start.saturating_add(max));
+                        let batch: Vec<Arc<Frame>> = st.frames[start..end].to_vec();
                         (batch, st.sealed && end == st.frames.len())
                     };
-                    *next += batch.len();
-                    if sealed_end {
-                        self.at = if self.follow {
-                            Position::Waiting(buffer.next.clone())
-                        } else {
-                            Position::Done
-                        };
+                    if let Some(last) = batch.last() {
+                        *next = last.last + 1;
+                    }
+                    if at_end {
+                        self.at = if self.follow { Position::Waiting(buffer.next.clone()) } else { Position::Done };
                     }
                     if !batch.is_empty() {
-                        return batch;
+                        return Delivery::Frames(batch);
                     }
-                    if !sealed_end {
+                    if !at_end {
                         grown.await;
                     }
                 }
             }
-        }
-    }
-
-    /// The turn this cursor is reading and the index of the next frame it will hand out.
-    pub fn position(&self) -> Option<(Arc<str>, usize)> {
-        match &self.at {
-            Position::Reading { buffer, next } => Some((buffer.turn_id.clone(), *next)),
-            _ => None,
         }
     }
 }
@@ -230,6 +322,25 @@ pub fn join_frames(frames: &[Arc<Frame>], pick: impl Fn(&Frame) -> &Bytes) -> By
     }
 }
 
+/// A resume point: the SSE id `<turnId>:<n>` of the last event a watcher holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventId {
+    pub turn_id: String,
+    pub index: u32,
+}
+
+impl EventId {
+    /// Parses `<turnId>:<n>`; the turn id may itself contain colons.
+    pub fn parse(s: &str) -> Option<EventId> {
+        let (turn, n) = s.rsplit_once(':')?;
+        if turn.is_empty() || n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        Some(EventId { turn_id: turn.to_owned(), index: n.parse().ok()? })
+    }
+}
+
+#[derive(Default)]
 struct Channel {
     current: Option<Arc<TurnBuffer>>,
     next: Arc<TurnSlot>,
@@ -237,30 +348,31 @@ struct Channel {
 
 /// The per-conversation channels. The lock is held only for a few pointer moves, never across
 /// an `.await`, so a `std` mutex fits.
-#[derive(Default)]
 pub struct Hub {
     channels: Mutex<HashMap<Arc<str>, Channel>>,
+    /// Per-turn buffer size past which deltas are coalesced.
+    buffer_cap: usize,
 }
 
 impl Hub {
-    pub fn new() -> Arc<Hub> {
-        Arc::new(Hub::default())
+    pub fn new(buffer_cap: usize) -> Arc<Hub> {
+        Arc::new(Hub { channels: Mutex::default(), buffer_cap })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, Channel>> {
+        self.channels.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Opens the replay buffer of a new turn. The caller guarantees one turn at a time per
     /// conversation.
     pub fn begin_turn(&self, conversation_id: &str, turn_id: &str) -> Arc<TurnBuffer> {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        let channel = channels
-            .entry(Arc::from(conversation_id))
-            .or_insert_with(|| Channel {
-                current: None,
-                next: Arc::default(),
-            });
+        let mut channels = self.lock();
+        let channel = channels.entry(Arc::from(conversation_id)).or_default();
         let buffer = Arc::new(TurnBuffer {
             conversation_id: Arc::from(conversation_id),
             turn_id: Arc::from(turn_id),
-            state: RwLock::default(),
+            cap: self.buffer_cap,
+            state: RwLock::new(BufferState { threshold: self.buffer_cap, ..BufferState::default() }),
             grown: Notify::new(),
             next: Arc::default(),
         });
@@ -274,14 +386,11 @@ impl Hub {
     /// Publishes `turn-sealed` and drops the hub's hold on the buffer in one step, so a watcher
     /// that subscribes afterwards waits for the next turn instead of replaying a sealed one.
     pub fn seal_turn(&self, buffer: Arc<TurnBuffer>, sealed: &AgentEvent) {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        let mut channels = self.lock();
         buffer.push(sealed, true);
         let conversation_id = buffer.conversation_id.clone();
         if let Some(channel) = channels.get_mut(&*conversation_id)
-            && channel
-                .current
-                .as_ref()
-                .is_some_and(|c| Arc::ptr_eq(c, &buffer))
+            && channel.current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &buffer))
         {
             channel.current = None;
         }
@@ -292,58 +401,51 @@ impl Hub {
     /// Reads one turn alone, from its first event to `turn-sealed`.
     pub fn read_turn(self: &Arc<Self>, buffer: &Arc<TurnBuffer>) -> Cursor {
         Cursor {
-            at: Position::Reading {
-                buffer: buffer.clone(),
-                next: 0,
-            },
+            at: Position::Reading { buffer: buffer.clone(), next: 0 },
             follow: false,
             release: Some((self.clone(), buffer.conversation_id.clone())),
         }
     }
 
-    /// Subscribes to a conversation: the in-flight turn from its first event, then every
-    /// later turn. Subscribing and publishing are ordered by the buffer's lock, so the
-    /// watcher sees no gap and no duplicate.
-    pub fn subscribe(self: &Arc<Self>, conversation_id: &str) -> Cursor {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+    /// Subscribes to a conversation: the in-flight turn from its first event (or right after
+    /// `resume`, when that names an event of the in-flight turn), then every later turn.
+    /// Subscribing and publishing are ordered by the locks, so the watcher sees no gap and no
+    /// duplicate. The flag is true when `resume` could not be honoured: the watcher must
+    /// refetch history past its cursor (`resync`).
+    pub fn subscribe(self: &Arc<Self>, conversation_id: &str, resume: Option<&EventId>) -> (Cursor, bool) {
+        let mut channels = self.lock();
         let key: Arc<str> = Arc::from(conversation_id);
-        let channel = channels.entry(key.clone()).or_insert_with(|| Channel {
-            current: None,
-            next: Arc::default(),
-        });
+        let channel = channels.entry(key.clone()).or_default();
+        let mut resync = resume.is_some();
         let at = match &channel.current {
-            Some(buffer) => Position::Reading {
-                buffer: buffer.clone(),
-                next: 0,
-            },
+            Some(buffer) => {
+                let mut next = 0;
+                if let Some(id) = resume
+                    && *buffer.turn_id == *id.turn_id
+                    && id.index < buffer.published()
+                {
+                    next = id.index + 1;
+                    resync = false;
+                }
+                Position::Reading { buffer: buffer.clone(), next }
+            }
             None => Position::Waiting(channel.next.clone()),
         };
-        Cursor {
-            at,
-            follow: true,
-            release: Some((self.clone(), key)),
-        }
+        (Cursor { at, follow: true, release: Some((self.clone(), key)) }, resync)
     }
 
     /// The in-flight turn of a conversation, if any.
     pub fn current(&self, conversation_id: &str) -> Option<Arc<TurnBuffer>> {
-        let channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        channels
-            .get(conversation_id)
-            .and_then(|c| c.current.clone())
+        self.lock().get(conversation_id).and_then(|c| c.current.clone())
     }
 
     /// Number of conversations the hub holds state for (idle, unwatched ones are forgotten).
     pub fn channel_count(&self) -> usize {
-        self.channels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len()
+        self.lock().len()
     }
 
     fn forget_if_unwatched(&self, conversation_id: &str) {
-        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        Self::collect(&mut channels, conversation_id);
+        Self::collect(&mut self.lock(), conversation_id);
     }
 
     /// Drops a channel with no turn in flight whose next slot nobody else can reach: no
@@ -354,6 +456,102 @@ impl Hub {
             && Arc::strong_count(&channel.next) == 1
         {
             channels.remove(conversation_id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{TurnSealedEvent, TurnStartEvent};
+
+    fn text(d: &str) -> AgentEvent {
+        AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id: "c".into(), turn_id: "t".into(), delta: d.into() })
+    }
+
+    fn sealed() -> AgentEvent {
+        AgentEvent::TurnSealed(TurnSealedEvent { conversation_id: "c".into(), turn_id: "t".into() })
+    }
+
+    async fn frames(cursor: &mut Cursor) -> Vec<Arc<Frame>> {
+        match cursor.next_batch(usize::MAX).await {
+            Delivery::Frames(f) => f,
+            other => panic!("expected frames, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn coalescing_keeps_the_text_and_loses_only_positions_inside_a_run() {
+        let hub = Hub::new(2_000);
+        let buffer = hub.begin_turn("c", "t");
+        buffer.publish(&AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() }));
+        let (mut early, _) = hub.subscribe("c", None);
+        assert_eq!(frames(&mut early).await.len(), 1);
+        let (mut middle, _) = hub.subscribe("c", None);
+        for i in 0..40 {
+            buffer.publish(&text(&format!("w{i} ")));
+            if i == 2 {
+                assert_eq!(frames(&mut middle).await.len(), 4);
+            }
+        }
+        assert!(buffer.bytes() <= 2_000 + 1_000, "coalesced: {}", buffer.bytes());
+        // `early` stood at the start of the run: it reads on losslessly.
+        let got = frames(&mut early).await;
+        let joined: String = got.iter().filter_map(|f| f.delta()).collect();
+        let expected: String = (0..40).map(|i| format!("w{i} ")).collect();
+        assert_eq!(joined, expected);
+        // `middle` stood inside the run: it is told, and restarts from the turn's beginning.
+        assert!(matches!(middle.next_batch(usize::MAX).await, Delivery::Lost));
+        let again = frames(&mut middle).await;
+        assert_eq!(again[0].first, 0);
+        let joined: String = again.iter().filter_map(|f| f.delta()).collect();
+        assert_eq!(joined, expected);
+        // The coalesced frame's SSE id names its last event, so resuming after it is exact.
+        let last = again.last().unwrap();
+        assert!(String::from_utf8_lossy(&last.sse).starts_with(&format!("id: t:{}\n", last.last)));
+        hub.seal_turn(buffer, &sealed());
+        assert!(frames(&mut early).await[0].is_sealed());
+    }
+
+    #[tokio::test]
+    async fn a_watcher_behind_finds_later_turns_even_after_they_sealed() {
+        let hub = Hub::new(1 << 20);
+        let (mut watcher, resync) = hub.subscribe("c", None);
+        assert!(!resync);
+        for turn in ["t1", "t2"] {
+            let buffer = hub.begin_turn("c", turn);
+            buffer.publish(&text("x"));
+            hub.seal_turn(buffer, &sealed());
+        }
+        assert_eq!(hub.current("c").map(|b| b.turn_id.to_string()), None);
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            seen.extend(frames(&mut watcher).await.iter().map(|f| f.first));
+        }
+        assert_eq!(seen, vec![0, 1, 0, 1]);
+        drop(watcher);
+        assert_eq!(hub.channel_count(), 0, "an unwatched idle conversation is forgotten");
+    }
+
+    #[tokio::test]
+    async fn resume_inside_the_turn_in_flight_or_resync() {
+        let hub = Hub::new(1 << 20);
+        let buffer = hub.begin_turn("c", "t:x");
+        for i in 0..5 {
+            buffer.publish(&text(&i.to_string()));
+        }
+        let id = EventId::parse("t:x:2").unwrap();
+        assert_eq!(id, EventId { turn_id: "t:x".into(), index: 2 });
+        let (mut c, resync) = hub.subscribe("c", Some(&id));
+        assert!(!resync);
+        assert_eq!(frames(&mut c).await.iter().map(|f| f.first).collect::<Vec<_>>(), vec![3, 4]);
+        for stale in ["other:1", "t:x:5", "t:x:99"] {
+            let (mut c, resync) = hub.subscribe("c", EventId::parse(stale).as_ref());
+            assert!(resync, "{stale}");
+            assert_eq!(frames(&mut c).await[0].first, 0);
+        }
+        for bad in ["", "t", "t:", ":1", "t:-1", "t:1.5", "t:99999999999"] {
+            assert_eq!(EventId::parse(bad), None, "{bad}");
         }
     }
 }

@@ -24,10 +24,7 @@ pub enum StartupError {
     #[error("{0}")]
     Config(String),
     #[error("cannot listen on {addr}: {source}")]
-    Listen {
-        addr: String,
-        source: std::io::Error,
-    },
+    Listen { addr: String, source: std::io::Error },
 }
 
 /// A gateway ready to serve: store open, runtimes registered.
@@ -42,28 +39,13 @@ impl Gateway {
             None => Script::default(),
         };
         let mut registry = Registry::new("demo/scripted");
-        let scripted =
-            ScriptedRuntime::new(config.scripted_pace, config.scripted_reasoning, script);
-        registry.add(
-            "demo",
-            "scripted",
-            Arc::new(scripted),
-            ModelInfo {
-                context_window: Some(32_768),
-            },
-        );
+        let scripted = ScriptedRuntime::new(config.scripted_pace, config.scripted_reasoning, script);
+        registry.add("demo", "scripted", Arc::new(scripted), ModelInfo { context_window: Some(32_768) });
 
         let store = Store::open(&config.database).await?;
-        let hub = Hub::new();
+        let hub = Hub::new(config.turn_buffer_bytes);
         let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry));
-        Ok(Gateway {
-            state: AppState {
-                config: Arc::new(config),
-                store,
-                hub,
-                turns,
-            },
-        })
+        Ok(Gateway { state: AppState { config: Arc::new(config), store, hub, turns } })
     }
 
     pub fn state(&self) -> &AppState {
@@ -73,12 +55,7 @@ impl Gateway {
     /// Binds the configured address.
     pub async fn bind(&self) -> Result<TcpListener, StartupError> {
         let addr = self.state.config.listen;
-        TcpListener::bind(addr)
-            .await
-            .map_err(|source| StartupError::Listen {
-                addr: addr.to_string(),
-                source,
-            })
+        TcpListener::bind(addr).await.map_err(|source| StartupError::Listen { addr: addr.to_string(), source })
     }
 
     /// Serves until `shutdown` resolves; then running turns end `done{aborted}` and seal,
@@ -92,19 +69,14 @@ impl Gateway {
         let turns = state.turns.clone();
         let drain = async move {
             shutdown.await;
-            tracing::info!(
-                running = turns.running(),
-                "shutting down: aborting running turns"
-            );
+            tracing::info!(running = turns.running(), "shutting down: aborting running turns");
             turns.abort_all();
             let deadline = tokio::time::Instant::now() + DRAIN_DEADLINE;
             while turns.running() > 0 && tokio::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         };
-        let result = axum::serve(listener, router(state))
-            .with_graceful_shutdown(drain)
-            .await;
+        let result = axum::serve(listener, router(state)).with_graceful_shutdown(drain).await;
         self.state.store.close().await;
         result
     }

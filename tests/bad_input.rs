@@ -7,15 +7,8 @@ use serde_json::{Value, json};
 
 fn assert_error(status: u16, body: &Value, expected_status: u16, context: &str) {
     assert_eq!(status, expected_status, "{context}: {body}");
-    assert!(
-        body["error"].as_str().is_some_and(|e| !e.is_empty()),
-        "{context}: {body}"
-    );
-    assert_eq!(
-        body.as_object().unwrap().len(),
-        1,
-        "{context}: only `error`"
-    );
+    assert!(body["error"].as_str().is_some_and(|e| !e.is_empty()), "{context}: {body}");
+    assert_eq!(body.as_object().unwrap().len(), 1, "{context}: only `error`");
 }
 
 #[tokio::test]
@@ -25,32 +18,12 @@ async fn malformed_bodies_are_rejected_and_change_nothing() {
 
     let raw_cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("not json", b"hello".to_vec(), "Invalid JSON body"),
-        (
-            "truncated",
-            br#"{"message": "hi""#.to_vec(),
-            "Invalid JSON body",
-        ),
+        ("truncated", br#"{"message": "hi""#.to_vec(), "Invalid JSON body"),
         ("empty body", Vec::new(), "Invalid JSON body"),
-        (
-            "invalid utf-8",
-            b"{\"message\": \"\xff\xfe\"}".to_vec(),
-            "Invalid JSON body",
-        ),
-        (
-            "array",
-            b"[1, 2]".to_vec(),
-            "Request body must be a JSON object",
-        ),
-        (
-            "string",
-            br#""message""#.to_vec(),
-            "Request body must be a JSON object",
-        ),
-        (
-            "null",
-            b"null".to_vec(),
-            "Request body must be a JSON object",
-        ),
+        ("invalid utf-8", b"{\"message\": \"\xff\xfe\"}".to_vec(), "Invalid JSON body"),
+        ("array", b"[1, 2]".to_vec(), "Request body must be a JSON object"),
+        ("string", br#""message""#.to_vec(), "Request body must be a JSON object"),
+        ("null", b"null".to_vec(), "Request body must be a JSON object"),
     ];
     for path in ["/chat", "/conversations"] {
         for (name, body, message) in &raw_cases {
@@ -77,45 +50,21 @@ async fn malformed_bodies_are_rejected_and_change_nothing() {
         (json!({"message": "   \n\t "}), "message"),
         (json!({"message": 5}), "message"),
         (json!({"message": ["hi"]}), "message"),
-        (
-            json!({"message": "hi", "conversationId": 7}),
-            "conversationId",
-        ),
-        (
-            json!({"message": "hi", "conversationId": ""}),
-            "conversationId",
-        ),
-        (
-            json!({"message": "hi", "conversationId": "has space"}),
-            "conversationId",
-        ),
-        (
-            json!({"message": "hi", "conversationId": "a\r\nb"}),
-            "conversationId",
-        ),
-        (
-            json!({"message": "hi", "conversationId": "x".repeat(129)}),
-            "conversationId",
-        ),
-        (
-            json!({"message": "hi", "conversationId": "ünïcode"}),
-            "conversationId",
-        ),
+        (json!({"message": "hi", "conversationId": 7}), "conversationId"),
+        (json!({"message": "hi", "conversationId": ""}), "conversationId"),
+        (json!({"message": "hi", "conversationId": "has space"}), "conversationId"),
+        (json!({"message": "hi", "conversationId": "a\r\nb"}), "conversationId"),
+        (json!({"message": "hi", "conversationId": "x".repeat(129)}), "conversationId"),
+        (json!({"message": "hi", "conversationId": "ünïcode"}), "conversationId"),
         (json!({"message": "hi", "model": 3}), "model"),
         (json!({"message": "hi", "model": "no/such"}), "no/such"),
         (json!({"message": "hi", "cwd": false}), "cwd"),
-        (
-            json!({"message": "hi", "reasoningEffort": {}}),
-            "reasoningEffort",
-        ),
+        (json!({"message": "hi", "reasoningEffort": {}}), "reasoningEffort"),
     ];
     for (body, field) in field_cases {
         let (status, got) = server.post("/chat", body.clone()).await;
         assert_error(status, &got, 400, &body.to_string());
-        assert!(
-            got["error"].as_str().unwrap().contains(field),
-            "{body}: {got} names {field}"
-        );
+        assert!(got["error"].as_str().unwrap().contains(field), "{body}: {got} names {field}");
     }
 
     let create_cases: Vec<(Value, &str)> = vec![
@@ -130,21 +79,15 @@ async fn malformed_bodies_are_rejected_and_change_nothing() {
     for (body, field) in create_cases {
         let (status, got) = server.post("/conversations", body.clone()).await;
         assert_error(status, &got, 400, &body.to_string());
-        assert!(
-            got["error"].as_str().unwrap().contains(field),
-            "{body}: {got} names {field}"
-        );
+        assert!(got["error"].as_str().unwrap().contains(field), "{body}: {got} names {field}");
     }
 
     // Oversized bodies: 413, whether the length is declared up front or not.
     let big = format!(r#"{{"message": "{}"}}"#, "x".repeat(2 * 1024 * 1024));
     let (status, got) = server.post_raw("/chat", big.clone()).await;
     assert_error(status, &got, 413, "declared length");
-    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = big
-        .as_bytes()
-        .chunks(64 * 1024)
-        .map(|c| Ok(c.to_vec()))
-        .collect();
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        big.as_bytes().chunks(64 * 1024).map(|c| Ok(c.to_vec())).collect();
     let streamed = reqwest::Body::wrap_stream(futures_util::stream::iter(chunks));
     let (status, got) = server.post_raw("/chat", streamed).await;
     assert_error(status, &got, 413, "chunked body");
@@ -182,21 +125,15 @@ async fn conversation_crud() {
     let dir = tempfile::tempdir().unwrap();
     let server = TestServer::start(test_config(dir.path())).await;
 
-    let (status, created) = server
-        .post(
-            "/conversations",
-            json!({"id": "c.1:a-b_c", "title": "First", "model": "demo/scripted"}),
-        )
-        .await;
+    let (status, created) =
+        server.post("/conversations", json!({"id": "c.1:a-b_c", "title": "First", "model": "demo/scripted"})).await;
     assert_eq!(status, 201);
     assert_eq!(created["id"], "c.1:a-b_c");
     assert_eq!(created["title"], "First");
     assert_eq!(created["status"], "idle");
     assert_eq!(created["model"], "demo/scripted");
     assert_eq!(created["createdAt"], created["lastActivityAt"]);
-    let (status, again) = server
-        .post("/conversations", json!({"id": "c.1:a-b_c"}))
-        .await;
+    let (status, again) = server.post("/conversations", json!({"id": "c.1:a-b_c"})).await;
     assert_eq!(status, 409, "{again}");
 
     let (status, minted) = server.post("/conversations", json!({})).await;
@@ -208,12 +145,7 @@ async fn conversation_crud() {
     // A turn makes a conversation the newest; a conversation's first message titles it.
     server.chat("other", "Plan the trip\nwith details").await;
     let (_, list) = server.get("/conversations").await;
-    let ids: Vec<&str> = list["conversations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["id"].as_str().unwrap())
-        .collect();
+    let ids: Vec<&str> = list["conversations"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
     assert_eq!(ids[0], "other");
     assert_eq!(list["conversations"][0]["title"], "Plan the trip");
     assert_eq!(ids.len(), 3);
@@ -229,16 +161,9 @@ async fn conversation_crud() {
         assert_error(status, &body, 400, bad);
     }
 
-    let (status, body) = server
-        .put("/conversations/other/title", json!({"title": "Renamed"}))
-        .await;
-    assert_eq!(
-        (status, body),
-        (200, json!({"conversationId": "other", "title": "Renamed"}))
-    );
-    let (status, body) = server
-        .put("/conversations/missing/title", json!({"title": "x"}))
-        .await;
+    let (status, body) = server.put("/conversations/other/title", json!({"title": "Renamed"})).await;
+    assert_eq!((status, body), (200, json!({"conversationId": "other", "title": "Renamed"})));
+    let (status, body) = server.put("/conversations/missing/title", json!({"title": "x"})).await;
     assert_error(status, &body, 404, "title of unknown");
     let (status, body) = server.put("/conversations/other/title", json!({})).await;
     assert_error(status, &body, 400, "title missing");
@@ -258,9 +183,6 @@ async fn conversation_crud() {
     assert_eq!(server.get("/health").await, (200, json!({"ok": true})));
     assert_eq!(
         server.get("/models").await,
-        (
-            200,
-            json!({"models": ["demo/scripted"], "modelInfo": {"demo/scripted": {"contextWindow": 32768}}})
-        )
+        (200, json!({"models": ["demo/scripted"], "modelInfo": {"demo/scripted": {"contextWindow": 32768}}}))
     );
 }

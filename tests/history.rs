@@ -6,12 +6,7 @@ use common::*;
 use serde_json::{Value, json};
 
 fn seqs(body: &Value) -> Vec<u64> {
-    body["chunks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["seq"].as_u64().unwrap())
-        .collect()
+    body["chunks"].as_array().unwrap().iter().map(|c| c["seq"].as_u64().unwrap()).collect()
 }
 
 #[tokio::test]
@@ -52,14 +47,8 @@ async fn history_windows_and_parameter_rules() {
     assert_eq!(body["chunks"][0]["chunk"]["type"], "text");
 
     // An unknown conversation is an empty log, not an error.
-    assert_eq!(
-        server.get("/conversations/never-seen").await,
-        (200, json!({"chunks": [], "latestSeq": 0}))
-    );
-    assert_eq!(
-        server.get("/conversations/never-seen?sinceSeq=5").await,
-        (200, json!({"chunks": [], "latestSeq": 5}))
-    );
+    assert_eq!(server.get("/conversations/never-seen").await, (200, json!({"chunks": [], "latestSeq": 0})));
+    assert_eq!(server.get("/conversations/never-seen?sinceSeq=5").await, (200, json!({"chunks": [], "latestSeq": 5})));
 
     let rejected = [
         ("sinceSeq", "-1"),
@@ -84,10 +73,7 @@ async fn history_windows_and_parameter_rules() {
             let (status, body) = server.get(&format!("{path}?{query}")).await;
             assert_eq!(status, 400, "{path}?{query}");
             let error = body["error"].as_str().unwrap();
-            assert!(
-                error.contains(name),
-                "{query}: {error:?} names the parameter"
-            );
+            assert!(error.contains(name), "{query}: {error:?} names the parameter");
         }
     }
 }

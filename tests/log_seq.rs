@@ -7,18 +7,10 @@ use common::*;
 use dispatch_gateway::store::{BeginTurn, Store};
 use serde_json::Value;
 
-async fn assert_gap_free(
-    server: &TestServer,
-    conversation_id: &str,
-    expected_len: usize,
-) -> Vec<Value> {
+async fn assert_gap_free(server: &TestServer, conversation_id: &str, expected_len: usize) -> Vec<Value> {
     let history = server.history(conversation_id).await;
     let seqs: Vec<u64> = history.iter().map(|c| c["seq"].as_u64().unwrap()).collect();
-    assert_eq!(
-        seqs,
-        (1..=expected_len as u64).collect::<Vec<_>>(),
-        "{conversation_id}"
-    );
+    assert_eq!(seqs, (1..=expected_len as u64).collect::<Vec<_>>(), "{conversation_id}");
     history
 }
 
@@ -50,10 +42,7 @@ async fn seq_is_gap_free_across_concurrent_turns_and_a_restart() {
     for id in &conversations {
         let history = assert_gap_free(&server, id, 15).await;
         for turn in 0..5 {
-            assert_eq!(
-                history[turn * 3]["chunk"]["text"],
-                format!("turn {turn} of {id}")
-            );
+            assert_eq!(history[turn * 3]["chunk"]["text"], format!("turn {turn} of {id}"));
         }
         let (_, metrics) = server.get(&format!("/conversations/{id}/metrics")).await;
         assert_eq!(metrics["turns"].as_array().unwrap().len(), 5);
@@ -68,13 +57,7 @@ async fn seq_is_gap_free_across_concurrent_turns_and_a_restart() {
     }
     let (_, list) = server.get("/conversations?limit=1000").await;
     assert_eq!(list["conversations"].as_array().unwrap().len(), 10);
-    assert!(
-        list["conversations"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|c| c["status"] == "idle")
-    );
+    assert!(list["conversations"].as_array().unwrap().iter().all(|c| c["status"] == "idle"));
     server.stop().await;
 }
 
@@ -92,6 +75,7 @@ async fn a_turn_cut_off_by_a_crash_gets_one_interrupted_marker() {
                 model: "demo/scripted",
                 user_text: "hello",
                 default_title: "hello",
+                idempotency: None,
                 now: 1,
             })
             .await

@@ -33,11 +33,7 @@ fn strip_ids(events: &[Value], conversation_id: &str, turn_id: &str) -> Vec<Valu
         .iter()
         .map(|e| {
             let mut e = e.as_object().unwrap().clone();
-            assert_eq!(
-                e.remove("conversationId").unwrap(),
-                conversation_id,
-                "{e:?}"
-            );
+            assert_eq!(e.remove("conversationId").unwrap(), conversation_id, "{e:?}");
             assert_eq!(e.remove("turnId").unwrap(), turn_id, "{e:?}");
             Value::Object(e)
         })
@@ -123,10 +119,7 @@ async fn multi_step_turn_with_tools_emits_the_exact_sequence_and_log() {
     // The persisted metrics equal what the live events carried.
     let (status, metrics) = server.get("/conversations/conv-tools/metrics").await;
     assert_eq!(status, 200);
-    let step_complete: Vec<&Value> = events
-        .iter()
-        .filter(|e| e["type"] == "step-complete")
-        .collect();
+    let step_complete: Vec<&Value> = events.iter().filter(|e| e["type"] == "step-complete").collect();
     let done = events.iter().find(|e| e["type"] == "done").unwrap();
     let steps: Vec<Value> = step_complete
         .iter()
@@ -152,9 +145,7 @@ async fn turn_sealed_comes_only_after_history_and_metrics_hold_the_turn() {
     let dir = tempfile::tempdir().unwrap();
     let server = scripted_server(dir.path()).await;
     for round in 0..5 {
-        let mut stream = server
-            .chat_stream(json!({"conversationId": "conv-seal", "message": "hello"}))
-            .await;
+        let mut stream = server.chat_stream(json!({"conversationId": "conv-seal", "message": "hello"})).await;
         let mut turn_id = None;
         let mut seen = 0;
         while let Some(event) = stream.next_event().await {
@@ -170,11 +161,7 @@ async fn turn_sealed_comes_only_after_history_and_metrics_hold_the_turn() {
             assert_eq!(turns.len(), round + 1);
             assert_eq!(turns[round]["turnId"], turn_id);
             let history = server.history("conv-seal").await;
-            assert_eq!(
-                history.len(),
-                3 * (round + 1),
-                "user, thinking and text chunks of every turn"
-            );
+            assert_eq!(history.len(), 3 * (round + 1), "user, thinking and text chunks of every turn");
             let (_, list) = server.get("/conversations").await;
             assert_eq!(list["conversations"][0]["status"], "idle");
         }
@@ -196,15 +183,9 @@ async fn a_runtime_error_ends_with_error_done_and_sealed_and_logs_an_error_chunk
 
     let history = server.history("conv-fail").await;
     assert_eq!(history.len(), 3);
-    assert_eq!(
-        history[1]["chunk"],
-        json!({"type": "text", "text": "partial answer"})
-    );
+    assert_eq!(history[1]["chunk"], json!({"type": "text", "text": "partial answer"}));
     assert_eq!(history[2]["role"], "assistant");
-    assert_eq!(
-        history[2]["chunk"],
-        json!({"type": "error", "message": "model exploded", "code": "upstream"})
-    );
+    assert_eq!(history[2]["chunk"], json!({"type": "error", "message": "model exploded", "code": "upstream"}));
     let (_, metrics) = server.get("/conversations/conv-fail/metrics").await;
     assert_eq!(metrics["turns"].as_array().unwrap().len(), 1);
 }
@@ -213,24 +194,11 @@ async fn a_runtime_error_ends_with_error_done_and_sealed_and_logs_an_error_chunk
 async fn a_second_turn_while_one_runs_is_409_and_the_conversation_stays_consistent() {
     let dir = tempfile::tempdir().unwrap();
     let server = scripted_server(dir.path()).await;
-    let mut stream = server
-        .chat_stream(json!({"conversationId": "conv-busy", "message": "stall please"}))
-        .await;
+    let mut stream = server.chat_stream(json!({"conversationId": "conv-busy", "message": "stall please"})).await;
     assert_eq!(stream.next_event().await.unwrap()["type"], "user-message");
 
-    let (status, body) = server
-        .post(
-            "/chat",
-            json!({"conversationId": "conv-busy", "message": "me too"}),
-        )
-        .await;
-    assert_eq!(
-        (status, body),
-        (
-            409,
-            json!({"error": "a turn is already generating for this conversation"})
-        )
-    );
+    let (status, body) = server.post("/chat", json!({"conversationId": "conv-busy", "message": "me too"})).await;
+    assert_eq!((status, body), (409, json!({"error": "a turn is already generating for this conversation"})));
     let (status, body) = server.delete("/conversations/conv-busy").await;
     assert_eq!(status, 409);
     assert!(body["error"].is_string());
@@ -253,31 +221,19 @@ async fn chat_mints_ids_names_the_conversation_and_checks_the_model() {
     let dir = tempfile::tempdir().unwrap();
     let server = scripted_server(dir.path()).await;
     let stream = server.chat_stream(json!({"message": "hi"})).await;
-    let id = stream.headers["x-conversation-id"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let id = stream.headers["x-conversation-id"].to_str().unwrap().to_owned();
     let events = stream.collect().await;
     assert_eq!(events[0]["conversationId"], id);
-    assert!(
-        uuid::Uuid::parse_str(&id).is_ok(),
-        "minted id {id} is a UUID"
-    );
+    assert!(uuid::Uuid::parse_str(&id).is_ok(), "minted id {id} is a UUID");
 
-    let (status, body) = server
-        .post(
-            "/chat",
-            json!({"conversationId": "c-model", "message": "hi", "model": "nope/none"}),
-        )
-        .await;
+    let (status, body) =
+        server.post("/chat", json!({"conversationId": "c-model", "message": "hi", "model": "nope/none"})).await;
     assert_eq!(status, 400);
     assert!(body["error"].as_str().unwrap().contains("nope/none"));
     assert_eq!(server.history("c-model").await, Vec::<Value>::new());
 
     let events = server
-        .chat_stream(
-            json!({"conversationId": "c-model", "message": "hi", "model": "demo/scripted"}),
-        )
+        .chat_stream(json!({"conversationId": "c-model", "message": "hi", "model": "demo/scripted"}))
         .await
         .collect()
         .await;
@@ -307,8 +263,7 @@ async fn chat_streams_sse_when_asked() {
     for (n, message) in messages.iter().enumerate() {
         let mut lines = message.lines();
         let id = lines.next().unwrap().strip_prefix("id: ").unwrap();
-        let data: Value =
-            serde_json::from_str(lines.next().unwrap().strip_prefix("data: ").unwrap()).unwrap();
+        let data: Value = serde_json::from_str(lines.next().unwrap().strip_prefix("data: ").unwrap()).unwrap();
         assert_eq!(id, format!("{}:{n}", data["turnId"].as_str().unwrap()));
         assert_eq!(data["type"], ndjson[n]["type"]);
     }

@@ -16,12 +16,7 @@ fn ids() -> (String, String) {
 }
 
 fn usage() -> Usage {
-    Usage {
-        input_tokens: 10,
-        output_tokens: 5,
-        cache_read_tokens: None,
-        cache_write_tokens: None,
-    }
+    Usage { input_tokens: 10, output_tokens: 5, cache_read_tokens: None, cache_write_tokens: None }
 }
 
 #[test]
@@ -29,17 +24,11 @@ fn every_agent_event_variant() {
     let (c, t) = ids();
     let cases: Vec<(AgentEvent, &str)> = vec![
         (
-            AgentEvent::Status(StatusEvent {
-                conversation_id: c.clone(),
-                status: "running".into(),
-            }),
+            AgentEvent::Status(StatusEvent { conversation_id: c.clone(), status: "running".into() }),
             r#"{"type":"status","conversationId":"c1","status":"running"}"#,
         ),
         (
-            AgentEvent::TurnStart(TurnStartEvent {
-                conversation_id: c.clone(),
-                turn_id: t.clone(),
-            }),
+            AgentEvent::TurnStart(TurnStartEvent { conversation_id: c.clone(), turn_id: t.clone() }),
             r#"{"type":"turn-start","conversationId":"c1","turnId":"t1"}"#,
         ),
         (
@@ -127,11 +116,7 @@ fn every_agent_event_variant() {
                 conversation_id: c.clone(),
                 turn_id: t.clone(),
                 step_id: Some("t1#1".into()),
-                usage: Usage {
-                    cache_read_tokens: Some(3),
-                    cache_write_tokens: Some(4),
-                    ..usage()
-                },
+                usage: Usage { cache_read_tokens: Some(3), cache_write_tokens: Some(4), ..usage() },
             }),
             r#"{"type":"usage","conversationId":"c1","turnId":"t1","stepId":"t1#1","usage":{"inputTokens":10,"outputTokens":5,"cacheReadTokens":3,"cacheWriteTokens":4}}"#,
         ),
@@ -198,10 +183,7 @@ fn every_agent_event_variant() {
             r#"{"type":"done","conversationId":"c1","turnId":"t1","reason":"tool-calls","durationMs":40,"usage":{"inputTokens":10,"outputTokens":5},"contextSize":15}"#,
         ),
         (
-            AgentEvent::TurnSealed(TurnSealedEvent {
-                conversation_id: c.clone(),
-                turn_id: t.clone(),
-            }),
+            AgentEvent::TurnSealed(TurnSealedEvent { conversation_id: c.clone(), turn_id: t.clone() }),
             r#"{"type":"turn-sealed","conversationId":"c1","turnId":"t1"}"#,
         ),
     ];
@@ -216,14 +198,8 @@ fn every_agent_event_variant() {
 #[test]
 fn every_chunk_and_the_stored_envelope() {
     let cases: Vec<(Chunk, &str)> = vec![
-        (
-            Chunk::Text(TextChunk { text: "hi".into() }),
-            r#"{"type":"text","text":"hi"}"#,
-        ),
-        (
-            Chunk::Thinking(ThinkingChunk { text: "hm".into() }),
-            r#"{"type":"thinking","text":"hm"}"#,
-        ),
+        (Chunk::Text(TextChunk { text: "hi".into() }), r#"{"type":"text","text":"hi"}"#),
+        (Chunk::Thinking(ThinkingChunk { text: "hm".into() }), r#"{"type":"thinking","text":"hm"}"#),
         (
             Chunk::ToolCall(ToolCallChunk {
                 tool_call_id: "k".into(),
@@ -252,42 +228,23 @@ fn every_chunk_and_the_stored_envelope() {
             }),
             r#"{"type":"tool-result","toolCallId":"k","toolName":"ls","content":"x","isError":false,"stepId":"t#0"}"#,
         ),
+        (Chunk::Error(ErrorChunk { message: "m".into(), code: None }), r#"{"type":"error","message":"m"}"#),
         (
-            Chunk::Error(ErrorChunk {
-                message: "m".into(),
-                code: None,
-            }),
-            r#"{"type":"error","message":"m"}"#,
-        ),
-        (
-            Chunk::Error(ErrorChunk {
-                message: "m".into(),
-                code: Some("interrupted".into()),
-            }),
+            Chunk::Error(ErrorChunk { message: "m".into(), code: Some("interrupted".into()) }),
             r#"{"type":"error","message":"m","code":"interrupted"}"#,
         ),
-        (
-            Chunk::System(SystemChunk { text: "s".into() }),
-            r#"{"type":"system","text":"s"}"#,
-        ),
+        (Chunk::System(SystemChunk { text: "s".into() }), r#"{"type":"system","text":"s"}"#),
     ];
     for (chunk, expected) in cases {
         golden(chunk, expected);
     }
     golden(
-        StoredChunk {
-            seq: 7,
-            role: Role::Tool,
-            chunk: Chunk::Text(TextChunk { text: "x".into() }),
-        },
+        StoredChunk { seq: 7, role: Role::Tool, chunk: Chunk::Text(TextChunk { text: "x".into() }) },
         r#"{"seq":7,"role":"tool","chunk":{"type":"text","text":"x"}}"#,
     );
-    for (role, s) in [
-        (Role::System, "system"),
-        (Role::User, "user"),
-        (Role::Assistant, "assistant"),
-        (Role::Tool, "tool"),
-    ] {
+    for (role, s) in
+        [(Role::System, "system"), (Role::User, "user"), (Role::Assistant, "assistant"), (Role::Tool, "tool")]
+    {
         golden(role, &format!("\"{s}\""));
     }
 }
@@ -305,23 +262,11 @@ fn metrics_and_conversation_meta() {
         r#"{"stepId":"t#0","usage":{"inputTokens":10,"outputTokens":5},"ttftMs":1,"decodeMs":2,"genTotalMs":3}"#,
     );
     golden(
-        StepMetrics {
-            step_id: "t#0".into(),
-            usage: usage(),
-            ttft_ms: None,
-            decode_ms: None,
-            gen_total_ms: None,
-        },
+        StepMetrics { step_id: "t#0".into(), usage: usage(), ttft_ms: None, decode_ms: None, gen_total_ms: None },
         r#"{"stepId":"t#0","usage":{"inputTokens":10,"outputTokens":5}}"#,
     );
     golden(
-        TurnMetrics {
-            turn_id: "t".into(),
-            usage: usage(),
-            duration_ms: None,
-            steps: vec![],
-            context_size: None,
-        },
+        TurnMetrics { turn_id: "t".into(), usage: usage(), duration_ms: None, steps: vec![], context_size: None },
         r#"{"turnId":"t","usage":{"inputTokens":10,"outputTokens":5},"steps":[]}"#,
     );
     golden(
@@ -366,14 +311,8 @@ fn metrics_and_conversation_meta() {
 
 #[test]
 fn unknown_types_and_missing_fields_are_rejected() {
-    assert!(
-        serde_json::from_str::<AgentEvent>(r#"{"type":"nope","conversationId":"c","turnId":"t"}"#)
-            .is_err()
-    );
-    assert!(
-        serde_json::from_str::<AgentEvent>(r#"{"type":"done","conversationId":"c","turnId":"t"}"#)
-            .is_err()
-    );
+    assert!(serde_json::from_str::<AgentEvent>(r#"{"type":"nope","conversationId":"c","turnId":"t"}"#).is_err());
+    assert!(serde_json::from_str::<AgentEvent>(r#"{"type":"done","conversationId":"c","turnId":"t"}"#).is_err());
     assert!(serde_json::from_str::<AgentEvent>(r#"{"conversationId":"c","turnId":"t"}"#).is_err());
     assert!(serde_json::from_str::<Chunk>(r#"{"type":"text"}"#).is_err());
     assert!(serde_json::from_str::<Usage>(r#"{"inputTokens":-1,"outputTokens":0}"#).is_err());

@@ -1,16 +1,15 @@
 //! `POST /chat`: start a turn and stream it back (NDJSON, or SSE when asked).
 
-use axum::body::Body;
 use axum::extract::State;
-use axum::http::header::{ACCEPT, CACHE_CONTROL, CONTENT_TYPE};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::header::ACCEPT;
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::Response;
 use utoipa::ToSchema;
 
 use super::AppState;
 use super::error::{ApiError, ErrorBody};
 use super::extract::JsonObject;
-use super::stream::{Framing, stream_body};
+use super::stream::{Framing, Watch, streaming_response, watch_body};
 use crate::turn::StartTurn;
 use crate::wire::AgentEvent;
 
@@ -34,9 +33,8 @@ pub struct ChatRequest {
 impl ChatRequest {
     /// Reads the fields with the gateway's error sentences.
     pub fn parse(body: &JsonObject) -> Result<StartTurn, ApiError> {
-        let conversation_id = body
-            .conversation_id("conversationId")?
-            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let conversation_id =
+            body.conversation_id("conversationId")?.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
         Ok(StartTurn {
             conversation_id,
             message: body.message("message")?,
@@ -65,38 +63,26 @@ impl ChatRequest {
         (status = 413, description = "Body too large", body = ErrorBody),
     )
 )]
-pub async fn chat(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: JsonObject,
-) -> Result<Response, ApiError> {
+pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonObject) -> Result<Response, ApiError> {
     let start = ChatRequest::parse(&body)?;
-    let framing = if wants_sse(&headers) {
-        Framing::Sse
-    } else {
-        Framing::Ndjson
-    };
+    let framing = if wants_sse(&headers) { Framing::Sse } else { Framing::Ndjson };
     let started = state.turns.start(start).await?;
-    let cursor = state.hub.read_turn(&started.buffer);
-    let mut response = Response::new(Body::from_stream(stream_body(cursor, framing)));
-    *response.status_mut() = StatusCode::OK;
-    let h = response.headers_mut();
-    h.insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static(framing.content_type()),
-    );
-    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    let watch = Watch {
+        cursor: state.hub.read_turn(&started.buffer),
+        framing,
+        until_sealed: true,
+        resync_first: false,
+        keepalive: state.keepalive(),
+        store: state.store.clone(),
+        conversation_id: started.conversation_id.clone(),
+    };
+    let mut response = streaming_response(framing, watch_body(watch));
     if let Ok(id) = HeaderValue::from_str(&started.conversation_id) {
-        h.insert("x-conversation-id", id);
+        response.headers_mut().insert("x-conversation-id", id);
     }
     Ok(response)
 }
 
-fn wants_sse(headers: &HeaderMap) -> bool {
-    headers
-        .get_all(ACCEPT)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .any(|v| v.contains("text/event-stream"))
+pub(super) fn wants_sse(headers: &HeaderMap) -> bool {
+    headers.get_all(ACCEPT).iter().filter_map(|v| v.to_str().ok()).any(|v| v.contains("text/event-stream"))
 }

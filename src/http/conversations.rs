@@ -76,15 +76,11 @@ pub struct TitleResponse {
 }
 
 fn title_field(body: &JsonObject, required: bool) -> Result<Option<String>, ApiError> {
-    let title = if required {
-        Some(body.required_str("title")?)
-    } else {
-        body.optional_str("title")?
-    };
+    let title = if required { Some(body.required_str("title")?) } else { body.optional_str("title")? };
     match title {
-        Some(t) if t.chars().count() > MAX_TITLE_CHARS => Err(ApiError::bad(format!(
-            "`title` must have at most {MAX_TITLE_CHARS} characters"
-        ))),
+        Some(t) if t.chars().count() > MAX_TITLE_CHARS => {
+            Err(ApiError::bad(format!("`title` must have at most {MAX_TITLE_CHARS} characters")))
+        }
         t => Ok(t.map(|t| t.trim().to_owned())),
     }
 }
@@ -104,9 +100,7 @@ fn title_field(body: &JsonObject, required: bool) -> Result<Option<String>, ApiE
 )]
 pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<Response, ApiError> {
     let id = match body.optional_str("id")? {
-        Some(id) => check_id(id)
-            .map_err(|e| ApiError::bad(format!("`id`: {e}")))?
-            .to_owned(),
+        Some(id) => check_id(id).map_err(|e| ApiError::bad(format!("`id`: {e}")))?.to_owned(),
         None => uuid::Uuid::new_v4().to_string(),
     };
     let title = title_field(&body, false)?.unwrap_or_default();
@@ -116,15 +110,8 @@ pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<R
     {
         return Err(StartError::UnknownModel(m.to_owned()).into());
     }
-    let meta = state
-        .store
-        .create_conversation(NewConversation {
-            id: &id,
-            title: &title,
-            model,
-            now: now_ms(),
-        })
-        .await?;
+    let meta =
+        state.store.create_conversation(NewConversation { id: &id, title: &title, model, now: now_ms() }).await?;
     Ok((StatusCode::CREATED, Json(meta)).into_response())
 }
 
@@ -140,28 +127,15 @@ pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<R
     ),
     responses((status = 200, body = ConversationList), (status = 400, body = ErrorBody))
 )]
-pub async fn list(
-    State(state): State<AppState>,
-    query: QueryParams,
-) -> Result<Json<ConversationList>, ApiError> {
+pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<Json<ConversationList>, ApiError> {
     let limit = query.integer("limit", 1)?.unwrap_or(DEFAULT_LIST_LIMIT);
     if limit > MAX_LIST_LIMIT {
-        return Err(ApiError::bad(format!(
-            "`limit` must be at most {MAX_LIST_LIMIT}"
-        )));
+        return Err(ApiError::bad(format!("`limit` must be at most {MAX_LIST_LIMIT}")));
     }
     let mut statuses = Vec::new();
-    for s in query
-        .get("status")
-        .unwrap_or("")
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-    {
+    for s in query.get("status").unwrap_or("").split(',').map(str::trim).filter(|s| !s.is_empty()) {
         if !matches!(s, "active" | "idle" | "closed") {
-            return Err(ApiError::bad(format!(
-                "`status` takes active, idle or closed, got {s:?}"
-            )));
+            return Err(ApiError::bad(format!("`status` takes active, idle or closed, got {s:?}")));
         }
         statuses.push(s.to_owned());
     }
@@ -170,9 +144,7 @@ pub async fn list(
         statuses,
         limit: limit as u32,
     };
-    Ok(Json(ConversationList {
-        conversations: state.store.list_conversations(&filter).await?,
-    }))
+    Ok(Json(ConversationList { conversations: state.store.list_conversations(&filter).await? }))
 }
 
 /// A window of the conversation's log (spec 2.3). An unknown id is an empty log.
@@ -215,9 +187,7 @@ pub async fn metrics(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
 ) -> Result<Json<MetricsResponse>, ApiError> {
-    Ok(Json(MetricsResponse {
-        turns: state.store.turn_metrics(&id).await?,
-    }))
+    Ok(Json(MetricsResponse { turns: state.store.turn_metrics(&id).await? }))
 }
 
 /// Renames a conversation.
@@ -242,10 +212,7 @@ pub async fn set_title(
     if !state.store.set_title(&id, &title).await? {
         return Err(ApiError::NotFound(format!("no conversation {id:?}")));
     }
-    Ok(Json(TitleResponse {
-        conversation_id: id,
-        title,
-    }))
+    Ok(Json(TitleResponse { conversation_id: id, title }))
 }
 
 /// Deletes a conversation with its log and metrics.
@@ -261,16 +228,11 @@ pub async fn set_title(
         (status = 409, description = "A turn is running", body = ErrorBody),
     )
 )]
-pub async fn delete(
-    State(state): State<AppState>,
-    ConversationId(id): ConversationId,
-) -> Result<StatusCode, ApiError> {
+pub async fn delete(State(state): State<AppState>, ConversationId(id): ConversationId) -> Result<StatusCode, ApiError> {
     match state.turns.delete(&id).await {
         Ok(true) => Ok(StatusCode::NO_CONTENT),
         Ok(false) => Err(ApiError::NotFound(format!("no conversation {id:?}"))),
-        Err(StartError::Busy) => Err(ApiError::Conflict(
-            "a turn is running in this conversation".into(),
-        )),
+        Err(StartError::Busy) => Err(ApiError::Conflict("a turn is running in this conversation".into())),
         Err(e) => Err(e.into()),
     }
 }

@@ -54,22 +54,14 @@ impl IntoResponse for ApiError {
         if let ApiError::Internal(detail) = &self {
             tracing::error!(error = %detail, "request failed");
         }
-        (
-            self.status(),
-            Json(ErrorBody {
-                error: self.to_string(),
-            }),
-        )
-            .into_response()
+        (self.status(), Json(ErrorBody { error: self.to_string() })).into_response()
     }
 }
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
-            StoreError::Exists => {
-                ApiError::Conflict("a conversation with this id already exists".into())
-            }
+            StoreError::Exists => ApiError::Conflict("a conversation with this id already exists".into()),
             other => ApiError::Internal(other.to_string()),
         }
     }
@@ -78,10 +70,9 @@ impl From<StoreError> for ApiError {
 impl From<StartError> for ApiError {
     fn from(e: StartError) -> Self {
         match e {
-            StartError::UnknownModel(m) => {
-                ApiError::BadRequest(format!("unknown model {m:?}; GET /models lists them"))
-            }
+            StartError::UnknownModel(m) => ApiError::BadRequest(format!("unknown model {m:?}; GET /models lists them")),
             StartError::Busy => ApiError::Conflict(StartError::Busy.to_string()),
+            StartError::ShuttingDown => ApiError::Unavailable(StartError::ShuttingDown.to_string()),
             StartError::Store(e) => e.into(),
         }
     }

@@ -18,23 +18,18 @@ impl FromRequest<AppState> for JsonObject {
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
         let limit = state.config.max_body_bytes;
-        let declared = req
-            .headers()
-            .get(CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
+        let declared =
+            req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(ApiError::TooLarge(limit));
         }
-        let bytes = axum::body::to_bytes(req.into_body(), limit)
-            .await
-            .map_err(|e| {
-                if e.into_inner().is::<LengthLimitError>() {
-                    ApiError::TooLarge(limit)
-                } else {
-                    ApiError::bad("could not read the request body")
-                }
-            })?;
+        let bytes = axum::body::to_bytes(req.into_body(), limit).await.map_err(|e| {
+            if e.into_inner().is::<LengthLimitError>() {
+                ApiError::TooLarge(limit)
+            } else {
+                ApiError::bad("could not read the request body")
+            }
+        })?;
         match serde_json::from_slice::<Value>(&bytes) {
             Ok(Value::Object(map)) => Ok(JsonObject(map)),
             Ok(_) => Err(ApiError::bad("Request body must be a JSON object")),
@@ -74,11 +69,7 @@ impl JsonObject {
     /// An optional conversation id, checked like a path id.
     pub fn conversation_id(&self, name: &str) -> Result<Option<String>, ApiError> {
         self.optional_str(name)?
-            .map(|id| {
-                check_id(id)
-                    .map(str::to_owned)
-                    .map_err(|e| ApiError::bad(format!("`{name}`: {e}")))
-            })
+            .map(|id| check_id(id).map(str::to_owned).map_err(|e| ApiError::bad(format!("`{name}`: {e}"))))
             .transpose()
     }
 }
@@ -88,13 +79,8 @@ pub fn check_id(id: &str) -> Result<&str, String> {
     if id.is_empty() || id.len() > 128 {
         return Err("a conversation id has 1 to 128 characters".into());
     }
-    if !id
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
-    {
-        return Err(
-            "a conversation id may only contain A-Z, a-z, 0-9, '.', '_', ':' and '-'".into(),
-        );
+    if !id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-')) {
+        return Err("a conversation id may only contain A-Z, a-z, 0-9, '.', '_', ':' and '-'".into());
     }
     Ok(id)
 }
@@ -122,21 +108,13 @@ impl<S: Send + Sync> FromRequestParts<S> for QueryParams {
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         let query = parts.uri.query().unwrap_or("");
-        Ok(QueryParams(
-            form_urlencoded::parse(query.as_bytes())
-                .into_owned()
-                .collect(),
-        ))
+        Ok(QueryParams(form_urlencoded::parse(query.as_bytes()).into_owned().collect()))
     }
 }
 
 impl QueryParams {
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .rev()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
+        self.0.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
     }
 
     /// An optional integer parameter with a lower bound; anything else is 400 naming it.
@@ -144,18 +122,10 @@ impl QueryParams {
         let Some(raw) = self.get(name) else {
             return Ok(None);
         };
-        let bound = if min == 0 {
-            "an integer >= 0"
-        } else {
-            "an integer > 0"
-        };
-        let value: u64 = raw
-            .parse()
-            .map_err(|_| ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}")))?;
+        let bound = if min == 0 { "an integer >= 0" } else { "an integer > 0" };
+        let value: u64 = raw.parse().map_err(|_| ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}")))?;
         if value < min {
-            return Err(ApiError::bad(format!(
-                "`{name}` must be {bound}, got {raw:?}"
-            )));
+            return Err(ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}")));
         }
         Ok(Some(value))
     }

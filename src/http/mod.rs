@@ -31,6 +31,13 @@ pub struct AppState {
     pub turns: Arc<Turns>,
 }
 
+impl AppState {
+    /// The keep-alive period of live streams.
+    pub fn keepalive(&self) -> Option<std::time::Duration> {
+        (self.config.keepalive_secs > 0).then(|| std::time::Duration::from_secs(self.config.keepalive_secs))
+    }
+}
+
 #[derive(OpenApi)]
 #[openapi(
     info(title = "dispatch-gateway", description = "Turns, an append-only log and live streams for agent runtimes."),
@@ -55,10 +62,7 @@ pub fn router_with_doc(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
         .routes(routes!(conversations::metrics))
         .routes(routes!(conversations::set_title))
         .split_for_parts();
-    let router = router
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .with_state(state);
+    let router = router.fallback(not_found).method_not_allowed_fallback(method_not_allowed).with_state(state);
     (router, doc)
 }
 
@@ -72,8 +76,6 @@ async fn not_found(method: Method, uri: Uri) -> ApiError {
 
 async fn method_not_allowed(method: Method, uri: Uri) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let body = error::ErrorBody {
-        error: format!("method {method} is not allowed on {}", uri.path()),
-    };
+    let body = error::ErrorBody { error: format!("method {method} is not allowed on {}", uri.path()) };
     (axum::http::StatusCode::METHOD_NOT_ALLOWED, axum::Json(body)).into_response()
 }

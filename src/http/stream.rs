@@ -1,11 +1,19 @@
-//! Turning a hub cursor into a response body: batches of pre-framed bytes, one chunk a batch.
+//! Turning a hub cursor into a streaming response body: batches of pre-framed bytes (one chunk
+//! a batch), keep-alives, and `resync` when a watcher's position cannot be refilled.
 
 use std::convert::Infallible;
+use std::time::Duration;
 
+use axum::body::Body;
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::Response;
 use bytes::Bytes;
 use futures_util::Stream;
+use tokio::time::{Instant, Interval, MissedTickBehavior};
 
-use crate::hub::{Cursor, Frame, join_frames};
+use crate::hub::{Cursor, Delivery, Frame, join_frames};
+use crate::store::Store;
 
 /// Most frames joined into one write.
 const BATCH: usize = 512;
@@ -30,18 +38,96 @@ impl Framing {
             Framing::Sse => |f| &f.sse,
         }
     }
+
+    fn keepalive(self) -> Bytes {
+        match self {
+            Framing::Ndjson => Bytes::from_static(b"\n"),
+            Framing::Sse => Bytes::from_static(b": keep-alive\n\n"),
+        }
+    }
 }
 
-/// The body stream of a cursor: ends when the cursor has nothing more to give.
-pub fn stream_body(
-    cursor: Cursor,
-    framing: Framing,
-) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
-    futures_util::stream::unfold(cursor, move |mut cursor| async move {
-        let batch = cursor.next_batch(BATCH).await;
-        if batch.is_empty() {
+/// One watcher's stream.
+pub struct Watch {
+    pub cursor: Cursor,
+    pub framing: Framing,
+    /// End after the next `turn-sealed`.
+    pub until_sealed: bool,
+    /// Send `event: resync` before anything else.
+    pub resync_first: bool,
+    pub keepalive: Option<Duration>,
+    pub store: Store,
+    pub conversation_id: String,
+}
+
+struct State {
+    watch: Watch,
+    ticker: Option<Interval>,
+    resync: bool,
+    done: bool,
+}
+
+/// The SSE message that tells a watcher to refetch history past its cursor.
+pub async fn resync_message(store: &Store, conversation_id: &str) -> Bytes {
+    let latest = store.latest_seq(conversation_id).await.unwrap_or(0);
+    let data = serde_json::json!({"conversationId": conversation_id, "latestSeq": latest});
+    Bytes::from(format!("event: resync\ndata: {data}\n\n"))
+}
+
+/// The body of a watcher: ends when the cursor ends, after `turn-sealed` with `until_sealed`,
+/// or (NDJSON, which cannot say `resync`) when its position could not be refilled.
+pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
+    let ticker = watch.keepalive.map(|period| {
+        let mut t = tokio::time::interval_at(Instant::now() + period, period);
+        t.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        t
+    });
+    let resync = watch.resync_first;
+    let state = State { watch, ticker, resync, done: false };
+    futures_util::stream::unfold(state, |mut st| async move {
+        if st.done {
             return None;
         }
-        Some((Ok(join_frames(&batch, framing.pick())), cursor))
+        if std::mem::take(&mut st.resync) {
+            let message = resync_message(&st.watch.store, &st.watch.conversation_id).await;
+            return Some((Ok(message), st));
+        }
+        let delivery = match st.ticker.as_mut() {
+            Some(ticker) => tokio::select! {
+                d = st.watch.cursor.next_batch(BATCH) => d,
+                _ = ticker.tick() => return Some((Ok(st.watch.framing.keepalive()), st)),
+            },
+            None => st.watch.cursor.next_batch(BATCH).await,
+        };
+        match delivery {
+            Delivery::Frames(frames) => {
+                if st.watch.until_sealed && frames.last().is_some_and(|f| f.is_sealed()) {
+                    st.done = true;
+                }
+                if let Some(t) = st.ticker.as_mut() {
+                    t.reset();
+                }
+                Some((Ok(join_frames(&frames, st.watch.framing.pick())), st))
+            }
+            Delivery::Lost if st.watch.framing == Framing::Sse => {
+                let message = resync_message(&st.watch.store, &st.watch.conversation_id).await;
+                Some((Ok(message), st))
+            }
+            Delivery::Lost | Delivery::End => None,
+        }
     })
+}
+
+/// A 200 streaming response with the headers every live stream carries.
+pub fn streaming_response(
+    framing: Framing,
+    body: impl Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
+) -> Response {
+    let mut response = Response::new(Body::from_stream(body));
+    *response.status_mut() = StatusCode::OK;
+    let h = response.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static(framing.content_type()));
+    h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response
 }

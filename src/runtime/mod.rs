@@ -57,6 +57,8 @@ pub enum RawEvent {
     },
     /// The runtime's native session, to resume on the next turn.
     SessionId(String),
+    /// The runtime took a steering message from its inbox and passes it to its model now.
+    UserInput(String),
 }
 
 /// What a runtime gets to run one turn.
@@ -69,6 +71,44 @@ pub struct TurnRequest {
     pub prompt: String,
     pub cwd: Option<String>,
     pub reasoning_effort: Option<String>,
+    /// Steering messages queued while the turn runs; a runtime that can take them drains it at
+    /// each step boundary and reports each as [`RawEvent::UserInput`].
+    pub inbox: Arc<Inbox>,
+}
+
+/// A message waiting to be delivered to a running turn (or to start the next one).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QueuedMessage {
+    pub id: String,
+    pub text: String,
+    /// Epoch milliseconds.
+    pub queued_at: i64,
+}
+
+/// The steering queue of one running turn.
+#[derive(Debug, Default)]
+pub struct Inbox {
+    messages: std::sync::Mutex<Vec<QueuedMessage>>,
+}
+
+impl Inbox {
+    pub fn push(&self, message: QueuedMessage) {
+        self.lock().push(message);
+    }
+
+    /// Takes every queued message, oldest first.
+    pub fn drain(&self) -> Vec<QueuedMessage> {
+        std::mem::take(&mut *self.lock())
+    }
+
+    pub fn snapshot(&self) -> Vec<QueuedMessage> {
+        self.lock().clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<QueuedMessage>> {
+        self.messages.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 pub type EventSink = mpsc::Sender<RawEvent>;
@@ -84,12 +124,7 @@ pub enum RuntimeError {
 /// A kind of runtime. `run_turn` drives one turn to its end, sending raw events into `sink`,
 /// and returns promptly once `cancel` fires.
 pub trait Runtime: Send + Sync + 'static {
-    fn run_turn(
-        &self,
-        request: TurnRequest,
-        sink: EventSink,
-        cancel: CancellationToken,
-    ) -> RuntimeFuture;
+    fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture;
 }
 
 /// What `GET /models` says of one model.
@@ -114,27 +149,12 @@ pub struct Registry {
 
 impl Registry {
     pub fn new(default_model: impl Into<String>) -> Registry {
-        Registry {
-            models: BTreeMap::new(),
-            default_model: default_model.into(),
-        }
+        Registry { models: BTreeMap::new(), default_model: default_model.into() }
     }
 
-    pub fn add(
-        &mut self,
-        credential: &str,
-        model: &str,
-        runtime: Arc<dyn Runtime>,
-        info: ModelInfo,
-    ) {
-        self.models.insert(
-            format!("{credential}/{model}"),
-            ModelEntry {
-                runtime,
-                native_name: model.to_owned(),
-                info,
-            },
-        );
+    pub fn add(&mut self, credential: &str, model: &str, runtime: Arc<dyn Runtime>, info: ModelInfo) {
+        self.models
+            .insert(format!("{credential}/{model}"), ModelEntry { runtime, native_name: model.to_owned(), info });
     }
 
     pub fn default_model(&self) -> &str {
@@ -147,9 +167,7 @@ impl Registry {
 
     /// The runtime and the model's own name for a full model name.
     pub fn resolve(&self, name: &str) -> Option<(Arc<dyn Runtime>, &str)> {
-        self.models
-            .get(name)
-            .map(|m| (m.runtime.clone(), m.native_name.as_str()))
+        self.models.get(name).map(|m| (m.runtime.clone(), m.native_name.as_str()))
     }
 
     pub fn names(&self) -> impl Iterator<Item = &str> {

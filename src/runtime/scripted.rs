@@ -83,10 +83,8 @@ fn empty_object() -> Value {
 
 impl Script {
     pub fn load(path: &Path) -> Result<Script, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read script {}: {e}", path.display()))?;
-        serde_json::from_str(&text)
-            .map_err(|e| format!("script {} is invalid: {e}", path.display()))
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read script {}: {e}", path.display()))?;
+        serde_json::from_str(&text).map_err(|e| format!("script {} is invalid: {e}", path.display()))
     }
 }
 
@@ -100,20 +98,11 @@ impl ScriptedRuntime {
     /// `pace` in tokens per second (0 = as fast as possible); `reasoning` adds a reasoning part
     /// to the default reply.
     pub fn new(pace: f64, reasoning: bool, script: Script) -> ScriptedRuntime {
-        ScriptedRuntime {
-            pace,
-            reasoning,
-            script,
-        }
+        ScriptedRuntime { pace, reasoning, script }
     }
 
     fn plan(&self, prompt: &str) -> Rule {
-        if let Some(rule) = self
-            .script
-            .rules
-            .iter()
-            .find(|r| r.pattern.as_deref().is_none_or(|p| prompt.contains(p)))
-        {
+        if let Some(rule) = self.script.rules.iter().find(|r| r.pattern.as_deref().is_none_or(|p| prompt.contains(p))) {
             return rule.clone();
         }
         let words = prompt.split_whitespace().count();
@@ -121,9 +110,9 @@ impl ScriptedRuntime {
             pattern: None,
             pace: None,
             steps: vec![StepScript {
-                reasoning: self.reasoning.then(|| {
-                    format!("The prompt has {words} words. Nothing to look up: answer with the demo reply.")
-                }),
+                reasoning: self
+                    .reasoning
+                    .then(|| format!("The prompt has {words} words. Nothing to look up: answer with the demo reply.")),
                 text: Some(format!(
                     "You said: \"{prompt}\". This is the scripted runtime of dispatch-gateway. \
                      It streams a fixed reply in small pieces so that you can watch a turn without a model. \
@@ -166,12 +155,8 @@ struct Pacer {
 
 impl Pacer {
     fn new(tokens_per_second: f64) -> Pacer {
-        let interval =
-            (tokens_per_second > 0.0).then(|| Duration::from_secs_f64(1.0 / tokens_per_second));
-        Pacer {
-            interval,
-            next: Instant::now(),
-        }
+        let interval = (tokens_per_second > 0.0).then(|| Duration::from_secs_f64(1.0 / tokens_per_second));
+        Pacer { interval, next: Instant::now() }
     }
 
     async fn tick(&mut self, cancel: &CancellationToken) -> Result<(), Stop> {
@@ -204,15 +189,7 @@ async fn stream_text(
     for token in split_tokens(text) {
         pacer.tick(cancel).await?;
         let delta = token.to_owned();
-        send(
-            sink,
-            if reasoning {
-                RawEvent::ReasoningDelta(delta)
-            } else {
-                RawEvent::TextDelta(delta)
-            },
-        )
-        .await?;
+        send(sink, if reasoning { RawEvent::ReasoningDelta(delta) } else { RawEvent::TextDelta(delta) }).await?;
         count += 1;
     }
     Ok(count)
@@ -229,8 +206,21 @@ async fn play(
     // Synthetic context: a notional system prompt plus the prompt, growing with each step.
     let mut context = 32 + (req.prompt.len() as u64).div_ceil(4);
     for (k, step) in rule.steps.iter().enumerate() {
+        // Steering is taken at step boundaries: the model sees it in this step's prompt.
+        let mut noted = Vec::new();
+        if k > 0 {
+            for message in req.inbox.drain() {
+                context += (message.text.len() as u64).div_ceil(4);
+                noted.push(message.text.clone());
+                send(&sink, RawEvent::UserInput(message.text)).await?;
+            }
+        }
         send(&sink, RawEvent::StepStart).await?;
         let mut output = 0;
+        if !noted.is_empty() {
+            let ack = format!("Noted: {}. ", noted.join("; "));
+            output += stream_text(&sink, &mut pacer, &cancel, &ack, false).await?;
+        }
         if let Some(reasoning) = &step.reasoning {
             output += stream_text(&sink, &mut pacer, &cancel, reasoning, true).await?;
         }
@@ -239,33 +229,16 @@ async fn play(
                 output += stream_text(&sink, &mut pacer, &cancel, text, false).await?;
             }
         }
-        let call_id =
-            |i: usize, t: &ToolScript| t.id.clone().unwrap_or_else(|| format!("call_{k}_{i}"));
+        let call_id = |i: usize, t: &ToolScript| t.id.clone().unwrap_or_else(|| format!("call_{k}_{i}"));
         for (i, tool) in step.tool_calls.iter().enumerate() {
             let input = tool.input.clone();
-            send(
-                &sink,
-                RawEvent::ToolCall {
-                    id: call_id(i, tool),
-                    name: tool.name.clone(),
-                    input,
-                },
-            )
-            .await?;
+            send(&sink, RawEvent::ToolCall { id: call_id(i, tool), name: tool.name.clone(), input }).await?;
             output += 8;
         }
         for (i, tool) in step.tool_calls.iter().enumerate() {
             if let Some(data) = &tool.output {
                 let (id, data) = (call_id(i, tool), data.clone());
-                send(
-                    &sink,
-                    RawEvent::ToolOutput {
-                        id,
-                        data,
-                        stream: OutputStream::Stdout,
-                    },
-                )
-                .await?;
+                send(&sink, RawEvent::ToolOutput { id, data, stream: OutputStream::Stdout }).await?;
             }
         }
         if let Some(ms) = step.stall_ms {
@@ -274,11 +247,7 @@ async fn play(
                 _ = cancel.cancelled() => return Err(Stop),
             }
         }
-        let usage = step.usage.unwrap_or(Usage {
-            input_tokens: context,
-            output_tokens: output,
-            ..Usage::default()
-        });
+        let usage = step.usage.unwrap_or(Usage { input_tokens: context, output_tokens: output, ..Usage::default() });
         send(&sink, RawEvent::Usage(usage)).await?;
         send(&sink, RawEvent::StepEnd).await?;
         context = usage.input_tokens + usage.output_tokens;
@@ -298,24 +267,14 @@ async fn play(
         }
     }
     let terminal = match rule.error {
-        Some(e) => RawEvent::Error {
-            message: e.message,
-            code: e.code,
-        },
-        None => RawEvent::Finish {
-            reason: rule.finish.unwrap_or_else(|| "stop".to_owned()),
-        },
+        Some(e) => RawEvent::Error { message: e.message, code: e.code },
+        None => RawEvent::Finish { reason: rule.finish.unwrap_or_else(|| "stop".to_owned()) },
     };
     send(&sink, terminal).await
 }
 
 impl Runtime for ScriptedRuntime {
-    fn run_turn(
-        &self,
-        request: TurnRequest,
-        sink: EventSink,
-        cancel: CancellationToken,
-    ) -> RuntimeFuture {
+    fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture {
         let rule = self.plan(&request.prompt);
         let pace = self.pace;
         Box::pin(async move {

@@ -46,10 +46,7 @@ pub struct ConversationFilter {
 }
 
 impl Store {
-    pub async fn create_conversation(
-        &self,
-        c: NewConversation<'_>,
-    ) -> StoreResult<ConversationMeta> {
+    pub async fn create_conversation(&self, c: NewConversation<'_>) -> StoreResult<ConversationMeta> {
         let result = sqlx::query(
             "INSERT INTO conversations (id, title, model, created_at, last_activity_at)
              VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
@@ -76,18 +73,13 @@ impl Store {
 
     pub async fn conversation(&self, id: &str) -> StoreResult<Option<ConversationMeta>> {
         let sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE id = ?");
-        let row: Option<ConversationRow> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(id)
-            .fetch_optional(&self.reader)
-            .await?;
+        let row: Option<ConversationRow> =
+            sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(id).fetch_optional(&self.reader).await?;
         Ok(row.map(Into::into))
     }
 
     /// Newest activity first.
-    pub async fn list_conversations(
-        &self,
-        f: &ConversationFilter,
-    ) -> StoreResult<Vec<ConversationMeta>> {
+    pub async fn list_conversations(&self, f: &ConversationFilter) -> StoreResult<Vec<ConversationMeta>> {
         let mut sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE 1 = 1");
         if f.id_prefix.is_some() {
             // Ids only use characters below U+007F, so every id with the prefix sorts in
@@ -123,20 +115,39 @@ impl Store {
 
     /// Deletes the conversation with its log and turns; false when it did not exist.
     pub async fn delete_conversation(&self, id: &str) -> StoreResult<bool> {
-        let r = sqlx::query("DELETE FROM conversations WHERE id = ?")
+        let r = sqlx::query("DELETE FROM conversations WHERE id = ?").bind(id).execute(&self.writer).await?;
+        Ok(r.rows_affected() > 0)
+    }
+
+    /// Marks a conversation closed; false when it does not exist.
+    pub async fn close_conversation(&self, id: &str) -> StoreResult<bool> {
+        let r = sqlx::query("UPDATE conversations SET status = 'closed' WHERE id = ?")
             .bind(id)
             .execute(&self.writer)
             .await?;
         Ok(r.rows_affected() > 0)
     }
 
+    /// Sets (or clears) the sticky model, creating the conversation when missing.
+    pub async fn set_model(&self, id: &str, model: Option<&str>, now: i64) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO conversations (id, model, created_at, last_activity_at) VALUES (?1, ?2, ?3, ?3)
+             ON CONFLICT (id) DO UPDATE SET model = ?2",
+        )
+        .bind(id)
+        .bind(model)
+        .bind(now)
+        .execute(&self.writer)
+        .await?;
+        Ok(())
+    }
+
     /// The conversation's sticky model, if it exists and has one.
     pub async fn conversation_model(&self, id: &str) -> StoreResult<Option<String>> {
-        let model: Option<Option<String>> =
-            sqlx::query_scalar("SELECT model FROM conversations WHERE id = ?")
-                .bind(id)
-                .fetch_optional(&self.reader)
-                .await?;
+        let model: Option<Option<String>> = sqlx::query_scalar("SELECT model FROM conversations WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.reader)
+            .await?;
         Ok(model.flatten())
     }
 }

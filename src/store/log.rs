@@ -41,27 +41,16 @@ struct ChunkRow {
 
 impl Store {
     /// Appends `chunks` in one transaction; returns the seq of the last one (0 if none).
-    pub async fn append_chunks(
-        &self,
-        conversation_id: &str,
-        turn_id: &str,
-        chunks: &[NewChunk],
-    ) -> StoreResult<u64> {
+    pub async fn append_chunks(&self, conversation_id: &str, turn_id: &str, chunks: &[NewChunk]) -> StoreResult<u64> {
         let mut tx = self.write_tx().await?;
         let last = append_in(&mut tx, conversation_id, turn_id, chunks, super::now_ms()).await?;
         tx.commit().await?;
         Ok(last)
     }
 
-    pub async fn history(
-        &self,
-        conversation_id: &str,
-        w: HistoryWindow,
-    ) -> StoreResult<Vec<RawStoredChunk>> {
+    pub async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<Vec<RawStoredChunk>> {
         let since = i64::try_from(w.since_seq).unwrap_or(i64::MAX);
-        let before = w
-            .before_seq
-            .map_or(i64::MAX, |b| i64::try_from(b).unwrap_or(i64::MAX));
+        let before = w.before_seq.map_or(i64::MAX, |b| i64::try_from(b).unwrap_or(i64::MAX));
         let rows: Vec<ChunkRow> = match w.limit {
             Some(limit) => {
                 let mut rows: Vec<ChunkRow> = sqlx::query_as(
@@ -93,28 +82,21 @@ impl Store {
         };
         rows.into_iter()
             .map(|r| {
-                let role = Role::parse(&r.role).ok_or_else(|| {
-                    StoreError::Corrupt(format!("unknown role {:?} at seq {}", r.role, r.seq))
-                })?;
-                let chunk = RawValue::from_string(r.chunk).map_err(|e| {
-                    StoreError::Corrupt(format!("chunk at seq {} is not JSON: {e}", r.seq))
-                })?;
-                Ok(RawStoredChunk {
-                    seq: r.seq as u64,
-                    role,
-                    chunk,
-                })
+                let role = Role::parse(&r.role)
+                    .ok_or_else(|| StoreError::Corrupt(format!("unknown role {:?} at seq {}", r.role, r.seq)))?;
+                let chunk = RawValue::from_string(r.chunk)
+                    .map_err(|e| StoreError::Corrupt(format!("chunk at seq {} is not JSON: {e}", r.seq)))?;
+                Ok(RawStoredChunk { seq: r.seq as u64, role, chunk })
             })
             .collect()
     }
 
     /// The conversation's highest seq (0 for none or unknown).
     pub async fn latest_seq(&self, conversation_id: &str) -> StoreResult<u64> {
-        let seq: Option<i64> =
-            sqlx::query_scalar("SELECT last_seq FROM conversations WHERE id = ?")
-                .bind(conversation_id)
-                .fetch_optional(&self.reader)
-                .await?;
+        let seq: Option<i64> = sqlx::query_scalar("SELECT last_seq FROM conversations WHERE id = ?")
+            .bind(conversation_id)
+            .fetch_optional(&self.reader)
+            .await?;
         Ok(seq.unwrap_or(0) as u64)
     }
 }
@@ -132,11 +114,7 @@ pub(super) async fn append_in(
             .bind(conversation_id)
             .fetch_optional(&mut **tx)
             .await?
-            .ok_or_else(|| {
-                StoreError::Corrupt(format!(
-                    "conversation {conversation_id} vanished during a turn"
-                ))
-            })?;
+            .ok_or_else(|| StoreError::Corrupt(format!("conversation {conversation_id} vanished during a turn")))?;
     if chunks.is_empty() {
         return Ok(seq as u64);
     }
@@ -145,8 +123,7 @@ pub(super) async fn append_in(
         if c.new_message || message_id == 0 {
             message_id += 1;
         }
-        let json =
-            serde_json::to_string(&c.chunk).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let json = serde_json::to_string(&c.chunk).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         sqlx::query(
             "INSERT INTO chunks (conversation_id, seq, message_id, turn_id, role, chunk) VALUES (?, ?, ?, ?, ?, ?)",
         )

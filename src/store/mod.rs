@@ -6,6 +6,7 @@
 
 mod conversations;
 mod log;
+mod reads;
 mod turns;
 
 use std::path::Path;
@@ -17,7 +18,8 @@ use sqlx::{Sqlite, SqlitePool, Transaction};
 
 pub use conversations::{ConversationFilter, NewConversation};
 pub use log::{HistoryWindow, NewChunk, RawStoredChunk};
-pub use turns::{BeginTurn, SealTurn};
+pub use reads::{LastText, ModelThroughput};
+pub use turns::{BeginTurn, IdempotencyRecord, SealTurn, user_chunk};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -28,12 +30,11 @@ pub enum StoreError {
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("could not prepare the database folder {path}: {source}")]
-    Folder {
-        path: String,
-        source: std::io::Error,
-    },
+    Folder { path: String, source: std::io::Error },
     #[error("a conversation with this id already exists")]
     Exists,
+    #[error("this idempotency key was already used")]
+    DuplicateKey,
     #[error("stored data is corrupt: {0}")]
     Corrupt(String),
 }
@@ -51,10 +52,8 @@ impl Store {
     /// turns a previous process left open (spec 1.5) before anything is served.
     pub async fn open(path: &Path) -> StoreResult<Store> {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(|source| StoreError::Folder {
-                path: parent.display().to_string(),
-                source,
-            })?;
+            std::fs::create_dir_all(parent)
+                .map_err(|source| StoreError::Folder { path: parent.display().to_string(), source })?;
         }
         let options = SqliteConnectOptions::from_str("sqlite:")?
             .filename(path)
@@ -63,23 +62,14 @@ impl Store {
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
             .busy_timeout(Duration::from_secs(5));
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .connect_with(options.clone())
-            .await?;
+        let writer =
+            SqlitePoolOptions::new().max_connections(1).min_connections(1).connect_with(options.clone()).await?;
         MIGRATOR.run(&writer).await?;
-        let reader = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(options.read_only(true))
-            .await?;
+        let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.read_only(true)).await?;
         let store = Store { writer, reader };
         let repaired = store.recover_interrupted(now_ms()).await?;
         if repaired > 0 {
-            tracing::warn!(
-                turns = repaired,
-                "marked turns cut off by the last shutdown as interrupted"
-            );
+            tracing::warn!(turns = repaired, "marked turns cut off by the last shutdown as interrupted");
         }
         Ok(store)
     }
@@ -102,8 +92,5 @@ impl Store {
 
 /// Wall-clock now in epoch milliseconds (for stored times only; durations use `Instant`).
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }

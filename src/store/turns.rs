@@ -6,6 +6,11 @@ use super::log::{NewChunk, append_in};
 use super::{Store, StoreError, StoreResult};
 use crate::wire::{Chunk, ErrorChunk, Role, TextChunk, TurnMetrics};
 
+/// The user's text as the chunk that opens its own message.
+pub fn user_chunk(text: &str) -> NewChunk {
+    NewChunk { role: Role::User, chunk: Chunk::Text(TextChunk { text: text.to_owned() }), new_message: true }
+}
+
 /// The error chunk a restart appends to a turn the previous process left open.
 pub const INTERRUPTED_MESSAGE: &str = "turn interrupted: server restarted";
 pub const INTERRUPTED_CODE: &str = "interrupted";
@@ -17,8 +22,20 @@ pub struct BeginTurn<'a> {
     pub user_text: &'a str,
     /// Title given to a conversation the turn creates, or one whose title is still empty.
     pub default_title: &'a str,
+    /// Recorded in the same transaction, so a retried request finds it whatever happens next.
+    pub idempotency: Option<IdempotencyRecord<'a>>,
     pub now: i64,
 }
+
+/// An `Idempotency-Key` with the request it came with and the answer it got.
+pub struct IdempotencyRecord<'a> {
+    pub key: &'a str,
+    pub body_hash: &'a str,
+    pub response: &'a str,
+}
+
+/// How long idempotency keys are kept, at least.
+const IDEMPOTENCY_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
 
 pub struct SealTurn<'a> {
     pub conversation_id: &'a str,
@@ -58,29 +75,46 @@ impl Store {
             .bind(t.conversation_id)
             .execute(&mut *tx)
             .await?;
-        let user = NewChunk {
-            role: Role::User,
-            chunk: Chunk::Text(TextChunk {
-                text: t.user_text.to_owned(),
-            }),
-            new_message: true,
-        };
-        let seq = append_in(&mut tx, t.conversation_id, t.turn_id, &[user], t.now).await?;
+        if let Some(record) = &t.idempotency {
+            sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?")
+                .bind(t.now - IDEMPOTENCY_KEEP_MS)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(
+                "INSERT INTO idempotency_keys (conversation_id, key, body_hash, response, created_at)
+                 VALUES (?, ?, ?, ?, ?)",
+            )
+            .bind(t.conversation_id)
+            .bind(record.key)
+            .bind(record.body_hash)
+            .bind(record.response)
+            .bind(t.now)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| match e.as_database_error() {
+                Some(d) if d.is_unique_violation() => StoreError::DuplicateKey,
+                _ => StoreError::Database(e),
+            })?;
+        }
+        let seq = append_in(&mut tx, t.conversation_id, t.turn_id, &[user_chunk(t.user_text)], t.now).await?;
         tx.commit().await?;
         Ok(seq)
     }
 
+    /// The first answer to an idempotency key, with the hash of the body it came with.
+    pub async fn idempotent_response(&self, conversation_id: &str, key: &str) -> StoreResult<Option<(String, String)>> {
+        Ok(sqlx::query_as("SELECT body_hash, response FROM idempotency_keys WHERE conversation_id = ? AND key = ?")
+            .bind(conversation_id)
+            .bind(key)
+            .fetch_optional(&self.reader)
+            .await?)
+    }
+
     /// Seals a turn: its chunks not yet written, its metrics, and the conversation back to
-    /// idle (a closed one stays closed), in one transaction.
-    pub async fn seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<()> {
-        let metrics =
-            serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let gen_total_ms: u64 = s
-            .metrics
-            .steps
-            .iter()
-            .filter_map(|st| st.gen_total_ms)
-            .sum();
+    /// idle (a closed one stays closed), in one transaction. Returns the conversation's status.
+    pub async fn seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<String> {
+        let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        let gen_total_ms: u64 = s.metrics.steps.iter().filter_map(|st| st.gen_total_ms).sum();
         let mut tx = self.write_tx().await?;
         append_in(&mut tx, s.conversation_id, s.turn_id, final_chunks, s.now).await?;
         sqlx::query(
@@ -96,17 +130,17 @@ impl Store {
         .bind(s.turn_id)
         .execute(&mut *tx)
         .await?;
-        sqlx::query(
+        let status: String = sqlx::query_scalar(
             "UPDATE conversations SET last_activity_at = ?,
                  status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
-             WHERE id = ?",
+             WHERE id = ? RETURNING status",
         )
         .bind(s.now)
         .bind(s.conversation_id)
-        .execute(&mut *tx)
+        .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(())
+        Ok(status)
     }
 
     /// Every sealed turn's metrics, in turn order.
@@ -118,10 +152,7 @@ impl Store {
         .fetch_all(&self.reader)
         .await?;
         rows.into_iter()
-            .map(|(json,)| {
-                serde_json::from_str(&json)
-                    .map_err(|e| StoreError::Corrupt(format!("turn metrics: {e}")))
-            })
+            .map(|(json,)| serde_json::from_str(&json).map_err(|e| StoreError::Corrupt(format!("turn metrics: {e}"))))
             .collect()
     }
 
@@ -149,28 +180,17 @@ impl Store {
                 }),
                 new_message: true,
             };
-            append_in(
-                &mut tx,
-                &turn.conversation_id,
-                &turn.turn_id,
-                &[marker],
-                now,
-            )
-            .await?;
-            sqlx::query(
-                "UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?",
-            )
-            .bind(now)
-            .bind(&turn.conversation_id)
-            .bind(&turn.turn_id)
-            .execute(&mut *tx)
-            .await?;
+            append_in(&mut tx, &turn.conversation_id, &turn.turn_id, &[marker], now).await?;
+            sqlx::query("UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?")
+                .bind(now)
+                .bind(&turn.conversation_id)
+                .bind(&turn.turn_id)
+                .execute(&mut *tx)
+                .await?;
             tx.commit().await?;
         }
         // Whatever was active when the process died is not active now.
-        sqlx::query("UPDATE conversations SET status = 'idle' WHERE status = 'active'")
-            .execute(&self.writer)
-            .await?;
+        sqlx::query("UPDATE conversations SET status = 'idle' WHERE status = 'active'").execute(&self.writer).await?;
         Ok(open.len())
     }
 }

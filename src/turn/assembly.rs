@@ -6,9 +6,7 @@
 //! expect; a turn-level error is an assistant message of its own.
 
 use crate::store::NewChunk;
-use crate::wire::{
-    Chunk, ErrorChunk, Role, TextChunk, ThinkingChunk, ToolCallChunk, ToolResultChunk,
-};
+use crate::wire::{Chunk, ErrorChunk, Role, TextChunk, ThinkingChunk, ToolCallChunk, ToolResultChunk};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Run {
@@ -27,11 +25,7 @@ pub struct ChunkAssembler {
 
 impl Default for ChunkAssembler {
     fn default() -> Self {
-        ChunkAssembler {
-            pending: Vec::new(),
-            run: Run::None,
-            in_message: false,
-        }
+        ChunkAssembler { pending: Vec::new(), run: Run::None, in_message: false }
     }
 }
 
@@ -70,9 +64,16 @@ impl ChunkAssembler {
     }
 
     pub fn tool_result(&mut self, result: ToolResultChunk) {
+        self.pending.push(NewChunk { role: Role::Tool, chunk: Chunk::ToolResult(result), new_message: true });
+        self.run = Run::None;
+        self.in_message = false;
+    }
+
+    /// A user message that reached the runtime mid-turn (steering): a message of its own.
+    pub fn user(&mut self, text: &str) {
         self.pending.push(NewChunk {
-            role: Role::Tool,
-            chunk: Chunk::ToolResult(result),
+            role: Role::User,
+            chunk: Chunk::Text(TextChunk { text: text.to_owned() }),
             new_message: true,
         });
         self.run = Run::None;
@@ -81,10 +82,7 @@ impl ChunkAssembler {
 
     pub fn error(&mut self, message: &str, code: Option<&str>) {
         self.in_message = false;
-        self.assistant(Chunk::Error(ErrorChunk {
-            message: message.to_owned(),
-            code: code.map(str::to_owned),
-        }));
+        self.assistant(Chunk::Error(ErrorChunk { message: message.to_owned(), code: code.map(str::to_owned) }));
         self.in_message = false;
     }
 
@@ -105,11 +103,7 @@ impl ChunkAssembler {
     }
 
     fn assistant(&mut self, chunk: Chunk) {
-        self.pending.push(NewChunk {
-            role: Role::Assistant,
-            chunk,
-            new_message: !self.in_message,
-        });
+        self.pending.push(NewChunk { role: Role::Assistant, chunk, new_message: !self.in_message });
         self.run = Run::None;
         self.in_message = true;
     }
@@ -121,10 +115,7 @@ mod tests {
     use serde_json::json;
 
     fn summary(chunks: &[NewChunk]) -> Vec<(Role, bool, Chunk)> {
-        chunks
-            .iter()
-            .map(|c| (c.role, c.new_message, c.chunk.clone()))
-            .collect()
+        chunks.iter().map(|c| (c.role, c.new_message, c.chunk.clone())).collect()
     }
 
     #[test]
@@ -156,10 +147,7 @@ mod tests {
         assert_eq!(got[0], (Role::Assistant, true, thinking("think more")));
         assert_eq!(got[1], (Role::Assistant, false, text("Hello")));
         assert_eq!(got[2], (Role::Assistant, false, thinking("again")));
-        assert!(matches!(
-            got[3],
-            (Role::Assistant, false, Chunk::ToolCall(_))
-        ));
+        assert!(matches!(got[3], (Role::Assistant, false, Chunk::ToolCall(_))));
         assert!(matches!(got[4], (Role::Tool, true, Chunk::ToolResult(_))));
         assert_eq!(got[5], (Role::Assistant, true, text("next step")));
         assert_eq!(got.len(), 6);
@@ -175,24 +163,10 @@ mod tests {
         a.error("boom", Some("x"));
         let got = summary(&a.take());
         assert_eq!(got.len(), 3);
-        assert_eq!(
-            got[1],
-            (
-                Role::Assistant,
-                true,
-                Chunk::Text(TextChunk { text: "two".into() })
-            )
-        );
+        assert_eq!(got[1], (Role::Assistant, true, Chunk::Text(TextChunk { text: "two".into() })));
         assert_eq!(
             got[2],
-            (
-                Role::Assistant,
-                true,
-                Chunk::Error(ErrorChunk {
-                    message: "boom".into(),
-                    code: Some("x".into())
-                })
-            )
+            (Role::Assistant, true, Chunk::Error(ErrorChunk { message: "boom".into(), code: Some("x".into()) }))
         );
     }
 }

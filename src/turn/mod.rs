@@ -1,4 +1,4 @@
-//! Turns: starting them (one at a time per conversation), running them, and sealing them.
+//! Turns: starting them (one at a time per conversation), steering, stopping and sealing them.
 //!
 //! [`Turns`] owns the set of running turns. A started turn runs in its own task
 //! (`run.rs`): it maps the runtime's raw events onto the wire, publishes them to the hub,
@@ -11,14 +11,15 @@ mod tally;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 pub use assembly::ChunkAssembler;
 pub use tally::{OpenStep, StepTiming, TurnTally};
 
 use crate::hub::{Hub, TurnBuffer};
-use crate::runtime::{Registry, TurnRequest};
-use crate::store::{BeginTurn, Store, StoreError, now_ms};
+use crate::runtime::{Inbox, QueuedMessage, Registry, TurnRequest};
+use crate::store::{BeginTurn, IdempotencyRecord, Store, StoreError, now_ms};
 use crate::wire::{AgentEvent, TurnInputEvent, TurnStartEvent};
 
 /// A request to start a turn, already validated for shape.
@@ -45,8 +46,24 @@ pub enum StartError {
     UnknownModel(String),
     #[error("a turn is already generating for this conversation")]
     Busy,
+    #[error("the gateway is shutting down")]
+    ShuttingDown,
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// A conversation went active, idle or closed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusChange {
+    pub conversation_id: String,
+    pub status: &'static str,
+}
+
+/// What `/queue` did with a message.
+pub struct Queued {
+    pub started_turn: bool,
+    /// Messages still waiting for the running turn's next step.
+    pub queue: Vec<QueuedMessage>,
 }
 
 enum Slot {
@@ -54,6 +71,7 @@ enum Slot {
     Starting,
     Running {
         cancel: CancellationToken,
+        inbox: Arc<Inbox>,
     },
     /// Reserved while the conversation is deleted.
     Deleting,
@@ -64,6 +82,9 @@ pub struct Turns {
     hub: Arc<Hub>,
     registry: Arc<Registry>,
     slots: Mutex<HashMap<String, Slot>>,
+    statuses: broadcast::Sender<StatusChange>,
+    /// Set at shutdown: no new turn starts.
+    closing: CancellationToken,
 }
 
 /// Frees a reserved slot unless the reservation was turned into a running turn.
@@ -83,11 +104,14 @@ impl Drop for Reservation<'_> {
 
 impl Turns {
     pub fn new(store: Store, hub: Arc<Hub>, registry: Arc<Registry>) -> Arc<Turns> {
+        let (statuses, _) = broadcast::channel(1024);
         Arc::new(Turns {
             store,
             hub,
             registry,
             slots: Mutex::new(HashMap::new()),
+            statuses,
+            closing: CancellationToken::new(),
         })
     }
 
@@ -95,18 +119,41 @@ impl Turns {
         &self.registry
     }
 
+    /// Every status change from now on (a receiver that lags loses the oldest).
+    pub fn status_changes(&self) -> broadcast::Receiver<StatusChange> {
+        self.statuses.subscribe()
+    }
+
+    fn announce(&self, conversation_id: &str, status: &'static str) {
+        let _ = self.statuses.send(StatusChange { conversation_id: conversation_id.to_owned(), status });
+    }
+
     /// Whether a turn is running (or starting) in this conversation.
     pub fn is_active(&self, conversation_id: &str) -> bool {
-        matches!(
-            self.lock().get(conversation_id),
-            Some(Slot::Starting | Slot::Running { .. })
-        )
+        matches!(self.lock().get(conversation_id), Some(Slot::Starting | Slot::Running { .. }))
     }
 
     /// Starts a turn: picks the model, reserves the conversation (409 when busy), writes the
     /// user's chunk, opens the replay buffer with `user-message` and `turn-start`, and spawns
     /// the turn. Nothing is emitted when it fails.
     pub async fn start(self: &Arc<Self>, req: StartTurn) -> Result<Started, StartError> {
+        self.start_with(req, None::<fn(&str) -> (String, String)>, None).await
+    }
+
+    /// [`Turns::start`], recording an idempotency key with the answer `respond(turn_id)` gives
+    /// (as `(body_hash, response)`) in the turn's first transaction.
+    pub async fn start_with<F>(
+        self: &Arc<Self>,
+        req: StartTurn,
+        respond: Option<F>,
+        key: Option<&str>,
+    ) -> Result<Started, StartError>
+    where
+        F: FnOnce(&str) -> (String, String),
+    {
+        if self.closing.is_cancelled() {
+            return Err(StartError::ShuttingDown);
+        }
         let model = match &req.model {
             Some(m) => m.clone(),
             None => self
@@ -121,6 +168,11 @@ impl Turns {
         let mut reservation = self.reserve(&req.conversation_id, Slot::Starting)?;
 
         let turn_id = uuid::Uuid::now_v7().to_string();
+        let recorded = respond.map(|f| f(&turn_id));
+        let idempotency = match (&recorded, key) {
+            (Some((body_hash, response)), Some(key)) => Some(IdempotencyRecord { key, body_hash, response }),
+            _ => None,
+        };
         self.store
             .begin_turn(BeginTurn {
                 conversation_id: &req.conversation_id,
@@ -128,6 +180,7 @@ impl Turns {
                 model: &model,
                 user_text: &req.message,
                 default_title: &default_title(&req.message),
+                idempotency,
                 now: now_ms(),
             })
             .await?;
@@ -139,19 +192,14 @@ impl Turns {
             turn_id: ids.1.clone(),
             text: req.message.clone(),
         }));
-        buffer.publish(&AgentEvent::TurnStart(TurnStartEvent {
-            conversation_id: ids.0.clone(),
-            turn_id: ids.1.clone(),
-        }));
+        buffer
+            .publish(&AgentEvent::TurnStart(TurnStartEvent { conversation_id: ids.0.clone(), turn_id: ids.1.clone() }));
 
         let cancel = CancellationToken::new();
-        self.lock().insert(
-            req.conversation_id.clone(),
-            Slot::Running {
-                cancel: cancel.clone(),
-            },
-        );
+        let inbox = Arc::new(Inbox::default());
+        self.lock().insert(req.conversation_id.clone(), Slot::Running { cancel: cancel.clone(), inbox: inbox.clone() });
         reservation.armed = false;
+        self.announce(&req.conversation_id, "active");
 
         let request = TurnRequest {
             conversation_id: req.conversation_id.clone(),
@@ -160,14 +208,53 @@ impl Turns {
             prompt: req.message,
             cwd: req.cwd,
             reasoning_effort: req.reasoning_effort,
+            inbox,
         };
-        let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel);
+        let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, request.inbox.clone());
         tokio::spawn(run.drive(runtime, request));
-        Ok(Started {
-            conversation_id: ids.0,
-            turn_id: ids.1,
-            buffer,
-        })
+        Ok(Started { conversation_id: ids.0, turn_id: ids.1, buffer })
+    }
+
+    /// Aborts the running turn, if any: it ends `done{aborted}` + `turn-sealed`. Returns
+    /// whether there was one.
+    pub fn stop(&self, conversation_id: &str) -> bool {
+        match self.lock().get(conversation_id) {
+            Some(Slot::Running { cancel, .. }) => {
+                cancel.cancel();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Stops the running turn and marks the conversation closed (idempotent; an unknown id is
+    /// fine). Returns whether a turn was aborted.
+    pub async fn close(&self, conversation_id: &str) -> Result<bool, StoreError> {
+        let existed = self.store.close_conversation(conversation_id).await?;
+        let aborted = self.stop(conversation_id);
+        if existed && !aborted {
+            self.announce(conversation_id, "closed");
+        }
+        Ok(aborted)
+    }
+
+    /// Steers the running turn with `text` (delivered at its next step boundary), or starts a
+    /// turn with it when none runs.
+    pub async fn queue(self: &Arc<Self>, conversation_id: &str, text: String) -> Result<Queued, StartError> {
+        let message = QueuedMessage { id: uuid::Uuid::now_v7().to_string(), text, queued_at: now_ms() };
+        if let Some(Slot::Running { inbox, .. }) = self.lock().get(conversation_id) {
+            inbox.push(message);
+            return Ok(Queued { started_turn: false, queue: inbox.snapshot() });
+        }
+        let req = StartTurn {
+            conversation_id: conversation_id.to_owned(),
+            message: message.text,
+            model: None,
+            cwd: None,
+            reasoning_effort: None,
+        };
+        self.start(req).await?;
+        Ok(Queued { started_turn: true, queue: Vec::new() })
     }
 
     /// Deletes a conversation unless a turn runs in it. `Ok(false)` when it did not exist.
@@ -176,38 +263,33 @@ impl Turns {
         Ok(self.store.delete_conversation(conversation_id).await?)
     }
 
-    /// Asks every running turn to end (`done{aborted}`); used at shutdown.
+    /// Refuses new turns and asks every running turn to end (`done{aborted}`); for shutdown.
     pub fn abort_all(&self) {
+        self.closing.cancel();
         for slot in self.lock().values() {
-            if let Slot::Running { cancel } = slot {
+            if let Slot::Running { cancel, .. } = slot {
                 cancel.cancel();
             }
         }
     }
 
-    /// Number of turns running now.
-    pub fn running(&self) -> usize {
-        self.lock()
-            .values()
-            .filter(|s| matches!(s, Slot::Running { .. }))
-            .count()
+    /// Whether shutdown has begun.
+    pub fn is_closing(&self) -> bool {
+        self.closing.is_cancelled()
     }
 
-    fn reserve<'a>(
-        &'a self,
-        conversation_id: &'a str,
-        slot: Slot,
-    ) -> Result<Reservation<'a>, StartError> {
+    /// Number of turns running now.
+    pub fn running(&self) -> usize {
+        self.lock().values().filter(|s| matches!(s, Slot::Running { .. })).count()
+    }
+
+    fn reserve<'a>(&'a self, conversation_id: &'a str, slot: Slot) -> Result<Reservation<'a>, StartError> {
         let mut slots = self.lock();
         if slots.contains_key(conversation_id) {
             return Err(StartError::Busy);
         }
         slots.insert(conversation_id.to_owned(), slot);
-        Ok(Reservation {
-            turns: self,
-            conversation_id,
-            armed: true,
-        })
+        Ok(Reservation { turns: self, conversation_id, armed: true })
     }
 
     /// Called by a turn right before it publishes `turn-sealed`: from then on the

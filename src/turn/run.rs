@@ -11,7 +11,7 @@ use super::Turns;
 use super::assembly::ChunkAssembler;
 use super::tally::{OpenStep, TurnTally};
 use crate::hub::TurnBuffer;
-use crate::runtime::{RawEvent, Runtime, TurnRequest};
+use crate::runtime::{Inbox, RawEvent, Runtime, TurnRequest};
 use crate::store::{SealTurn, Store, now_ms};
 use crate::wire::*;
 
@@ -21,10 +21,7 @@ const RAW_QUEUE: usize = 256;
 /// How a turn ended.
 enum End {
     Finished(String),
-    Failed {
-        message: String,
-        code: Option<String>,
-    },
+    Failed { message: String, code: Option<String> },
     Aborted,
 }
 
@@ -42,6 +39,8 @@ pub(super) struct TurnRun {
     boundary: Instant,
     /// Which step each tool call came from, for its result.
     call_steps: HashMap<String, String>,
+    /// Steering messages; what the runtime has not taken when the turn ends starts a new turn.
+    inbox: Arc<Inbox>,
 }
 
 impl TurnRun {
@@ -50,6 +49,7 @@ impl TurnRun {
         store: Store,
         buffer: Arc<TurnBuffer>,
         cancel: CancellationToken,
+        inbox: Arc<Inbox>,
     ) -> TurnRun {
         let now = Instant::now();
         TurnRun {
@@ -64,10 +64,21 @@ impl TurnRun {
             step: None,
             boundary: now,
             call_steps: HashMap::new(),
+            inbox,
         }
     }
 
-    pub(super) async fn drive(mut self, runtime: Arc<dyn Runtime>, request: TurnRequest) {
+    /// Runs the turn to its seal. Boxed because a turn may start the next one (queued
+    /// messages), which makes the future's type recursive.
+    pub(super) fn drive(
+        self,
+        runtime: Arc<dyn Runtime>,
+        request: TurnRequest,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        Box::pin(self.run(runtime, request))
+    }
+
+    async fn run(mut self, runtime: Arc<dyn Runtime>, request: TurnRequest) {
         let (sink, mut raw) = mpsc::channel(RAW_QUEUE);
         let runtime_cancel = self.cancel.child_token();
         let mut task = tokio::spawn(runtime.run_turn(request, sink, runtime_cancel.clone()));
@@ -119,23 +130,17 @@ impl TurnRun {
                 self.open_step().token(now);
                 self.assembler.text(&delta);
                 let (conversation_id, turn_id) = self.ids();
-                self.buffer
-                    .publish(&AgentEvent::TextDelta(TurnTextDeltaEvent {
-                        conversation_id,
-                        turn_id,
-                        delta,
-                    }));
+                self.buffer.publish(&AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id, turn_id, delta }));
             }
             RawEvent::ReasoningDelta(delta) => {
                 self.open_step().token(now);
                 self.assembler.reasoning(&delta);
                 let (conversation_id, turn_id) = self.ids();
-                self.buffer
-                    .publish(&AgentEvent::ReasoningDelta(TurnReasoningDeltaEvent {
-                        conversation_id,
-                        turn_id,
-                        delta,
-                    }));
+                self.buffer.publish(&AgentEvent::ReasoningDelta(TurnReasoningDeltaEvent {
+                    conversation_id,
+                    turn_id,
+                    delta,
+                }));
             }
             RawEvent::ToolCall { id, name, input } => {
                 let step_id = self.open_step().step_id.clone();
@@ -147,34 +152,26 @@ impl TurnRun {
                     step_id: Some(step_id.clone()),
                 });
                 let (conversation_id, turn_id) = self.ids();
-                self.buffer
-                    .publish(&AgentEvent::ToolCall(TurnToolCallEvent {
-                        conversation_id,
-                        turn_id,
-                        step_id,
-                        tool_call_id: id,
-                        tool_name: name,
-                        input,
-                    }));
+                self.buffer.publish(&AgentEvent::ToolCall(TurnToolCallEvent {
+                    conversation_id,
+                    turn_id,
+                    step_id,
+                    tool_call_id: id,
+                    tool_name: name,
+                    input,
+                }));
             }
             RawEvent::ToolOutput { id, data, stream } => {
                 let (conversation_id, turn_id) = self.ids();
-                self.buffer
-                    .publish(&AgentEvent::ToolOutput(TurnToolOutputEvent {
-                        conversation_id,
-                        turn_id,
-                        tool_call_id: id,
-                        data,
-                        stream,
-                    }));
+                self.buffer.publish(&AgentEvent::ToolOutput(TurnToolOutputEvent {
+                    conversation_id,
+                    turn_id,
+                    tool_call_id: id,
+                    data,
+                    stream,
+                }));
             }
-            RawEvent::ToolResult {
-                id,
-                name,
-                content,
-                is_error,
-                duration_ms,
-            } => {
+            RawEvent::ToolResult { id, name, content, is_error, duration_ms } => {
                 if self.step.is_some()
                     && let Err(end) = self.close_step(now).await
                 {
@@ -192,17 +189,16 @@ impl TurnRun {
                     step_id: Some(step_id.clone()),
                 });
                 let (conversation_id, turn_id) = self.ids();
-                self.buffer
-                    .publish(&AgentEvent::ToolResult(TurnToolResultEvent {
-                        conversation_id,
-                        turn_id,
-                        step_id,
-                        tool_call_id: id,
-                        tool_name: name,
-                        content,
-                        is_error,
-                        duration_ms,
-                    }));
+                self.buffer.publish(&AgentEvent::ToolResult(TurnToolResultEvent {
+                    conversation_id,
+                    turn_id,
+                    step_id,
+                    tool_call_id: id,
+                    tool_name: name,
+                    content,
+                    is_error,
+                    duration_ms,
+                }));
                 self.boundary = now;
             }
             RawEvent::Usage(usage) => {
@@ -231,6 +227,18 @@ impl TurnRun {
             }
             RawEvent::Finish { reason } => return Some(End::Finished(reason)),
             RawEvent::Error { message, code } => return Some(End::Failed { message, code }),
+            RawEvent::UserInput(text) => {
+                if self.step.is_some()
+                    && let Err(end) = self.close_step(now).await
+                {
+                    return Some(end);
+                }
+                self.assembler.user(&text);
+                if let Err(end) = self.flush().await {
+                    return Some(end);
+                }
+                self.boundary = now;
+            }
             RawEvent::SessionId(id) => {
                 tracing::debug!(conversation = %self.conversation_id, session = %id, "runtime session");
             }
@@ -239,10 +247,7 @@ impl TurnRun {
     }
 
     fn new_step(&self, started: Instant) -> OpenStep {
-        OpenStep::new(
-            format!("{}#{}", self.turn_id, self.tally.step_count()),
-            started,
-        )
+        OpenStep::new(format!("{}#{}", self.turn_id, self.tally.step_count()), started)
     }
 
     fn open_step(&mut self) -> &mut OpenStep {
@@ -253,11 +258,7 @@ impl TurnRun {
     }
 
     fn last_step_id(&self) -> String {
-        format!(
-            "{}#{}",
-            self.turn_id,
-            self.tally.step_count().saturating_sub(1)
-        )
+        format!("{}#{}", self.turn_id, self.tally.step_count().saturating_sub(1))
     }
 
     /// Ends the open step: `step-complete`, then its chunks in one transaction.
@@ -269,15 +270,14 @@ impl TurnRun {
         let timing = self.tally.close_step(step, now);
         self.boundary = now;
         let (conversation_id, turn_id) = self.ids();
-        self.buffer
-            .publish(&AgentEvent::StepComplete(TurnStepCompleteEvent {
-                conversation_id,
-                turn_id,
-                step_id,
-                ttft_ms: timing.ttft_ms,
-                decode_ms: timing.decode_ms,
-                gen_total_ms: Some(timing.gen_total_ms),
-            }));
+        self.buffer.publish(&AgentEvent::StepComplete(TurnStepCompleteEvent {
+            conversation_id,
+            turn_id,
+            step_id,
+            ttft_ms: timing.ttft_ms,
+            decode_ms: timing.decode_ms,
+            gen_total_ms: Some(timing.gen_total_ms),
+        }));
         self.assembler.end_step();
         self.flush().await
     }
@@ -287,11 +287,7 @@ impl TurnRun {
             return Ok(());
         }
         let chunks = self.assembler.take();
-        match self
-            .store
-            .append_chunks(&self.conversation_id, &self.turn_id, &chunks)
-            .await
-        {
+        match self.store.append_chunks(&self.conversation_id, &self.turn_id, &chunks).await {
             Ok(_) => Ok(()),
             Err(e) => {
                 tracing::error!(conversation = %self.conversation_id, turn = %self.turn_id, error = %e, "could not write the turn's chunks");
@@ -347,16 +343,41 @@ impl TurnRun {
             metrics: &metrics,
             now: now_ms(),
         };
-        if let Err(e) = self.store.seal_turn(seal, &rest).await {
-            // The turn row stays open; the next start marks it interrupted.
-            tracing::error!(conversation = %self.conversation_id, turn = %self.turn_id, error = %e, "could not seal the turn");
-        }
+        let status = match self.store.seal_turn(seal, &rest).await {
+            Ok(status) if status == "closed" => "closed",
+            Ok(_) => "idle",
+            Err(e) => {
+                // The turn row stays open; the next start marks it interrupted.
+                tracing::error!(conversation = %self.conversation_id, turn = %self.turn_id, error = %e, "could not seal the turn");
+                "idle"
+            }
+        };
         self.turns.release(&self.conversation_id);
         let (conversation_id, turn_id) = self.ids();
-        let sealed = AgentEvent::TurnSealed(TurnSealedEvent {
-            conversation_id,
-            turn_id,
-        });
+        let sealed = AgentEvent::TurnSealed(TurnSealedEvent { conversation_id, turn_id });
         self.turns.hub().seal_turn(self.buffer, &sealed);
+        self.turns.announce(&self.conversation_id, status);
+
+        // Steering that arrived too late for this turn becomes the next one, unless the turn
+        // was stopped: a stop means stop.
+        let leftover = self.inbox.drain();
+        if leftover.is_empty() {
+            return;
+        }
+        if matches!(end, End::Aborted) || status == "closed" {
+            tracing::info!(conversation = %self.conversation_id, dropped = leftover.len(), "dropped queued messages of a stopped turn");
+            return;
+        }
+        let message = leftover.into_iter().map(|m| m.text).collect::<Vec<_>>().join("\n\n");
+        let next = super::StartTurn {
+            conversation_id: self.conversation_id.clone(),
+            message,
+            model: None,
+            cwd: None,
+            reasoning_effort: None,
+        };
+        if let Err(e) = self.turns.start(next).await {
+            tracing::warn!(conversation = %self.conversation_id, error = %e, "could not start the queued turn");
+        }
     }
 }

@@ -29,12 +29,7 @@ fn ms(d: Duration) -> u64 {
 
 impl OpenStep {
     pub fn new(step_id: String, started: Instant) -> OpenStep {
-        OpenStep {
-            step_id,
-            started,
-            first_token: None,
-            usage: None,
-        }
+        OpenStep { step_id, started, first_token: None, usage: None }
     }
 
     /// A text or reasoning delta arrived.
@@ -47,17 +42,9 @@ impl OpenStep {
         match self.first_token {
             Some(first) => {
                 let ttft = ms(first.saturating_duration_since(self.started)).min(gen_total_ms);
-                StepTiming {
-                    ttft_ms: Some(ttft),
-                    decode_ms: Some(gen_total_ms - ttft),
-                    gen_total_ms,
-                }
+                StepTiming { ttft_ms: Some(ttft), decode_ms: Some(gen_total_ms - ttft), gen_total_ms }
             }
-            None => StepTiming {
-                ttft_ms: None,
-                decode_ms: None,
-                gen_total_ms,
-            },
+            None => StepTiming { ttft_ms: None, decode_ms: None, gen_total_ms },
         }
     }
 }
@@ -73,11 +60,7 @@ pub struct TurnTally {
 
 impl TurnTally {
     pub fn new(started: Instant) -> TurnTally {
-        TurnTally {
-            started,
-            steps: Vec::new(),
-            reported: Vec::new(),
-        }
+        TurnTally { started, steps: Vec::new(), reported: Vec::new() }
     }
 
     pub fn step_count(&self) -> usize {
@@ -160,11 +143,7 @@ mod tests {
     use super::*;
 
     fn usage(i: u64, o: u64) -> Usage {
-        Usage {
-            input_tokens: i,
-            output_tokens: o,
-            ..Usage::default()
-        }
+        Usage { input_tokens: i, output_tokens: o, ..Usage::default() }
     }
 
     #[test]
@@ -175,41 +154,15 @@ mod tests {
         s0.token(t0 + Duration::from_micros(12_400));
         tally.add_usage(Some(&mut s0), &usage(100, 10));
         let timing = tally.close_step(s0, t0 + Duration::from_micros(50_600));
-        assert_eq!(
-            timing,
-            StepTiming {
-                ttft_ms: Some(12),
-                decode_ms: Some(39),
-                gen_total_ms: 51
-            }
-        );
+        assert_eq!(timing, StepTiming { ttft_ms: Some(12), decode_ms: Some(39), gen_total_ms: 51 });
 
         let mut s1 = OpenStep::new("t#1".into(), t0 + Duration::from_millis(60));
         tally.add_usage(Some(&mut s1), &usage(130, 5));
-        tally.add_usage(
-            Some(&mut s1),
-            &Usage {
-                cache_read_tokens: Some(7),
-                ..usage(0, 1)
-            },
-        );
+        tally.add_usage(Some(&mut s1), &Usage { cache_read_tokens: Some(7), ..usage(0, 1) });
         let timing = tally.close_step(s1, t0 + Duration::from_millis(70));
-        assert_eq!(
-            timing,
-            StepTiming {
-                ttft_ms: None,
-                decode_ms: None,
-                gen_total_ms: 10
-            }
-        );
+        assert_eq!(timing, StepTiming { ttft_ms: None, decode_ms: None, gen_total_ms: 10 });
 
-        assert_eq!(
-            tally.usage(),
-            Some(Usage {
-                cache_read_tokens: Some(7),
-                ..usage(230, 16)
-            })
-        );
+        assert_eq!(tally.usage(), Some(Usage { cache_read_tokens: Some(7), ..usage(230, 16) }));
         assert_eq!(tally.context_size(), Some(136));
         let m = tally.metrics("t", 80);
         assert_eq!(m.usage, tally.usage().unwrap());

@@ -37,22 +37,14 @@ pub fn write_script(dir: &Path, script: Value) -> PathBuf {
 
 impl TestServer {
     pub async fn start(config: Config) -> TestServer {
-        let gateway = Gateway::build(config.clone())
-            .await
-            .expect("gateway builds");
+        let gateway = Gateway::build(config.clone()).await.expect("gateway builds");
         let listener = gateway.bind().await.expect("binds");
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(gateway.serve(listener, async move {
             let _ = stopped.await;
         }));
-        TestServer {
-            addr,
-            client: reqwest::Client::new(),
-            config,
-            stop: Some(stop),
-            task: Some(task),
-        }
+        TestServer { addr, client: reqwest::Client::new(), config, stop: Some(stop), task: Some(task) }
     }
 
     /// Graceful stop: running turns abort and seal, the database is closed.
@@ -87,13 +79,7 @@ impl TestServer {
     }
 
     pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self
-            .client
-            .post(self.url(path))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let r = self.client.post(self.url(path)).json(&body).send().await.unwrap();
         read_json(r).await
     }
 
@@ -110,13 +96,7 @@ impl TestServer {
     }
 
     pub async fn put(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self
-            .client
-            .put(self.url(path))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let r = self.client.put(self.url(path)).json(&body).send().await.unwrap();
         read_json(r).await
     }
 
@@ -127,13 +107,7 @@ impl TestServer {
 
     /// Starts a turn with `POST /chat` and returns the open NDJSON stream.
     pub async fn chat_stream(&self, body: Value) -> EventStream {
-        let r = self
-            .client
-            .post(self.url("/chat"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let r = self.client.post(self.url("/chat")).json(&body).send().await.unwrap();
         assert_eq!(r.status(), 200, "POST /chat answered {}", r.status());
         assert_eq!(r.headers()["content-type"], "application/x-ndjson");
         EventStream::new(r)
@@ -141,10 +115,7 @@ impl TestServer {
 
     /// Runs a whole turn with `POST /chat` and returns its events.
     pub async fn chat(&self, conversation_id: &str, message: &str) -> Vec<Value> {
-        self.chat_stream(json!({"conversationId": conversation_id, "message": message}))
-            .await
-            .collect()
-            .await
+        self.chat_stream(json!({"conversationId": conversation_id, "message": message})).await.collect().await
     }
 
     /// Every chunk of a conversation's log.
@@ -166,11 +137,7 @@ impl Drop for TestServer {
 pub async fn read_json(r: reqwest::Response) -> (u16, Value) {
     let status = r.status().as_u16();
     let text = r.text().await.unwrap();
-    let value = if text.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_str(&text).unwrap_or(Value::String(text))
-    };
+    let value = if text.is_empty() { Value::Null } else { serde_json::from_str(&text).unwrap_or(Value::String(text)) };
     (status, value)
 }
 
@@ -183,11 +150,7 @@ pub struct EventStream {
 
 impl EventStream {
     pub fn new(r: reqwest::Response) -> EventStream {
-        EventStream {
-            headers: r.headers().clone(),
-            body: r.bytes_stream().boxed(),
-            buf: BytesMut::new(),
-        }
+        EventStream { headers: r.headers().clone(), body: r.bytes_stream().boxed(), buf: BytesMut::new() }
     }
 
     /// The next line, or None at the end of the stream.
@@ -215,9 +178,7 @@ impl EventStream {
     /// The next event, or None at the end of the stream.
     pub async fn next_event(&mut self) -> Option<Value> {
         let line = self.next_line().await?;
-        Some(
-            serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad NDJSON line {line:?}: {e}")),
-        )
+        Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad NDJSON line {line:?}: {e}")))
     }
 
     pub async fn collect(mut self) -> Vec<Value> {
@@ -237,16 +198,13 @@ pub fn types(events: &[Value]) -> Vec<&str> {
 /// Row counts of every table, read straight from the database file.
 pub async fn table_counts(db: &Path) -> Vec<(String, i64)> {
     use sqlx::Connection;
-    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}?mode=ro", db.display()))
-        .await
-        .unwrap();
+    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}?mode=ro", db.display())).await.unwrap();
     let mut out = Vec::new();
     for table in ["conversations", "chunks", "turns"] {
-        let n: i64 =
-            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
-                .fetch_one(&mut conn)
-                .await
-                .unwrap();
+        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
         out.push((table.to_owned(), n));
     }
     out

@@ -1,0 +1,71 @@
+//! Reads that aggregate: the last assistant text of a conversation, throughput per model.
+
+use sqlx::FromRow;
+
+use super::{Store, StoreResult};
+use crate::wire::Chunk;
+
+/// The last assistant text of a conversation's most recent finished turn.
+#[derive(Debug, Default)]
+pub struct LastText {
+    pub turn_id: Option<String>,
+    pub content: String,
+}
+
+/// Output tokens and generation time of one model over a period.
+#[derive(Debug, FromRow)]
+pub struct ModelThroughput {
+    pub model: String,
+    pub output_tokens: i64,
+    pub gen_ms: i64,
+    pub turns: i64,
+}
+
+impl Store {
+    /// The text of the last assistant message that has text, in the latest finished turn.
+    pub async fn last_text(&self, conversation_id: &str) -> StoreResult<LastText> {
+        let turn_id: Option<String> = sqlx::query_scalar(
+            "SELECT turn_id FROM turns WHERE conversation_id = ?
+               AND (sealed_at IS NOT NULL OR interrupted_at IS NOT NULL)
+             ORDER BY ordinal DESC LIMIT 1",
+        )
+        .bind(conversation_id)
+        .fetch_optional(&self.reader)
+        .await?;
+        let Some(turn_id) = turn_id else {
+            return Ok(LastText::default());
+        };
+        let rows: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT message_id, chunk FROM chunks
+             WHERE conversation_id = ? AND turn_id = ? AND role = 'assistant' ORDER BY seq",
+        )
+        .bind(conversation_id)
+        .bind(&turn_id)
+        .fetch_all(&self.reader)
+        .await?;
+        let texts: Vec<(i64, String)> = rows
+            .into_iter()
+            .filter_map(|(message, json)| match serde_json::from_str(&json) {
+                Ok(Chunk::Text(t)) => Some((message, t.text)),
+                _ => None,
+            })
+            .collect();
+        let last_message = texts.last().map(|(m, _)| *m);
+        let content = texts.into_iter().filter(|(m, _)| Some(*m) == last_message).map(|(_, t)| t).collect();
+        Ok(LastText { turn_id: Some(turn_id), content })
+    }
+
+    /// Per model: output tokens, generation time and turns of the turns sealed in
+    /// `[start, end)` (epoch ms).
+    pub async fn throughput(&self, start: i64, end: i64) -> StoreResult<Vec<ModelThroughput>> {
+        Ok(sqlx::query_as(
+            "SELECT model, CAST(TOTAL(output_tokens) AS INTEGER) AS output_tokens,
+                    CAST(TOTAL(gen_total_ms) AS INTEGER) AS gen_ms, COUNT(*) AS turns
+             FROM turns WHERE sealed_at >= ? AND sealed_at < ? GROUP BY model",
+        )
+        .bind(start)
+        .bind(end)
+        .fetch_all(&self.reader)
+        .await?)
+    }
+}
