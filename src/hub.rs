@@ -247,6 +247,12 @@ pub struct Cursor {
 }
 
 impl Cursor {
+    /// What is available right now, without waiting (`None` when nothing is).
+    pub fn try_batch(&mut self, max: usize) -> Option<Delivery> {
+        use futures_util::FutureExt;
+        self.next_batch(max).now_or_never()
+    }
+
     /// Waits until something is available, then returns every available frame up to `max`.
     /// Cancel-safe: the position only moves when frames are returned.
     pub async fn next_batch(&mut self, max: usize) -> Delivery {

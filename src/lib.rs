@@ -9,6 +9,8 @@ pub mod config;
 pub mod http;
 /// Replay buffers and fan-out of turn events.
 pub mod hub;
+/// The listening socket: connections that stop draining are closed.
+pub mod net;
 /// Agent runtimes: the contract and its providers.
 pub mod runtime;
 /// Building the gateway and serving it.

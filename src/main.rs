@@ -13,8 +13,12 @@ async fn main() -> anyhow::Result<()> {
     }
     let gateway = Gateway::build(config).await?;
     let listener = gateway.bind().await?;
+    let ws_listener = gateway.bind_ws().await?;
     tracing::info!(addr = %listener.local_addr()?, "dispatch-gateway listening");
-    gateway.serve(listener, shutdown_signal()).await?;
+    if let Some(ws) = &ws_listener {
+        tracing::info!(addr = %ws.local_addr()?, "WebSocket listener (any path)");
+    }
+    gateway.serve(listener, ws_listener, shutdown_signal()).await?;
     Ok(())
 }
 

@@ -7,8 +7,9 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
-use crate::http::{AppState, router};
+use crate::http::{AppState, router, ws_router};
 use crate::hub::Hub;
+use crate::net::GuardedListener;
 use crate::runtime::scripted::{Script, ScriptedRuntime};
 use crate::runtime::{ModelInfo, Registry};
 use crate::store::{Store, StoreError};
@@ -45,7 +46,7 @@ impl Gateway {
         let store = Store::open(&config.database).await?;
         let hub = Hub::new(config.turn_buffer_bytes);
         let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry));
-        Ok(Gateway { state: AppState { config: Arc::new(config), store, hub, turns } })
+        Ok(Gateway { state: AppState { config: Arc::new(config), store, hub, turns, drained: Default::default() } })
     }
 
     pub fn state(&self) -> &AppState {
@@ -58,25 +59,55 @@ impl Gateway {
         TcpListener::bind(addr).await.map_err(|source| StartupError::Listen { addr: addr.to_string(), source })
     }
 
+    /// Binds the optional WebSocket-only listener (`--ws-listen`).
+    pub async fn bind_ws(&self) -> Result<Option<TcpListener>, StartupError> {
+        let Some(addr) = self.state.config.ws_listen else { return Ok(None) };
+        let listener =
+            TcpListener::bind(addr).await.map_err(|source| StartupError::Listen { addr: addr.to_string(), source })?;
+        Ok(Some(listener))
+    }
+
     /// Serves until `shutdown` resolves; then running turns end `done{aborted}` and seal,
     /// their streams finish, and the database is closed.
     pub async fn serve(
         self,
         listener: TcpListener,
+        ws_listener: Option<TcpListener>,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let state = self.state.clone();
         let turns = state.turns.clone();
-        let drain = async move {
-            shutdown.await;
-            tracing::info!(running = turns.running(), "shutting down: aborting running turns");
-            turns.abort_all();
-            let deadline = tokio::time::Instant::now() + DRAIN_DEADLINE;
-            while turns.running() > 0 && tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(10)).await;
+        let drain_timeout = Duration::from_secs(state.config.drain_timeout_secs.max(1));
+        // Streams and both listeners stop once the turns have drained.
+        let drained = state.drained.clone();
+        let drain = {
+            let drained = drained.clone();
+            async move {
+                shutdown.await;
+                tracing::info!(running = turns.running(), "shutting down: aborting running turns");
+                turns.abort_all();
+                let deadline = tokio::time::Instant::now() + DRAIN_DEADLINE;
+                while turns.running() > 0 && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                drained.cancel();
             }
         };
-        let result = axum::serve(listener, router(state)).with_graceful_shutdown(drain).await;
+        let ws_task = ws_listener.map(|l| {
+            let app = ws_router(state.clone());
+            let stop = drained.clone();
+            tokio::spawn(async move {
+                axum::serve(GuardedListener::new(l, drain_timeout), app)
+                    .with_graceful_shutdown(async move { stop.cancelled().await })
+                    .await
+            })
+        });
+        let result = axum::serve(GuardedListener::new(listener, drain_timeout), router(state))
+            .with_graceful_shutdown(drain)
+            .await;
+        if let Some(task) = ws_task {
+            let _ = task.await;
+        }
         self.state.store.close().await;
         result
     }

@@ -74,6 +74,7 @@ pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonO
         resync_first: false,
         keepalive: state.keepalive(),
         store: state.store.clone(),
+        drained: state.drained.clone(),
         conversation_id: started.conversation_id.clone(),
     };
     let mut response = streaming_response(framing, watch_body(watch));

@@ -1,11 +1,15 @@
 //! The HTTP API: one module per resource, merged into one router.
 
 mod chat;
+mod control;
 mod conversations;
 pub mod error;
+mod events;
 mod extract;
 mod models;
 mod stream;
+mod throughput;
+mod ws;
 
 use std::sync::Arc;
 
@@ -29,6 +33,9 @@ pub struct AppState {
     pub store: Store,
     pub hub: Arc<Hub>,
     pub turns: Arc<Turns>,
+    /// Cancelled at shutdown once every turn has sealed: live streams deliver what is left
+    /// and end.
+    pub drained: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {
@@ -46,6 +53,8 @@ impl AppState {
         (name = "chat", description = "Start turns and stream them"),
         (name = "conversations", description = "Conversations, their log and metrics"),
         (name = "models", description = "Models turns can run on"),
+        (name = "streams", description = "Live streams: SSE, NDJSON, WebSocket"),
+        (name = "control", description = "Start, stop, steer and inspect turns"),
         (name = "operations", description = "Health and operations"),
     )
 )]
@@ -61,6 +70,16 @@ pub fn router_with_doc(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
         .routes(routes!(conversations::history, conversations::delete))
         .routes(routes!(conversations::metrics))
         .routes(routes!(conversations::set_title))
+        .routes(routes!(events::events))
+        .routes(routes!(control::messages))
+        .routes(routes!(control::stop))
+        .routes(routes!(control::close))
+        .routes(routes!(control::queue))
+        .routes(routes!(control::status))
+        .routes(routes!(control::last))
+        .routes(routes!(control::get_model, control::put_model))
+        .routes(routes!(throughput::throughput))
+        .routes(routes!(ws::ws))
         .split_for_parts();
     let router = router.fallback(not_found).method_not_allowed_fallback(method_not_allowed).with_state(state);
     (router, doc)
@@ -68,6 +87,11 @@ pub fn router_with_doc(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
 
 pub fn router(state: AppState) -> Router {
     router_with_doc(state).0
+}
+
+/// The router of the optional WebSocket-only listener: every path upgrades.
+pub fn ws_router(state: AppState) -> Router {
+    Router::new().fallback(ws::ws).with_state(state)
 }
 
 async fn not_found(method: Method, uri: Uri) -> ApiError {

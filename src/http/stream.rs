@@ -58,6 +58,8 @@ pub struct Watch {
     pub keepalive: Option<Duration>,
     pub store: Store,
     pub conversation_id: String,
+    /// Shutdown: deliver what is available, then end.
+    pub drained: tokio_util::sync::CancellationToken,
 }
 
 struct State {
@@ -92,12 +94,11 @@ pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>>
             let message = resync_message(&st.watch.store, &st.watch.conversation_id).await;
             return Some((Ok(message), st));
         }
-        let delivery = match st.ticker.as_mut() {
-            Some(ticker) => tokio::select! {
-                d = st.watch.cursor.next_batch(BATCH) => d,
-                _ = ticker.tick() => return Some((Ok(st.watch.framing.keepalive()), st)),
-            },
-            None => st.watch.cursor.next_batch(BATCH).await,
+        let drained = st.watch.drained.clone();
+        let delivery = tokio::select! {
+            d = st.watch.cursor.next_batch(BATCH) => d,
+            _ = tick(st.ticker.as_mut()) => return Some((Ok(st.watch.framing.keepalive()), st)),
+            _ = drained.cancelled() => st.watch.cursor.try_batch(BATCH).unwrap_or(Delivery::End),
         };
         match delivery {
             Delivery::Frames(frames) => {
@@ -116,6 +117,15 @@ pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>>
             Delivery::Lost | Delivery::End => None,
         }
     })
+}
+
+async fn tick(ticker: Option<&mut Interval>) {
+    match ticker {
+        Some(t) => {
+            t.tick().await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 /// A 200 streaming response with the headers every live stream carries.

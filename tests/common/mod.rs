@@ -13,6 +13,7 @@ use tokio::task::JoinHandle;
 
 pub struct TestServer {
     pub addr: SocketAddr,
+    pub ws_addr: Option<SocketAddr>,
     pub client: reqwest::Client,
     pub config: Config,
     stop: Option<oneshot::Sender<()>>,
@@ -39,12 +40,14 @@ impl TestServer {
     pub async fn start(config: Config) -> TestServer {
         let gateway = Gateway::build(config.clone()).await.expect("gateway builds");
         let listener = gateway.bind().await.expect("binds");
+        let ws_listener = gateway.bind_ws().await.expect("binds the WebSocket listener");
+        let ws_addr = ws_listener.as_ref().map(|l| l.local_addr().unwrap());
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(gateway.serve(listener, async move {
+        let task = tokio::spawn(gateway.serve(listener, ws_listener, async move {
             let _ = stopped.await;
         }));
-        TestServer { addr, client: reqwest::Client::new(), config, stop: Some(stop), task: Some(task) }
+        TestServer { addr, ws_addr, client: reqwest::Client::new(), config, stop: Some(stop), task: Some(task) }
     }
 
     /// Graceful stop: running turns abort and seal, the database is closed.

@@ -1,0 +1,85 @@
+//! `GET /conversations/:id/events`: the live stream of a conversation, SSE or NDJSON.
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::http::header::ACCEPT;
+use axum::response::Response;
+
+use super::AppState;
+use super::error::{ApiError, ErrorBody};
+use super::extract::{ConversationId, QueryParams};
+use super::stream::{Framing, Watch, streaming_response, watch_body};
+use crate::hub::EventId;
+
+/// Follows a conversation: the in-flight turn's events replayed from its start (or right after
+/// the resume cursor), then every event of every later turn, until the client leaves.
+#[utoipa::path(
+    get,
+    path = "/conversations/{id}/events",
+    tag = "streams",
+    params(
+        ("id" = String, Path, description = "Conversation id (need not exist yet)"),
+        ("format" = Option<String>, Query, description = "`sse` (default) or `ndjson`; overrides `Accept`"),
+        ("lastEventId" = Option<String>, Query, description = "SSE resume cursor `<turnId>:<n>` (the `Last-Event-ID` header wins)"),
+        ("until" = Option<String>, Query, description = "`sealed`: end the stream after the next `turn-sealed`"),
+        ("Last-Event-ID" = Option<String>, Header, description = "SSE resume cursor"),
+    ),
+    responses(
+        (status = 200, description = "SSE: each event is `id: <turnId>:<n>` + `data: <AgentEvent>`; `event: resync` with `{conversationId, latestSeq}` when the cursor cannot be resumed; `: keep-alive` comments. NDJSON: one AgentEvent per line, empty keep-alive lines.",
+            content(
+                (String = "text/event-stream"),
+                (crate::wire::AgentEvent = "application/x-ndjson"),
+            )),
+        (status = 400, description = "Bad id or parameter", body = ErrorBody),
+    )
+)]
+pub async fn events(
+    State(state): State<AppState>,
+    ConversationId(id): ConversationId,
+    headers: HeaderMap,
+    query: QueryParams,
+) -> Result<Response, ApiError> {
+    let framing = match query.get("format") {
+        Some("sse") => Framing::Sse,
+        Some("ndjson") => Framing::Ndjson,
+        Some(other) => return Err(ApiError::bad(format!("`format` takes sse or ndjson, got {other:?}"))),
+        None if accepts_ndjson(&headers) => Framing::Ndjson,
+        None => Framing::Sse,
+    };
+    let until_sealed = match query.get("until") {
+        None => false,
+        Some("sealed") => true,
+        Some(other) => return Err(ApiError::bad(format!("`until` takes sealed, got {other:?}"))),
+    };
+    // NDJSON carries nothing but AgentEvents, so it has no ids and no resume.
+    let resume =
+        if framing == Framing::Sse {
+            let header = headers.get("last-event-id").map(|v| v.to_str().unwrap_or("\u{0}"));
+            match header.or(query.get("lastEventId")).filter(|s| !s.is_empty()) {
+                Some(raw) => Some(EventId::parse(raw).ok_or_else(|| {
+                    ApiError::bad(format!("`Last-Event-ID` must look like <turnId>:<n>, got {raw:?}"))
+                })?),
+                None => None,
+            }
+        } else {
+            None
+        };
+    let (cursor, resync_first) = state.hub.subscribe(&id, resume.as_ref());
+    let watch = Watch {
+        cursor,
+        framing,
+        until_sealed,
+        resync_first,
+        keepalive: state.keepalive(),
+        store: state.store.clone(),
+        drained: state.drained.clone(),
+        conversation_id: id,
+    };
+    Ok(streaming_response(framing, watch_body(watch)))
+}
+
+fn accepts_ndjson(headers: &HeaderMap) -> bool {
+    let accepts =
+        |needle: &str| headers.get_all(ACCEPT).iter().filter_map(|v| v.to_str().ok()).any(|v| v.contains(needle));
+    accepts("application/x-ndjson") && !accepts("text/event-stream")
+}
