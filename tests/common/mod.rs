@@ -12,6 +12,8 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 pub struct TestServer {
+    /// The running gateway's state (hub, turns, store), for looking inside.
+    pub state: dispatch_gateway::http::AppState,
     pub addr: SocketAddr,
     pub ws_addr: Option<SocketAddr>,
     pub client: reqwest::Client,
@@ -39,6 +41,7 @@ pub fn write_script(dir: &Path, script: Value) -> PathBuf {
 impl TestServer {
     pub async fn start(config: Config) -> TestServer {
         let gateway = Gateway::build(config.clone()).await.expect("gateway builds");
+        let state = gateway.state().clone();
         let listener = gateway.bind().await.expect("binds");
         let ws_listener = gateway.bind_ws().await.expect("binds the WebSocket listener");
         let ws_addr = ws_listener.as_ref().map(|l| l.local_addr().unwrap());
@@ -47,7 +50,7 @@ impl TestServer {
         let task = tokio::spawn(gateway.serve(listener, ws_listener, async move {
             let _ = stopped.await;
         }));
-        TestServer { addr, ws_addr, client: reqwest::Client::new(), config, stop: Some(stop), task: Some(task) }
+        TestServer { state, addr, ws_addr, client: reqwest::Client::new(), config, stop: Some(stop), task: Some(task) }
     }
 
     /// Graceful stop: running turns abort and seal, the database is closed.
@@ -190,6 +193,150 @@ impl EventStream {
             out.push(e);
         }
         out
+    }
+}
+
+/// One SSE message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SseMessage {
+    pub id: Option<String>,
+    pub event: Option<String>,
+    pub data: String,
+}
+
+impl SseMessage {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.data).unwrap_or_else(|e| panic!("bad SSE data {:?}: {e}", self.data))
+    }
+}
+
+/// Reads SSE messages (comments skipped) off a streaming response.
+pub struct SseStream {
+    lines: EventStream,
+    pub comments: usize,
+}
+
+impl SseStream {
+    pub fn new(r: reqwest::Response) -> SseStream {
+        assert_eq!(r.headers()["content-type"], "text/event-stream");
+        SseStream { lines: EventStream::new(r), comments: 0 }
+    }
+
+    pub async fn next(&mut self) -> Option<SseMessage> {
+        let mut message = SseMessage { id: None, event: None, data: String::new() };
+        let mut has_field = false;
+        loop {
+            let line = self.lines.next_line().await?;
+            if line.is_empty() {
+                if has_field {
+                    return Some(message);
+                }
+                continue;
+            }
+            if line.starts_with(':') {
+                self.comments += 1;
+                continue;
+            }
+            let (field, value) = line.split_once(": ").unwrap_or((line.as_str(), ""));
+            has_field = true;
+            match field {
+                "id" => message.id = Some(value.to_owned()),
+                "event" => message.event = Some(value.to_owned()),
+                "data" => message.data.push_str(value),
+                other => panic!("unexpected SSE field {other:?}"),
+            }
+        }
+    }
+
+    /// Messages until the stream ends or `turn-sealed` has been read.
+    pub async fn until_sealed(&mut self) -> Vec<SseMessage> {
+        let mut out = Vec::new();
+        while let Some(m) = self.next().await {
+            let sealed = m.event.is_none() && m.json()["type"] == "turn-sealed";
+            out.push(m);
+            if sealed {
+                break;
+            }
+        }
+        out
+    }
+}
+
+impl TestServer {
+    /// Opens `GET /conversations/:id/events` with extra query and headers.
+    pub async fn events(&self, conversation_id: &str, query: &str, headers: &[(&str, &str)]) -> reqwest::Response {
+        let mut req = self.client.get(self.url(&format!("/conversations/{conversation_id}/events{query}")));
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 200, "events stream answered {}", r.status());
+        r
+    }
+
+    pub async fn sse(&self, conversation_id: &str, query: &str) -> SseStream {
+        SseStream::new(self.events(conversation_id, query, &[]).await)
+    }
+
+    pub async fn ndjson(&self, conversation_id: &str, query: &str) -> EventStream {
+        let r = self.events(conversation_id, query, &[("accept", "application/x-ndjson")]).await;
+        assert_eq!(r.headers()["content-type"], "application/x-ndjson");
+        EventStream::new(r)
+    }
+
+    pub async fn ws(&self) -> WsClient {
+        let (socket, _) =
+            tokio_tungstenite::connect_async(format!("ws://{}/ws", self.addr)).await.expect("ws connects");
+        WsClient { socket }
+    }
+}
+
+type WsSocket = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// A WebSocket client speaking the gateway's JSON ops.
+pub struct WsClient {
+    pub socket: WsSocket,
+}
+
+impl WsClient {
+    pub async fn send(&mut self, value: Value) {
+        use futures_util::SinkExt;
+        self.socket.send(tokio_tungstenite::tungstenite::Message::text(value.to_string())).await.unwrap();
+    }
+
+    pub async fn send_raw(&mut self, text: &str) {
+        use futures_util::SinkExt;
+        self.socket.send(tokio_tungstenite::tungstenite::Message::text(text)).await.unwrap();
+    }
+
+    /// The next JSON text message (pings and pongs skipped); None when the socket closed.
+    pub async fn next(&mut self) -> Option<Value> {
+        use tokio_tungstenite::tungstenite::Message;
+        loop {
+            match self.socket.next().await? {
+                Ok(Message::Text(t)) => return Some(serde_json::from_str(t.as_str()).unwrap()),
+                Ok(Message::Close(_)) | Err(_) => return None,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// The `event`s of `chat.delta` messages for one conversation until its `turn-sealed`;
+    /// other messages are returned apart.
+    pub async fn deltas_until_sealed(&mut self, conversation_id: &str) -> (Vec<Value>, Vec<Value>) {
+        let (mut events, mut other) = (Vec::new(), Vec::new());
+        while let Some(m) = self.next().await {
+            if m["type"] == "chat.delta" && m["event"]["conversationId"] == conversation_id {
+                let sealed = m["event"]["type"] == "turn-sealed";
+                events.push(m["event"].clone());
+                if sealed {
+                    break;
+                }
+            } else {
+                other.push(m);
+            }
+        }
+        (events, other)
     }
 }
 

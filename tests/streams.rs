@@ -1,0 +1,395 @@
+//! Live streams: late joiners, resume, fan-out to many watchers, stalled watchers, the memory
+//! cap, and stopping a turn, over SSE, NDJSON and WebSocket.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SLOW_TEXT: &str = "This reply streams slowly enough that watchers can join it in the middle \
+    and still see every event of the turn from its first one, in order and exactly once, \
+    whichever transport they use to follow the conversation while it runs.";
+
+fn script() -> Value {
+    json!({"rules": [
+        {"match": "slow", "pace": 150, "steps": [
+            {"reasoning": "Thinking about it for a little while.", "text": SLOW_TEXT,
+             "toolCalls": [{"id": "c1", "name": "lookup", "input": {"q": "x"}, "result": "found", "durationMs": 3}]},
+            {"text": "And that is the end of the slow reply."}
+        ]},
+        {"match": "stall", "pace": 0, "steps": [{"text": "partial text before the stall", "stallMs": 600000}]},
+        {"match": "steer", "pace": 0, "steps": [{"text": "first step", "stallMs": 1000}, {"text": "second step"}]},
+        {"match": "burst", "pace": 0, "steps": [{"text": "w ", "repeat": 300}]},
+        {"match": "huge", "pace": 0, "steps": [{"text": "tok ", "repeat": 60000}]}
+    ]})
+}
+
+async fn server_with(dir: &std::path::Path, tweak: impl FnOnce(&mut dispatch_gateway::Config)) -> TestServer {
+    let mut config = test_config(dir);
+    config.scripted_script = Some(write_script(dir, script()));
+    tweak(&mut config);
+    TestServer::start(config).await
+}
+
+async fn start_turn(server: &TestServer, conversation_id: &str, message: &str) -> String {
+    let (status, body) =
+        server.post(&format!("/conversations/{conversation_id}/messages"), json!({"message": message})).await;
+    assert_eq!(status, 202, "{body}");
+    body["turnId"].as_str().unwrap().to_owned()
+}
+
+fn sse_events(messages: &[SseMessage]) -> Vec<Value> {
+    messages.iter().filter(|m| m.event.is_none()).map(SseMessage::json).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_joining_mid_turn_gets_exactly_the_events_of_one_there_from_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_with(dir.path(), |_| {}).await;
+    let mut early = server.sse("conv-join", "?until=sealed").await;
+    let turn_id = start_turn(&server, "conv-join", "slow please").await;
+
+    let mut early_messages = Vec::new();
+    for _ in 0..10 {
+        early_messages.push(early.next().await.unwrap());
+    }
+    // Join in the middle, over every transport.
+    let late_sse = server.sse("conv-join", "?until=sealed").await;
+    let late_ndjson = server.ndjson("conv-join", "?until=sealed").await;
+    let mut ws = server.ws().await;
+    assert_eq!(ws.next().await.unwrap(), json!({"type": "catalog", "catalog": []}));
+    ws.send(json!({"type": "chat.subscribe", "conversationId": "conv-join"})).await;
+
+    let late_sse = tokio::spawn(async move {
+        let mut s = late_sse;
+        s.until_sealed().await
+    });
+    let late_ndjson = tokio::spawn(late_ndjson.collect());
+    early_messages.extend(early.until_sealed().await);
+    let reference = sse_events(&early_messages);
+    let (ws_events, _) = ws.deltas_until_sealed("conv-join").await;
+
+    assert_eq!(reference[0]["type"], "user-message");
+    assert_eq!(reference.last().unwrap()["type"], "turn-sealed");
+    assert!(reference.len() > 60, "a long turn: {}", reference.len());
+    // Every SSE id is <turnId>:<n>, n counting from 0 without gaps.
+    for (n, m) in early_messages.iter().enumerate() {
+        assert_eq!(m.id.as_deref(), Some(format!("{turn_id}:{n}").as_str()));
+    }
+    let late_sse = late_sse.await.unwrap();
+    assert_eq!(sse_events(&late_sse), reference, "late SSE watcher");
+    assert_eq!(
+        late_sse.iter().map(|m| m.id.clone()).collect::<Vec<_>>(),
+        early_messages.iter().map(|m| m.id.clone()).collect::<Vec<_>>()
+    );
+    assert_eq!(late_ndjson.await.unwrap(), reference, "late NDJSON watcher");
+    assert_eq!(ws_events, reference, "late WebSocket watcher");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnecting_with_the_last_id_loses_and_duplicates_nothing_and_a_stale_cursor_gets_resync() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_with(dir.path(), |_| {}).await;
+    let mut reference = server.sse("conv-resume", "?until=sealed").await;
+    let mut first = server.sse("conv-resume", "?until=sealed").await;
+    let turn_id = start_turn(&server, "conv-resume", "slow please").await;
+
+    let mut got = Vec::new();
+    for _ in 0..15 {
+        got.push(first.next().await.unwrap());
+    }
+    drop(first);
+    let last_id = got.last().unwrap().id.clone().unwrap();
+    assert_eq!(last_id, format!("{turn_id}:14"));
+    let r = server.events("conv-resume", "?until=sealed", &[("last-event-id", &last_id)]).await;
+    let mut second = SseStream::new(r);
+    got.extend(second.until_sealed().await);
+    let reference = reference.until_sealed().await;
+    assert!(got.iter().all(|m| m.event.is_none()), "no resync while the turn is in flight");
+    assert_eq!(got, reference);
+
+    // The turn has sealed: its cursor cannot be resumed, so the watcher is told to refetch.
+    let latest = server.history("conv-resume").await.last().unwrap()["seq"].as_u64().unwrap();
+    let mut stale = server.sse("conv-resume", &format!("?lastEventId={turn_id}:3")).await;
+    let resync = stale.next().await.unwrap();
+    assert_eq!(resync.event.as_deref(), Some("resync"));
+    assert_eq!(resync.json(), json!({"conversationId": "conv-resume", "latestSeq": latest}));
+    // ... and then goes on live: the next turn arrives on the same stream from its start.
+    let next_turn = start_turn(&server, "conv-resume", "burst").await;
+    let first_of_next = stale.next().await.unwrap();
+    assert_eq!(first_of_next.id, Some(format!("{next_turn}:0")));
+    assert_eq!(first_of_next.json()["type"], "user-message");
+
+    for bad in ["nonsense", "turn:x", ":3"] {
+        let r = server
+            .client
+            .get(server.url("/conversations/conv-resume/events"))
+            .header("last-event-id", bad)
+            .send()
+            .await
+            .unwrap();
+        let (status, body) = read_json(r).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+        assert!(body["error"].as_str().unwrap().contains("Last-Event-ID"));
+    }
+    for bad in ["?format=xml", "?until=done"] {
+        let (status, _) = server.get(&format!("/conversations/conv-resume/events{bad}")).await;
+        assert_eq!(status, 400, "{bad}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_watchers_all_get_every_event_in_order_beside_one_that_never_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_with(dir.path(), |_| {}).await;
+
+    // One connection that asks for the stream and never reads a byte of it.
+    let mut stalled = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    stalled
+        .write_all(b"GET /conversations/fan/events HTTP/1.1\r\nhost: gateway\r\naccept: text/event-stream\r\n\r\n")
+        .await
+        .unwrap();
+
+    let mut watchers = Vec::new();
+    for _ in 0..1000 {
+        let r = server.events("fan", "?until=sealed", &[]).await;
+        watchers.push(tokio::spawn(async move { SseStream::new(r).until_sealed().await }));
+    }
+    let turn_id = start_turn(&server, "fan", "burst").await;
+    let mut reference: Option<Vec<SseMessage>> = None;
+    for w in watchers {
+        let got = w.await.unwrap();
+        for (n, m) in got.iter().enumerate() {
+            assert_eq!(m.id.as_deref(), Some(format!("{turn_id}:{n}").as_str()));
+        }
+        match &reference {
+            None => reference = Some(got),
+            Some(r) => assert_eq!(&got, r),
+        }
+    }
+    let reference = reference.unwrap();
+    // user-message, turn-start, 300 deltas, usage, step-complete, done, turn-sealed.
+    assert_eq!(reference.len(), 306);
+    assert_eq!(reference[304].json()["reason"], "stop");
+    drop(stalled);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replay_buffer_stays_within_its_cap_and_late_joiners_still_rebuild_the_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = 512 * 1024;
+    let server = server_with(dir.path(), |c| c.turn_buffer_bytes = cap).await;
+    let hub = server.state.hub.clone();
+    let sampler = tokio::spawn(async move {
+        let (mut max_bytes, mut max_published) = (0, 0);
+        for _ in 0..20_000 {
+            if let Some(b) = hub.current("huge") {
+                max_bytes = max_bytes.max(b.bytes());
+                max_published = max_published.max(b.published());
+            } else if max_published > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        (max_bytes, max_published)
+    });
+    let mut watcher = server.sse("huge", "?until=sealed").await;
+    start_turn(&server, "huge", "huge").await;
+    let messages = watcher.until_sealed().await;
+    // A watcher whose position was coalesced away gets `resync` and the turn again from its
+    // start: the text after the last resync is exact.
+    let from = messages.iter().rposition(|m| m.event.as_deref() == Some("resync")).map_or(0, |i| i + 1);
+    let text: String = sse_events(&messages[from..])
+        .iter()
+        .filter(|e| e["type"] == "text-delta")
+        .map(|e| e["delta"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(text, "tok ".repeat(60_000));
+    let (max_bytes, max_published) = sampler.await.unwrap();
+    assert!(max_published > 60_000, "sampled the turn: {max_published}");
+    // Uncoalesced, 60,000 framed deltas would hold tens of MiB.
+    assert!(max_bytes <= 2 * cap, "buffer peaked at {max_bytes} bytes, cap {cap}");
+
+    // The log holds the whole text too.
+    let history = server.history("huge").await;
+    assert_eq!(history[1]["chunk"]["text"], "tok ".repeat(60_000));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_whose_socket_does_not_drain_is_closed_and_does_not_hold_the_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    // A cap large enough that nothing is coalesced: the healthy NDJSON watcher reads it all.
+    let server = server_with(dir.path(), |c| {
+        c.drain_timeout_secs = 1;
+        c.turn_buffer_bytes = 256 << 20;
+    })
+    .await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(server.addr).await.unwrap();
+    stalled.write_all(b"GET /conversations/drain/events HTTP/1.1\r\nhost: gateway\r\n\r\n").await.unwrap();
+    let mut healthy = server.ndjson("drain", "?until=sealed").await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    start_turn(&server, "drain", "huge").await;
+    let mut count = 0;
+    while let Some(event) = healthy.next_event().await {
+        count += 1;
+        if event["type"] == "turn-sealed" {
+            break;
+        }
+    }
+    assert_eq!(count, 60_006);
+    // The server gives up on the stalled socket: reading it now reaches its end.
+    let mut sink = vec![0u8; 1 << 16];
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match stalled.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the stalled connection was not closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_mid_turn_ends_aborted_and_sealed_on_every_transport_and_keeps_the_partial_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_with(dir.path(), |_| {}).await;
+    let mut sse = server.sse("conv-stop", "?until=sealed").await;
+    let ndjson = server.ndjson("conv-stop", "?until=sealed").await;
+    let mut ws = server.ws().await;
+    ws.next().await.unwrap();
+    ws.send(json!({"type": "chat.send", "conversationId": "conv-stop", "message": "stall now"})).await;
+
+    // Wait for the text to stream, then stop. The runtime stalls for ten minutes: the turn
+    // can only end if stopping cancels it.
+    let mut seen = Vec::new();
+    loop {
+        let m = sse.next().await.unwrap();
+        let done_streaming = m.json()["delta"] == "stall";
+        seen.push(m);
+        if done_streaming {
+            break;
+        }
+    }
+    assert_eq!(server.get("/conversations/conv-stop/status").await.1["isActive"], true);
+    let (status, body) = server.post("/conversations/conv-stop/stop", json!({})).await;
+    assert_eq!((status, body), (200, json!({"conversationId": "conv-stop", "abortedTurn": true})));
+
+    seen.extend(sse.until_sealed().await);
+    let sse_events = sse_events(&seen);
+    let ndjson_events = ndjson.collect().await;
+    let (ws_events, _) = ws.deltas_until_sealed("conv-stop").await;
+    for events in [&sse_events, &ndjson_events, &ws_events] {
+        let n = events.len();
+        assert_eq!(events[n - 2]["type"], "done");
+        assert_eq!(events[n - 2]["reason"], "aborted");
+        assert_eq!(events[n - 1]["type"], "turn-sealed");
+        assert_eq!(events[n - 3]["type"], "step-complete", "the aborted step still completes");
+    }
+    assert_eq!(sse_events, ndjson_events);
+    assert_eq!(sse_events, ws_events);
+
+    let history = server.history("conv-stop").await;
+    assert_eq!(history[1]["chunk"], json!({"type": "text", "text": "partial text before the stall"}));
+    let (_, metrics) = server.get("/conversations/conv-stop/metrics").await;
+    assert_eq!(metrics["turns"][0]["steps"].as_array().unwrap().len(), 1);
+    let (_, status) = server.get("/conversations/conv-stop/status").await;
+    assert_eq!(status, json!({"conversationId": "conv-stop", "isActive": false, "status": "idle"}));
+    let (_, again) = server.post("/conversations/conv-stop/stop", json!({})).await;
+    assert_eq!(again["abortedTurn"], false);
+    let (_, unknown) = server.post("/conversations/never/stop", json!({})).await;
+    assert_eq!(unknown, json!({"conversationId": "never", "abortedTurn": false}));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steering_message_reaches_the_runtime_at_the_next_step_and_is_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_with(dir.path(), |_| {}).await;
+    let mut watcher = server.ndjson("conv-steer", "?until=sealed").await;
+    start_turn(&server, "conv-steer", "steer me").await;
+    // Queue while step 0 stalls.
+    loop {
+        if watcher.next_event().await.unwrap()["type"] == "text-delta" {
+            break;
+        }
+    }
+    let (status, body) = server.post("/conversations/conv-steer/queue", json!({"text": "use metric units"})).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["startedTurn"], false);
+    assert_eq!(body["queue"][0]["text"], "use metric units");
+    let rest = watcher.collect().await;
+    let step1_text: String = rest
+        .iter()
+        .skip_while(|e| e["type"] != "step-complete")
+        .filter(|e| e["type"] == "text-delta")
+        .map(|e| e["delta"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(step1_text, "Noted: use metric units. second step");
+
+    let history = server.history("conv-steer").await;
+    let summary: Vec<(String, String)> = history
+        .iter()
+        .map(|c| (c["role"].as_str().unwrap().to_owned(), c["chunk"]["text"].as_str().unwrap_or("").to_owned()))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            ("user".into(), "steer me".into()),
+            ("assistant".into(), "first step".into()),
+            ("user".into(), "use metric units".into()),
+            ("assistant".into(), "Noted: use metric units. second step".into()),
+        ]
+    );
+
+    // With no turn running, queueing starts one.
+    let (status, body) = server.post("/conversations/conv-steer/queue", json!({"text": "burst"})).await;
+    assert_eq!((status, body["startedTurn"].clone(), body["queue"].clone()), (200, json!(true), json!([])));
+    let (status, body) = server.post("/conversations/conv-steer/queue", json!({"text": "  "})).await;
+    assert_eq!(status, 400, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_idempotency_key_starts_one_turn_even_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_with(dir.path(), |_| {}).await;
+    let send = |server: &TestServer, key: &str, message: &str| {
+        server
+            .client
+            .post(server.url("/conversations/conv-idem/messages"))
+            .header("idempotency-key", key)
+            .json(&json!({"message": message}))
+            .send()
+    };
+    let first = send(&server, "key-1", "burst").await.unwrap();
+    let (status, first) = read_json(first).await;
+    assert_eq!(status, 202);
+    let (status, again) = read_json(send(&server, "key-1", "burst").await.unwrap()).await;
+    assert_eq!((status, &again), (200, &first));
+    let (status, other) = read_json(send(&server, "key-1", "different").await.unwrap()).await;
+    assert_eq!(status, 409, "{other}");
+
+    let (status, _) = server.get("/conversations/conv-idem/last?timeoutMs=30000").await;
+    assert_eq!(status, 200);
+    let server = server.restart().await;
+    let (status, after) = read_json(send(&server, "key-1", "burst").await.unwrap()).await;
+    assert_eq!((status, &after), (200, &first));
+    let (_, metrics) = server.get("/conversations/conv-idem/metrics").await;
+    assert_eq!(metrics["turns"].as_array().unwrap().len(), 1);
+    assert_eq!(metrics["turns"][0]["turnId"], first["turnId"]);
+    let users = server.history("conv-idem").await.iter().filter(|c| c["role"] == "user").count();
+    assert_eq!(users, 1);
+
+    let (status, _) = read_json(send(&server, "key-2", "burst").await.unwrap()).await;
+    assert_eq!(status, 202, "a new key starts a new turn");
+    for bad in ["", "has space", &"k".repeat(256)] {
+        let (status, _) = read_json(send(&server, bad, "burst").await.unwrap()).await;
+        assert_eq!(status, 400, "{bad:?}");
+    }
+}
