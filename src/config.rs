@@ -54,6 +54,10 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
     pub drain_timeout_secs: u64,
 
+    /// Seconds a client may take to send a complete request head.
+    #[arg(long, env = "DISPATCH_HEADER_READ_TIMEOUT_SECS", default_value_t = 10)]
+    pub header_read_timeout_secs: u64,
+
     /// A second listener that upgrades any path to the WebSocket protocol (existing web
     /// clients open their socket on port 24205 with no path).
     #[arg(long, env = "DISPATCH_WS_LISTEN")]
@@ -77,6 +81,7 @@ impl Config {
             turn_buffer_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
             drain_timeout_secs: 30,
+            header_read_timeout_secs: 10,
             ws_listen: None,
             log_format: LogFormat::Text,
         }

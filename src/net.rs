@@ -1,4 +1,5 @@
-//! The listening socket: connections that close themselves when their peer stops reading.
+//! Serving connections: HTTP/1.1 with upgrades, a header-read timeout against slow clients,
+//! and sockets that close themselves when their peer stops reading.
 //!
 //! A watcher whose socket takes no bytes for the drain timeout while the gateway has bytes for
 //! it is cut off: its write fails, the server drops the connection and with it the watcher's
@@ -6,49 +7,79 @@
 
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::time::Sleep;
+use tokio_util::sync::CancellationToken;
 
-pub struct GuardedListener {
-    inner: TcpListener,
-    drain_timeout: Duration,
+/// Limits every connection of a listener lives under.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    /// A socket that takes no bytes this long while the server has bytes for it is closed.
+    pub drain_timeout: Duration,
+    /// A request head must arrive complete within this long (slow-header clients).
+    pub header_read_timeout: Duration,
 }
 
-impl GuardedListener {
-    pub fn new(inner: TcpListener, drain_timeout: Duration) -> GuardedListener {
-        GuardedListener { inner, drain_timeout }
-    }
-}
-
-impl axum::serve::Listener for GuardedListener {
-    type Io = GuardedStream;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        loop {
-            match self.inner.accept().await {
-                Ok((stream, addr)) => {
-                    let _ = stream.set_nodelay(true);
-                    return (GuardedStream { inner: stream, drain_timeout: self.drain_timeout, stalled: None }, addr);
-                }
+/// Serves `router` on `listener` over HTTP/1.1 (with upgrades, for WebSockets) until `stop` is
+/// cancelled; then stops accepting, lets each connection finish its request in flight, and
+/// returns when every connection has closed.
+pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimits, stop: CancellationToken) {
+    // Every connection task holds a receiver; `closed()` resolves when the last one is gone.
+    let (all_closed, connection_alive) = watch::channel(());
+    loop {
+        let (stream, _addr) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
                 Err(e) => {
                     // Out of file descriptors and the like: wait a little instead of spinning.
                     tracing::warn!(error = %e, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stop.cancelled() => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let io = TokioIo::new(GuardedStream { inner: stream, drain_timeout: limits.drain_timeout, stalled: None });
+        let service = TowerToHyperService::new(router.clone());
+        let stop = stop.clone();
+        let alive = connection_alive.clone();
+        tokio::spawn(async move {
+            let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
+            builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
+            let connection = builder.serve_connection_with_upgrades(io, service);
+            tokio::pin!(connection);
+            let mut stopping = false;
+            loop {
+                tokio::select! {
+                    result = connection.as_mut() => {
+                        if let Err(e) = result {
+                            tracing::trace!(error = %e, "connection ended with an error");
+                        }
+                        break;
+                    }
+                    _ = stop.cancelled(), if !stopping => {
+                        stopping = true;
+                        connection.as_mut().graceful_shutdown();
+                    }
                 }
             }
-        }
+            drop(alive);
+        });
     }
-
-    fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.inner.local_addr()
-    }
+    drop(listener);
+    drop(connection_alive);
+    all_closed.closed().await;
 }
 
 /// A TCP stream whose writes fail once they have been blocked for the drain timeout.

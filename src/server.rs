@@ -9,7 +9,7 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::http::{AppState, router, ws_router};
 use crate::hub::Hub;
-use crate::net::GuardedListener;
+use crate::net::{ConnectionLimits, serve};
 use crate::runtime::scripted::{Script, ScriptedRuntime};
 use crate::runtime::{ModelInfo, Registry};
 use crate::store::{Store, StoreError};
@@ -77,34 +77,24 @@ impl Gateway {
     ) -> std::io::Result<()> {
         let state = self.state.clone();
         let turns = state.turns.clone();
-        let drain_timeout = Duration::from_secs(state.config.drain_timeout_secs.max(1));
-        // Streams and both listeners stop once the turns have drained.
-        let drained = state.drained.clone();
-        let drain = {
-            let drained = drained.clone();
-            async move {
-                shutdown.await;
-                tracing::info!(running = turns.running(), "shutting down: aborting running turns");
-                turns.abort_all();
-                let deadline = tokio::time::Instant::now() + DRAIN_DEADLINE;
-                while turns.running() > 0 && tokio::time::Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                drained.cancel();
-            }
+        let limits = ConnectionLimits {
+            drain_timeout: Duration::from_secs(state.config.drain_timeout_secs.max(1)),
+            header_read_timeout: Duration::from_secs(state.config.header_read_timeout_secs.max(1)),
         };
-        let ws_task = ws_listener.map(|l| {
-            let app = ws_router(state.clone());
-            let stop = drained.clone();
-            tokio::spawn(async move {
-                axum::serve(GuardedListener::new(l, drain_timeout), app)
-                    .with_graceful_shutdown(async move { stop.cancelled().await })
-                    .await
-            })
-        });
-        let result = axum::serve(GuardedListener::new(listener, drain_timeout), router(state))
-            .with_graceful_shutdown(drain)
-            .await;
+        // Streams and listeners stop once the turns have drained.
+        let drained = state.drained.clone();
+        let ws_task = ws_listener.map(|l| tokio::spawn(serve(l, ws_router(state.clone()), limits, drained.clone())));
+        let main_task = tokio::spawn(serve(listener, router(state), limits, drained.clone()));
+
+        shutdown.await;
+        tracing::info!(running = turns.running(), "shutting down: aborting running turns");
+        turns.abort_all();
+        let deadline = tokio::time::Instant::now() + DRAIN_DEADLINE;
+        while turns.running() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drained.cancel();
+        let result = main_task.await.map_err(std::io::Error::other);
         if let Some(task) = ws_task {
             let _ = task.await;
         }
