@@ -54,6 +54,27 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
     pub drain_timeout_secs: u64,
 
+    /// Most live streams (SSE, NDJSON, WebSocket) open at once; past it, 503.
+    #[arg(long, env = "DISPATCH_MAX_STREAMS", default_value_t = 10_000)]
+    pub max_streams: usize,
+
+    /// Seconds a non-streaming request may take before it is answered 503.
+    #[arg(long, env = "DISPATCH_REQUEST_TIMEOUT_SECS", default_value_t = 30)]
+    pub request_timeout_secs: u64,
+
+    /// Seconds shutdown waits for running turns to seal and streams to finish.
+    #[arg(long, env = "DISPATCH_SHUTDOWN_TIMEOUT_SECS", default_value_t = 10)]
+    pub shutdown_timeout_secs: u64,
+
+    /// API keys, comma-separated. When set, every route but /health, /ready and /openapi.json
+    /// needs `Authorization: Bearer <key>` (or `?access_token=<key>`).
+    #[arg(long, env = "DISPATCH_API_KEYS", value_delimiter = ',', hide_env_values = true)]
+    pub api_keys: Vec<String>,
+
+    /// Origins allowed by CORS, comma-separated; `*` (the default) allows any.
+    #[arg(long, env = "DISPATCH_CORS_ORIGINS", value_delimiter = ',', default_value = "*")]
+    pub cors_origins: Vec<String>,
+
     /// Seconds a client may take to send a complete request head.
     #[arg(long, env = "DISPATCH_HEADER_READ_TIMEOUT_SECS", default_value_t = 10)]
     pub header_read_timeout_secs: u64,
@@ -62,6 +83,10 @@ pub struct Config {
     /// clients open their socket on port 24205 with no path).
     #[arg(long, env = "DISPATCH_WS_LISTEN")]
     pub ws_listen: Option<SocketAddr>,
+
+    /// Print the OpenAPI document and exit (`openapi/openapi.json` is this output).
+    #[arg(long)]
+    pub print_openapi: bool,
 
     /// Log output format.
     #[arg(long, env = "DISPATCH_LOG_FORMAT", value_enum, default_value = "text")]
@@ -82,7 +107,13 @@ impl Config {
             keepalive_secs: 15,
             drain_timeout_secs: 30,
             header_read_timeout_secs: 10,
+            max_streams: 10_000,
+            request_timeout_secs: 30,
+            shutdown_timeout_secs: 10,
+            api_keys: Vec::new(),
+            cors_origins: vec!["*".to_owned()],
             ws_listen: None,
+            print_openapi: false,
             log_format: LogFormat::Text,
         }
     }

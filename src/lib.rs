@@ -9,6 +9,8 @@ pub mod config;
 pub mod http;
 /// Replay buffers and fan-out of turn events.
 pub mod hub;
+/// Counters for `GET /metrics`.
+pub mod metrics;
 /// The listening socket: connections that stop draining are closed.
 pub mod net;
 /// Agent runtimes: the contract and its providers.

@@ -9,14 +9,12 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::http::{AppState, router, ws_router};
 use crate::hub::Hub;
+use crate::metrics::Metrics;
 use crate::net::{ConnectionLimits, serve};
 use crate::runtime::scripted::{Script, ScriptedRuntime};
 use crate::runtime::{ModelInfo, Registry};
 use crate::store::{Store, StoreError};
 use crate::turn::Turns;
-
-/// How long shutdown waits for aborted turns to seal.
-const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
@@ -43,10 +41,21 @@ impl Gateway {
         let scripted = ScriptedRuntime::new(config.scripted_pace, config.scripted_reasoning, script);
         registry.add("demo", "scripted", Arc::new(scripted), ModelInfo { context_window: Some(32_768) });
 
-        let store = Store::open(&config.database).await?;
+        let metrics = Arc::new(Metrics::default());
+        let store = Store::open(&config.database, metrics.clone()).await?;
         let hub = Hub::new(config.turn_buffer_bytes);
-        let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry));
-        Ok(Gateway { state: AppState { config: Arc::new(config), store, hub, turns, drained: Default::default() } })
+        let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone());
+        Ok(Gateway {
+            state: AppState {
+                config: Arc::new(config),
+                store,
+                hub,
+                turns,
+                metrics,
+                drained: Default::default(),
+                openapi: Arc::new(bytes::Bytes::from(crate::http::openapi_json_text())),
+            },
+        })
     }
 
     pub fn state(&self) -> &AppState {
@@ -56,6 +65,9 @@ impl Gateway {
     /// Binds the configured address.
     pub async fn bind(&self) -> Result<TcpListener, StartupError> {
         let addr = self.state.config.listen;
+        if !addr.ip().is_loopback() && self.state.config.api_keys.is_empty() {
+            tracing::warn!(%addr, "listening beyond loopback with no API keys: anyone who can reach this port can use the gateway");
+        }
         TcpListener::bind(addr).await.map_err(|source| StartupError::Listen { addr: addr.to_string(), source })
     }
 
@@ -87,18 +99,26 @@ impl Gateway {
         let main_task = tokio::spawn(serve(listener, router(state), limits, drained.clone()));
 
         shutdown.await;
+        // From here on /ready is 503 and new turns are refused.
         tracing::info!(running = turns.running(), "shutting down: aborting running turns");
         turns.abort_all();
-        let deadline = tokio::time::Instant::now() + DRAIN_DEADLINE;
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_secs(self.state.config.shutdown_timeout_secs.max(1));
         while turns.running() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         drained.cancel();
-        let result = main_task.await.map_err(std::io::Error::other);
-        if let Some(task) = ws_task {
-            let _ = task.await;
+        let listeners = async {
+            let _ = main_task.await;
+            if let Some(task) = ws_task {
+                let _ = task.await;
+            }
+        };
+        if tokio::time::timeout_at(deadline, listeners).await.is_err() {
+            tracing::warn!("connections still open at the shutdown deadline; closing anyway");
         }
         self.state.store.close().await;
-        result
+        tracing::info!("stopped");
+        Ok(())
     }
 }

@@ -66,6 +66,7 @@ impl ChatRequest {
 pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonObject) -> Result<Response, ApiError> {
     let start = ChatRequest::parse(&body)?;
     let framing = if wants_sse(&headers) { Framing::Sse } else { Framing::Ndjson };
+    let permit = state.stream_permit(framing.transport())?;
     let started = state.turns.start(start).await?;
     let watch = Watch {
         cursor: state.hub.read_turn(&started.buffer),
@@ -75,6 +76,8 @@ pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonO
         keepalive: state.keepalive(),
         store: state.store.clone(),
         drained: state.drained.clone(),
+        metrics: state.metrics.clone(),
+        permit,
         conversation_id: started.conversation_id.clone(),
     };
     let mut response = streaming_response(framing, watch_body(watch));

@@ -19,6 +19,8 @@ pub struct ErrorBody {
 pub enum ApiError {
     #[error("{0}")]
     BadRequest(String),
+    #[error("missing or invalid API key")]
+    Unauthorized,
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
@@ -40,6 +42,7 @@ impl ApiError {
     fn status(&self) -> StatusCode {
         match self {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,

@@ -64,6 +64,7 @@ pub async fn events(
         } else {
             None
         };
+    let permit = state.stream_permit(framing.transport())?;
     let (cursor, resync_first) = state.hub.subscribe(&id, resume.as_ref());
     let watch = Watch {
         cursor,
@@ -73,6 +74,8 @@ pub async fn events(
         keepalive: state.keepalive(),
         store: state.store.clone(),
         drained: state.drained.clone(),
+        metrics: state.metrics.clone(),
+        permit,
         conversation_id: id,
     };
     Ok(streaming_response(framing, watch_body(watch)))

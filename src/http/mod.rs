@@ -6,7 +6,10 @@ mod conversations;
 pub mod error;
 mod events;
 mod extract;
+mod layers;
 mod models;
+mod openapi;
+mod ops;
 mod stream;
 mod throughput;
 mod ws;
@@ -14,6 +17,7 @@ mod ws;
 use std::sync::Arc;
 
 use axum::Router;
+use axum::extract::State;
 use axum::http::{Method, Uri};
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
@@ -33,12 +37,24 @@ pub struct AppState {
     pub store: Store,
     pub hub: Arc<Hub>,
     pub turns: Arc<Turns>,
+    pub metrics: Arc<crate::metrics::Metrics>,
     /// Cancelled at shutdown once every turn has sealed: live streams deliver what is left
     /// and end.
     pub drained: tokio_util::sync::CancellationToken,
+    /// `/openapi.json`, serialized once (shared, not copied, by every clone of the state).
+    pub openapi: Arc<bytes::Bytes>,
 }
 
 impl AppState {
+    /// A place for one more live stream, or 503 when the cap is reached.
+    pub fn stream_permit(
+        &self,
+        transport: crate::metrics::Transport,
+    ) -> Result<crate::metrics::StreamPermit, ApiError> {
+        crate::metrics::StreamPermit::acquire(&self.metrics, transport, self.config.max_streams)
+            .ok_or_else(|| ApiError::Unavailable("too many open streams; try again later".into()))
+    }
+
     /// The keep-alive period of live streams.
     pub fn keepalive(&self) -> Option<std::time::Duration> {
         (self.config.keepalive_secs > 0).then(|| std::time::Duration::from_secs(self.config.keepalive_secs))
@@ -60,9 +76,9 @@ impl AppState {
 )]
 struct ApiDoc;
 
-/// The routes and the OpenAPI document they describe.
-pub fn router_with_doc(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
-    let (router, doc) = OpenApiRouter::with_openapi(ApiDoc::openapi())
+/// Every documented route, not yet bound to a state.
+fn api() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(models::health))
         .routes(routes!(models::models))
         .routes(routes!(chat::chat))
@@ -80,18 +96,45 @@ pub fn router_with_doc(state: AppState) -> (Router, utoipa::openapi::OpenApi) {
         .routes(routes!(control::get_model, control::put_model))
         .routes(routes!(throughput::throughput))
         .routes(routes!(ws::ws))
-        .split_for_parts();
-    let router = router.fallback(not_found).method_not_allowed_fallback(method_not_allowed).with_state(state);
-    (router, doc)
+        .routes(routes!(openapi_json))
+        .routes(routes!(ops::ready))
+        .routes(routes!(ops::metrics))
 }
 
+/// The OpenAPI document of the API, as pretty JSON (what `openapi/openapi.json` holds).
+pub fn openapi_json_text() -> String {
+    let (_, doc) = api().split_for_parts();
+    let value = serde_json::to_value(&doc).expect("the OpenAPI document serializes");
+    serde_json::to_string_pretty(&openapi::refine(value)).expect("JSON serializes") + "\n"
+}
+
+/// The OpenAPI 3.1 document of this API.
+#[utoipa::path(get, path = "/openapi.json", tag = "operations",
+    responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
+async fn openapi_json(State(state): State<AppState>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], state.openapi.as_ref().clone()).into_response()
+}
+
+/// The routes bound to the gateway's state.
 pub fn router(state: AppState) -> Router {
-    router_with_doc(state).0
+    let (router, _) = api().split_for_parts();
+    let router = router.fallback(not_found).method_not_allowed_fallback(method_not_allowed);
+    #[cfg(feature = "docs-ui")]
+    let router = router.merge(docs_ui());
+    layers::wrap(router, &state).with_state(state)
 }
 
 /// The router of the optional WebSocket-only listener: every path upgrades.
 pub fn ws_router(state: AppState) -> Router {
-    Router::new().fallback(ws::ws).with_state(state)
+    layers::wrap(Router::new().fallback(ws::ws), &state).with_state(state)
+}
+
+/// The Swagger UI page at `/docs`, from assets compiled into the binary (no CDN).
+#[cfg(feature = "docs-ui")]
+fn docs_ui() -> Router<AppState> {
+    let doc: serde_json::Value = serde_json::from_str(&openapi_json_text()).expect("the document is JSON");
+    utoipa_swagger_ui::SwaggerUi::new("/docs").external_url_unchecked("/docs/openapi.json", doc).into()
 }
 
 async fn not_found(method: Method, uri: Uri) -> ApiError {

@@ -12,7 +12,11 @@ use bytes::Bytes;
 use futures_util::Stream;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
 use crate::hub::{Cursor, Delivery, Frame, join_frames};
+use crate::metrics::{Metrics, StreamPermit, Transport};
 use crate::store::Store;
 
 /// Most frames joined into one write.
@@ -39,6 +43,13 @@ impl Framing {
         }
     }
 
+    pub fn transport(self) -> Transport {
+        match self {
+            Framing::Ndjson => Transport::Ndjson,
+            Framing::Sse => Transport::Sse,
+        }
+    }
+
     fn keepalive(self) -> Bytes {
         match self {
             Framing::Ndjson => Bytes::from_static(b"\n"),
@@ -60,6 +71,10 @@ pub struct Watch {
     pub conversation_id: String,
     /// Shutdown: deliver what is available, then end.
     pub drained: tokio_util::sync::CancellationToken,
+    pub metrics: Arc<Metrics>,
+    /// Holds this stream's place under the cap until the body is dropped (never read).
+    #[allow(dead_code)]
+    pub permit: StreamPermit,
 }
 
 struct State {
@@ -102,6 +117,7 @@ pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>>
         };
         match delivery {
             Delivery::Frames(frames) => {
+                st.watch.metrics.events_delivered.fetch_add(frames.len() as u64, Relaxed);
                 if st.watch.until_sealed && frames.last().is_some_and(|f| f.is_sealed()) {
                     st.done = true;
                 }
@@ -111,10 +127,15 @@ pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>>
                 Some((Ok(join_frames(&frames, st.watch.framing.pick())), st))
             }
             Delivery::Lost if st.watch.framing == Framing::Sse => {
+                st.watch.metrics.lag_recoveries.fetch_add(1, Relaxed);
                 let message = resync_message(&st.watch.store, &st.watch.conversation_id).await;
                 Some((Ok(message), st))
             }
-            Delivery::Lost | Delivery::End => None,
+            Delivery::Lost => {
+                st.watch.metrics.subscriber_drops.fetch_add(1, Relaxed);
+                None
+            }
+            Delivery::End => None,
         }
     })
 }

@@ -18,7 +18,11 @@ use tokio::task::JoinHandle;
 use super::AppState;
 use super::chat::ChatRequest;
 use super::extract::{JsonObject, check_id};
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::error::ApiError;
 use crate::hub::Delivery;
+use crate::metrics::{StreamPermit, Transport};
 use crate::turn::StartError;
 
 /// Messages queued for one socket before forwarding tasks wait.
@@ -36,11 +40,12 @@ const BATCH: usize = 256;
         (status = 400, description = "Not a WebSocket upgrade request"),
     )
 )]
-pub async fn ws(State(state): State<AppState>, upgrade: WebSocketUpgrade) -> Response {
-    upgrade
+pub async fn ws(State(state): State<AppState>, upgrade: WebSocketUpgrade) -> Result<Response, ApiError> {
+    let permit = state.stream_permit(Transport::WebSocket)?;
+    Ok(upgrade
         .max_message_size(state.config.max_body_bytes)
         .max_frame_size(state.config.max_body_bytes)
-        .on_upgrade(move |socket| session(state, socket))
+        .on_upgrade(move |socket| session(state, socket, permit)))
 }
 
 fn text(value: Value) -> Message {
@@ -53,7 +58,7 @@ struct Session {
     subscriptions: HashMap<String, JoinHandle<()>>,
 }
 
-async fn session(state: AppState, socket: WebSocket) {
+async fn session(state: AppState, socket: WebSocket, _permit: StreamPermit) {
     let (mut sink, mut incoming) = socket.split();
     let (out, mut queue) = mpsc::channel::<Message>(OUTBOUND);
     let keepalive = state.keepalive();
@@ -210,6 +215,7 @@ impl Session {
         let (mut cursor, _) = self.state.hub.subscribe(conversation_id, None);
         let out = self.out.clone();
         let store = self.state.store.clone();
+        let metrics = self.state.metrics.clone();
         let id = conversation_id.to_owned();
         let drained = self.state.drained.clone();
         let task = tokio::spawn(async move {
@@ -220,6 +226,7 @@ impl Session {
                 };
                 match delivery {
                     Delivery::Frames(frames) => {
+                        metrics.events_delivered.fetch_add(frames.len() as u64, Relaxed);
                         for frame in frames {
                             let Ok(text) = Utf8Bytes::try_from(frame.ws().clone()) else { continue };
                             if out.send(Message::Text(text)).await.is_err() {
@@ -230,6 +237,7 @@ impl Session {
                     Delivery::Lost => {
                         // The position was coalesced away: tell the client to refetch history;
                         // the turn's replay follows from its start.
+                        metrics.lag_recoveries.fetch_add(1, Relaxed);
                         let latest_seq = store.latest_seq(&id).await.unwrap_or(0);
                         let message = json!({"type": "chat.resync", "conversationId": id, "latestSeq": latest_seq});
                         if out.send(text(message)).await.is_err() {

@@ -11,11 +11,13 @@ mod turns;
 
 use std::path::Path;
 use std::str::FromStr;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Sqlite, SqlitePool, Transaction};
 
+use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation};
 pub use log::{HistoryWindow, NewChunk, RawStoredChunk};
 pub use reads::{LastText, ModelThroughput};
@@ -45,12 +47,13 @@ pub type StoreResult<T> = Result<T, StoreError>;
 pub struct Store {
     writer: SqlitePool,
     reader: SqlitePool,
+    metrics: Arc<Metrics>,
 }
 
 impl Store {
     /// Opens (creating when missing) the database file, applies the migrations, and repairs
     /// turns a previous process left open (spec 1.5) before anything is served.
-    pub async fn open(path: &Path) -> StoreResult<Store> {
+    pub async fn open(path: &Path, metrics: Arc<Metrics>) -> StoreResult<Store> {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent)
                 .map_err(|source| StoreError::Folder { path: parent.display().to_string(), source })?;
@@ -66,7 +69,7 @@ impl Store {
             SqlitePoolOptions::new().max_connections(1).min_connections(1).connect_with(options.clone()).await?;
         MIGRATOR.run(&writer).await?;
         let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.read_only(true)).await?;
-        let store = Store { writer, reader };
+        let store = Store { writer, reader, metrics };
         let repaired = store.recover_interrupted(now_ms()).await?;
         if repaired > 0 {
             tracing::warn!(turns = repaired, "marked turns cut off by the last shutdown as interrupted");
@@ -85,8 +88,17 @@ impl Store {
         self.writer.close().await;
     }
 
-    async fn write_tx(&self) -> StoreResult<Transaction<'static, Sqlite>> {
-        Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
+    /// Opens a write transaction; hand it back to [`Store::commit`] with the start instant.
+    async fn write_tx(&self) -> StoreResult<(Transaction<'static, Sqlite>, Instant)> {
+        let started = Instant::now();
+        Ok((self.writer.begin_with("BEGIN IMMEDIATE").await?, started))
+    }
+
+    /// Commits and records how long the transaction took, from its start.
+    async fn commit(&self, tx: Transaction<'static, Sqlite>, started: Instant) -> StoreResult<()> {
+        tx.commit().await?;
+        self.metrics.observe_write(started.elapsed());
+        Ok(())
     }
 }
 

@@ -49,7 +49,7 @@ impl Store {
     /// Opens a turn: creates the conversation when missing, marks it active, records the turn
     /// and appends the user's chunk, all in one transaction. Returns the user chunk's seq.
     pub async fn begin_turn(&self, t: BeginTurn<'_>) -> StoreResult<u64> {
-        let mut tx = self.write_tx().await?;
+        let (mut tx, started) = self.write_tx().await?;
         sqlx::query(
             "INSERT INTO conversations (id, title, status, created_at, last_activity_at)
              VALUES (?1, ?2, 'active', ?3, ?3)
@@ -97,7 +97,7 @@ impl Store {
             })?;
         }
         let seq = append_in(&mut tx, t.conversation_id, t.turn_id, &[user_chunk(t.user_text)], t.now).await?;
-        tx.commit().await?;
+        self.commit(tx, started).await?;
         Ok(seq)
     }
 
@@ -115,7 +115,7 @@ impl Store {
     pub async fn seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<String> {
         let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let gen_total_ms: u64 = s.metrics.steps.iter().filter_map(|st| st.gen_total_ms).sum();
-        let mut tx = self.write_tx().await?;
+        let (mut tx, started) = self.write_tx().await?;
         append_in(&mut tx, s.conversation_id, s.turn_id, final_chunks, s.now).await?;
         sqlx::query(
             "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
@@ -139,7 +139,7 @@ impl Store {
         .bind(s.conversation_id)
         .fetch_one(&mut *tx)
         .await?;
-        tx.commit().await?;
+        self.commit(tx, started).await?;
         Ok(status)
     }
 
@@ -171,7 +171,7 @@ impl Store {
         .fetch_all(&self.writer)
         .await?;
         for turn in &open {
-            let mut tx = self.write_tx().await?;
+            let (mut tx, started) = self.write_tx().await?;
             let marker = NewChunk {
                 role: Role::Assistant,
                 chunk: Chunk::Error(ErrorChunk {
@@ -187,7 +187,7 @@ impl Store {
                 .bind(&turn.turn_id)
                 .execute(&mut *tx)
                 .await?;
-            tx.commit().await?;
+            self.commit(tx, started).await?;
         }
         // Whatever was active when the process died is not active now.
         sqlx::query("UPDATE conversations SET status = 'idle' WHERE status = 'active'").execute(&self.writer).await?;

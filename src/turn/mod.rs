@@ -17,7 +17,12 @@ use tokio_util::sync::CancellationToken;
 pub use assembly::ChunkAssembler;
 pub use tally::{OpenStep, StepTiming, TurnTally};
 
+use std::sync::atomic::Ordering::Relaxed;
+
+use tracing::Instrument;
+
 use crate::hub::{Hub, TurnBuffer};
+use crate::metrics::Metrics;
 use crate::runtime::{Inbox, QueuedMessage, Registry, TurnRequest};
 use crate::store::{BeginTurn, IdempotencyRecord, Store, StoreError, now_ms};
 use crate::wire::{AgentEvent, TurnInputEvent, TurnStartEvent};
@@ -85,6 +90,7 @@ pub struct Turns {
     statuses: broadcast::Sender<StatusChange>,
     /// Set at shutdown: no new turn starts.
     closing: CancellationToken,
+    metrics: Arc<Metrics>,
 }
 
 /// Frees a reserved slot unless the reservation was turned into a running turn.
@@ -103,7 +109,7 @@ impl Drop for Reservation<'_> {
 }
 
 impl Turns {
-    pub fn new(store: Store, hub: Arc<Hub>, registry: Arc<Registry>) -> Arc<Turns> {
+    pub fn new(store: Store, hub: Arc<Hub>, registry: Arc<Registry>, metrics: Arc<Metrics>) -> Arc<Turns> {
         let (statuses, _) = broadcast::channel(1024);
         Arc::new(Turns {
             store,
@@ -112,6 +118,7 @@ impl Turns {
             slots: Mutex::new(HashMap::new()),
             statuses,
             closing: CancellationToken::new(),
+            metrics,
         })
     }
 
@@ -200,6 +207,7 @@ impl Turns {
         self.lock().insert(req.conversation_id.clone(), Slot::Running { cancel: cancel.clone(), inbox: inbox.clone() });
         reservation.armed = false;
         self.announce(&req.conversation_id, "active");
+        self.metrics.turns_started.fetch_add(1, Relaxed);
 
         let request = TurnRequest {
             conversation_id: req.conversation_id.clone(),
@@ -210,8 +218,9 @@ impl Turns {
             reasoning_effort: req.reasoning_effort,
             inbox,
         };
+        let span = tracing::info_span!("turn", conversation = %ids.0, turn = %ids.1, model = %model);
         let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, request.inbox.clone());
-        tokio::spawn(run.drive(runtime, request));
+        tokio::spawn(run.drive(runtime, request).instrument(span));
         Ok(Started { conversation_id: ids.0, turn_id: ids.1, buffer })
     }
 

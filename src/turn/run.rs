@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use tokio::sync::mpsc;
@@ -352,6 +353,21 @@ impl TurnRun {
                 "idle"
             }
         };
+        let metrics = &self.turns.metrics;
+        metrics.turns_sealed.fetch_add(1, Relaxed);
+        match &end {
+            End::Failed { code, .. } => {
+                metrics.turns_failed.fetch_add(1, Relaxed);
+                metrics.runtime_error(code.as_deref().unwrap_or("unknown"));
+            }
+            End::Aborted => {
+                metrics.turns_aborted.fetch_add(1, Relaxed);
+            }
+            End::Finished(_) => {}
+        }
+        // Every event of the turn, turn-sealed included.
+        metrics.events_emitted.fetch_add(u64::from(self.buffer.published()) + 1, Relaxed);
+        tracing::info!(reason = %reason, status, "turn sealed");
         self.turns.release(&self.conversation_id);
         let (conversation_id, turn_id) = self.ids();
         let sealed = AgentEvent::TurnSealed(TurnSealedEvent { conversation_id, turn_id });

@@ -1,5 +1,8 @@
-//! A real gateway on an ephemeral port with a real SQLite file, and a client for it.
+//! A real gateway on an ephemeral port with a real SQLite file, and a client for it. Every
+//! response the helpers read is checked against the OpenAPI document.
 #![allow(dead_code)]
+
+pub mod schema;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -81,12 +84,12 @@ impl TestServer {
 
     pub async fn get(&self, path: &str) -> (u16, Value) {
         let r = self.client.get(self.url(path)).send().await.unwrap();
-        read_json(r).await
+        checked("GET", path, r).await
     }
 
     pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
         let r = self.client.post(self.url(path)).json(&body).send().await.unwrap();
-        read_json(r).await
+        checked("POST", path, r).await
     }
 
     pub async fn post_raw(&self, path: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
@@ -98,17 +101,17 @@ impl TestServer {
             .send()
             .await
             .unwrap();
-        read_json(r).await
+        checked("POST", path, r).await
     }
 
     pub async fn put(&self, path: &str, body: Value) -> (u16, Value) {
         let r = self.client.put(self.url(path)).json(&body).send().await.unwrap();
-        read_json(r).await
+        checked("PUT", path, r).await
     }
 
     pub async fn delete(&self, path: &str) -> (u16, Value) {
         let r = self.client.delete(self.url(path)).send().await.unwrap();
-        read_json(r).await
+        checked("DELETE", path, r).await
     }
 
     /// Starts a turn with `POST /chat` and returns the open NDJSON stream.
@@ -138,6 +141,15 @@ impl Drop for TestServer {
             let _ = stop.send(());
         }
     }
+}
+
+/// Reads a JSON response and checks it against the document.
+pub async fn checked(method: &str, path: &str, r: reqwest::Response) -> (u16, Value) {
+    let (status, body) = read_json(r).await;
+    if !body.is_null() {
+        schema::check_response(method, path, status, &body);
+    }
+    (status, body)
 }
 
 pub async fn read_json(r: reqwest::Response) -> (u16, Value) {
@@ -184,7 +196,9 @@ impl EventStream {
     /// The next event, or None at the end of the stream.
     pub async fn next_event(&mut self) -> Option<Value> {
         let line = self.next_line().await?;
-        Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad NDJSON line {line:?}: {e}")))
+        let event: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad NDJSON line {line:?}: {e}"));
+        schema::check_event(&event);
+        Some(event)
     }
 
     pub async fn collect(mut self) -> Vec<Value> {
@@ -206,7 +220,11 @@ pub struct SseMessage {
 
 impl SseMessage {
     pub fn json(&self) -> Value {
-        serde_json::from_str(&self.data).unwrap_or_else(|e| panic!("bad SSE data {:?}: {e}", self.data))
+        let value = serde_json::from_str(&self.data).unwrap_or_else(|e| panic!("bad SSE data {:?}: {e}", self.data));
+        if self.event.is_none() {
+            schema::check_event(&value);
+        }
+        value
     }
 }
 
@@ -327,6 +345,7 @@ impl WsClient {
         let (mut events, mut other) = (Vec::new(), Vec::new());
         while let Some(m) = self.next().await {
             if m["type"] == "chat.delta" && m["event"]["conversationId"] == conversation_id {
+                schema::check_event(&m["event"]);
                 let sealed = m["event"]["type"] == "turn-sealed";
                 events.push(m["event"].clone());
                 if sealed {

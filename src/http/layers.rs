@@ -1,0 +1,119 @@
+//! What wraps every route: request ids and logs, CORS, API keys, timeouts.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{HeaderName, HeaderValue, Method, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use tower_http::cors::{AllowOrigin, CorsLayer};
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+
+use super::AppState;
+use super::error::ApiError;
+
+/// Routes anyone may call, keys or not.
+const PUBLIC: &[&str] = &["/health", "/ready", "/openapi.json"];
+
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Wraps the router, outermost first: request id, trace span, CORS (so preflights are
+/// answered before auth), API keys, timeouts.
+pub fn wrap(router: Router<AppState>, state: &AppState) -> Router<AppState> {
+    router
+        .layer(middleware::from_fn_with_state(state.clone(), timeout))
+        .layer(middleware::from_fn_with_state(state.clone(), authenticate))
+        .layer(cors(&state.config.cors_origins))
+        .layer(PropagateRequestIdLayer::new(REQUEST_ID))
+        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
+            let id = req.headers().get(&REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("-");
+            tracing::info_span!("request", id = %id, method = %req.method(), path = %req.uri().path())
+        }))
+        .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
+}
+
+fn cors(origins: &[String]) -> CorsLayer {
+    let allow_origin = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+    };
+    CorsLayer::new()
+        .allow_origin(allow_origin)
+        .allow_methods([Method::GET, Method::POST, Method::PUT, Method::DELETE, Method::OPTIONS])
+        .allow_headers([
+            header::CONTENT_TYPE,
+            header::AUTHORIZATION,
+            HeaderName::from_static("last-event-id"),
+            HeaderName::from_static("idempotency-key"),
+        ])
+        .expose_headers([HeaderName::from_static("x-conversation-id"), REQUEST_ID])
+        .max_age(Duration::from_secs(600))
+}
+
+/// Equal-length comparison whose time does not depend on where the inputs differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The key a request presents: `Authorization: Bearer <key>`, else `?access_token=<key>` (for
+/// EventSource and WebSocket clients, which cannot set headers).
+fn presented_key(req: &Request) -> Option<String> {
+    if let Some(value) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        let (scheme, key) = value.split_once(' ')?;
+        return scheme.eq_ignore_ascii_case("bearer").then(|| key.trim().to_owned());
+    }
+    form_urlencoded::parse(req.uri().query()?.as_bytes())
+        .find(|(k, _)| k == "access_token")
+        .map(|(_, v)| v.into_owned())
+}
+
+async fn authenticate(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let keys = &state.config.api_keys;
+    if keys.is_empty() || PUBLIC.contains(&req.uri().path()) {
+        return next.run(req).await;
+    }
+    let presented = presented_key(&req).unwrap_or_default();
+    // Compare against every key, without stopping at the first match.
+    let valid = keys.iter().fold(false, |ok, key| constant_time_eq(key.as_bytes(), presented.as_bytes()) | ok);
+    if valid {
+        return next.run(req).await;
+    }
+    let mut response = ApiError::Unauthorized.into_response();
+    response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+/// Streaming routes run as long as their stream; `/last` has its own bound.
+fn is_streaming(path: &str) -> bool {
+    path == "/chat" || path == "/ws" || path.ends_with("/events") || path.ends_with("/last")
+}
+
+async fn timeout(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if is_streaming(req.uri().path()) || req.headers().contains_key(header::UPGRADE) {
+        return next.run(req).await;
+    }
+    let limit = Duration::from_secs(state.config.request_timeout_secs.max(1));
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::Unavailable("the request timed out".into()).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn keys_compare_exactly() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+    }
+}

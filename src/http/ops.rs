@@ -1,0 +1,40 @@
+//! `GET /ready` and `GET /metrics`.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::header::CONTENT_TYPE;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::AppState;
+use super::error::{ApiError, ErrorBody};
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Ready {
+    pub ready: bool,
+}
+
+/// Readiness: 200 while the database answers and turns are accepted; 503 while draining.
+#[utoipa::path(get, path = "/ready", tag = "operations", responses(
+    (status = 200, body = Ready),
+    (status = 503, description = "Shutting down, or the database does not answer", body = ErrorBody),
+))]
+pub async fn ready(State(state): State<AppState>) -> Result<Json<Ready>, ApiError> {
+    if state.turns.is_closing() {
+        return Err(ApiError::Unavailable("shutting down".into()));
+    }
+    if !state.store.ping().await {
+        return Err(ApiError::Unavailable("the database does not answer".into()));
+    }
+    Ok(Json(Ready { ready: true }))
+}
+
+/// Prometheus text exposition of the gateway's counters.
+#[utoipa::path(get, path = "/metrics", tag = "operations", responses(
+    (status = 200, description = "Prometheus text format", content_type = "text/plain; version=0.0.4", body = String),
+))]
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let body = state.metrics.render(state.turns.running(), state.hub.channel_count());
+    ([(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+}

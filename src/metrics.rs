@@ -1,0 +1,170 @@
+//! Counters for `GET /metrics`, in the Prometheus text format.
+//!
+//! Plain atomics, shared by the parts of one gateway through an `Arc`; rendering reads them
+//! without stopping anyone.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// Upper bounds of the SQLite write latency histogram, in seconds.
+const WRITE_BUCKETS: [f64; 12] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
+
+/// Live-stream transports, for the per-transport gauge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    Sse,
+    Ndjson,
+    WebSocket,
+}
+
+impl Transport {
+    const ALL: [Transport; 3] = [Transport::Sse, Transport::Ndjson, Transport::WebSocket];
+
+    fn label(self) -> &'static str {
+        match self {
+            Transport::Sse => "sse",
+            Transport::Ndjson => "ndjson",
+            Transport::WebSocket => "websocket",
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    pub turns_started: AtomicU64,
+    pub turns_sealed: AtomicU64,
+    pub turns_failed: AtomicU64,
+    pub turns_aborted: AtomicU64,
+    pub events_emitted: AtomicU64,
+    pub events_delivered: AtomicU64,
+    open_streams: [AtomicU64; 3],
+    pub lag_recoveries: AtomicU64,
+    pub subscriber_drops: AtomicU64,
+    write_buckets: [AtomicU64; WRITE_BUCKETS.len()],
+    write_count: AtomicU64,
+    write_micros: AtomicU64,
+    runtime_errors: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Metrics {
+    pub fn open_streams(&self) -> u64 {
+        self.open_streams.iter().map(|g| g.load(Relaxed)).sum()
+    }
+
+    /// Records one SQLite write transaction's duration.
+    pub fn observe_write(&self, took: Duration) {
+        let seconds = took.as_secs_f64();
+        for (bucket, bound) in self.write_buckets.iter().zip(WRITE_BUCKETS) {
+            if seconds <= bound {
+                bucket.fetch_add(1, Relaxed);
+            }
+        }
+        self.write_count.fetch_add(1, Relaxed);
+        self.write_micros.fetch_add(took.as_micros() as u64, Relaxed);
+    }
+
+    pub fn runtime_error(&self, kind: &str) {
+        let mut errors = self.runtime_errors.lock().unwrap_or_else(|p| p.into_inner());
+        *errors.entry(kind.to_owned()).or_default() += 1;
+    }
+
+    /// The text exposition; `running` and `channels` are read from their owners.
+    pub fn render(&self, running: usize, channels: usize) -> String {
+        let mut out = String::with_capacity(4096);
+        let mut counter = |name: &str, help: &str, value: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
+        };
+        counter("dispatch_turns_started_total", "Turns started.", self.turns_started.load(Relaxed));
+        counter("dispatch_turns_sealed_total", "Turns sealed, whatever their end.", self.turns_sealed.load(Relaxed));
+        counter(
+            "dispatch_turns_failed_total",
+            "Turns that ended with done{reason:error}.",
+            self.turns_failed.load(Relaxed),
+        );
+        counter(
+            "dispatch_turns_aborted_total",
+            "Turns that ended with done{reason:aborted}.",
+            self.turns_aborted.load(Relaxed),
+        );
+        counter("dispatch_events_emitted_total", "Events published by turns.", self.events_emitted.load(Relaxed));
+        counter(
+            "dispatch_events_delivered_total",
+            "Events handed to watchers' connections (one per watcher).",
+            self.events_delivered.load(Relaxed),
+        );
+        counter(
+            "dispatch_subscriber_lag_recoveries_total",
+            "Watchers whose position was coalesced away and who were resynced.",
+            self.lag_recoveries.load(Relaxed),
+        );
+        counter(
+            "dispatch_subscriber_drops_total",
+            "Watchers disconnected because they could not be refilled or did not drain.",
+            self.subscriber_drops.load(Relaxed),
+        );
+        let _ = writeln!(out, "# HELP dispatch_turns_running Turns running now.\n# TYPE dispatch_turns_running gauge");
+        let _ = writeln!(out, "dispatch_turns_running {running}");
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_hub_channels Conversations the hub holds state for.\n# TYPE dispatch_hub_channels gauge"
+        );
+        let _ = writeln!(out, "dispatch_hub_channels {channels}");
+        let _ = writeln!(out, "# HELP dispatch_open_streams Open live streams.\n# TYPE dispatch_open_streams gauge");
+        for t in Transport::ALL {
+            let _ = writeln!(
+                out,
+                "dispatch_open_streams{{transport=\"{}\"}} {}",
+                t.label(),
+                self.open_streams[t as usize].load(Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_sqlite_write_seconds SQLite write transaction latency.\n# TYPE dispatch_sqlite_write_seconds histogram"
+        );
+        for (bucket, bound) in self.write_buckets.iter().zip(WRITE_BUCKETS) {
+            let _ = writeln!(out, "dispatch_sqlite_write_seconds_bucket{{le=\"{bound}\"}} {}", bucket.load(Relaxed));
+        }
+        let count = self.write_count.load(Relaxed);
+        let _ = writeln!(out, "dispatch_sqlite_write_seconds_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "dispatch_sqlite_write_seconds_sum {}", self.write_micros.load(Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "dispatch_sqlite_write_seconds_count {count}");
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_runtime_errors_total Turn errors by kind.\n# TYPE dispatch_runtime_errors_total counter"
+        );
+        for (kind, n) in self.runtime_errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let kind = kind.replace(['\\', '"', '\n'], "_");
+            let _ = writeln!(out, "dispatch_runtime_errors_total{{kind=\"{kind}\"}} {n}");
+        }
+        out
+    }
+}
+
+/// Counts a stream open for as long as it lives, against the cap.
+pub struct StreamPermit {
+    metrics: std::sync::Arc<Metrics>,
+    transport: Transport,
+}
+
+impl StreamPermit {
+    /// Opens a stream unless `max` are open already.
+    pub fn acquire(metrics: &std::sync::Arc<Metrics>, transport: Transport, max: usize) -> Option<StreamPermit> {
+        let gauge = &metrics.open_streams[transport as usize];
+        gauge.fetch_add(1, Relaxed);
+        if metrics.open_streams() > max as u64 {
+            gauge.fetch_sub(1, Relaxed);
+            return None;
+        }
+        Some(StreamPermit { metrics: metrics.clone(), transport })
+    }
+}
+
+impl Drop for StreamPermit {
+    fn drop(&mut self) {
+        self.metrics.open_streams[self.transport as usize].fetch_sub(1, Relaxed);
+    }
+}
