@@ -1,0 +1,56 @@
+//! No Docker engine runs here, so the Docker files are checked against the code: the port,
+//! the health path, the binary and every environment variable they name must be real.
+
+use clap::CommandFactory;
+use dispatch_gateway::Config;
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+}
+
+fn dispatch_vars(text: &str) -> Vec<String> {
+    let mut vars: Vec<String> = text
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("DISPATCH_") && w.len() > "DISPATCH_".len())
+        .map(str::to_owned)
+        .collect();
+    vars.sort();
+    vars.dedup();
+    vars
+}
+
+#[test]
+fn docker_files_name_what_the_code_uses() {
+    let dockerfile = read("docker/Dockerfile");
+    let compose = read("docker/compose.yaml");
+    let port = Config::defaults().listen.port();
+    assert_eq!(port, 24203);
+    assert!(dockerfile.contains(&format!("EXPOSE {port}")));
+    assert!(dockerfile.contains(&format!("DISPATCH_LISTEN=0.0.0.0:{port}")));
+    assert!(compose.contains(&format!(":{port}:{port}")));
+
+    let health = dockerfile.lines().find(|l| l.contains("curl") && l.contains("CMD")).expect("a HEALTHCHECK command");
+    assert!(health.contains(&format!("http://127.0.0.1:{port}/health")), "{health}");
+    let doc: serde_json::Value = serde_json::from_str(&dispatch_gateway::http::openapi_json_text()).unwrap();
+    assert!(doc["paths"]["/health"]["get"].is_object());
+
+    let binary = env!("CARGO_BIN_EXE_dispatch-gateway").rsplit('/').next().unwrap();
+    assert!(dockerfile.contains(&format!("target/release/{binary}")));
+    assert!(dockerfile.contains(&format!("ENTRYPOINT [\"{binary}\"]")));
+    assert!(dockerfile.contains("USER dispatch") && dockerfile.contains("VOLUME /data"));
+    assert!(dockerfile.contains("DISPATCH_DATABASE=/data/"));
+
+    let known: Vec<String> = Config::command()
+        .get_arguments()
+        .filter_map(|a| a.get_env())
+        .map(|e| e.to_string_lossy().into_owned())
+        .collect();
+    for var in dispatch_vars(&dockerfile).into_iter().chain(dispatch_vars(&compose)) {
+        assert!(known.contains(&var), "{var} is not a configuration variable; known: {known:?}");
+    }
+    // And the README documents every variable.
+    let readme = read("README.md");
+    for var in &known {
+        assert!(readme.contains(var.as_str()), "README does not document {var}");
+    }
+}

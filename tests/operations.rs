@@ -1,0 +1,292 @@
+//! Operating the gateway: the OpenAPI document, API keys, CORS, limits, metrics, readiness.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[tokio::test]
+async fn the_served_document_is_the_one_in_the_repository() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    let r = server.client.get(server.url("/openapi.json")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "application/json");
+    let served = r.text().await.unwrap();
+    let kept = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/openapi/openapi.json")).unwrap();
+    assert!(
+        served == kept,
+        "openapi/openapi.json is stale: regenerate it with `cargo run -- --print-openapi > openapi/openapi.json`"
+    );
+    let doc: Value = serde_json::from_str(&served).unwrap();
+    assert_eq!(doc["openapi"], "3.1.0");
+    let events = &doc["components"]["schemas"]["AgentEvent"];
+    assert_eq!(events["discriminator"]["propertyName"], "type");
+    assert_eq!(events["oneOf"].as_array().unwrap().len(), 13);
+    assert_eq!(events["discriminator"]["mapping"]["turn-sealed"], "#/components/schemas/TurnSealedEvent");
+    let paths: Vec<&str> = doc["paths"].as_object().unwrap().keys().map(String::as_str).collect();
+    for route in [
+        "/health",
+        "/ready",
+        "/metrics",
+        "/openapi.json",
+        "/chat",
+        "/models",
+        "/conversations",
+        "/conversations/{id}",
+        "/conversations/{id}/metrics",
+        "/conversations/{id}/status",
+        "/conversations/{id}/last",
+        "/conversations/{id}/stop",
+        "/conversations/{id}/close",
+        "/conversations/{id}/queue",
+        "/conversations/{id}/title",
+        "/conversations/{id}/model",
+        "/conversations/{id}/messages",
+        "/conversations/{id}/events",
+        "/metrics/throughput",
+        "/ws",
+    ] {
+        assert!(paths.contains(&route), "{route} is documented");
+    }
+}
+
+/// A request to every route, and whether it is public.
+fn every_route() -> Vec<(&'static str, &'static str, bool)> {
+    vec![
+        ("GET", "/health", true),
+        ("GET", "/ready", true),
+        ("GET", "/openapi.json", true),
+        ("GET", "/metrics", false),
+        ("GET", "/models", false),
+        ("POST", "/chat", false),
+        ("GET", "/conversations", false),
+        ("POST", "/conversations", false),
+        ("GET", "/conversations/a", false),
+        ("DELETE", "/conversations/a", false),
+        ("GET", "/conversations/a/metrics", false),
+        ("GET", "/conversations/a/status", false),
+        ("GET", "/conversations/a/last", false),
+        ("POST", "/conversations/a/stop", false),
+        ("POST", "/conversations/a/close", false),
+        ("POST", "/conversations/a/queue", false),
+        ("PUT", "/conversations/a/title", false),
+        ("GET", "/conversations/a/model", false),
+        ("PUT", "/conversations/a/model", false),
+        ("POST", "/conversations/a/messages", false),
+        ("GET", "/conversations/a/events?until=sealed", false),
+        ("GET", "/metrics/throughput", false),
+        ("GET", "/ws", false),
+        ("GET", "/no/such/route", false),
+    ]
+}
+
+#[tokio::test]
+async fn api_keys_guard_every_route_but_the_public_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.api_keys = vec!["key-one".into(), "key-two".into()];
+    let server = TestServer::start(config).await;
+    let request = |method: &str, path: &str| {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        server.client.request(method, server.url(path)).timeout(Duration::from_secs(5))
+    };
+    for (method, path, public) in every_route() {
+        let none = request(method, path).send().await.unwrap();
+        let wrong = request(method, path).bearer_auth("key-three").send().await.unwrap();
+        let sep = if path.contains('?') { '&' } else { '?' };
+        let wrong_query = request(method, &format!("{path}{sep}access_token=key-on")).send().await.unwrap();
+        for r in [none, wrong, wrong_query] {
+            if public {
+                assert_eq!(r.status(), 200, "{method} {path} is public");
+            } else {
+                assert_eq!(r.status(), 401, "{method} {path} without a valid key");
+                assert_eq!(r.headers()["www-authenticate"], "Bearer");
+                let (_, body) = read_json(r).await;
+                assert_eq!(body, json!({"error": "missing or invalid API key"}));
+            }
+        }
+        // A valid key, by header or by query, gets past the gate (whatever the route says then).
+        let by_header = request(method, path).bearer_auth("key-two").send().await.unwrap();
+        let by_query = request(method, &format!("{path}{sep}access_token=key-one")).send().await.unwrap();
+        for r in [by_header, by_query] {
+            assert_ne!(r.status(), 401, "{method} {path} with a valid key");
+        }
+    }
+    // A WebSocket client passes its key in the query.
+    let url = format!("ws://{}/ws?access_token=key-one", server.addr);
+    assert!(tokio_tungstenite::connect_async(url).await.is_ok());
+    let url = format!("ws://{}/ws", server.addr);
+    assert!(tokio_tungstenite::connect_async(url).await.is_err());
+}
+
+#[tokio::test]
+async fn cors_answers_preflights_and_exposes_the_conversation_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    let preflight = server
+        .client
+        .request(reqwest::Method::OPTIONS, server.url("/chat"))
+        .header("origin", "http://app.example")
+        .header("access-control-request-method", "POST")
+        .header("access-control-request-headers", "content-type, authorization, last-event-id, idempotency-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(preflight.status(), 200);
+    assert_eq!(preflight.headers()["access-control-allow-origin"], "*");
+    let methods = preflight.headers()["access-control-allow-methods"].to_str().unwrap().to_lowercase();
+    for m in ["get", "post", "put", "delete", "options"] {
+        assert!(methods.contains(m), "{methods}");
+    }
+    let r = server
+        .client
+        .post(server.url("/chat"))
+        .header("origin", "http://app.example")
+        .json(&json!({"message": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    let exposed = r.headers()["access-control-expose-headers"].to_str().unwrap().to_lowercase();
+    assert!(exposed.contains("x-conversation-id"), "{exposed}");
+    EventStream::new(r).collect().await;
+
+    // With an allow-list, other origins get no CORS headers.
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.cors_origins = vec!["http://allowed.example".into()];
+    let server = TestServer::start(config).await;
+    let allowed =
+        server.client.get(server.url("/health")).header("origin", "http://allowed.example").send().await.unwrap();
+    assert_eq!(allowed.headers()["access-control-allow-origin"], "http://allowed.example");
+    let other = server.client.get(server.url("/health")).header("origin", "http://evil.example").send().await.unwrap();
+    assert!(other.headers().get("access-control-allow-origin").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_streams_slow_headers_and_websocket_frames() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_streams = 2;
+    config.header_read_timeout_secs = 1;
+    config.max_body_bytes = 64 * 1024;
+    let server = TestServer::start(config).await;
+
+    // Two streams fit; the third is 503 on every transport; closing one makes room.
+    let first = server.events("cap", "", &[]).await;
+    let _second = server.events("cap", "", &[("accept", "application/x-ndjson")]).await;
+    let (status, body) = server.get("/conversations/cap/events").await;
+    assert_eq!(status, 503, "{body}");
+    let (status, _) = server.post("/chat", json!({"message": "hi"})).await;
+    assert_eq!(status, 503);
+    assert!(tokio_tungstenite::connect_async(format!("ws://{}/ws", server.addr)).await.is_err());
+    let (_, metrics) = read_json(server.client.get(server.url("/metrics")).send().await.unwrap()).await;
+    let metrics = metrics.as_str().unwrap().to_owned();
+    assert!(metrics.contains("dispatch_open_streams{transport=\"sse\"} 1"), "{metrics}");
+    assert!(metrics.contains("dispatch_open_streams{transport=\"ndjson\"} 1"), "{metrics}");
+    drop(first);
+    let mut ok = false;
+    for _ in 0..100 {
+        if server.client.get(server.url("/conversations/cap/events")).send().await.unwrap().status() == 200 {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ok, "a closed stream frees its place");
+
+    // A client that never finishes its request head is disconnected.
+    let mut slow = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    slow.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    let mut buf = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(30), slow.read_to_end(&mut buf)).await;
+    assert!(closed.is_ok(), "the slow client was not disconnected");
+    assert!(!String::from_utf8_lossy(&buf).contains("200 OK"));
+
+    // A request body past the limit is 413.
+    let (status, body) = server.post("/conversations", json!({"title": "x".repeat(70 * 1024)})).await;
+    assert_eq!(status, 413, "{body}");
+}
+
+#[tokio::test]
+async fn an_oversized_websocket_frame_closes_the_socket() {
+    use futures_util::SinkExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_body_bytes = 16 * 1024;
+    let server = TestServer::start(config).await;
+    let mut ws = server.ws().await;
+    ws.next().await.unwrap();
+    let big = json!({"type": "chat.send", "message": "x".repeat(64 * 1024)}).to_string();
+    let _ = ws.socket.send(tokio_tungstenite::tungstenite::Message::text(big)).await;
+    assert_eq!(ws.next().await, None, "the socket is closed");
+    // The gateway is fine.
+    assert_eq!(server.get("/health").await.0, 200);
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in metrics:\n{text}"))
+}
+
+#[tokio::test]
+async fn metrics_move_when_turns_run_and_ready_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.scripted_script = Some(write_script(
+        dir.path(),
+        json!({"rules": [{"match": "fail", "steps": [{"text": "x"}], "error": {"message": "no", "code": "upstream"}}]}),
+    ));
+    let server = TestServer::start(config).await;
+    assert_eq!(server.get("/ready").await, (200, json!({"ready": true})));
+    let read = || async {
+        let r = server.client.get(server.url("/metrics")).send().await.unwrap();
+        assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/plain"));
+        r.text().await.unwrap()
+    };
+    let before = read().await;
+    let mut watcher = server.ndjson("m", "?until=sealed").await;
+    let events = server.chat("m", "hello").await;
+    while watcher.next_event().await.is_some() {}
+    let failing = server.chat("m", "fail now").await;
+    let after = read().await;
+    for (name, delta) in [
+        ("dispatch_turns_started_total", 2.0),
+        ("dispatch_turns_sealed_total", 2.0),
+        ("dispatch_turns_failed_total", 1.0),
+        ("dispatch_turns_running", 0.0),
+    ] {
+        assert_eq!(metric(&after, name) - metric(&before, name), delta, "{name}");
+    }
+    assert_eq!(
+        metric(&after, "dispatch_events_emitted_total") - metric(&before, "dispatch_events_emitted_total"),
+        (events.len() + failing.len()) as f64
+    );
+    // The /chat stream and the watcher both got the first turn.
+    assert!(metric(&after, "dispatch_events_delivered_total") >= 2.0 * events.len() as f64);
+    assert!(
+        metric(&after, "dispatch_sqlite_write_seconds_count") > metric(&before, "dispatch_sqlite_write_seconds_count")
+    );
+    assert!(after.contains("dispatch_runtime_errors_total{kind=\"upstream\"} 1"), "{after}");
+    assert!(after.contains("dispatch_sqlite_write_seconds_bucket{le=\"+Inf\"}"));
+}
+
+#[tokio::test]
+async fn draining_refuses_new_turns_and_is_not_ready() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    server.state.turns.abort_all();
+    let (status, body) = server.get("/ready").await;
+    assert_eq!((status, body), (503, json!({"error": "shutting down"})));
+    for path in ["/chat", "/conversations/x/messages", "/conversations/x/queue"] {
+        let (status, body) = server.post(path, json!({"message": "hi", "text": "hi"})).await;
+        assert_eq!(status, 503, "{path}: {body}");
+    }
+    assert_eq!(server.history("x").await, Vec::<Value>::new());
+}
