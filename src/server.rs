@@ -107,6 +107,7 @@ impl Gateway {
         while turns.running() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        turns.shutdown_runtimes().await;
         drained.cancel();
         let listeners = async {
             let _ = main_task.await;

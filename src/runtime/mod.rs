@@ -71,9 +71,22 @@ pub struct TurnRequest {
     pub prompt: String,
     pub cwd: Option<String>,
     pub reasoning_effort: Option<String>,
+    /// The conversation's log so far, the user's message of this turn included (for runtimes
+    /// that send the whole conversation, such as chat completion endpoints).
+    pub history: Vec<HistoryChunk>,
+    /// The runtime's native session of this conversation, to resume.
+    pub session_id: Option<String>,
     /// Steering messages queued while the turn runs; a runtime that can take them drains it at
     /// each step boundary and reports each as [`RawEvent::UserInput`].
     pub inbox: Arc<Inbox>,
+}
+
+/// A chunk of the log with the message it belongs to.
+#[derive(Debug, Clone)]
+pub struct HistoryChunk {
+    pub message_id: i64,
+    pub role: crate::wire::Role,
+    pub chunk: crate::wire::Chunk,
 }
 
 /// A message waiting to be delivered to a running turn (or to start the next one).
@@ -115,16 +128,63 @@ pub type EventSink = mpsc::Sender<RawEvent>;
 
 pub type RuntimeFuture = Pin<Box<dyn Future<Output = Result<(), RuntimeError>> + Send>>;
 
-#[derive(Debug, thiserror::Error)]
+/// How a runtime failed, by what its failure proves about admission (the Dreamux rule):
+/// only a failure that provably never reached the runtime may be retried.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RuntimeError {
+    /// Provably never accepted (connection refused, 429, 5xx before any content, a process
+    /// gone before its input was written): safe to retry.
     #[error("{0}")]
     Failed(String),
+    /// May have crossed the runtime's boundary (a write that failed part-way, an untyped
+    /// error): never retried automatically.
+    #[error("{0}")]
+    Ambiguous(String),
+    /// Accepted, then failed, or refused for good: the turn ends with this error.
+    #[error("{message}")]
+    Turn { message: String, code: String },
 }
 
-/// A kind of runtime. `run_turn` drives one turn to its end, sending raw events into `sink`,
-/// and returns promptly once `cancel` fires.
+impl RuntimeError {
+    pub fn turn(message: impl Into<String>, code: impl Into<String>) -> RuntimeError {
+        RuntimeError::Turn { message: message.into(), code: code.into() }
+    }
+
+    /// The `code` of the turn's `error` event.
+    pub fn code(&self) -> &str {
+        match self {
+            RuntimeError::Failed(_) => "unavailable",
+            RuntimeError::Ambiguous(_) => "ambiguous",
+            RuntimeError::Turn { code, .. } => code,
+        }
+    }
+}
+
+/// A kind of runtime. `run_turn` drives one turn: it sends raw events into `sink`, ends with
+/// exactly one terminal (`Finish` or `Error`) or an `Err`, and returns promptly once `cancel`
+/// fires, having dropped whatever it had in flight (the request, the process's turn).
+///
+/// The contract, from the Dreamux provider rules:
+/// - **Admission**: `Err(Failed)` only when the input provably never crossed the runtime's
+///   boundary; the turn retries it with bounded backoff, and only while nothing of the turn
+///   reached a client. Anything uncertain is `Ambiguous` and is never retried.
+/// - **One terminal**, published before the turn settles anything on it.
+/// - **Resume**: a runtime with a native session reports it (`SessionId`); the next turn gets it
+///   in [`TurnRequest::session_id`], and a resume that fails is an error of that turn, never a
+///   silent fresh start.
 pub trait Runtime: Send + Sync + 'static {
     fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture;
+
+    /// Whether `TurnRequest::history` should be filled (it costs a read of the whole log).
+    fn needs_history(&self) -> bool {
+        false
+    }
+
+    /// The stop fence: refuse new turns at once, then wait until every turn already started
+    /// has settled and whatever the runtime spawned is gone. Called at shutdown.
+    fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(async {})
+    }
 }
 
 /// What `GET /models` says of one model.
@@ -166,6 +226,17 @@ impl Registry {
     }
 
     /// The runtime and the model's own name for a full model name.
+    /// Every distinct runtime, for shutdown.
+    pub fn runtimes(&self) -> Vec<Arc<dyn Runtime>> {
+        let mut out: Vec<Arc<dyn Runtime>> = Vec::new();
+        for m in self.models.values() {
+            if !out.iter().any(|r| Arc::ptr_eq(r, &m.runtime)) {
+                out.push(m.runtime.clone());
+            }
+        }
+        out
+    }
+
     pub fn resolve(&self, name: &str) -> Option<(Arc<dyn Runtime>, &str)> {
         self.models.get(name).map(|m| (m.runtime.clone(), m.native_name.as_str()))
     }

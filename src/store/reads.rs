@@ -2,8 +2,9 @@
 
 use sqlx::FromRow;
 
-use super::{Store, StoreResult};
-use crate::wire::Chunk;
+use super::{Store, StoreError, StoreResult};
+use crate::runtime::HistoryChunk;
+use crate::wire::{Chunk, Role};
 
 /// The last assistant text of a conversation's most recent finished turn.
 #[derive(Debug, Default)]
@@ -22,6 +23,43 @@ pub struct ModelThroughput {
 }
 
 impl Store {
+    /// The whole log with message ids, for runtimes that send the conversation upstream.
+    pub async fn history_chunks(&self, conversation_id: &str) -> StoreResult<Vec<HistoryChunk>> {
+        let rows: Vec<(i64, i64, String, String)> = sqlx::query_as(
+            "SELECT seq, message_id, role, chunk FROM chunks WHERE conversation_id = ? ORDER BY seq",
+        )
+        .bind(conversation_id)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.into_iter()
+            .map(|(seq, message_id, role, chunk)| {
+                let role = Role::parse(&role).ok_or_else(|| StoreError::Corrupt(format!("unknown role at seq {seq}")))?;
+                let chunk = serde_json::from_str(&chunk)
+                    .map_err(|e| StoreError::Corrupt(format!("chunk at seq {seq}: {e}")))?;
+                Ok(HistoryChunk { message_id, role, chunk })
+            })
+            .collect()
+    }
+
+    /// The runtime session stored for a conversation.
+    pub async fn session_id(&self, conversation_id: &str) -> StoreResult<Option<String>> {
+        let id: Option<Option<String>> = sqlx::query_scalar("SELECT session_id FROM conversations WHERE id = ?")
+            .bind(conversation_id)
+            .fetch_optional(&self.reader)
+            .await?;
+        Ok(id.flatten())
+    }
+
+    /// Remembers the runtime session a conversation's next turn resumes.
+    pub async fn set_session_id(&self, conversation_id: &str, session_id: &str) -> StoreResult<()> {
+        sqlx::query("UPDATE conversations SET session_id = ? WHERE id = ?")
+            .bind(session_id)
+            .bind(conversation_id)
+            .execute(&self.writer)
+            .await?;
+        Ok(())
+    }
+
     /// The text of the last assistant message that has text, in the latest finished turn.
     pub async fn last_text(&self, conversation_id: &str) -> StoreResult<LastText> {
         let turn_id: Option<String> = sqlx::query_scalar(

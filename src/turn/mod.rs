@@ -209,6 +209,15 @@ impl Turns {
         self.announce(&req.conversation_id, "active");
         self.metrics.turns_started.fetch_add(1, Relaxed);
 
+        let history = if runtime.needs_history() {
+            self.store.history_chunks(&req.conversation_id).await.unwrap_or_else(|e| {
+                tracing::error!(error = %e, "could not read the history for the runtime");
+                Vec::new()
+            })
+        } else {
+            Vec::new()
+        };
+        let session_id = self.store.session_id(&req.conversation_id).await.unwrap_or_default();
         let request = TurnRequest {
             conversation_id: req.conversation_id.clone(),
             turn_id: turn_id.clone(),
@@ -216,6 +225,8 @@ impl Turns {
             prompt: req.message,
             cwd: req.cwd,
             reasoning_effort: req.reasoning_effort,
+            history,
+            session_id,
             inbox,
         };
         let span = tracing::info_span!("turn", conversation = %ids.0, turn = %ids.1, model = %model);
@@ -270,6 +281,14 @@ impl Turns {
     pub async fn delete(&self, conversation_id: &str) -> Result<bool, StartError> {
         let _reservation = self.reserve(conversation_id, Slot::Deleting)?;
         Ok(self.store.delete_conversation(conversation_id).await?)
+    }
+
+    /// The stop fence of every runtime: after the turns have sealed, let each runtime settle
+    /// and end what it spawned.
+    pub async fn shutdown_runtimes(&self) {
+        for runtime in self.registry.runtimes() {
+            runtime.shutdown().await;
+        }
     }
 
     /// Refuses new turns and asks every running turn to end (`done{aborted}`); for shutdown.

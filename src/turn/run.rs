@@ -12,12 +12,15 @@ use super::Turns;
 use super::assembly::ChunkAssembler;
 use super::tally::{OpenStep, TurnTally};
 use crate::hub::TurnBuffer;
-use crate::runtime::{Inbox, RawEvent, Runtime, TurnRequest};
+use crate::runtime::{Inbox, RawEvent, Runtime, RuntimeError, TurnRequest};
 use crate::store::{SealTurn, Store, now_ms};
 use crate::wire::*;
 
 /// How many raw events a runtime may run ahead of the turn.
 const RAW_QUEUE: usize = 256;
+/// Retries of a runtime that was provably not reached, and the first backoff (doubling).
+const MAX_RETRIES: u32 = 3;
+const RETRY_BASE: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// How a turn ended.
 enum End {
@@ -42,6 +45,8 @@ pub(super) struct TurnRun {
     call_steps: HashMap<String, String>,
     /// Steering messages; what the runtime has not taken when the turn ends starts a new turn.
     inbox: Arc<Inbox>,
+    /// Something of the runtime's output has been published: no more retries.
+    published_content: bool,
 }
 
 impl TurnRun {
@@ -66,6 +71,7 @@ impl TurnRun {
             boundary: now,
             call_steps: HashMap::new(),
             inbox,
+            published_content: false,
         }
     }
 
@@ -80,33 +86,50 @@ impl TurnRun {
     }
 
     async fn run(mut self, runtime: Arc<dyn Runtime>, request: TurnRequest) {
-        let (sink, mut raw) = mpsc::channel(RAW_QUEUE);
         let runtime_cancel = self.cancel.child_token();
-        let mut task = tokio::spawn(runtime.run_turn(request, sink, runtime_cancel.clone()));
-        let end = loop {
-            tokio::select! {
-                biased;
-                _ = self.cancel.cancelled() => break End::Aborted,
-                event = raw.recv() => match event {
-                    Some(event) => {
-                        if let Some(end) = self.handle(event).await {
-                            break end;
+        let mut attempt = 0;
+        let end = 'attempts: loop {
+            let (sink, mut raw) = mpsc::channel(RAW_QUEUE);
+            let mut task = tokio::spawn(runtime.run_turn(request.clone(), sink, runtime_cancel.clone()));
+            let failure = loop {
+                tokio::select! {
+                    biased;
+                    _ = self.cancel.cancelled() => break 'attempts End::Aborted,
+                    event = raw.recv() => match event {
+                        Some(event) => {
+                            if let Some(end) = self.handle(event).await {
+                                break 'attempts end;
+                            }
                         }
-                    }
-                    None => break match (&mut task).await {
-                        Ok(Err(e)) => End::Failed { message: e.to_string(), code: Some("runtime".into()) },
-                        Err(e) if e.is_panic() => End::Failed { message: "the runtime crashed".into(), code: Some("runtime".into()) },
-                        _ => End::Failed {
-                            message: "the runtime ended the turn without finishing it".into(),
-                            code: Some("runtime".into()),
+                        None => break match (&mut task).await {
+                            Ok(Err(e)) => e,
+                            Err(e) if e.is_panic() => RuntimeError::turn("the runtime crashed", "runtime"),
+                            _ => RuntimeError::turn("the runtime ended the turn without finishing it", "runtime"),
                         },
                     },
-                },
+                }
+            };
+            // Only a failure that provably never reached the runtime is retried, and only while
+            // nothing of the turn has reached a client.
+            if let RuntimeError::Failed(reason) = &failure
+                && !self.published_content
+                && attempt < MAX_RETRIES
+            {
+                let backoff = RETRY_BASE * 2u32.pow(attempt);
+                attempt += 1;
+                self.turns.metrics.runtime_error("retried");
+                tracing::warn!(attempt, reason = %reason, backoff_ms = backoff.as_millis() as u64, "runtime unavailable; retrying");
+                // A step the failed attempt opened produced nothing: forget it.
+                self.step = None;
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => continue 'attempts,
+                    _ = self.cancel.cancelled() => break 'attempts End::Aborted,
+                }
             }
+            break End::Failed { message: failure.to_string(), code: Some(failure.code().to_owned()) };
         };
         // Exactly one terminal: whatever the runtime sends after it is not read.
         runtime_cancel.cancel();
-        drop(raw);
         self.finish(end).await;
     }
 
@@ -117,6 +140,9 @@ impl TurnRun {
     /// Maps one raw event; returns the end when it is a terminal.
     async fn handle(&mut self, event: RawEvent) -> Option<End> {
         let now = Instant::now();
+        if !matches!(event, RawEvent::StepStart | RawEvent::SessionId(_)) {
+            self.published_content = true;
+        }
         match event {
             RawEvent::StepStart => {
                 if self.step.is_some()
@@ -241,7 +267,10 @@ impl TurnRun {
                 self.boundary = now;
             }
             RawEvent::SessionId(id) => {
-                tracing::debug!(conversation = %self.conversation_id, session = %id, "runtime session");
+                tracing::debug!(session = %id, "runtime session");
+                if let Err(e) = self.store.set_session_id(&self.conversation_id, &id).await {
+                    tracing::error!(error = %e, "could not store the runtime session");
+                }
             }
         }
         None
