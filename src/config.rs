@@ -1,11 +1,16 @@
-//! Configuration: flags, each also settable by a `DISPATCH_*` environment variable.
-//! With none at all the gateway serves on 127.0.0.1:24203 with SQLite at
+//! Configuration: one TOML file (`--config`, default `dispatch-gateway.toml` when present),
+//! every key of which is also a `DISPATCH_*` environment variable, the main ones flags too.
+//! Flags win over the environment, the environment over the file, the file over defaults.
+//! With nothing at all the gateway serves on 127.0.0.1:24203 with SQLite at
 //! `./data/dispatch.db` and the scripted runtime as `demo/scripted`.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use clap::{Parser, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
+use serde::Deserialize;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
@@ -16,6 +21,14 @@ pub enum LogFormat {
 #[derive(Debug, Clone, Parser)]
 #[command(name = "dispatch-gateway", version, about = "Turns, an append-only log and live streams for agent runtimes")]
 pub struct Config {
+    /// The TOML configuration file (default: `dispatch-gateway.toml` when it exists).
+    #[arg(long, env = "DISPATCH_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// The model a turn runs on when neither the request nor the conversation names one.
+    #[arg(long, env = "DISPATCH_DEFAULT_MODEL")]
+    pub default_model: Option<String>,
+
     /// Address the HTTP API (and the WebSocket at /ws) listens on.
     #[arg(long, env = "DISPATCH_LISTEN", default_value = "127.0.0.1:24203")]
     pub listen: SocketAddr,
@@ -91,12 +104,241 @@ pub struct Config {
     /// Log output format.
     #[arg(long, env = "DISPATCH_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+
+    /// Credentials by name, from the file's `[credentials.<name>]` tables and
+    /// `DISPATCH_CREDENTIALS__<NAME>__<KEY>` variables. None: the `demo` scripted credential.
+    #[arg(skip)]
+    pub credentials: BTreeMap<String, Credential>,
+}
+
+/// One credential: a provider kind with its settings and models.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Credential {
+    Scripted(ScriptedCredential),
+    Openai(OpenAiCredential),
+    Command(CommandCredential),
+}
+
+impl Credential {
+    pub fn models(&self) -> &[String] {
+        match self {
+            Credential::Scripted(c) => &c.models,
+            Credential::Openai(c) => &c.models,
+            Credential::Command(c) => &c.models,
+        }
+    }
+}
+
+fn scripted_models() -> Vec<String> {
+    vec!["scripted".to_owned()]
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptedCredential {
+    #[serde(default = "scripted_models")]
+    pub models: Vec<String>,
+    /// Tokens per second (default: `--scripted-pace`).
+    pub pace: Option<f64>,
+    pub reasoning: Option<bool>,
+    pub script: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenAiCredential {
+    pub base_url: String,
+    /// The environment variable holding the API key (none: no `Authorization` header).
+    pub api_key_env: Option<String>,
+    pub models: Vec<String>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout_secs: u64,
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout_secs: u64,
+    pub system_prompt: Option<String>,
+    pub context_window: Option<u64>,
+}
+
+fn default_connect_timeout() -> u64 {
+    10
+}
+
+fn default_idle_timeout() -> u64 {
+    120
+}
+
+/// How the gateway and an agent program talk over stdin/stdout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum Dialect {
+    /// The gateway's own line protocol (docs/command-protocol.md).
+    #[default]
+    Ndjson,
+    /// Claude Code's `--input-format stream-json --output-format stream-json`.
+    ClaudeStreamJson,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommandCredential {
+    pub program: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub dialect: Dialect,
+    pub models: Vec<String>,
+    pub cwd: Option<PathBuf>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Seconds a process may sit without a turn before it is stopped.
+    #[serde(default = "default_process_idle")]
+    pub idle_timeout_secs: u64,
+    /// Answer the program's tool-permission requests with "allow" (claude-stream-json).
+    #[serde(default)]
+    pub unattended: bool,
+}
+
+fn default_process_idle() -> u64 {
+    600
+}
+
+/// The file: top-level keys are the flags' names with underscores; credentials in tables.
+#[derive(Debug, Deserialize)]
+struct FileConfig {
+    #[serde(default)]
+    credentials: BTreeMap<String, Credential>,
+    #[serde(flatten)]
+    settings: toml::Table,
+}
+
+/// The environment prefix of credential keys: `DISPATCH_CREDENTIALS__OPENAI__BASE_URL`.
+const CREDENTIAL_ENV: &str = "DISPATCH_CREDENTIALS__";
+
+impl Config {
+    /// Reads flags, environment and the configuration file. A bad file is an error naming the
+    /// key and its line.
+    pub fn load() -> Result<Config, String> {
+        Self::load_from(std::env::args_os().collect(), std::env::vars().collect())
+    }
+
+    /// [`Config::load`] with the arguments and environment given (for tests).
+    pub fn load_from(args: Vec<std::ffi::OsString>, env: Vec<(String, String)>) -> Result<Config, String> {
+        let matches = match Config::command().try_get_matches_from(&args) {
+            Ok(m) => m,
+            Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => {
+                e.exit()
+            }
+            Err(e) => return Err(e.to_string()),
+        };
+        let config = Config::from_arg_matches(&matches).map_err(|e| e.to_string())?;
+        let path = match &config.config {
+            Some(path) => Some(path.clone()),
+            None => Some(PathBuf::from("dispatch-gateway.toml")).filter(|p| p.exists()),
+        };
+        let credential_env: Vec<(String, String)> = env.into_iter().filter(|(k, _)| k.starts_with(CREDENTIAL_ENV)).collect();
+        let Some(path) = path else {
+            let mut config = config;
+            config.credentials = credentials_from(toml::Table::new(), &credential_env, None)?;
+            return Ok(config);
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let file: FileConfig = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+
+        // File settings go in as flags placed before the real ones, and only for what neither
+        // a flag nor the environment set.
+        let command = Config::command();
+        let mut argv: Vec<std::ffi::OsString> = vec![args.first().cloned().unwrap_or_else(|| "dispatch-gateway".into())];
+        for (key, value) in &file.settings {
+            let at = line_of(&text, key);
+            let Some(arg) = command.get_arguments().find(|a| a.get_id() == key.as_str() && a.get_long().is_some())
+            else {
+                return Err(format!("{}: line {at}: unknown key `{key}`", path.display()));
+            };
+            if matches!(matches.value_source(key), Some(ValueSource::CommandLine | ValueSource::EnvVariable)) {
+                continue;
+            }
+            let text_value = match value {
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Integer(i) => i.to_string(),
+                toml::Value::Float(f) => f.to_string(),
+                toml::Value::Boolean(b) => b.to_string(),
+                toml::Value::Array(items) => items
+                    .iter()
+                    .map(|v| v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string()))
+                    .collect::<Vec<_>>()
+                    .join(","),
+                other => return Err(format!("{}: line {at}: `{key}` cannot be {}", path.display(), other.type_str())),
+            };
+            argv.push(format!("--{}", arg.get_long().unwrap_or(key)).into());
+            argv.push(text_value.into());
+        }
+        argv.extend(args.into_iter().skip(1));
+        let mut config = Config::command()
+            .args_override_self(true)
+            .try_get_matches_from(&argv)
+            .and_then(|m| Config::from_arg_matches(&m))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let raw: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let table = raw.get("credentials").and_then(|c| c.as_table()).cloned().unwrap_or_default();
+        config.credentials = if credential_env.is_empty() {
+            file.credentials
+        } else {
+            credentials_from(table, &credential_env, Some(&path))?
+        };
+        Ok(config)
+    }
+}
+
+/// Credentials from a `[credentials]` table with `DISPATCH_CREDENTIALS__<NAME>__<KEY>`
+/// variables laid over it.
+fn credentials_from(
+    mut table: toml::Table,
+    env: &[(String, String)],
+    path: Option<&Path>,
+) -> Result<BTreeMap<String, Credential>, String> {
+    for (name, value) in env {
+        let rest = &name[CREDENTIAL_ENV.len()..];
+        let Some((credential, key)) = rest.split_once("__") else {
+            return Err(format!("{name}: expected {CREDENTIAL_ENV}<NAME>__<KEY>"));
+        };
+        let (credential, key) = (credential.to_lowercase(), key.to_lowercase());
+        // A value that reads as TOML (a number, a list, a table) is taken as such.
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(value.clone()));
+        let entry = table.entry(credential).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let Some(entry) = entry.as_table_mut() else { return Err(format!("{name}: not a table")) };
+        entry.insert(key, parsed);
+    }
+    let mut out = BTreeMap::new();
+    for (name, value) in table {
+        let credential: Credential = value.try_into().map_err(|e| match path {
+            Some(p) => format!("{}: credentials.{name} (with {CREDENTIAL_ENV}* variables): {e}", p.display()),
+            None => format!("credentials.{name} (from {CREDENTIAL_ENV}* variables): {e}"),
+        })?;
+        out.insert(name, credential);
+    }
+    Ok(out)
+}
+
+/// The 1-based line where `key` is set in a TOML text (for error messages).
+fn line_of(text: &str, key: &str) -> usize {
+    text.lines()
+        .position(|l| l.trim_start().strip_prefix(key).is_some_and(|rest| rest.trim_start().starts_with('=')))
+        .map_or(0, |i| i + 1)
 }
 
 impl Config {
     /// The defaults, as if started with no flags and no environment (for tests and embedding).
     pub fn defaults() -> Config {
         Config {
+            config: None,
+            default_model: None,
+            credentials: BTreeMap::new(),
             listen: SocketAddr::from(([127, 0, 0, 1], 24203)),
             database: PathBuf::from("./data/dispatch.db"),
             scripted_pace: 40.0,

@@ -1,11 +1,16 @@
-use clap::Parser;
 use dispatch_gateway::Gateway;
 use dispatch_gateway::config::{Config, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let config = Config::parse();
+    let config = match Config::load() {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
     if config.print_openapi {
         print!("{}", dispatch_gateway::http::openapi_json_text());
         return Ok(());

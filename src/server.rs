@@ -11,8 +11,11 @@ use crate::http::{AppState, router, ws_router};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
 use crate::net::{ConnectionLimits, serve};
+use crate::config::{Credential, ScriptedCredential};
+use crate::runtime::command::CommandRuntime;
+use crate::runtime::openai::{OpenAiRuntime, OpenAiSettings};
 use crate::runtime::scripted::{Script, ScriptedRuntime};
-use crate::runtime::{ModelInfo, Registry};
+use crate::runtime::{ModelInfo, Registry, Runtime};
 use crate::store::{Store, StoreError};
 use crate::turn::Turns;
 
@@ -33,14 +36,7 @@ pub struct Gateway {
 
 impl Gateway {
     pub async fn build(config: Config) -> Result<Gateway, StartupError> {
-        let script = match &config.scripted_script {
-            Some(path) => Script::load(path).map_err(StartupError::Config)?,
-            None => Script::default(),
-        };
-        let mut registry = Registry::new("demo/scripted");
-        let scripted = ScriptedRuntime::new(config.scripted_pace, config.scripted_reasoning, script);
-        registry.add("demo", "scripted", Arc::new(scripted), ModelInfo { context_window: Some(32_768) });
-
+        let registry = registry(&config).map_err(StartupError::Config)?;
         let metrics = Arc::new(Metrics::default());
         let store = Store::open(&config.database, metrics.clone()).await?;
         let hub = Hub::new(config.turn_buffer_bytes);
@@ -122,4 +118,71 @@ impl Gateway {
         tracing::info!("stopped");
         Ok(())
     }
+}
+
+/// The models the configuration names, each with its runtime; with no credentials configured,
+/// the `demo` scripted credential from the `--scripted-*` flags.
+pub fn registry(config: &Config) -> Result<Registry, String> {
+    let mut credentials = config.credentials.clone();
+    if credentials.is_empty() {
+        credentials.insert(
+            "demo".to_owned(),
+            Credential::Scripted(ScriptedCredential {
+                models: vec!["scripted".to_owned()],
+                pace: None,
+                reasoning: None,
+                script: config.scripted_script.clone(),
+            }),
+        );
+    }
+    let first = credentials.iter().find_map(|(name, c)| c.models().first().map(|m| format!("{name}/{m}")));
+    let default_model = config.default_model.clone().or(first).ok_or("no credential lists a model")?;
+    let mut registry = Registry::new(default_model.clone());
+    for (name, credential) in &credentials {
+        if name.is_empty() || name.contains('/') {
+            return Err(format!("credentials.{name}: a credential name has no '/'"));
+        }
+        if credential.models().is_empty() {
+            return Err(format!("credentials.{name}: `models` lists no model"));
+        }
+        let (runtime, context_window): (Arc<dyn Runtime>, Option<u64>) = match credential {
+            Credential::Scripted(c) => {
+                let script = match &c.script {
+                    Some(path) => Script::load(path).map_err(|e| format!("credentials.{name}: {e}"))?,
+                    None => Script::default(),
+                };
+                let pace = c.pace.unwrap_or(config.scripted_pace);
+                let reasoning = c.reasoning.unwrap_or(config.scripted_reasoning);
+                (Arc::new(ScriptedRuntime::new(pace, reasoning, script)), Some(32_768))
+            }
+            Credential::Openai(c) => {
+                let api_key = match &c.api_key_env {
+                    Some(var) => Some(std::env::var(var).map_err(|_| {
+                        format!("credentials.{name}: the environment variable {var} (api_key_env) is not set")
+                    })?),
+                    None => None,
+                };
+                let settings = OpenAiSettings {
+                    base_url: c.base_url.clone(),
+                    api_key,
+                    headers: c.headers.clone().into_iter().collect(),
+                    connect_timeout: Duration::from_secs(c.connect_timeout_secs.max(1)),
+                    idle_timeout: Duration::from_secs(c.idle_timeout_secs.max(1)),
+                    system_prompt: c.system_prompt.clone(),
+                };
+                let runtime = OpenAiRuntime::new(settings).map_err(|e| format!("credentials.{name}: {e}"))?;
+                (Arc::new(runtime), c.context_window)
+            }
+            Credential::Command(c) => {
+                (Arc::new(CommandRuntime::new(name, c.clone())), None)
+            }
+        };
+        for model in credential.models() {
+            registry.add(name, model, runtime.clone(), ModelInfo { context_window });
+        }
+    }
+    if !registry.contains(&default_model) {
+        return Err(format!("default_model {default_model:?} is not a configured model"));
+    }
+    Ok(registry)
 }

@@ -1,0 +1,542 @@
+//! The `command` runtime: a resident agent process per conversation, spoken to in NDJSON over
+//! stdin/stdout, in the gateway's own dialect (`docs/command-protocol.md`) or Claude Code's
+//! `stream-json`.
+//!
+//! Supervision: each process is the leader of its own process group (so a stop kills what it
+//! spawned too), its stderr goes to the log, it is interrupted when a turn is stopped and killed
+//! when it does not settle, restarted (with backoff) when it died between turns, and stopped
+//! after an idle timeout. Admission: stdin written = submitted; a process gone before the write
+//! = failed (retried); a write that breaks part-way = ambiguous (never retried).
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
+use crate::config::{CommandCredential, Dialect};
+use crate::wire::{OutputStream, Usage};
+
+/// How long an interrupted agent has to finish its turn before it is killed.
+const INTERRUPT_GRACE: Duration = Duration::from_secs(3);
+/// Backoff before restarting a process that died, doubling up to the cap.
+const RESTART_BASE: Duration = Duration::from_millis(250);
+const RESTART_CAP: Duration = Duration::from_secs(10);
+
+/// A running agent process.
+struct Agent {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: Lines<BufReader<ChildStdout>>,
+    pgid: Option<i32>,
+}
+
+impl Agent {
+    /// Kills the whole process group, then reaps the leader.
+    async fn kill(mut self) {
+        if let Some(pgid) = self.pgid {
+            // SAFETY: kill(2) with a negative pid signals a process group; no memory involved.
+            unsafe {
+                libc::kill(-pgid, libc::SIGKILL);
+            }
+        }
+        let _ = self.child.kill().await;
+    }
+}
+
+/// One conversation's slot: the agent (when alive) and its restart bookkeeping.
+#[derive(Default)]
+struct Slot {
+    agent: Option<Agent>,
+    failures: u32,
+    last_death: Option<Instant>,
+}
+
+pub struct CommandRuntime {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    name: String,
+    settings: CommandCredential,
+    slots: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Slot>>>>,
+    /// Counts turns per conversation, so an idle timer knows whether a turn came since.
+    uses: Mutex<HashMap<String, Arc<AtomicU64>>>,
+    fence: CancellationToken,
+    turns: TaskTracker,
+}
+
+impl CommandRuntime {
+    pub fn new(name: &str, settings: CommandCredential) -> CommandRuntime {
+        CommandRuntime {
+            inner: Arc::new(Inner {
+                name: name.to_owned(),
+                settings,
+                slots: Mutex::default(),
+                uses: Mutex::default(),
+                fence: CancellationToken::new(),
+                turns: TaskTracker::new(),
+            }),
+        }
+    }
+}
+
+impl Inner {
+    fn slot(&self, conversation_id: &str) -> Arc<tokio::sync::Mutex<Slot>> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner()).entry(conversation_id.to_owned()).or_default().clone()
+    }
+
+    fn uses(&self, conversation_id: &str) -> Arc<AtomicU64> {
+        self.uses.lock().unwrap_or_else(|p| p.into_inner()).entry(conversation_id.to_owned()).or_default().clone()
+    }
+
+    fn spawn(&self, req: &TurnRequest) -> Result<Agent, RuntimeError> {
+        let s = &self.settings;
+        let mut command = tokio::process::Command::new(&s.program);
+        command.args(&s.args);
+        if s.dialect == Dialect::ClaudeStreamJson {
+            command.args(["--print", "--input-format", "stream-json", "--output-format", "stream-json", "--verbose"]);
+            command.args(["--model", &req.model]);
+            if let Some(session) = &req.session_id {
+                command.args(["--resume", session]);
+            }
+        }
+        if let Some(session) = &req.session_id {
+            command.env("DISPATCH_SESSION_ID", session);
+        }
+        command
+            .envs(&s.env)
+            .env("DISPATCH_CONVERSATION_ID", &req.conversation_id)
+            .env("DISPATCH_MODEL", &req.model)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .process_group(0);
+        if let Some(cwd) = req.cwd.as_ref().map(std::path::PathBuf::from).or_else(|| s.cwd.clone()) {
+            command.current_dir(cwd);
+        }
+        let mut child = command
+            .spawn()
+            .map_err(|e| RuntimeError::turn(format!("cannot start the agent program {:?}: {e}", s.program), "agent-spawn"))?;
+        let stdin = child.stdin.take().ok_or_else(|| RuntimeError::turn("the agent has no stdin", "agent-spawn"))?;
+        let stdout = child.stdout.take().ok_or_else(|| RuntimeError::turn("the agent has no stdout", "agent-spawn"))?;
+        if let Some(stderr) = child.stderr.take() {
+            let (credential, conversation) = (self.name.clone(), req.conversation_id.clone());
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(stderr).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    tracing::info!(credential = %credential, conversation = %conversation, "agent stderr: {line}");
+                }
+            });
+        }
+        let pgid = child.id().map(|id| id as i32);
+        Ok(Agent { child, stdin, stdout: BufReader::new(stdout).lines(), pgid })
+    }
+
+    /// The line that submits a turn.
+    fn user_line(&self, req: &TurnRequest) -> String {
+        let value = match self.settings.dialect {
+            Dialect::Ndjson => json!({
+                "type": "user",
+                "turnId": req.turn_id,
+                "text": req.prompt,
+                "model": req.model,
+                "sessionId": req.session_id,
+                "cwd": req.cwd,
+                "reasoningEffort": req.reasoning_effort,
+            }),
+            Dialect::ClaudeStreamJson => json!({
+                "type": "user",
+                "message": {"role": "user", "content": [{"type": "text", "text": req.prompt}]},
+                "uuid": uuid::Uuid::new_v4().to_string(),
+            }),
+        };
+        value.to_string() + "\n"
+    }
+
+    fn interrupt_line(&self) -> String {
+        let value = match self.settings.dialect {
+            Dialect::Ndjson => json!({"type": "interrupt"}),
+            Dialect::ClaudeStreamJson => json!({
+                "type": "control_request",
+                "request_id": uuid::Uuid::new_v4().to_string(),
+                "request": {"subtype": "interrupt"},
+            }),
+        };
+        value.to_string() + "\n"
+    }
+
+    async fn turn(&self, req: TurnRequest, sink: EventSink, cancel: CancellationToken) -> Result<(), RuntimeError> {
+        let slot = self.slot(&req.conversation_id);
+        let mut slot = slot.lock().await;
+        self.uses(&req.conversation_id).fetch_add(1, Ordering::Relaxed);
+        let alive = match slot.agent.as_mut() {
+            Some(agent) => agent.child.try_wait().ok().flatten().is_none(),
+            None => false,
+        };
+        let mut agent = match slot.agent.take() {
+            Some(agent) if alive => agent,
+            dead => {
+                if let Some(agent) = dead {
+                    agent.kill().await;
+                    slot.failures += 1;
+                    slot.last_death = Some(Instant::now());
+                }
+                // A process that keeps dying is restarted ever more slowly.
+                if slot.failures > 0 && slot.last_death.is_some() {
+                    let wait = (RESTART_BASE * 2u32.pow(slot.failures.min(8) - 1)).min(RESTART_CAP);
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = cancel.cancelled() => return Ok(()),
+                    }
+                }
+                self.spawn(&req)?
+            }
+        };
+
+        // Admission: the write of the user line.
+        if agent.child.try_wait().ok().flatten().is_some() {
+            slot.failures += 1;
+            slot.last_death = Some(Instant::now());
+            return Err(RuntimeError::Failed("the agent process exited before the turn was written".into()));
+        }
+        let line = self.user_line(&req);
+        let mut written = 0;
+        while written < line.len() {
+            match agent.stdin.write(&line.as_bytes()[written..]).await {
+                Ok(0) | Err(_) if written == 0 => {
+                    agent.kill().await;
+                    slot.failures += 1;
+                    slot.last_death = Some(Instant::now());
+                    return Err(RuntimeError::Failed("the agent process closed its input".into()));
+                }
+                Ok(0) | Err(_) => {
+                    agent.kill().await;
+                    slot.failures += 1;
+                    slot.last_death = Some(Instant::now());
+                    return Err(RuntimeError::Ambiguous("the write of the turn to the agent broke part-way".into()));
+                }
+                Ok(n) => written += n,
+            }
+        }
+        if agent.stdin.flush().await.is_err() {
+            agent.kill().await;
+            return Err(RuntimeError::Ambiguous("the write of the turn to the agent broke part-way".into()));
+        }
+
+        let mut mapper = Mapper::new(self.settings.dialect, self.settings.unattended);
+        let mut interrupted: Option<tokio::time::Instant> = None;
+        let outcome = loop {
+            let line = if let Some(deadline) = interrupted {
+                match tokio::time::timeout_at(deadline, agent.stdout.next_line()).await {
+                    Ok(line) => line,
+                    Err(_) => break Outcome::Kill,
+                }
+            } else {
+                tokio::select! {
+                    line = agent.stdout.next_line() => line,
+                    _ = cancel.cancelled() => {
+                        // Interrupt at once; the turn is already ending `aborted`.
+                        let _ = agent.stdin.write_all(self.interrupt_line().as_bytes()).await;
+                        let _ = agent.stdin.flush().await;
+                        interrupted = Some(tokio::time::Instant::now() + INTERRUPT_GRACE);
+                        continue;
+                    }
+                }
+            };
+            let line = match line {
+                Ok(Some(line)) => line,
+                Ok(None) | Err(_) => {
+                    let status = agent.child.try_wait().ok().flatten();
+                    break Outcome::Died(format!(
+                        "the agent process exited mid-turn{}",
+                        status.map(|s| format!(" ({s})")).unwrap_or_default()
+                    ));
+                }
+            };
+            if line.trim().is_empty() {
+                continue;
+            }
+            let value: Value = match serde_json::from_str(&line) {
+                Ok(v) => v,
+                Err(_) => {
+                    let shown: String = line.chars().take(200).collect();
+                    break Outcome::Protocol(format!("the agent printed a line that is not JSON: {shown:?}"));
+                }
+            };
+            let mapped = mapper.map(&value);
+            for reply in mapped.replies {
+                let _ = agent.stdin.write_all((reply.to_string() + "\n").as_bytes()).await;
+                let _ = agent.stdin.flush().await;
+            }
+            let mut terminal = false;
+            for event in mapped.events {
+                terminal |= matches!(event, RawEvent::Finish { .. } | RawEvent::Error { .. });
+                if interrupted.is_none() && sink.send(event).await.is_err() {
+                    // The turn went away (stopped): keep draining to the agent's terminal.
+                    interrupted = Some(tokio::time::Instant::now() + INTERRUPT_GRACE);
+                }
+            }
+            if terminal {
+                break Outcome::Settled;
+            }
+        };
+        match outcome {
+            Outcome::Settled => {
+                slot.failures = 0;
+                slot.agent = Some(agent);
+                drop(slot);
+                self.arm_idle_timer(&req.conversation_id);
+                Ok(())
+            }
+            Outcome::Kill => {
+                agent.kill().await;
+                Ok(())
+            }
+            Outcome::Died(message) => {
+                agent.kill().await;
+                slot.failures += 1;
+                slot.last_death = Some(Instant::now());
+                if interrupted.is_some() { Ok(()) } else { Err(RuntimeError::turn(message, "agent-exit")) }
+            }
+            Outcome::Protocol(message) => {
+                agent.kill().await;
+                Err(RuntimeError::turn(message, "agent-protocol"))
+            }
+        }
+    }
+
+    /// Stops the conversation's process after the idle timeout unless a turn came since.
+    fn arm_idle_timer(&self, conversation_id: &str) {
+        let uses = self.uses(conversation_id);
+        let seen = uses.load(Ordering::Relaxed);
+        let slot = self.slot(conversation_id);
+        let idle = Duration::from_secs(self.settings.idle_timeout_secs.max(1));
+        let fence = self.fence.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep(idle) => {}
+                _ = fence.cancelled() => return,
+            }
+            if uses.load(Ordering::Relaxed) != seen {
+                return;
+            }
+            let mut slot = slot.lock().await;
+            if uses.load(Ordering::Relaxed) == seen
+                && let Some(agent) = slot.agent.take()
+            {
+                tracing::info!("stopping an idle agent process");
+                agent.kill().await;
+            }
+        });
+    }
+}
+
+enum Outcome {
+    Settled,
+    Kill,
+    Died(String),
+    Protocol(String),
+}
+
+impl Runtime for CommandRuntime {
+    fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture {
+        let inner = self.inner.clone();
+        if inner.fence.is_cancelled() {
+            return Box::pin(async { Err(RuntimeError::Failed("the runtime is stopping".into())) });
+        }
+        let tracked = inner.turns.track_future({
+            let inner = inner.clone();
+            async move { inner.turn(request, sink, cancel).await }
+        });
+        Box::pin(tracked)
+    }
+
+    fn shutdown(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        let inner = &self.inner;
+        Box::pin(async move {
+            inner.fence.cancel();
+            inner.turns.close();
+            inner.turns.wait().await;
+            let slots: Vec<_> = inner.slots.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, s)| s).collect();
+            for slot in slots {
+                if let Some(agent) = slot.lock().await.agent.take() {
+                    agent.kill().await;
+                }
+            }
+        })
+    }
+}
+
+/// What one line of the agent becomes.
+#[derive(Default)]
+struct Mapped {
+    events: Vec<RawEvent>,
+    /// Lines to write back (answers to the agent's own control requests).
+    replies: Vec<Value>,
+}
+
+/// Maps agent lines to raw events, keeping what a dialect needs across lines.
+pub struct Mapper {
+    dialect: Dialect,
+    unattended: bool,
+    /// Tool names by call id (claude reports results by id only).
+    tools: HashMap<String, String>,
+}
+
+impl Mapper {
+    pub fn new(dialect: Dialect, unattended: bool) -> Mapper {
+        Mapper { dialect, unattended, tools: HashMap::new() }
+    }
+
+    /// The raw events one line stands for (used directly by tests of recorded transcripts).
+    pub fn events(&mut self, line: &Value) -> Vec<RawEvent> {
+        self.map(line).events
+    }
+
+    fn map(&mut self, v: &Value) -> Mapped {
+        match self.dialect {
+            Dialect::Ndjson => Mapped { events: ndjson_event(v).into_iter().collect(), replies: Vec::new() },
+            Dialect::ClaudeStreamJson => self.claude(v),
+        }
+    }
+
+    fn claude(&mut self, v: &Value) -> Mapped {
+        let mut out = Mapped::default();
+        let str_of = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
+        match v.get("type").and_then(Value::as_str) {
+            Some("system") if v.get("subtype").and_then(Value::as_str) == Some("init") => {
+                if let Some(id) = str_of(v, "session_id") {
+                    out.events.push(RawEvent::SessionId(id));
+                }
+            }
+            Some("assistant") => {
+                let message = v.get("message").cloned().unwrap_or(Value::Null);
+                out.events.push(RawEvent::StepStart);
+                for block in message.get("content").and_then(Value::as_array).into_iter().flatten() {
+                    match block.get("type").and_then(Value::as_str) {
+                        Some("text") => {
+                            if let Some(t) = str_of(block, "text").filter(|t| !t.is_empty()) {
+                                out.events.push(RawEvent::TextDelta(t));
+                            }
+                        }
+                        Some("thinking") => {
+                            if let Some(t) = str_of(block, "thinking").filter(|t| !t.is_empty()) {
+                                out.events.push(RawEvent::ReasoningDelta(t));
+                            }
+                        }
+                        Some("tool_use") => {
+                            let id = str_of(block, "id").unwrap_or_default();
+                            let name = str_of(block, "name").unwrap_or_default();
+                            self.tools.insert(id.clone(), name.clone());
+                            let input = block.get("input").cloned().unwrap_or(Value::Null);
+                            out.events.push(RawEvent::ToolCall { id, name, input });
+                        }
+                        _ => {}
+                    }
+                }
+                if let Some(u) = message.get("usage").and_then(claude_usage) {
+                    out.events.push(RawEvent::Usage(u));
+                }
+                out.events.push(RawEvent::StepEnd);
+            }
+            Some("user") => {
+                let content = v.pointer("/message/content").and_then(Value::as_array);
+                for block in content.into_iter().flatten() {
+                    if block.get("type").and_then(Value::as_str) != Some("tool_result") {
+                        continue;
+                    }
+                    let id = str_of(block, "tool_use_id").unwrap_or_default();
+                    let name = self.tools.get(&id).cloned().unwrap_or_default();
+                    let content = match block.get("content") {
+                        Some(Value::String(s)) => s.clone(),
+                        Some(Value::Array(parts)) => {
+                            parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("")
+                        }
+                        Some(other) => other.to_string(),
+                        None => String::new(),
+                    };
+                    let is_error = block.get("is_error").and_then(Value::as_bool).unwrap_or(false);
+                    out.events.push(RawEvent::ToolResult { id, name, content, is_error, duration_ms: None });
+                }
+            }
+            Some("result") => {
+                if let Some(id) = str_of(v, "session_id") {
+                    out.events.push(RawEvent::SessionId(id));
+                }
+                let subtype = str_of(v, "subtype").unwrap_or_default();
+                let is_error = v.get("is_error").and_then(Value::as_bool).unwrap_or(false);
+                let terminal = str_of(v, "terminal_reason").unwrap_or_default();
+                out.events.push(if terminal.starts_with("aborted") {
+                    RawEvent::Finish { reason: "aborted".into() }
+                } else if is_error || subtype != "success" {
+                    let message = str_of(v, "result").filter(|r| !r.is_empty()).unwrap_or_else(|| format!("the agent failed: {subtype}"));
+                    RawEvent::Error { message, code: Some(if subtype.is_empty() { "agent".into() } else { subtype }) }
+                } else {
+                    RawEvent::Finish { reason: "stop".into() }
+                });
+            }
+            Some("control_request") => {
+                let request_id = str_of(v, "request_id").unwrap_or_default();
+                let request = v.get("request").cloned().unwrap_or(Value::Null);
+                if request.get("subtype").and_then(Value::as_str) == Some("can_use_tool") {
+                    let response = if self.unattended {
+                        json!({"behavior": "allow", "updatedInput": request.get("input").cloned().unwrap_or(json!({}))})
+                    } else {
+                        json!({"behavior": "deny", "message": "tool use needs an operator; this gateway runs unattended only when configured to"})
+                    };
+                    out.replies.push(json!({"type": "control_response", "response": {"subtype": "success", "request_id": request_id, "response": response}}));
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+}
+
+fn claude_usage(u: &Value) -> Option<Usage> {
+    let n = |k: &str| u.get(k).and_then(Value::as_u64);
+    Some(Usage {
+        input_tokens: n("input_tokens")?,
+        output_tokens: n("output_tokens").unwrap_or(0),
+        cache_read_tokens: n("cache_read_input_tokens"),
+        cache_write_tokens: n("cache_creation_input_tokens"),
+    })
+}
+
+/// The gateway's own dialect: one raw event per line (unknown types are skipped).
+fn ndjson_event(v: &Value) -> Option<RawEvent> {
+    let s = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
+    Some(match v.get("type")?.as_str()? {
+        "step_start" => RawEvent::StepStart,
+        "text" => RawEvent::TextDelta(s("delta")?),
+        "reasoning" => RawEvent::ReasoningDelta(s("delta")?),
+        "tool_call" => RawEvent::ToolCall { id: s("id")?, name: s("name")?, input: v.get("input").cloned().unwrap_or(Value::Null) },
+        "tool_output" => RawEvent::ToolOutput {
+            id: s("id")?,
+            data: s("data")?,
+            stream: if s("stream").as_deref() == Some("stderr") { OutputStream::Stderr } else { OutputStream::Stdout },
+        },
+        "tool_result" => RawEvent::ToolResult {
+            id: s("id")?,
+            name: s("name").unwrap_or_default(),
+            content: s("content").unwrap_or_default(),
+            is_error: v.get("isError").and_then(Value::as_bool).unwrap_or(false),
+            duration_ms: v.get("durationMs").and_then(Value::as_u64),
+        },
+        "usage" => RawEvent::Usage(serde_json::from_value(v.get("usage")?.clone()).ok()?),
+        "step_end" => RawEvent::StepEnd,
+        "done" => RawEvent::Finish { reason: s("reason").unwrap_or_else(|| "stop".into()) },
+        "error" => RawEvent::Error { message: s("message").unwrap_or_else(|| "the agent failed".into()), code: s("code") },
+        "session" => RawEvent::SessionId(s("id")?),
+        _ => return None,
+    })
+}
