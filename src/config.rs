@@ -228,7 +228,9 @@ impl Config {
     pub fn load_from(args: Vec<std::ffi::OsString>, env: Vec<(String, String)>) -> Result<Config, String> {
         let matches = match Config::command().try_get_matches_from(&args) {
             Ok(m) => m,
-            Err(e) if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) => {
+            Err(e)
+                if matches!(e.kind(), clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion) =>
+            {
                 e.exit()
             }
             Err(e) => return Err(e.to_string()),
@@ -238,19 +240,29 @@ impl Config {
             Some(path) => Some(path.clone()),
             None => Some(PathBuf::from("dispatch-gateway.toml")).filter(|p| p.exists()),
         };
-        let credential_env: Vec<(String, String)> = env.into_iter().filter(|(k, _)| k.starts_with(CREDENTIAL_ENV)).collect();
+        let credential_env: Vec<(String, String)> =
+            env.into_iter().filter(|(k, _)| k.starts_with(CREDENTIAL_ENV)).collect();
         let Some(path) = path else {
             let mut config = config;
             config.credentials = credentials_from(toml::Table::new(), &credential_env, None)?;
             return Ok(config);
         };
         let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let file: FileConfig = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let file: FileConfig = toml::from_str(&text).map_err(|e| {
+            // Errors inside a tagged table point at the table; name the key's own line too.
+            let message = e.to_string();
+            let key = message.split("unknown field `").nth(1).and_then(|rest| rest.split('`').next());
+            match key.map(|k| (k, line_of(&text, k))) {
+                Some((k, line)) if line > 0 => format!("{}: {message}(`{k}` is on line {line})", path.display()),
+                _ => format!("{}: {message}", path.display()),
+            }
+        })?;
 
         // File settings go in as flags placed before the real ones, and only for what neither
         // a flag nor the environment set.
         let command = Config::command();
-        let mut argv: Vec<std::ffi::OsString> = vec![args.first().cloned().unwrap_or_else(|| "dispatch-gateway".into())];
+        let mut argv: Vec<std::ffi::OsString> =
+            vec![args.first().cloned().unwrap_or_else(|| "dispatch-gateway".into())];
         for (key, value) in &file.settings {
             let at = line_of(&text, key);
             let Some(arg) = command.get_arguments().find(|a| a.get_id() == key.as_str() && a.get_long().is_some())

@@ -7,11 +7,11 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
+use crate::config::{Credential, ScriptedCredential};
 use crate::http::{AppState, router, ws_router};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
 use crate::net::{ConnectionLimits, serve};
-use crate::config::{Credential, ScriptedCredential};
 use crate::runtime::command::CommandRuntime;
 use crate::runtime::openai::{OpenAiRuntime, OpenAiSettings};
 use crate::runtime::scripted::{Script, ScriptedRuntime};
@@ -173,9 +173,7 @@ pub fn registry(config: &Config) -> Result<Registry, String> {
                 let runtime = OpenAiRuntime::new(settings).map_err(|e| format!("credentials.{name}: {e}"))?;
                 (Arc::new(runtime), c.context_window)
             }
-            Credential::Command(c) => {
-                (Arc::new(CommandRuntime::new(name, c.clone())), None)
-            }
+            Credential::Command(c) => (Arc::new(CommandRuntime::new(name, c.clone())), None),
         };
         for model in credential.models() {
             registry.add(name, model, runtime.clone(), ModelInfo { context_window });

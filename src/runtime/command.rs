@@ -123,9 +123,9 @@ impl Inner {
         if let Some(cwd) = req.cwd.as_ref().map(std::path::PathBuf::from).or_else(|| s.cwd.clone()) {
             command.current_dir(cwd);
         }
-        let mut child = command
-            .spawn()
-            .map_err(|e| RuntimeError::turn(format!("cannot start the agent program {:?}: {e}", s.program), "agent-spawn"))?;
+        let mut child = command.spawn().map_err(|e| {
+            RuntimeError::turn(format!("cannot start the agent program {:?}: {e}", s.program), "agent-spawn")
+        })?;
         let stdin = child.stdin.take().ok_or_else(|| RuntimeError::turn("the agent has no stdin", "agent-spawn"))?;
         let stdout = child.stdout.take().ok_or_else(|| RuntimeError::turn("the agent has no stdout", "agent-spawn"))?;
         if let Some(stderr) = child.stderr.take() {
@@ -458,9 +458,11 @@ impl Mapper {
                     let name = self.tools.get(&id).cloned().unwrap_or_default();
                     let content = match block.get("content") {
                         Some(Value::String(s)) => s.clone(),
-                        Some(Value::Array(parts)) => {
-                            parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("")
-                        }
+                        Some(Value::Array(parts)) => parts
+                            .iter()
+                            .filter_map(|p| p.get("text").and_then(Value::as_str))
+                            .collect::<Vec<_>>()
+                            .join(""),
                         Some(other) => other.to_string(),
                         None => String::new(),
                     };
@@ -478,7 +480,9 @@ impl Mapper {
                 out.events.push(if terminal.starts_with("aborted") {
                     RawEvent::Finish { reason: "aborted".into() }
                 } else if is_error || subtype != "success" {
-                    let message = str_of(v, "result").filter(|r| !r.is_empty()).unwrap_or_else(|| format!("the agent failed: {subtype}"));
+                    let message = str_of(v, "result")
+                        .filter(|r| !r.is_empty())
+                        .unwrap_or_else(|| format!("the agent failed: {subtype}"));
                     RawEvent::Error { message, code: Some(if subtype.is_empty() { "agent".into() } else { subtype }) }
                 } else {
                     RawEvent::Finish { reason: "stop".into() }
@@ -519,7 +523,9 @@ fn ndjson_event(v: &Value) -> Option<RawEvent> {
         "step_start" => RawEvent::StepStart,
         "text" => RawEvent::TextDelta(s("delta")?),
         "reasoning" => RawEvent::ReasoningDelta(s("delta")?),
-        "tool_call" => RawEvent::ToolCall { id: s("id")?, name: s("name")?, input: v.get("input").cloned().unwrap_or(Value::Null) },
+        "tool_call" => {
+            RawEvent::ToolCall { id: s("id")?, name: s("name")?, input: v.get("input").cloned().unwrap_or(Value::Null) }
+        }
         "tool_output" => RawEvent::ToolOutput {
             id: s("id")?,
             data: s("data")?,
@@ -535,7 +541,9 @@ fn ndjson_event(v: &Value) -> Option<RawEvent> {
         "usage" => RawEvent::Usage(serde_json::from_value(v.get("usage")?.clone()).ok()?),
         "step_end" => RawEvent::StepEnd,
         "done" => RawEvent::Finish { reason: s("reason").unwrap_or_else(|| "stop".into()) },
-        "error" => RawEvent::Error { message: s("message").unwrap_or_else(|| "the agent failed".into()), code: s("code") },
+        "error" => {
+            RawEvent::Error { message: s("message").unwrap_or_else(|| "the agent failed".into()), code: s("code") }
+        }
         "session" => RawEvent::SessionId(s("id")?),
         _ => return None,
     })

@@ -41,7 +41,8 @@ impl OpenAiRuntime {
             .build()
             .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
         for (name, value) in &settings.headers {
-            reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|_| format!("bad header name {name:?}"))?;
+            reqwest::header::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| format!("bad header name {name:?}"))?;
             reqwest::header::HeaderValue::from_str(value).map_err(|_| format!("bad value for header {name:?}"))?;
         }
         Ok(OpenAiRuntime { client, settings })
@@ -90,7 +91,8 @@ pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Va
                 if text.is_empty() && calls.is_empty() {
                     continue;
                 }
-                let mut message = json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text) }});
+                let mut message =
+                    json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text) }});
                 if !calls.is_empty() {
                     message["tool_calls"] = Value::Array(calls);
                 }
@@ -153,7 +155,8 @@ impl Gathered {
         }
         let Some(choice) = data.get("choices").and_then(|c| c.get(0)) else { return Ok(()) };
         let delta = choice.get("delta").cloned().unwrap_or(Value::Null);
-        let send = |event| async { sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime")) };
+        let send =
+            |event| async { sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime")) };
         for key in ["reasoning_content", "reasoning"] {
             if let Some(text) = delta.get(key).and_then(Value::as_str).filter(|t| !t.is_empty()) {
                 self.content = true;
@@ -275,7 +278,12 @@ impl OpenAiRuntime {
                 }
                 match serde_json::from_str::<Value>(data) {
                     Ok(value) => gathered.chunk(&sink, &value).await?,
-                    Err(e) => return Err(RuntimeError::turn(format!("the upstream sent a line that is not JSON: {e}"), "upstream")),
+                    Err(e) => {
+                        return Err(RuntimeError::turn(
+                            format!("the upstream sent a line that is not JSON: {e}"),
+                            "upstream",
+                        ));
+                    }
                 }
             }
         }

@@ -25,15 +25,15 @@ pub struct ModelThroughput {
 impl Store {
     /// The whole log with message ids, for runtimes that send the conversation upstream.
     pub async fn history_chunks(&self, conversation_id: &str) -> StoreResult<Vec<HistoryChunk>> {
-        let rows: Vec<(i64, i64, String, String)> = sqlx::query_as(
-            "SELECT seq, message_id, role, chunk FROM chunks WHERE conversation_id = ? ORDER BY seq",
-        )
-        .bind(conversation_id)
-        .fetch_all(&self.reader)
-        .await?;
+        let rows: Vec<(i64, i64, String, String)> =
+            sqlx::query_as("SELECT seq, message_id, role, chunk FROM chunks WHERE conversation_id = ? ORDER BY seq")
+                .bind(conversation_id)
+                .fetch_all(&self.reader)
+                .await?;
         rows.into_iter()
             .map(|(seq, message_id, role, chunk)| {
-                let role = Role::parse(&role).ok_or_else(|| StoreError::Corrupt(format!("unknown role at seq {seq}")))?;
+                let role =
+                    Role::parse(&role).ok_or_else(|| StoreError::Corrupt(format!("unknown role at seq {seq}")))?;
                 let chunk = serde_json::from_str(&chunk)
                     .map_err(|e| StoreError::Corrupt(format!("chunk at seq {seq}: {e}")))?;
                 Ok(HistoryChunk { message_id, role, chunk })

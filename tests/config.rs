@@ -1,0 +1,109 @@
+//! The configuration file, its environment variables and flags, and its errors.
+
+use std::ffi::OsString;
+
+use dispatch_gateway::Config;
+use dispatch_gateway::config::{Credential, Dialect};
+use dispatch_gateway::server::registry;
+
+fn load(args: &[&str], env: &[(&str, &str)]) -> Result<Config, String> {
+    let args: Vec<OsString> =
+        std::iter::once("dispatch-gateway").chain(args.iter().copied()).map(OsString::from).collect();
+    Config::load_from(args, env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())
+}
+
+fn write(dir: &std::path::Path, text: &str) -> String {
+    let path = dir.join("gateway.toml");
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+#[test]
+fn the_example_file_is_valid_and_a_missing_key_variable_is_reported() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/dispatch-gateway.example.toml");
+    let config = load(&["--config", example], &[]).unwrap();
+    assert_eq!(config.default_model.as_deref(), Some("local/qwen2.5-7b-instruct"));
+    assert_eq!(config.credentials.len(), 5);
+    match &config.credentials["claude"] {
+        Credential::Command(c) => assert_eq!(c.dialect, Dialect::ClaudeStreamJson),
+        other => panic!("{other:?}"),
+    }
+    if std::env::var_os("OPENAI_API_KEY").is_none() {
+        let err = registry(&config).err().expect("the key variable is missing");
+        assert!(err.contains("OPENAI_API_KEY") && err.contains("credentials.openai"), "{err}");
+    }
+}
+
+#[test]
+fn flags_beat_the_environment_which_beats_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "max_streams = 7\nkeepalive_secs = 3\napi_keys = [\"a\", \"b\"]\nscripted_pace = 0\n");
+    let config = load(&["--config", &file], &[]).unwrap();
+    assert_eq!((config.max_streams, config.keepalive_secs), (7, 3));
+    assert_eq!(config.api_keys, vec!["a".to_owned(), "b".to_owned()]);
+    assert_eq!(config.scripted_pace, 0.0);
+    // The environment applies through clap only when the process has it; a flag always wins.
+    let config = load(&["--config", &file, "--max-streams", "9"], &[]).unwrap();
+    assert_eq!((config.max_streams, config.keepalive_secs), (9, 3));
+    // With no credentials the demo credential runs, on the scripted pace of the file.
+    let models: Vec<String> = registry(&config).unwrap().names().map(str::to_owned).collect();
+    assert_eq!(models, vec!["demo/scripted"]);
+}
+
+#[test]
+fn credentials_come_from_the_file_and_from_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(
+        dir.path(),
+        r#"
+default_model = "up/m1"
+[credentials.up]
+kind = "openai"
+base_url = "http://127.0.0.1:1/v1"
+models = ["m1", "m2"]
+"#,
+    );
+    let env = [
+        ("DISPATCH_CREDENTIALS__UP__IDLE_TIMEOUT_SECS", "5"),
+        ("DISPATCH_CREDENTIALS__BOT__KIND", "command"),
+        ("DISPATCH_CREDENTIALS__BOT__PROGRAM", "python3"),
+        ("DISPATCH_CREDENTIALS__BOT__MODELS", "[\"echo\"]"),
+    ];
+    let config = load(&["--config", &file], &env).unwrap();
+    match &config.credentials["up"] {
+        Credential::Openai(c) => assert_eq!((c.idle_timeout_secs, c.models.len()), (5, 2)),
+        other => panic!("{other:?}"),
+    }
+    let registry = registry(&config).unwrap();
+    let names: Vec<&str> = registry.names().collect();
+    assert_eq!(names, vec!["bot/echo", "up/m1", "up/m2"]);
+    assert_eq!(registry.default_model(), "up/m1");
+}
+
+#[test]
+fn a_bad_file_names_the_key_and_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("listen = \"127.0.0.1:1\"\nmax_stream = 4\n", vec!["line 2", "max_stream"]),
+        ("max_streams = \"many\"\n", vec!["max-streams", "many"]),
+        (
+            "[credentials.x]\nkind = \"openai\"\nbase_url = \"u\"\nmodels = [\"m\"]\nbase_urll = \"v\"\n",
+            vec!["line 5", "base_urll"],
+        ),
+        ("[credentials.x]\nkind = \"telepathy\"\nmodels = [\"m\"]\n", vec!["telepathy"]),
+        ("[credentials.x]\nkind = \"openai\"\nmodels = [\"m\"]\n", vec!["base_url"]),
+        ("listen = [\n", vec!["line 1"]),
+    ];
+    for (text, needles) in cases {
+        let file = write(dir.path(), text);
+        let err = load(&["--config", &file], &[]).err().unwrap_or_else(|| panic!("{text:?} should fail"));
+        for needle in needles {
+            assert!(err.contains(needle), "{text:?}: {err:?} should name {needle:?}");
+        }
+    }
+    let err = load(&["--config", "/no/such/file.toml"], &[]).err().unwrap();
+    assert!(err.contains("/no/such/file.toml"), "{err}");
+    let file = write(dir.path(), "default_model = \"nope/x\"\n");
+    let err = registry(&load(&["--config", &file], &[]).unwrap()).err().unwrap();
+    assert!(err.contains("nope/x"), "{err}");
+}
