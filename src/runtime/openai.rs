@@ -50,8 +50,16 @@ impl OpenAiRuntime {
 }
 
 /// The conversation as Chat Completions messages: a message per log message; thinking and
-/// errors stay home; each tool result is a `tool` message.
+/// errors stay home; each tool result is a `tool` message. A tool call no result answered is
+/// left out, since the API rejects a call without its result.
 pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Value> {
+    let answered: std::collections::HashSet<&str> = history
+        .iter()
+        .filter_map(|c| match &c.chunk {
+            Chunk::ToolResult(r) => Some(r.tool_call_id.as_str()),
+            _ => None,
+        })
+        .collect();
     let mut out = Vec::new();
     if let Some(system) = system_prompt {
         out.push(json!({"role": "system", "content": system}));
@@ -80,7 +88,7 @@ pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Va
                 let calls: Vec<Value> = group
                     .iter()
                     .filter_map(|c| match &c.chunk {
-                        Chunk::ToolCall(call) => Some(json!({
+                        Chunk::ToolCall(call) if answered.contains(call.tool_call_id.as_str()) => Some(json!({
                             "id": call.tool_call_id,
                             "type": "function",
                             "function": {"name": call.tool_name, "arguments": call.input.to_string()},
@@ -309,5 +317,58 @@ impl Runtime for OpenAiRuntime {
 
     fn needs_history(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{TextChunk, ThinkingChunk, ToolCallChunk, ToolResultChunk};
+
+    fn chunk(message_id: i64, role: Role, chunk: Chunk) -> HistoryChunk {
+        HistoryChunk { message_id, role, chunk }
+    }
+
+    #[test]
+    fn answered_tool_calls_and_their_results_go_up_thinking_stays_home() {
+        let history = vec![
+            chunk(1, Role::User, Chunk::Text(TextChunk { text: "find it".into() })),
+            chunk(2, Role::Assistant, Chunk::Thinking(ThinkingChunk { text: "hmm".into() })),
+            chunk(2, Role::Assistant, Chunk::Text(TextChunk { text: "Looking".into() })),
+            chunk(
+                2,
+                Role::Assistant,
+                Chunk::ToolCall(ToolCallChunk {
+                    tool_call_id: "c1".into(),
+                    tool_name: "find".into(),
+                    input: json!({"q": 1}),
+                    step_id: None,
+                }),
+            ),
+            chunk(
+                3,
+                Role::Tool,
+                Chunk::ToolResult(ToolResultChunk {
+                    tool_call_id: "c1".into(),
+                    tool_name: "find".into(),
+                    content: "here".into(),
+                    is_error: false,
+                    step_id: None,
+                }),
+            ),
+            chunk(4, Role::Assistant, Chunk::Text(TextChunk { text: "Found".into() })),
+        ];
+        assert_eq!(
+            messages(&history, Some("be brief")),
+            vec![
+                json!({"role": "system", "content": "be brief"}),
+                json!({"role": "user", "content": "find it"}),
+                json!({"role": "assistant", "content": "Looking", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "find", "arguments": "{\"q\":1}"}}
+                ]}),
+                json!({"role": "tool", "tool_call_id": "c1", "content": "here"}),
+                json!({"role": "assistant", "content": "Found"}),
+            ]
+        );
     }
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod schema;
+pub mod upstream;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,157 @@
+//! A fake OpenAI-compatible upstream on a real socket: canned streams, error statuses, broken
+//! streams and stalls, recording every request and every client disconnect.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+
+/// What the upstream answers to one request.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    /// 200 with these `data:` payloads, then `data: [DONE]`.
+    Stream(Vec<Value>),
+    /// A status with a JSON error body.
+    Status(u16),
+    /// 200 with these payloads, then the connection is cut (no `[DONE]`).
+    Broken(Vec<Value>),
+    /// 200 with these payloads, then nothing: the upstream waits for the client to leave.
+    Stall(Vec<Value>),
+}
+
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    pub body: Value,
+    pub authorization: Option<String>,
+    pub headers: Vec<(String, String)>,
+}
+
+#[derive(Default)]
+struct State {
+    replies: Mutex<VecDeque<Reply>>,
+    requests: Mutex<Vec<Recorded>>,
+    /// Disconnects seen while stalled.
+    disconnects: Mutex<usize>,
+    disconnected: Notify,
+}
+
+pub struct FakeUpstream {
+    pub addr: SocketAddr,
+    state: Arc<State>,
+}
+
+impl FakeUpstream {
+    pub async fn start(replies: Vec<Reply>) -> FakeUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(State { replies: Mutex::new(replies.into()), ..State::default() });
+        let shared = state.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                tokio::spawn(serve(socket, shared.clone()));
+            }
+        });
+        FakeUpstream { addr, state }
+    }
+
+    pub fn base_url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    pub fn push(&self, reply: Reply) {
+        self.state.replies.lock().unwrap().push_back(reply);
+    }
+
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.state.requests.lock().unwrap().clone()
+    }
+
+    pub fn disconnects(&self) -> usize {
+        *self.state.disconnects.lock().unwrap()
+    }
+
+    /// Waits until a stalled stream's client has gone.
+    pub async fn wait_disconnect(&self) {
+        loop {
+            let notified = self.state.disconnected.notified();
+            if self.disconnects() > 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+async fn serve(mut socket: TcpStream, state: Arc<State>) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        match socket.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    let mut headers = Vec::new();
+    for line in head.lines().skip(1) {
+        if let Some((k, v)) = line.split_once(':') {
+            headers.push((k.trim().to_lowercase(), v.trim().to_owned()));
+        }
+    }
+    let length: usize = headers.iter().find(|(k, _)| k == "content-length").and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
+    while buf.len() < head_end + length {
+        match socket.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let body: Value = serde_json::from_slice(&buf[head_end..head_end + length]).unwrap_or(Value::Null);
+    let authorization = headers.iter().find(|(k, _)| k == "authorization").map(|(_, v)| v.clone());
+    state.requests.lock().unwrap().push(Recorded { body, authorization, headers });
+    let reply = state.replies.lock().unwrap().pop_front().unwrap_or(Reply::Status(500));
+    let stream_head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+    let data = |payloads: &[Value]| payloads.iter().map(|p| format!("data: {p}\n\n")).collect::<String>();
+    match reply {
+        Reply::Stream(payloads) => {
+            let _ = socket.write_all(format!("{stream_head}{}data: [DONE]\n\n", data(&payloads)).as_bytes()).await;
+        }
+        Reply::Status(code) => {
+            let body = format!(r#"{{"error":{{"message":"status {code}"}}}}"#);
+            let response = format!(
+                "HTTP/1.1 {code} Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = socket.write_all(response.as_bytes()).await;
+        }
+        Reply::Broken(payloads) => {
+            let _ = socket.write_all(format!("{stream_head}{}", data(&payloads)).as_bytes()).await;
+            let _ = socket.flush().await;
+            // Cut the connection with no end to the stream.
+            #[allow(deprecated)]
+            let _ = socket.set_linger(Some(std::time::Duration::ZERO));
+            return;
+        }
+        Reply::Stall(payloads) => {
+            let _ = socket.write_all(format!("{stream_head}{}", data(&payloads)).as_bytes()).await;
+            let _ = socket.flush().await;
+            // Send nothing more; notice when the client closes its end.
+            let mut sink = [0u8; 64];
+            loop {
+                match socket.read(&mut sink).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+            *state.disconnects.lock().unwrap() += 1;
+            state.disconnected.notify_waiters();
+        }
+    }
+    let _ = socket.shutdown().await;
+}
