@@ -120,7 +120,8 @@ async fn a_429_is_retried_and_the_wire_sees_one_clean_turn() {
     .await;
     let dir = tempfile::tempdir().unwrap();
     let server = gateway(dir.path(), &upstream).await;
-    let events = server.chat_stream(json!({"conversationId": "o2", "message": "hi", "model": "up/m1"})).await.collect().await;
+    let events =
+        server.chat_stream(json!({"conversationId": "o2", "message": "hi", "model": "up/m1"})).await.collect().await;
     assert_eq!(
         types(&events),
         vec!["user-message", "turn-start", "text-delta", "usage", "step-complete", "done", "turn-sealed"]
@@ -142,7 +143,11 @@ async fn a_failure_after_content_ends_the_turn_and_is_not_retried() {
     let dir = tempfile::tempdir().unwrap();
     let server = gateway(dir.path(), &upstream).await;
     for (conversation, expected) in [("o3", "stream"), ("o4", "model overloaded")] {
-        let events = server.chat_stream(json!({"conversationId": conversation, "message": "hi", "model": "up/m1"})).await.collect().await;
+        let events = server
+            .chat_stream(json!({"conversationId": conversation, "message": "hi", "model": "up/m1"}))
+            .await
+            .collect()
+            .await;
         let n = events.len();
         assert_eq!(types(&events[n - 4..]), vec!["step-complete", "error", "done", "turn-sealed"], "{events:?}");
         assert!(events[n - 3]["message"].as_str().unwrap().contains(expected), "{}", events[n - 3]);
@@ -172,7 +177,9 @@ async fn stop_closes_a_stalled_upstream_connection_at_once() {
     assert_eq!(stopped["abortedTurn"], true);
     // The fake upstream never sends another byte: it sees the disconnect only if the gateway
     // closes the connection itself.
-    tokio::time::timeout(Duration::from_secs(20), upstream.wait_disconnect()).await.expect("the upstream saw the disconnect");
+    tokio::time::timeout(Duration::from_secs(20), upstream.wait_disconnect())
+        .await
+        .expect("the upstream saw the disconnect");
     let rest = stream.collect().await;
     assert_eq!(rest[rest.len() - 2]["reason"], "aborted");
     assert_eq!(server.history("o5").await[1]["chunk"]["text"], "partial");
@@ -193,7 +200,8 @@ async fn the_history_sent_upstream_is_the_log() {
     .await;
     let dir = tempfile::tempdir().unwrap();
     let server = gateway(dir.path(), &upstream).await;
-    let first = server.chat_stream(json!({"conversationId": "o6", "message": "first", "model": "up/m1"})).await.collect().await;
+    let first =
+        server.chat_stream(json!({"conversationId": "o6", "message": "first", "model": "up/m1"})).await.collect().await;
     let call = first.iter().find(|e| e["type"] == "tool-call").unwrap();
     assert_eq!((call["toolName"].clone(), call["input"].clone()), (json!("search"), json!({"q": "rust"})));
     assert_eq!(first[first.len() - 2]["reason"], "tool-calls");

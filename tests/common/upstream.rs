@@ -105,7 +105,8 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
             headers.push((k.trim().to_lowercase(), v.trim().to_owned()));
         }
     }
-    let length: usize = headers.iter().find(|(k, _)| k == "content-length").and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
+    let length: usize =
+        headers.iter().find(|(k, _)| k == "content-length").and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
     while buf.len() < head_end + length {
         match socket.read(&mut chunk).await {
             Ok(0) | Err(_) => return,

@@ -1,0 +1,322 @@
+//! The `command` runtime against fake agent programs through real pipes.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use common::*;
+use dispatch_gateway::config::{CommandCredential, Credential, Dialect};
+use serde_json::{Value, json};
+
+/// The fake agent: one Python program whose behaviour each prompt picks. It appends a line to
+/// `starts.log` each time it starts, so tests can count (re)starts.
+const AGENT: &str = r#"
+import json, os, sys, time
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "starts.log"), "a") as f:
+    f.write(os.environ.get("DISPATCH_SESSION_ID", "-") + "\n")
+session = os.environ.get("DISPATCH_SESSION_ID")
+
+def emit(**e):
+    sys.stdout.write(json.dumps(e) + "\n")
+    sys.stdout.flush()
+
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg.get("type") == "interrupt":
+        continue
+    text = msg["text"]
+    given = msg.get("sessionId")
+    print("agent got a turn", file=sys.stderr, flush=True)
+    if text.startswith("echo"):
+        if session is None:
+            session = "sess-1"
+            emit(type="session", id=session)
+        emit(type="step_start")
+        emit(type="text", delta="echo: ")
+        emit(type="text", delta=text + f" (session={given})")
+        emit(type="usage", usage={"inputTokens": 7, "outputTokens": 2})
+        emit(type="step_end")
+        emit(type="done", reason="stop")
+    elif text.startswith("tools"):
+        emit(type="step_start")
+        emit(type="reasoning", delta="need a tool")
+        emit(type="tool_call", id="t1", name="ls", input={"path": "/"})
+        emit(type="tool_output", id="t1", data="bin etc", stream="stdout")
+        emit(type="usage", usage={"inputTokens": 10, "outputTokens": 4})
+        emit(type="step_end")
+        emit(type="tool_result", id="t1", name="ls", content="bin etc", isError=False, durationMs=2)
+        emit(type="step_start")
+        emit(type="text", delta="There are two.")
+        emit(type="usage", usage={"inputTokens": 20, "outputTokens": 3})
+        emit(type="step_end")
+        emit(type="done", reason="stop")
+    elif text.startswith("stall"):
+        emit(type="text", delta="thinking slowly")
+        for line in sys.stdin:
+            if json.loads(line).get("type") == "interrupt":
+                emit(type="done", reason="aborted")
+                break
+    elif text.startswith("crash"):
+        emit(type="text", delta="about to crash")
+        sys.exit(3)
+    elif text.startswith("garbage"):
+        print("this is not json", flush=True)
+    elif text.startswith("unknown"):
+        emit(type="something_new", x=1)
+        emit(type="text", delta="fine")
+        emit(type="done", reason="stop")
+"#;
+
+/// Reads a little of its input, then leaves: a large prompt's write breaks part-way.
+const SHORT_READER: &str = r#"
+import os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "starts.log"), "a") as f:
+    f.write("-\n")
+sys.stdin.buffer.read(10)
+os._exit(0)
+"#;
+
+fn agent(dir: &Path, name: &str, source: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, source).unwrap();
+    path
+}
+
+async fn gateway(dir: &Path, script: &Path, dialect: Dialect) -> TestServer {
+    let mut config = test_config(dir);
+    config.credentials.insert(
+        "agent".into(),
+        Credential::Command(CommandCredential {
+            program: "python3".into(),
+            args: vec!["-u".into(), script.display().to_string()],
+            dialect,
+            models: vec!["fake".into()],
+            cwd: None,
+            env: BTreeMap::new(),
+            idle_timeout_secs: 600,
+            unattended: false,
+        }),
+    );
+    TestServer::start(config).await
+}
+
+fn starts(dir: &Path) -> Vec<String> {
+    std::fs::read_to_string(dir.join("starts.log")).unwrap_or_default().lines().map(str::to_owned).collect()
+}
+
+async fn turn(server: &TestServer, conversation: &str, message: &str) -> Vec<Value> {
+    server.chat_stream(json!({"conversationId": conversation, "message": message})).await.collect().await
+}
+
+#[tokio::test]
+async fn echo_and_the_session_id_is_stored_and_passed_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+    let first = turn(&server, "c1", "echo one").await;
+    assert_eq!(
+        types(&first),
+        vec!["user-message", "turn-start", "text-delta", "text-delta", "usage", "step-complete", "done", "turn-sealed"]
+    );
+    assert_eq!(first[3]["delta"], "echo one (session=None)");
+    let second = turn(&server, "c1", "echo two").await;
+    assert_eq!(second[3]["delta"], "echo two (session=sess-1)", "the stored session comes back");
+    assert_eq!(starts(dir.path()), vec!["-"], "one resident process served both turns");
+
+    // After a restart of the gateway the process is new, and it resumes the stored session.
+    let server = server.restart().await;
+    let third = turn(&server, "c1", "echo three").await;
+    assert_eq!(third[3]["delta"], "echo three (session=sess-1)");
+    assert_eq!(starts(dir.path()), vec!["-", "sess-1"]);
+    // Another conversation gets its own process.
+    turn(&server, "c2", "echo x").await;
+    assert_eq!(starts(dir.path()).len(), 3);
+}
+
+#[tokio::test]
+async fn multi_step_with_tools() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+    let events = turn(&server, "c1", "tools please").await;
+    assert_eq!(
+        types(&events),
+        vec![
+            "user-message",
+            "turn-start",
+            "reasoning-delta",
+            "tool-call",
+            "tool-output",
+            "usage",
+            "step-complete",
+            "tool-result",
+            "text-delta",
+            "usage",
+            "step-complete",
+            "done",
+            "turn-sealed"
+        ]
+    );
+    let turn_id = events[0]["turnId"].as_str().unwrap();
+    assert_eq!(events[3]["stepId"], format!("{turn_id}#0"));
+    assert_eq!(events[7]["stepId"], format!("{turn_id}#0"));
+    assert_eq!(events[7]["durationMs"], 2);
+    assert_eq!(events[9]["stepId"], format!("{turn_id}#1"));
+    assert_eq!(events[11]["contextSize"], 23);
+    let (_, metrics) = server.get("/conversations/c1/metrics").await;
+    assert_eq!(metrics["turns"][0]["steps"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_agent_is_interrupted_by_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+    let mut stream = server.chat_stream(json!({"conversationId": "c1", "message": "stall"})).await;
+    loop {
+        if stream.next_event().await.unwrap()["type"] == "text-delta" {
+            break;
+        }
+    }
+    server.post("/conversations/c1/stop", json!({})).await;
+    let rest = stream.collect().await;
+    assert_eq!(rest[rest.len() - 2]["reason"], "aborted");
+    assert_eq!(server.history("c1").await[1]["chunk"]["text"], "thinking slowly");
+    // The agent answered the interrupt and stays up for the next turn.
+    let next = turn(&server, "c1", "echo after").await;
+    assert_eq!(next[next.len() - 2]["reason"], "stop");
+    assert_eq!(starts(dir.path()).len(), 1);
+}
+
+#[tokio::test]
+async fn a_crash_mid_turn_is_an_error_and_the_next_turn_restarts_the_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+    let events = turn(&server, "c1", "crash now").await;
+    let n = events.len();
+    assert_eq!(types(&events[n - 3..]), vec!["error", "done", "turn-sealed"]);
+    assert_eq!(events[n - 3]["code"], "agent-exit");
+    assert_eq!(events[n - 2]["reason"], "error");
+    assert_eq!(server.history("c1").await[1]["chunk"]["text"], "about to crash");
+    let next = turn(&server, "c1", "echo again").await;
+    assert_eq!(next[next.len() - 2]["reason"], "stop");
+    assert_eq!(starts(dir.path()).len(), 2, "restarted once");
+}
+
+#[tokio::test]
+async fn a_garbage_line_is_a_clear_error_and_unknown_lines_are_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+    let events = turn(&server, "c1", "garbage").await;
+    let error = events.iter().find(|e| e["type"] == "error").unwrap();
+    assert_eq!(error["code"], "agent-protocol");
+    assert!(error["message"].as_str().unwrap().contains("this is not json"), "{error}");
+    assert_eq!(events.last().unwrap()["type"], "turn-sealed");
+    let events = turn(&server, "c1", "unknown lines").await;
+    assert_eq!(
+        types(&events),
+        vec!["user-message", "turn-start", "text-delta", "step-complete", "done", "turn-sealed"]
+    );
+    assert_eq!(server.get("/health").await.0, 200);
+}
+
+#[tokio::test]
+async fn a_write_that_breaks_part_way_is_ambiguous_and_not_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "short.py", SHORT_READER);
+    let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+    // Far more than a pipe holds (and under the 1 MiB body limit): the agent reads 10 bytes and
+    // exits while the gateway is still writing.
+    let body = json!({"conversationId": "c1", "message": "x".repeat(600 * 1024), "model": "agent/fake"});
+    let r = server.client.post(server.url("/chat")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let events = EventStream::new(r).collect().await;
+    let error = events.iter().find(|e| e["type"] == "error").unwrap();
+    assert_eq!(error["code"], "ambiguous", "{error}");
+    assert_eq!(starts(dir.path()).len(), 1, "never retried");
+}
+
+#[tokio::test]
+async fn a_recorded_claude_transcript_maps_to_the_exact_event_list() {
+    let transcript = [
+        json!({"type": "system", "subtype": "init", "session_id": "claude-sess", "model": "sonnet", "tools": []}),
+        json!({"type": "assistant", "message": {"id": "m1", "role": "assistant", "content": [
+            {"type": "thinking", "thinking": "List the files."},
+            {"type": "text", "text": "I'll look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}}
+        ], "usage": {"input_tokens": 100, "output_tokens": 20, "cache_read_input_tokens": 50, "cache_creation_input_tokens": 10}}}),
+        json!({"type": "user", "message": {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.txt\nb.txt", "is_error": false}
+        ]}}),
+        json!({"type": "system", "subtype": "compact_boundary"}),
+        json!({"type": "stream_event", "event": {"type": "message_start"}}),
+        json!({"type": "assistant", "message": {"id": "m2", "role": "assistant", "content": [
+            {"type": "text", "text": "Two files."}
+        ], "usage": {"input_tokens": 130, "output_tokens": 5}}}),
+        json!({"type": "result", "subtype": "success", "is_error": false, "result": "Two files.", "session_id": "claude-sess",
+               "usage": {"input_tokens": 230, "output_tokens": 25}, "some_new_field": true}),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = transcript.iter().map(|l| l.to_string()).collect();
+    let script = agent(
+        dir.path(),
+        "claude.py",
+        &format!(
+            r#"
+import json, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "starts.log"), "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\n")
+LINES = {lines:?}
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg.get("type") != "user":
+        continue
+    assert msg["message"]["content"][0]["text"] == "list files"
+    for out in LINES:
+        print(out, flush=True)
+"#
+        ),
+    );
+    let server = gateway(dir.path(), &script, Dialect::ClaudeStreamJson).await;
+    let events = turn(&server, "cc", "list files").await;
+    let turn_id = events[0]["turnId"].as_str().unwrap().to_owned();
+    let (s0, s1) = (format!("{turn_id}#0"), format!("{turn_id}#1"));
+    let mut stripped = events.clone();
+    for e in &mut stripped {
+        let o = e.as_object_mut().unwrap();
+        for k in ["conversationId", "turnId", "ttftMs", "decodeMs", "genTotalMs", "durationMs"] {
+            o.remove(k);
+        }
+    }
+    assert_eq!(
+        stripped,
+        vec![
+            json!({"type": "user-message", "text": "list files"}),
+            json!({"type": "turn-start"}),
+            json!({"type": "reasoning-delta", "delta": "List the files."}),
+            json!({"type": "text-delta", "delta": "I'll look."}),
+            json!({"type": "tool-call", "stepId": s0, "toolCallId": "toolu_1", "toolName": "Bash", "input": {"command": "ls"}}),
+            json!({"type": "usage", "stepId": s0, "usage": {"inputTokens": 100, "outputTokens": 20, "cacheReadTokens": 50, "cacheWriteTokens": 10}}),
+            json!({"type": "step-complete", "stepId": s0}),
+            json!({"type": "tool-result", "stepId": s0, "toolCallId": "toolu_1", "toolName": "Bash", "content": "a.txt\nb.txt", "isError": false}),
+            json!({"type": "text-delta", "delta": "Two files."}),
+            json!({"type": "usage", "stepId": s1, "usage": {"inputTokens": 130, "outputTokens": 5}}),
+            json!({"type": "step-complete", "stepId": s1}),
+            json!({"type": "done", "reason": "stop", "usage": {"inputTokens": 230, "outputTokens": 25, "cacheReadTokens": 50, "cacheWriteTokens": 10}, "contextSize": 135}),
+            json!({"type": "turn-sealed"}),
+        ]
+    );
+    // Launched in stream-json mode with its model; the session was stored for `--resume`.
+    let launch = &starts(dir.path())[0];
+    assert!(launch.contains("--input-format stream-json --output-format stream-json"), "{launch}");
+    assert!(launch.contains("--model fake"), "{launch}");
+    let server = server.restart().await;
+    turn(&server, "cc", "list files").await;
+    assert!(starts(dir.path())[1].contains("--resume claude-sess"), "{:?}", starts(dir.path()));
+}
