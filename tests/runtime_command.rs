@@ -16,6 +16,8 @@ import json, os, sys, time
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "starts.log"), "a") as f:
     f.write(os.environ.get("DISPATCH_SESSION_ID", "-") + "\n")
+with open(os.path.join(here, "pids.log"), "a") as f:
+    f.write(str(os.getpid()) + "\n")
 session = os.environ.get("DISPATCH_SESSION_ID")
 
 def emit(**e):
@@ -86,6 +88,10 @@ fn agent(dir: &Path, name: &str, source: &str) -> PathBuf {
 }
 
 async fn gateway(dir: &Path, script: &Path, dialect: Dialect) -> TestServer {
+    gateway_with(dir, script, dialect, 600).await
+}
+
+async fn gateway_with(dir: &Path, script: &Path, dialect: Dialect, idle_timeout_secs: u64) -> TestServer {
     let mut config = test_config(dir);
     config.credentials.insert(
         "agent".into(),
@@ -96,7 +102,7 @@ async fn gateway(dir: &Path, script: &Path, dialect: Dialect) -> TestServer {
             models: vec!["fake".into()],
             cwd: None,
             env: BTreeMap::new(),
-            idle_timeout_secs: 600,
+            idle_timeout_secs,
             unattended: false,
         }),
     );
@@ -319,4 +325,38 @@ for line in sys.stdin:
     let server = server.restart().await;
     turn(&server, "cc", "list files").await;
     assert!(starts(dir.path())[1].contains("--resume claude-sess"), "{:?}", starts(dir.path()));
+}
+
+fn alive(pid: &str) -> bool {
+    // A killed child may linger as a zombie until reaped; count only live states.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
+}
+
+#[tokio::test]
+async fn an_idle_process_is_stopped_and_shutdown_stops_them_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let server = gateway_with(dir.path(), &script, Dialect::Ndjson, 1).await;
+    turn(&server, "c1", "echo one").await;
+    let pids = std::fs::read_to_string(dir.path().join("pids.log")).unwrap();
+    let first = pids.lines().next().unwrap().to_owned();
+    assert!(alive(&first));
+    let mut stopped = false;
+    for _ in 0..100 {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        if !alive(&first) {
+            stopped = true;
+            break;
+        }
+    }
+    assert!(stopped, "the idle process was not stopped");
+    turn(&server, "c1", "echo two").await;
+    assert_eq!(starts(dir.path()).len(), 2, "the next turn started a new process");
+
+    turn(&server, "c2", "echo three").await;
+    let pids: Vec<String> =
+        std::fs::read_to_string(dir.path().join("pids.log")).unwrap().lines().map(str::to_owned).collect();
+    assert!(alive(pids.last().unwrap()), "the new conversation's process runs");
+    server.stop().await;
+    assert!(pids.iter().all(|p| !alive(p)), "shutdown stops every agent process");
 }
