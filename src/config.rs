@@ -37,6 +37,15 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_DATABASE", default_value = "./data/dispatch.db")]
     pub database: PathBuf,
 
+    /// Milliseconds a write waits for another process's lock on the database.
+    #[arg(long, env = "DISPATCH_SQLITE_BUSY_TIMEOUT_MS", default_value_t = 5000)]
+    pub sqlite_busy_timeout_ms: u64,
+
+    /// Largest database size in pages (0 = no limit): past it writes fail and turns end with an
+    /// error until space is freed.
+    #[arg(long, env = "DISPATCH_SQLITE_MAX_PAGES", default_value_t = 0)]
+    pub sqlite_max_pages: u64,
+
     /// Pace of the scripted runtime in tokens per second (0 = as fast as possible).
     #[arg(long, env = "DISPATCH_SCRIPTED_PACE", default_value_t = 40.0)]
     pub scripted_pace: f64,
@@ -353,6 +362,8 @@ impl Config {
             credentials: BTreeMap::new(),
             listen: SocketAddr::from(([127, 0, 0, 1], 24203)),
             database: PathBuf::from("./data/dispatch.db"),
+            sqlite_busy_timeout_ms: 5000,
+            sqlite_max_pages: 0,
             scripted_pace: 40.0,
             scripted_reasoning: true,
             scripted_script: None,

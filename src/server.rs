@@ -16,7 +16,7 @@ use crate::runtime::command::CommandRuntime;
 use crate::runtime::openai::{OpenAiRuntime, OpenAiSettings};
 use crate::runtime::scripted::{Script, ScriptedRuntime};
 use crate::runtime::{ModelInfo, Registry, Runtime};
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, StoreOptions};
 use crate::turn::Turns;
 
 #[derive(Debug, thiserror::Error)]
@@ -38,7 +38,11 @@ impl Gateway {
     pub async fn build(config: Config) -> Result<Gateway, StartupError> {
         let registry = registry(&config).map_err(StartupError::Config)?;
         let metrics = Arc::new(Metrics::default());
-        let store = Store::open(&config.database, metrics.clone()).await?;
+        let limits = StoreOptions {
+            busy_timeout: Duration::from_millis(config.sqlite_busy_timeout_ms),
+            max_pages: config.sqlite_max_pages,
+        };
+        let store = Store::open_with(&config.database, metrics.clone(), limits).await?;
         let hub = Hub::new(config.turn_buffer_bytes);
         let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone());
         Ok(Gateway {

@@ -24,6 +24,9 @@ pub async fn ready(State(state): State<AppState>) -> Result<Json<Ready>, ApiErro
     if state.turns.is_closing() {
         return Err(ApiError::Unavailable("shutting down".into()));
     }
+    if let Some(why) = state.store.write_fault() {
+        return Err(ApiError::Unavailable(format!("the database cannot take writes: {why}")));
+    }
     if !state.store.ping().await {
         return Err(ApiError::Unavailable("the database does not answer".into()));
     }

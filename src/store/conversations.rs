@@ -47,6 +47,11 @@ pub struct ConversationFilter {
 
 impl Store {
     pub async fn create_conversation(&self, c: NewConversation<'_>) -> StoreResult<ConversationMeta> {
+        let result = self.write_create_conversation(c).await;
+        self.noted(result)
+    }
+
+    async fn write_create_conversation(&self, c: NewConversation<'_>) -> StoreResult<ConversationMeta> {
         let result = sqlx::query(
             "INSERT INTO conversations (id, title, model, created_at, last_activity_at)
              VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
@@ -105,6 +110,11 @@ impl Store {
 
     /// Returns false when the conversation does not exist.
     pub async fn set_title(&self, id: &str, title: &str) -> StoreResult<bool> {
+        let result = self.write_set_title(id, title).await;
+        self.noted(result)
+    }
+
+    async fn write_set_title(&self, id: &str, title: &str) -> StoreResult<bool> {
         let r = sqlx::query("UPDATE conversations SET title = ? WHERE id = ?")
             .bind(title)
             .bind(id)
@@ -115,12 +125,22 @@ impl Store {
 
     /// Deletes the conversation with its log and turns; false when it did not exist.
     pub async fn delete_conversation(&self, id: &str) -> StoreResult<bool> {
+        let result = self.write_delete_conversation(id).await;
+        self.noted(result)
+    }
+
+    async fn write_delete_conversation(&self, id: &str) -> StoreResult<bool> {
         let r = sqlx::query("DELETE FROM conversations WHERE id = ?").bind(id).execute(&self.writer).await?;
         Ok(r.rows_affected() > 0)
     }
 
     /// Marks a conversation closed; false when it does not exist.
     pub async fn close_conversation(&self, id: &str) -> StoreResult<bool> {
+        let result = self.write_close_conversation(id).await;
+        self.noted(result)
+    }
+
+    async fn write_close_conversation(&self, id: &str) -> StoreResult<bool> {
         let r = sqlx::query("UPDATE conversations SET status = 'closed' WHERE id = ?")
             .bind(id)
             .execute(&self.writer)
@@ -130,6 +150,11 @@ impl Store {
 
     /// Sets (or clears) the sticky model, creating the conversation when missing.
     pub async fn set_model(&self, id: &str, model: Option<&str>, now: i64) -> StoreResult<()> {
+        let result = self.write_set_model(id, model, now).await;
+        self.noted(result)
+    }
+
+    async fn write_set_model(&self, id: &str, model: Option<&str>, now: i64) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO conversations (id, model, created_at, last_activity_at) VALUES (?1, ?2, ?3, ?3)
              ON CONFLICT (id) DO UPDATE SET model = ?2",

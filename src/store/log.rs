@@ -42,6 +42,11 @@ struct ChunkRow {
 impl Store {
     /// Appends `chunks` in one transaction; returns the seq of the last one (0 if none).
     pub async fn append_chunks(&self, conversation_id: &str, turn_id: &str, chunks: &[NewChunk]) -> StoreResult<u64> {
+        let result = self.write_append_chunks(conversation_id, turn_id, chunks).await;
+        self.noted(result)
+    }
+
+    async fn write_append_chunks(&self, conversation_id: &str, turn_id: &str, chunks: &[NewChunk]) -> StoreResult<u64> {
         let (mut tx, started) = self.write_tx().await?;
         let last = append_in(&mut tx, conversation_id, turn_id, chunks, super::now_ms()).await?;
         self.commit(tx, started).await?;

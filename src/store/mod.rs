@@ -11,7 +11,7 @@ mod turns;
 
 use std::path::Path;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
@@ -35,6 +35,9 @@ pub enum StoreError {
     Folder { path: String, source: std::io::Error },
     #[error("a conversation with this id already exists")]
     Exists,
+    /// The database refuses writes (full, locked by another writer, read-only, I/O error).
+    #[error("{0}")]
+    Unwritable(String),
     #[error("this idempotency key was already used")]
     DuplicateKey,
     #[error("stored data is corrupt: {0}")]
@@ -48,12 +51,51 @@ pub struct Store {
     writer: SqlitePool,
     reader: SqlitePool,
     metrics: Arc<Metrics>,
+    /// Why the last write failed, while writes fail (for `/ready`).
+    write_fault: Arc<Mutex<Option<String>>>,
+}
+
+/// Limits of the SQLite connection.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreOptions {
+    /// How long a write waits for another writer's lock.
+    pub busy_timeout: Duration,
+    /// Largest database size in pages (0: no limit beyond SQLite's own).
+    pub max_pages: u64,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions { busy_timeout: Duration::from_secs(5), max_pages: 0 }
+    }
+}
+
+/// Describes a database error that means "writes are refused now", or None for other errors.
+fn unwritable(e: &sqlx::Error) -> Option<String> {
+    if matches!(e, sqlx::Error::PoolTimedOut) {
+        return Some("the database writer is stuck".into());
+    }
+    let code: i64 = e.as_database_error()?.code()?.parse().ok()?;
+    Some(
+        match code & 0xff {
+            13 => "the database is full",
+            5 | 6 => "the database is locked by another writer",
+            8 => "the database is read-only",
+            10 => "the database file cannot be written (I/O error)",
+            _ => return None,
+        }
+        .to_owned(),
+    )
 }
 
 impl Store {
     /// Opens (creating when missing) the database file, applies the migrations, and repairs
     /// turns a previous process left open (spec 1.5) before anything is served.
     pub async fn open(path: &Path, metrics: Arc<Metrics>) -> StoreResult<Store> {
+        Self::open_with(path, metrics, StoreOptions::default()).await
+    }
+
+    pub async fn open_with(path: &Path, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Store> {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent)
                 .map_err(|source| StoreError::Folder { path: parent.display().to_string(), source })?;
@@ -64,17 +106,51 @@ impl Store {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
-            .busy_timeout(Duration::from_secs(5));
-        let writer =
-            SqlitePoolOptions::new().max_connections(1).min_connections(1).connect_with(options.clone()).await?;
+            .busy_timeout(limits.busy_timeout);
+        let mut writer_options = options.clone();
+        if limits.max_pages > 0 {
+            writer_options = writer_options.pragma("max_page_count", limits.max_pages.to_string());
+        }
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(writer_options)
+            .await?;
         MIGRATOR.run(&writer).await?;
         let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.read_only(true)).await?;
-        let store = Store { writer, reader, metrics };
+        let store = Store { writer, reader, metrics, write_fault: Arc::default() };
         let repaired = store.recover_interrupted(now_ms()).await?;
         if repaired > 0 {
             tracing::warn!(turns = repaired, "marked turns cut off by the last shutdown as interrupted");
         }
         Ok(store)
+    }
+
+    /// Records the outcome of a write: a refusal becomes `Unwritable` and is remembered until a
+    /// write succeeds again.
+    fn noted<T>(&self, result: StoreResult<T>) -> StoreResult<T> {
+        let mut fault = self.write_fault.lock().unwrap_or_else(|p| p.into_inner());
+        match result {
+            Ok(v) => {
+                *fault = None;
+                Ok(v)
+            }
+            Err(StoreError::Database(e)) => match unwritable(&e) {
+                Some(why) => {
+                    tracing::error!(error = %e, "{why}");
+                    *fault = Some(why.clone());
+                    Err(StoreError::Unwritable(why))
+                }
+                None => Err(StoreError::Database(e)),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Why writes fail, while they do.
+    pub fn write_fault(&self) -> Option<String> {
+        self.write_fault.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Answers whether the database serves a trivial query.
@@ -91,7 +167,18 @@ impl Store {
     /// Opens a write transaction; hand it back to [`Store::commit`] with the start instant.
     async fn write_tx(&self) -> StoreResult<(Transaction<'static, Sqlite>, Instant)> {
         let started = Instant::now();
-        Ok((self.writer.begin_with("BEGIN IMMEDIATE").await?, started))
+        match self.writer.begin_with("BEGIN IMMEDIATE").await {
+            Err(sqlx::Error::InvalidSavePointStatement) => {
+                // A failed write (database full, I/O error) made SQLite roll the transaction
+                // back on its own; the connection still believes it is inside one and refuses
+                // to begin. Replace it with a fresh connection.
+                tracing::warn!("replacing the database writer connection after a failed transaction");
+                let stale = self.writer.acquire().await?;
+                drop(stale.detach());
+                Ok((self.writer.begin_with("BEGIN IMMEDIATE").await?, started))
+            }
+            other => Ok((other?, started)),
+        }
     }
 
     /// Commits and records how long the transaction took, from its start.

@@ -52,6 +52,11 @@ impl Store {
 
     /// Remembers the runtime session a conversation's next turn resumes.
     pub async fn set_session_id(&self, conversation_id: &str, session_id: &str) -> StoreResult<()> {
+        let result = self.write_set_session_id(conversation_id, session_id).await;
+        self.noted(result)
+    }
+
+    async fn write_set_session_id(&self, conversation_id: &str, session_id: &str) -> StoreResult<()> {
         sqlx::query("UPDATE conversations SET session_id = ? WHERE id = ?")
             .bind(session_id)
             .bind(conversation_id)

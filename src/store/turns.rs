@@ -49,6 +49,11 @@ impl Store {
     /// Opens a turn: creates the conversation when missing, marks it active, records the turn
     /// and appends the user's chunk, all in one transaction. Returns the user chunk's seq.
     pub async fn begin_turn(&self, t: BeginTurn<'_>) -> StoreResult<u64> {
+        let result = self.write_begin_turn(t).await;
+        self.noted(result)
+    }
+
+    async fn write_begin_turn(&self, t: BeginTurn<'_>) -> StoreResult<u64> {
         let (mut tx, started) = self.write_tx().await?;
         sqlx::query(
             "INSERT INTO conversations (id, title, status, created_at, last_activity_at)
@@ -113,6 +118,11 @@ impl Store {
     /// Seals a turn: its chunks not yet written, its metrics, and the conversation back to
     /// idle (a closed one stays closed), in one transaction. Returns the conversation's status.
     pub async fn seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<String> {
+        let result = self.write_seal_turn(s, final_chunks).await;
+        self.noted(result)
+    }
+
+    async fn write_seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<String> {
         let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let gen_total_ms: u64 = s.metrics.steps.iter().filter_map(|st| st.gen_total_ms).sum();
         let (mut tx, started) = self.write_tx().await?;

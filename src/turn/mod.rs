@@ -80,6 +80,8 @@ enum Slot {
     },
     /// Reserved while the conversation is deleted.
     Deleting,
+    /// The turn ended but the database has not taken its seal yet.
+    Sealing,
 }
 
 pub struct Turns {
@@ -137,7 +139,7 @@ impl Turns {
 
     /// Whether a turn is running (or starting) in this conversation.
     pub fn is_active(&self, conversation_id: &str) -> bool {
-        matches!(self.lock().get(conversation_id), Some(Slot::Starting | Slot::Running { .. }))
+        matches!(self.lock().get(conversation_id), Some(Slot::Starting | Slot::Running { .. } | Slot::Sealing))
     }
 
     /// Starts a turn: picks the model, reserves the conversation (409 when busy), writes the
@@ -324,6 +326,11 @@ impl Turns {
     /// conversation accepts a new turn.
     fn release(&self, conversation_id: &str) {
         self.lock().remove(conversation_id);
+    }
+
+    /// Keeps the conversation reserved after its turn ended, until the seal commits.
+    fn hold_for_sealing(&self, conversation_id: &str) {
+        self.lock().insert(conversation_id.to_owned(), Slot::Sealing);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {

@@ -13,7 +13,7 @@ use super::assembly::ChunkAssembler;
 use super::tally::{OpenStep, TurnTally};
 use crate::hub::TurnBuffer;
 use crate::runtime::{Inbox, RawEvent, Runtime, RuntimeError, TurnRequest};
-use crate::store::{SealTurn, Store, now_ms};
+use crate::store::{NewChunk, SealTurn, Store, now_ms};
 use crate::wire::*;
 
 /// How many raw events a runtime may run ahead of the turn.
@@ -47,6 +47,52 @@ pub(super) struct TurnRun {
     inbox: Arc<Inbox>,
     /// Something of the runtime's output has been published: no more retries.
     published_content: bool,
+    /// Chunks whose write failed: written with the next write that succeeds.
+    unwritten: Vec<NewChunk>,
+}
+
+fn status_name(status: &str) -> &'static str {
+    if status == "closed" { "closed" } else { "idle" }
+}
+
+/// A turn whose seal the database refused: retried with backoff until it commits (or the
+/// gateway stops; then the next start marks the turn interrupted).
+struct PendingSeal {
+    turns: Arc<Turns>,
+    store: Store,
+    conversation_id: String,
+    turn_id: String,
+    reason: String,
+    metrics: TurnMetrics,
+    rest: Vec<NewChunk>,
+}
+
+impl PendingSeal {
+    async fn retry(self) {
+        let mut wait = std::time::Duration::from_millis(100);
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = self.turns.closing.cancelled() => return,
+            }
+            let seal = SealTurn {
+                conversation_id: &self.conversation_id,
+                turn_id: &self.turn_id,
+                reason: &self.reason,
+                metrics: &self.metrics,
+                now: now_ms(),
+            };
+            match self.store.seal_turn(seal, &self.rest).await {
+                Ok(status) => {
+                    tracing::info!(conversation = %self.conversation_id, turn = %self.turn_id, "sealed the turn after the database recovered");
+                    self.turns.release(&self.conversation_id);
+                    self.turns.announce(&self.conversation_id, status_name(&status));
+                    return;
+                }
+                Err(_) => wait = (wait * 2).min(std::time::Duration::from_secs(2)),
+            }
+        }
+    }
 }
 
 impl TurnRun {
@@ -72,6 +118,7 @@ impl TurnRun {
             call_steps: HashMap::new(),
             inbox,
             published_content: false,
+            unwritten: Vec::new(),
         }
     }
 
@@ -316,11 +363,14 @@ impl TurnRun {
         if !self.assembler.has_pending() {
             return Ok(());
         }
-        let chunks = self.assembler.take();
+        // Chunks a failed write left behind go first, so the log keeps the turn's order.
+        let mut chunks = std::mem::take(&mut self.unwritten);
+        chunks.extend(self.assembler.take());
         match self.store.append_chunks(&self.conversation_id, &self.turn_id, &chunks).await {
             Ok(_) => Ok(()),
             Err(e) => {
-                tracing::error!(conversation = %self.conversation_id, turn = %self.turn_id, error = %e, "could not write the turn's chunks");
+                self.unwritten = chunks;
+                tracing::error!(error = %e, "could not write the turn's chunks");
                 Err(End::Failed {
                     message: "the turn could not be written to the log".into(),
                     code: Some("storage".into()),
@@ -364,24 +414,24 @@ impl TurnRun {
             context_size: self.tally.context_size(),
         }));
 
-        let metrics = self.tally.metrics(&self.turn_id, duration_ms);
-        let rest = self.assembler.take();
+        let turn_metrics = self.tally.metrics(&self.turn_id, duration_ms);
+        let mut rest = std::mem::take(&mut self.unwritten);
+        rest.extend(self.assembler.take());
         let seal = SealTurn {
             conversation_id: &self.conversation_id,
             turn_id: &self.turn_id,
             reason: &reason,
-            metrics: &metrics,
+            metrics: &turn_metrics,
             now: now_ms(),
         };
-        let status = match self.store.seal_turn(seal, &rest).await {
-            Ok(status) if status == "closed" => "closed",
-            Ok(_) => "idle",
+        let sealed_now = match self.store.seal_turn(seal, &rest).await {
+            Ok(status) => Some(status_name(&status)),
             Err(e) => {
-                // The turn row stays open; the next start marks it interrupted.
-                tracing::error!(conversation = %self.conversation_id, turn = %self.turn_id, error = %e, "could not seal the turn");
-                "idle"
+                tracing::error!(error = %e, "could not seal the turn; retrying until the database takes it");
+                None
             }
         };
+        let status = sealed_now.unwrap_or("active");
         let metrics = &self.turns.metrics;
         metrics.turns_sealed.fetch_add(1, Relaxed);
         match &end {
@@ -397,9 +447,27 @@ impl TurnRun {
         // Every event of the turn, turn-sealed included.
         metrics.events_emitted.fetch_add(u64::from(self.buffer.published()) + 1, Relaxed);
         tracing::info!(reason = %reason, status, "turn sealed");
-        self.turns.release(&self.conversation_id);
+        // Watchers get the end of the turn either way. A turn the database would not take
+        // keeps its conversation reserved until a retry commits it, so no later turn's rows
+        // can land before its own.
         let (conversation_id, turn_id) = self.ids();
         let sealed = AgentEvent::TurnSealed(TurnSealedEvent { conversation_id, turn_id });
+        let Some(status) = sealed_now else {
+            self.turns.hold_for_sealing(&self.conversation_id);
+            self.turns.hub().seal_turn(self.buffer, &sealed);
+            let pending = PendingSeal {
+                turns: self.turns.clone(),
+                store: self.store.clone(),
+                conversation_id: self.conversation_id,
+                turn_id: self.turn_id,
+                reason,
+                metrics: turn_metrics,
+                rest,
+            };
+            tokio::spawn(pending.retry());
+            return;
+        };
+        self.turns.release(&self.conversation_id);
         self.turns.hub().seal_turn(self.buffer, &sealed);
         self.turns.announce(&self.conversation_id, status);
 

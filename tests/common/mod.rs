@@ -44,6 +44,13 @@ pub fn write_script(dir: &Path, script: Value) -> PathBuf {
 
 impl TestServer {
     pub async fn start(config: Config) -> TestServer {
+        // Logs show with `RUST_LOG=...` and `--nocapture`.
+        if std::env::var_os("RUST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_test_writer()
+                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+                .try_init();
+        }
         let gateway = Gateway::build(config.clone()).await.expect("gateway builds");
         let state = gateway.state().clone();
         let listener = gateway.bind().await.expect("binds");
