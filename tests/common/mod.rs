@@ -143,6 +143,13 @@ impl TestServer {
     }
 }
 
+impl Drop for ChildGateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for TestServer {
     fn drop(&mut self) {
         if let Some(stop) = self.stop.take() {
@@ -197,6 +204,20 @@ impl EventStream {
                     assert!(self.buf.is_empty(), "stream ended inside a line");
                     return None;
                 }
+            }
+        }
+    }
+
+    /// The next line, or None at the end of the stream or when it breaks.
+    pub async fn try_next_line(&mut self) -> Option<String> {
+        loop {
+            if let Some(pos) = self.buf.iter().position(|b| *b == b'\n') {
+                let line = self.buf.split_to(pos + 1);
+                return Some(String::from_utf8_lossy(&line[..pos]).into_owned());
+            }
+            match self.body.next().await {
+                Some(Ok(bytes)) => self.buf.extend_from_slice(&bytes),
+                Some(Err(_)) | None => return None,
             }
         }
     }
@@ -385,4 +406,44 @@ pub async fn table_counts(db: &Path) -> Vec<(String, i64)> {
         out.push((table.to_owned(), n));
     }
     out
+}
+
+/// The real binary as a child process, on an ephemeral port.
+pub struct ChildGateway {
+    pub child: std::process::Child,
+    pub addr: String,
+}
+
+impl ChildGateway {
+    /// Starts the built binary with `args` and waits for the address it logs.
+    pub fn spawn(args: &[std::ffi::OsString]) -> ChildGateway {
+        use std::io::{BufRead, BufReader};
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
+            .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("the gateway binary starts");
+        let stdout = child.stdout.take().unwrap();
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str::<Value>(&line)
+                    && let Some(addr) = v["fields"]["addr"].as_str()
+                {
+                    let _ = addr_tx.send(addr.to_owned());
+                }
+            }
+        });
+        let addr = addr_rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the gateway logs its address");
+        ChildGateway { child, addr }
+    }
+
+    /// SIGTERM, and wait for a clean exit.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill runs");
+        self.child.wait().expect("the gateway exits")
+    }
 }
