@@ -51,6 +51,9 @@ fn restart(addr: &Arc<RwLock<ChildGateway>>, args: &[OsString]) {
     *slot = ChildGateway::spawn(args);
 }
 
+/// conversation, turn, sealed_at, metrics, interrupted_at
+type TurnRow = (String, String, Option<i64>, Option<String>, Option<i64>);
+
 /// xorshift64*: reproducible random moments from a printed seed.
 struct Rng(u64);
 
@@ -197,7 +200,7 @@ async fn sigkill_at_random_moments_loses_nothing_sealed_and_leaves_no_turn_open(
     drop(last);
 
     let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}?mode=ro", db.display())).await.unwrap();
-    let turns: Vec<(String, String, Option<i64>, Option<String>, Option<i64>)> =
+    let turns: Vec<TurnRow> =
         sqlx::query_as("SELECT conversation_id, turn_id, sealed_at, metrics, interrupted_at FROM turns")
             .fetch_all(&mut conn)
             .await
