@@ -6,7 +6,6 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
 use common::*;
 use serde_json::{Value, json};
@@ -27,13 +26,14 @@ fn seqs(history: &[Value]) -> Vec<u64> {
 }
 
 async fn ready_again(server: &TestServer) {
-    for _ in 0..200 {
-        if server.get("/ready").await.0 == 200 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("/ready did not recover");
+    assert!(eventually(200, || async { server.get("/ready").await.0 == 200 }).await, "/ready did not recover");
+}
+
+/// Waits until the conversation's pending seal has committed.
+async fn sealed_eventually(server: &TestServer, id: &str) {
+    let path = format!("/conversations/{id}/status");
+    let done = eventually(100, || async { server.get(&path).await.1["isActive"] == false }).await;
+    assert!(done, "the pending seal of {id} committed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -90,15 +90,7 @@ async fn a_full_database_fails_turns_cleanly_and_recovers_when_space_is_freed() 
     }
     ready_again(&server).await;
     if !events.is_empty() {
-        let mut sealed = false;
-        for _ in 0..100 {
-            if server.get(&format!("/conversations/{failed_id}/status")).await.1["isActive"] == false {
-                sealed = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert!(sealed, "the pending seal committed");
+        sealed_eventually(&server, &failed_id).await;
         let history = server.history(&failed_id).await;
         assert_eq!(seqs(&history), (1..=history.len() as u64).collect::<Vec<_>>());
         assert_eq!(history.last().unwrap()["chunk"]["type"], "error");
@@ -148,15 +140,7 @@ async fn a_database_locked_by_another_writer_fails_writes_then_recovers() {
     sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
     drop(other);
     ready_again(&server).await;
-    let mut sealed = false;
-    for _ in 0..100 {
-        if server.get("/conversations/locked/status").await.1["isActive"] == false {
-            sealed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(sealed, "the pending seal committed");
+    sealed_eventually(&server, "locked").await;
     // Everything the watchers saw is in the log, in order: user, the step's text, the error.
     let history = server.history("locked").await;
     assert_eq!(seqs(&history), vec![1, 2, 3]);

@@ -113,26 +113,9 @@ async fn slow_stalled_and_churning_clients_do_not_hurt_the_turn_or_the_process()
     let peak_kib = rss_kib("VmHWM:");
 
     // The stalled socket is cut by the drain timeout; everything else was closed by its client.
-    let mut sink = vec![0u8; 1 << 16];
-    let cut = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            match never.read(&mut sink).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-        }
-    })
-    .await;
-    assert!(cut.is_ok(), "the stalled watcher was not closed");
+    assert!(closed_by_peer(&mut never, Duration::from_secs(30)).await, "the stalled watcher was not closed");
     drop(never);
-    let mut released = false;
-    for _ in 0..200 {
-        if open_fds() <= fds_before + 8 {
-            released = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let released = eventually(200, || async { open_fds() <= fds_before + 8 }).await;
     assert!(released, "file descriptors: {} before, {} after", fds_before, open_fds());
     let rss_after = rss_kib("VmRSS:");
     println!(

@@ -341,15 +341,7 @@ async fn an_idle_process_is_stopped_and_shutdown_stops_them_all() {
     let pids = std::fs::read_to_string(dir.path().join("pids.log")).unwrap();
     let first = pids.lines().next().unwrap().to_owned();
     assert!(alive(&first));
-    let mut stopped = false;
-    for _ in 0..100 {
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        if !alive(&first) {
-            stopped = true;
-            break;
-        }
-    }
-    assert!(stopped, "the idle process was not stopped");
+    assert!(eventually(100, || async { !alive(&first) }).await, "the idle process was not stopped");
     turn(&server, "c1", "echo two").await;
     assert_eq!(starts(dir.path()).len(), 2, "the next turn started a new process");
 

@@ -4,10 +4,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
 use common::*;
 use serde_json::{Value, json};
 
@@ -19,30 +15,16 @@ async fn sigterm_aborts_and_seals_the_running_turn_then_exits() {
         json!({"rules": [{"match": "slow", "pace": 20, "steps": [{"text": "word ".repeat(400)}]}]}),
     );
     let db = dir.path().join("gateway.db");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
-        .args(["--listen", "127.0.0.1:0", "--log-format", "json", "--shutdown-timeout-secs", "20"])
-        .arg("--database")
-        .arg(&db)
-        .arg("--scripted-script")
-        .arg(&script)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // The address is in the first log line that names one.
-    let stdout = child.stdout.take().unwrap();
-    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Ok(v) = serde_json::from_str::<Value>(&line)
-                && let Some(addr) = v["fields"]["addr"].as_str()
-            {
-                let _ = addr_tx.send(addr.to_owned());
-            }
-        }
-    });
-    let addr = addr_rx.recv_timeout(Duration::from_secs(30)).expect("the gateway logs its address");
-    let base = format!("http://{addr}");
+    let args: Vec<std::ffi::OsString> = vec![
+        "--shutdown-timeout-secs".into(),
+        "20".into(),
+        "--database".into(),
+        db.clone().into(),
+        "--scripted-script".into(),
+        script.into(),
+    ];
+    let gateway = ChildGateway::spawn(&args);
+    let base = format!("http://{}", gateway.addr);
     let client = reqwest::Client::new();
 
     let r = client.get(format!("{base}/conversations/sd/events")).send().await.unwrap();
@@ -60,24 +42,17 @@ async fn sigterm_aborts_and_seals_the_running_turn_then_exits() {
         events.push(watcher.next().await.unwrap().json());
     }
 
-    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
-    assert!(status.success());
-    while let Some(m) = watcher.next().await {
-        events.push(m.json());
-    }
+    let (terminated, _) = tokio::join!(tokio::task::spawn_blocking(move || gateway.terminate()), async {
+        while let Some(m) = watcher.next().await {
+            events.push(m.json());
+        }
+    });
     let n = events.len();
     assert_eq!(events[n - 2]["type"], "done");
     assert_eq!(events[n - 2]["reason"], "aborted");
     assert_eq!(events[n - 1], json!({"type": "turn-sealed", "conversationId": "sd", "turnId": turn_id}));
 
-    let started = Instant::now();
-    let exit = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "the gateway did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let exit = terminated.unwrap();
     assert!(exit.success(), "{exit:?}");
 
     // The database holds the sealed turn: its partial text and its metrics.

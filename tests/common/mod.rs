@@ -447,3 +447,34 @@ impl ChildGateway {
         self.child.wait().expect("the gateway exits")
     }
 }
+
+/// Reads a socket until the peer closes it; false if that takes longer than `within`.
+pub async fn closed_by_peer(socket: &mut tokio::net::TcpStream, within: std::time::Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut sink = vec![0u8; 1 << 16];
+    tokio::time::timeout(within, async {
+        loop {
+            match socket.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+/// Polls `check` every 50 ms until it holds; false after `tries` attempts.
+pub async fn eventually<F, Fut>(tries: usize, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..tries {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    false
+}
