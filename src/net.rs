@@ -21,6 +21,9 @@ use tokio::sync::watch;
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 
+/// Bytes hyper may hold per connection, reading or writing.
+const CONNECTION_BUFFER: usize = 64 * 1024;
+
 /// Limits every connection of a listener lives under.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
@@ -56,7 +59,14 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
         let alive = connection_alive.clone();
         tokio::spawn(async move {
             let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
-            builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
+            // A small write buffer: a watcher that lags keeps its backlog in the shared replay
+            // buffer (which it reads from later) instead of a private copy per connection.
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .keep_alive(true)
+                .max_buf_size(CONNECTION_BUFFER);
             let connection = builder.serve_connection_with_upgrades(io, service);
             tokio::pin!(connection);
             let mut stopping = false;

@@ -19,8 +19,9 @@ use crate::hub::{Cursor, Delivery, Frame, join_frames};
 use crate::metrics::{Metrics, StreamPermit, Transport};
 use crate::store::Store;
 
-/// Most frames joined into one write.
-const BATCH: usize = 512;
+/// Most frames joined into one write: enough to make a write carry many events under load,
+/// few enough (tens of KiB) that a lagging connection holds little beside the shared buffer.
+const BATCH: usize = 128;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Framing {

@@ -51,6 +51,10 @@ pub struct StepScript {
     pub usage: Option<Usage>,
     /// Waits this long after the step's text before ending the step.
     pub stall_ms: Option<u64>,
+    /// Prefixes every text delta with the wall-clock time it was sent, in unix microseconds
+    /// and a colon (`1795996840524672:word `), so a client can measure delivery latency.
+    #[serde(default)]
+    pub stamp: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -184,11 +188,18 @@ async fn stream_text(
     cancel: &CancellationToken,
     text: &str,
     reasoning: bool,
+    stamp: bool,
 ) -> Result<u64, Stop> {
     let mut count = 0;
     for token in split_tokens(text) {
         pacer.tick(cancel).await?;
-        let delta = token.to_owned();
+        let delta = if stamp {
+            let micros =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros());
+            format!("{micros}:{token}")
+        } else {
+            token.to_owned()
+        };
         send(sink, if reasoning { RawEvent::ReasoningDelta(delta) } else { RawEvent::TextDelta(delta) }).await?;
         count += 1;
     }
@@ -219,14 +230,14 @@ async fn play(
         let mut output = 0;
         if !noted.is_empty() {
             let ack = format!("Noted: {}. ", noted.join("; "));
-            output += stream_text(&sink, &mut pacer, &cancel, &ack, false).await?;
+            output += stream_text(&sink, &mut pacer, &cancel, &ack, false, false).await?;
         }
         if let Some(reasoning) = &step.reasoning {
-            output += stream_text(&sink, &mut pacer, &cancel, reasoning, true).await?;
+            output += stream_text(&sink, &mut pacer, &cancel, reasoning, true, false).await?;
         }
         if let Some(text) = &step.text {
             for _ in 0..step.repeat.unwrap_or(1) {
-                output += stream_text(&sink, &mut pacer, &cancel, text, false).await?;
+                output += stream_text(&sink, &mut pacer, &cancel, text, false, step.stamp).await?;
             }
         }
         let call_id = |i: usize, t: &ToolScript| t.id.clone().unwrap_or_else(|| format!("call_{k}_{i}"));
