@@ -21,9 +21,6 @@ use tokio::sync::watch;
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 
-/// Bytes hyper may hold per connection, reading or writing.
-const CONNECTION_BUFFER: usize = 64 * 1024;
-
 /// Limits every connection of a listener lives under.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
@@ -59,14 +56,7 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
         let alive = connection_alive.clone();
         tokio::spawn(async move {
             let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
-            // A small write buffer: a watcher that lags keeps its backlog in the shared replay
-            // buffer (which it reads from later) instead of a private copy per connection.
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout)
-                .keep_alive(true)
-                .max_buf_size(CONNECTION_BUFFER);
+            builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
             let connection = builder.serve_connection_with_upgrades(io, service);
             tokio::pin!(connection);
             let mut stopping = false;
@@ -101,22 +91,33 @@ pub struct GuardedStream {
 }
 
 impl GuardedStream {
-    fn guard<T>(&mut self, cx: &mut Context<'_>, result: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+    /// Whether the armed stall timer has run out (polling it registers the task's waker).
+    fn stall_expired(&mut self, cx: &mut Context<'_>) -> bool {
+        self.stalled.as_mut().is_some_and(|sleep| sleep.as_mut().poll(cx).is_ready())
+    }
+
+    /// Only bytes actually written count as progress; flushes and empty writes do not.
+    fn guard_write(&mut self, cx: &mut Context<'_>, result: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
         match result {
-            Poll::Ready(r) => {
+            Poll::Ready(Ok(n)) if n > 0 => {
                 self.stalled = None;
-                Poll::Ready(r)
+                Poll::Ready(Ok(n))
             }
+            Poll::Ready(other) => Poll::Ready(other),
             Poll::Pending => {
                 let timeout = self.drain_timeout;
-                let sleep = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-                if sleep.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the peer stopped reading")));
+                self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                if self.stall_expired(cx) {
+                    return Poll::Ready(Err(stalled_error()));
                 }
                 Poll::Pending
             }
         }
     }
+}
+
+fn stalled_error() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "the peer stopped reading")
 }
 
 impl AsyncRead for GuardedStream {
@@ -128,7 +129,7 @@ impl AsyncRead for GuardedStream {
 impl AsyncWrite for GuardedStream {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let result = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.guard(cx, result)
+        self.guard_write(cx, result)
     }
 
     fn poll_write_vectored(
@@ -137,7 +138,7 @@ impl AsyncWrite for GuardedStream {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let result = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        self.guard(cx, result)
+        self.guard_write(cx, result)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -145,8 +146,11 @@ impl AsyncWrite for GuardedStream {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let result = Pin::new(&mut self.inner).poll_flush(cx);
-        self.guard(cx, result)
+        // A TCP flush is always immediate; it must not reset a stalled write's timer.
+        if self.stall_expired(cx) {
+            return Poll::Ready(Err(stalled_error()));
+        }
+        Pin::new(&mut self.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
