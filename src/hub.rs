@@ -72,11 +72,6 @@ impl Frame {
         Frame { first, last, kind, line: line.freeze(), sse: sse.freeze(), ws: OnceLock::new() }
     }
 
-    /// The bare JSON text of the event.
-    pub fn json(&self) -> Bytes {
-        self.line.slice(..self.line.len() - 1)
-    }
-
     /// The event wrapped as a WebSocket `chat.delta` message.
     pub fn ws(&self) -> &Bytes {
         self.ws.get_or_init(|| {

@@ -104,14 +104,13 @@ proptest! {
     fn assembly_keeps_every_byte_and_merges_exactly_the_runs(ops in proptest::collection::vec(op(), 0..60)) {
         let mut a = ChunkAssembler::default();
         let (mut texts, mut thoughts) = (String::new(), String::new());
-        let mut boundaries = 0;
         for op in &ops {
             match op {
                 Op::Text(t) => { a.text(t); texts.push_str(t); }
                 Op::Reasoning(t) => { a.reasoning(t); thoughts.push_str(t); }
                 Op::Call => a.tool_call(ToolCallChunk { tool_call_id: "c".into(), tool_name: "t".into(), input: json!({}), step_id: None }),
                 Op::Result => a.tool_result(ToolResultChunk { tool_call_id: "c".into(), tool_name: "t".into(), content: String::new(), is_error: false, step_id: None }),
-                Op::EndStep => { a.end_step(); boundaries += 1; }
+                Op::EndStep => a.end_step(),
             }
         }
         let chunks = a.take();
@@ -128,7 +127,6 @@ proptest! {
         // Messages never start with a continuation, and every tool result is its own message.
         prop_assert!(chunks.first().is_none_or(|c| c.new_message));
         prop_assert!(chunks.iter().filter(|c| matches!(c.chunk, Chunk::ToolResult(_))).all(|c| c.new_message && c.role == Role::Tool));
-        let _ = boundaries;
     }
 
     #[test]
