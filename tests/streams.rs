@@ -23,7 +23,8 @@ fn script() -> Value {
         {"match": "stall", "pace": 0, "steps": [{"text": "partial text before the stall", "stallMs": 600000}]},
         {"match": "steer", "pace": 0, "steps": [{"text": "first step", "stallMs": 1000}, {"text": "second step"}]},
         {"match": "burst", "pace": 0, "steps": [{"text": "w ", "repeat": 300}]},
-        {"match": "huge", "pace": 0, "steps": [{"text": "tok ", "repeat": 60000}]}
+        {"match": "huge", "pace": 0, "steps": [{"text": "tok ", "repeat": 60000}]},
+        {"match": "stamped", "pace": 0, "steps": [{"text": "a b ", "repeat": 3, "stamp": true}]}
     ]})
 }
 
@@ -43,6 +44,27 @@ async fn start_turn(server: &TestServer, conversation_id: &str, message: &str) -
 
 fn sse_events(messages: &[SseMessage]) -> Vec<Value> {
     messages.iter().filter(|m| m.event.is_none()).map(SseMessage::json).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stamped_deltas_carry_their_send_time_and_index_for_latency_and_order_checks() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_with(dir.path(), |_| {}).await;
+    let mut watcher = server.sse("conv-stamped", "?until=sealed").await;
+    let before = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_micros() as u64;
+    start_turn(&server, "conv-stamped", "stamped please").await;
+    let events = sse_events(&watcher.until_sealed().await);
+    let after = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_micros() as u64;
+    let deltas: Vec<&str> =
+        events.iter().filter(|e| e["type"] == "text-delta").map(|e| e["delta"].as_str().unwrap()).collect();
+    assert_eq!(deltas.len(), 6, "{deltas:?}");
+    for (i, delta) in deltas.iter().enumerate() {
+        let mut parts = delta.splitn(3, ':');
+        let micros: u64 = parts.next().unwrap().parse().unwrap();
+        assert!((before..=after).contains(&micros), "{delta}");
+        assert_eq!(parts.next().unwrap(), i.to_string(), "{delta}");
+        assert_eq!(parts.next().unwrap(), ["a ", "b "][i % 2]);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -32,6 +32,8 @@ enum Workload {
     Fanout {
         #[arg(long, value_enum)]
         server: Server,
+        #[arg(long, value_enum, default_value = "sse")]
+        transport: Transport,
         #[arg(long)]
         base: String,
         #[arg(long)]
@@ -48,6 +50,8 @@ enum Workload {
     Idle {
         #[arg(long, value_enum)]
         server: Server,
+        #[arg(long, value_enum, default_value = "sse")]
+        transport: Transport,
         #[arg(long)]
         base: String,
         #[arg(long)]
@@ -59,10 +63,56 @@ enum Workload {
     Latejoin {
         #[arg(long, value_enum)]
         server: Server,
+        /// The late watcher's transport (the early one reads SSE).
+        #[arg(long, value_enum, default_value = "sse")]
+        transport: Transport,
         #[arg(long)]
         base: String,
         #[arg(long)]
         events: usize,
+        #[arg(long)]
+        rate: u64,
+    },
+    /// Many conversations with paced turns at once, many watchers on each.
+    Scale {
+        #[arg(long, value_enum, default_value = "sse")]
+        transport: Transport,
+        #[arg(long)]
+        base: String,
+        #[arg(long)]
+        conversations: usize,
+        #[arg(long)]
+        watchers: usize,
+        #[arg(long)]
+        events: usize,
+        #[arg(long)]
+        rate: u64,
+        #[arg(long, value_delimiter = ',')]
+        pids: Vec<u32>,
+    },
+    /// Healthy watchers of a burst turn alone, then beside one that never reads.
+    Stalled {
+        #[arg(long)]
+        base: String,
+        #[arg(long)]
+        watchers: usize,
+        #[arg(long)]
+        events: usize,
+        #[arg(long, value_delimiter = ',')]
+        pids: Vec<u32>,
+    },
+    /// A fake OpenAI-compatible upstream read directly, then through the gateway.
+    Proxy {
+        #[arg(long)]
+        base: String,
+        /// Address the fake upstream listens on (the gateway's credential points at it).
+        #[arg(long)]
+        upstream: String,
+        /// The gateway model that runs on the upstream.
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        chunks: usize,
         #[arg(long)]
         rate: u64,
     },
@@ -132,30 +182,66 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-/// One SSE subscription over a raw socket: HTTP/1.1 by hand, chunked bodies decoded in
-/// place, events found by scanning bytes, no allocation per event. The client shares the cores
-/// with the server, so it has to cost less per delivery than the server does.
-struct Sse {
+/// The transport a watcher reads the gateway with.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Debug)]
+enum Transport {
+    Sse,
+    Ndjson,
+    Ws,
+    /// Watchers take SSE, NDJSON and WebSocket in turn.
+    Mixed,
+}
+
+impl Transport {
+    /// The transport of the `i`th watcher.
+    fn nth(self, i: usize) -> Transport {
+        match self {
+            Transport::Mixed => [Transport::Sse, Transport::Ndjson, Transport::Ws][i % 3],
+            t => t,
+        }
+    }
+}
+
+/// One subscription over a raw socket: HTTP/1.1 (or the WebSocket protocol) by hand, chunked
+/// bodies and WebSocket frames decoded in place, messages found by scanning bytes, no
+/// allocation per event. The client shares the cores with the server, so it has to cost less
+/// per delivery than the server does.
+///
+/// Messages are SSE blocks (ended by a blank line), NDJSON lines, or WebSocket text payloads
+/// (stored with a `\n` after each, so they read like NDJSON lines).
+struct Feed {
+    transport: Transport,
     stream: tokio::net::TcpStream,
-    /// Raw bytes read but not yet de-chunked.
+    /// Raw bytes read but not yet decoded.
     raw: Vec<u8>,
-    /// The decoded body; events are read from `at`.
+    /// The decoded messages; read from `at`.
     body: Vec<u8>,
     at: usize,
     chunked: bool,
     /// Bytes left in the current chunk.
     chunk_left: usize,
     ended: bool,
+    /// WebSocket control frames to answer (pongs), written before the next read.
+    reply: Vec<u8>,
 }
 
-impl Sse {
-    async fn open(url: &str) -> Result<Sse, String> {
+impl Feed {
+    /// Opens an SSE or NDJSON stream (`url`), or a WebSocket to `url` subscribed to
+    /// `conversation`.
+    async fn open(transport: Transport, url: &str, conversation: &str) -> Result<Feed, String> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let rest = url.strip_prefix("http://").ok_or("http only")?;
         let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
         let mut stream = tokio::net::TcpStream::connect(host).await.map_err(|e| format!("{url}: {e}"))?;
         let _ = stream.set_nodelay(true);
-        let request = format!("GET {path} HTTP/1.1\r\nhost: {host}\r\naccept: text/event-stream\r\n\r\n");
+        let request = match transport {
+            Transport::Ws => format!(
+                "GET {path} HTTP/1.1\r\nhost: {host}\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
+                 sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+            ),
+            Transport::Ndjson => format!("GET {path} HTTP/1.1\r\nhost: {host}\r\naccept: application/x-ndjson\r\n\r\n"),
+            _ => format!("GET {path} HTTP/1.1\r\nhost: {host}\r\naccept: text/event-stream\r\n\r\n"),
+        };
         stream.write_all(request.as_bytes()).await.map_err(|e| e.to_string())?;
         let mut raw = Vec::with_capacity(1 << 16);
         let head_end = loop {
@@ -170,16 +256,28 @@ impl Sse {
             raw.extend_from_slice(&buf[..n]);
         };
         let head = String::from_utf8_lossy(&raw[..head_end]).to_lowercase();
-        if !head.starts_with("http/1.1 200") {
+        let expected = if transport == Transport::Ws { "http/1.1 101" } else { "http/1.1 200" };
+        if !head.starts_with(expected) {
             return Err(format!("{url}: {}", head.lines().next().unwrap_or("")));
         }
         let chunked = head.contains("transfer-encoding: chunked");
         raw.drain(..head_end);
-        Ok(Sse { stream, raw, body: Vec::with_capacity(1 << 16), at: 0, chunked, chunk_left: 0, ended: false })
+        if transport == Transport::Ws {
+            let op = json!({"type": "chat.subscribe", "conversationId": conversation}).to_string();
+            stream.write_all(&client_frame(0x1, op.as_bytes())).await.map_err(|e| e.to_string())?;
+        }
+        let body = Vec::with_capacity(1 << 16);
+        let mut feed =
+            Feed { transport, stream, raw, body, at: 0, chunked, chunk_left: 0, ended: false, reply: Vec::new() };
+        feed.decode();
+        Ok(feed)
     }
 
-    /// Moves what can be de-chunked from `raw` to `body`.
+    /// Moves what can be decoded from `raw` to `body`.
     fn decode(&mut self) {
+        if self.transport == Transport::Ws {
+            return self.decode_frames();
+        }
         if !self.chunked {
             self.body.extend_from_slice(&self.raw);
             self.raw.clear();
@@ -216,17 +314,60 @@ impl Sse {
         self.raw.drain(..i);
     }
 
-    /// The next event block (between blank lines), or None at the end of the stream.
-    async fn next_block(&mut self) -> Option<std::ops::Range<usize>> {
-        use tokio::io::AsyncReadExt;
+    /// Server frames are never masked: opcode, length, payload.
+    fn decode_frames(&mut self) {
+        let mut i = 0;
         loop {
-            if let Some(end) = self.body[self.at..].windows(2).position(|w| w == b"\n\n") {
-                let block = self.at..self.at + end;
-                self.at += end + 2;
-                return Some(block);
+            let rest = &self.raw[i..];
+            if rest.len() < 2 {
+                break;
+            }
+            let opcode = rest[0] & 0x0f;
+            let (len, header) = match rest[1] & 0x7f {
+                126 if rest.len() >= 4 => (u16::from_be_bytes([rest[2], rest[3]]) as usize, 4),
+                127 if rest.len() >= 10 => (u64::from_be_bytes(rest[2..10].try_into().unwrap()) as usize, 10),
+                126 | 127 => break,
+                n => (n as usize, 2),
+            };
+            if rest.len() < header + len {
+                break;
+            }
+            let payload = &rest[header..header + len];
+            match opcode {
+                0x1 | 0x2 | 0x0 => {
+                    self.body.extend_from_slice(payload);
+                    self.body.push(b'\n');
+                }
+                0x8 => self.ended = true,
+                0x9 => self.reply.extend_from_slice(&client_frame(0xA, payload)),
+                _ => {}
+            }
+            i += header + len;
+        }
+        self.raw.drain(..i);
+    }
+
+    /// The next message, or None at the end of the stream.
+    async fn next_message(&mut self) -> Option<std::ops::Range<usize>> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let delimiter: &[u8] = if self.transport == Transport::Sse { b"\n\n" } else { b"\n" };
+        loop {
+            if let Some(end) = find(&self.body[self.at..], delimiter) {
+                let message = self.at..self.at + end;
+                self.at += end + delimiter.len();
+                if message.is_empty() {
+                    continue; // an NDJSON keep-alive
+                }
+                return Some(message);
             }
             if self.ended {
                 return None;
+            }
+            if !self.reply.is_empty() {
+                let reply = std::mem::take(&mut self.reply);
+                if self.stream.write_all(&reply).await.is_err() {
+                    return None;
+                }
             }
             if self.at > (1 << 20) {
                 self.body.drain(..self.at);
@@ -240,6 +381,25 @@ impl Sse {
             self.decode();
         }
     }
+}
+
+/// A masked client frame (the mask is zero: XOR with it leaves the payload as it is).
+fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
+    let mut frame = vec![0x80 | opcode];
+    match payload.len() {
+        n if n < 126 => frame.push(0x80 | n as u8),
+        n if n < 65536 => {
+            frame.push(0x80 | 126);
+            frame.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            frame.push(0x80 | 127);
+            frame.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    frame.extend_from_slice(&[0, 0, 0, 0]);
+    frame.extend_from_slice(payload);
+    frame
 }
 
 /// The number after the last ':' of an `id:` line, and the data line, of an event block.
@@ -267,11 +427,17 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
-fn subscribe_url(server: Server, base: &str, channel: &str) -> String {
-    match server {
-        Server::Gateway => format!("{base}/conversations/{channel}/events?until=sealed"),
-        Server::Nchan => format!("{base}/sub/{channel}"),
+fn subscribe_url(server: Server, transport: Transport, base: &str, channel: &str) -> String {
+    match (server, transport) {
+        (Server::Nchan, _) => format!("{base}/sub/{channel}"),
+        (Server::Gateway, Transport::Ws) => format!("{base}/ws"),
+        (Server::Gateway, _) => format!("{base}/conversations/{channel}/events?until=sealed"),
     }
+}
+
+async fn subscribe(server: Server, transport: Transport, base: &str, channel: &str) -> Feed {
+    let url = subscribe_url(server, transport, base, channel);
+    Feed::open(transport, &url, channel).await.expect("subscribes")
 }
 
 /// What one watcher saw: deliveries, order violations, latencies of stamped events.
@@ -281,36 +447,48 @@ struct Seen {
     stamped: u64,
     out_of_order: u64,
     latencies: Vec<u64>,
+    sealed: bool,
 }
 
-/// Reads a subscription until the end of the workload and checks its order.
-async fn watch(server: Server, mut sse: Sse, events: usize) -> Seen {
+/// A stamped delta's `<micros>:<index>:` prefix.
+fn stamp_of(data: &[u8]) -> Option<(u64, u64)> {
+    let at = find(data, b"\"delta\":\"")?;
+    let mut parts = data[at + 9..].splitn(3, |b| *b == b':');
+    Some((number(parts.next()?)?, number(parts.next()?)?))
+}
+
+/// Reads a subscription until the end of the workload and checks its order: SSE ids without
+/// gaps, stamped deltas in index order without gaps, `turn-sealed` at the end.
+async fn watch(server: Server, mut feed: Feed, events: usize) -> Seen {
     let mut seen = Seen::default();
     let mut last_index: Option<u64> = None;
-    while let Some(range) = sse.next_block().await {
+    let transport = feed.transport;
+    while let Some(range) = feed.next_message().await {
         let now = now_micros();
-        let block = &sse.body[range];
-        let (id, data) = fields(block);
-        if data.is_empty() {
-            continue; // a comment or a keep-alive
+        let message = &feed.body[range];
+        let (id, data) = if transport == Transport::Sse { fields(message) } else { (None, message) };
+        if data.is_empty() || (transport == Transport::Ws && find(data, b"\"type\":\"chat.delta\"").is_none()) {
+            continue; // a comment, a keep-alive, or a WebSocket message other than an event
         }
         seen.delivered += 1;
         match server {
             Server::Gateway => {
-                // id: <turnId>:<n>, n from 0 without gaps.
-                if id != Some(last_index.map_or(0, |l| l + 1)) {
-                    seen.out_of_order += 1;
-                }
-                last_index = id;
-                if let Some(at) = find(data, b"\"delta\":\"") {
-                    let digits = &data[at + 9..];
-                    let end = digits.iter().position(|b| *b == b':').unwrap_or(0);
-                    if let Some(stamp) = number(&digits[..end]) {
-                        seen.stamped += 1;
-                        seen.latencies.push(now.saturating_sub(stamp));
+                // SSE ids are <turnId>:<n>, n from 0 without gaps.
+                if transport == Transport::Sse {
+                    if id != Some(last_index.map_or(0, |l| l + 1)) {
+                        seen.out_of_order += 1;
                     }
+                    last_index = id;
+                }
+                if let Some((stamp, index)) = stamp_of(data) {
+                    if index != seen.stamped {
+                        seen.out_of_order += 1;
+                    }
+                    seen.stamped += 1;
+                    seen.latencies.push(now.saturating_sub(stamp));
                 }
                 if find(data, b"\"type\":\"turn-sealed\"").is_some() {
+                    seen.sealed = true;
                     break;
                 }
             }
@@ -328,6 +506,7 @@ async fn watch(server: Server, mut sse: Sse, events: usize) -> Seen {
                     seen.latencies.push(now.saturating_sub(stamp));
                 }
                 if seq == Some(events as u64 - 1) {
+                    seen.sealed = true;
                     break;
                 }
             }
@@ -360,14 +539,58 @@ async fn start_turn(client: &reqwest::Client, base: &str, conversation: &str, me
     assert_eq!(r.status(), 202, "starting the turn");
 }
 
-async fn fanout(server: Server, base: &str, watchers: usize, events: usize, rate: u64, pids: &[u32]) -> Value {
+/// Every watcher's [`Seen`], summed.
+#[derive(Default)]
+struct Tally {
+    watchers: u64,
+    delivered: u64,
+    out_of_order: u64,
+    incomplete: u64,
+    latencies: Vec<u64>,
+}
+
+impl Tally {
+    async fn collect(tasks: Vec<tokio::task::JoinHandle<Seen>>, events: usize) -> Tally {
+        let mut tally = Tally::default();
+        for t in tasks {
+            let seen = t.await.unwrap();
+            tally.watchers += 1;
+            tally.delivered += seen.delivered;
+            tally.out_of_order += seen.out_of_order;
+            if seen.stamped != events as u64 || !seen.sealed {
+                tally.incomplete += 1;
+            }
+            tally.latencies.extend(seen.latencies);
+        }
+        tally.latencies.sort_unstable();
+        tally
+    }
+
+    fn correct(&self) -> bool {
+        self.out_of_order == 0 && self.incomplete == 0 && self.watchers > 0
+    }
+
+    fn p(&self, p: f64) -> f64 {
+        percentile(&self.latencies, p) as f64 / 1000.0
+    }
+}
+
+async fn fanout(
+    server: Server,
+    transport: Transport,
+    base: &str,
+    watchers: usize,
+    events: usize,
+    rate: u64,
+    pids: &[u32],
+) -> Value {
     let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
     let channel = format!("fanout{}", now_micros());
     let mut subscriptions = Vec::with_capacity(watchers);
-    for _ in 0..watchers {
-        subscriptions.push(Sse::open(&subscribe_url(server, base, &channel)).await.expect("subscribes"));
+    for i in 0..watchers {
+        subscriptions.push(subscribe(server, transport.nth(i), base, &channel).await);
     }
-    let tasks: Vec<_> = subscriptions.into_iter().map(|sse| tokio::spawn(watch(server, sse, events))).collect();
+    let tasks: Vec<_> = subscriptions.into_iter().map(|feed| tokio::spawn(watch(server, feed, events))).collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let cpu0 = cpu_micros(pids);
     let started = Instant::now();
@@ -375,58 +598,285 @@ async fn fanout(server: Server, base: &str, watchers: usize, events: usize, rate
         Server::Gateway => start_turn(&client, base, &channel, &format!("fanout-{events}-{rate}")).await,
         Server::Nchan => publish_nchan(&client, base, &channel, events, rate).await,
     }
-    let mut delivered = 0;
-    let mut out_of_order = 0;
-    let mut incomplete = 0;
-    let mut latencies = Vec::new();
-    for t in tasks {
-        let seen = t.await.unwrap();
-        delivered += seen.delivered;
-        out_of_order += seen.out_of_order;
-        if seen.stamped != events as u64 {
-            incomplete += 1;
-        }
-        latencies.extend(seen.latencies);
-    }
+    let tally = Tally::collect(tasks, events).await;
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu_micros(pids).saturating_sub(cpu0);
-    latencies.sort_unstable();
     json!({
+        "transport": format!("{transport:?}").to_lowercase(),
         "watchers": watchers,
         "events": events,
         "rate": rate,
-        "delivered": delivered,
+        "delivered": tally.delivered,
         "seconds": elapsed,
-        "deliveries_per_second": delivered as f64 / elapsed,
-        "server_cpu_us_per_delivery": cpu as f64 / delivered.max(1) as f64,
-        "latency_p50_ms": percentile(&latencies, 0.50) as f64 / 1000.0,
-        "latency_p99_ms": percentile(&latencies, 0.99) as f64 / 1000.0,
-        "out_of_order": out_of_order,
-        "incomplete_watchers": incomplete,
-        "correct": out_of_order == 0 && incomplete == 0,
+        "deliveries_per_second": tally.delivered as f64 / elapsed,
+        "server_cpu_us_per_delivery": cpu as f64 / tally.delivered.max(1) as f64,
+        "latency_p50_ms": tally.p(0.50),
+        "latency_p99_ms": tally.p(0.99),
+        "out_of_order": tally.out_of_order,
+        "incomplete_watchers": tally.incomplete,
+        "correct": tally.correct(),
     })
 }
 
-async fn idle(server: Server, base: &str, watchers: usize, pids: &[u32]) -> Value {
+/// W3: `conversations` turns at `rate` tokens/s at once, `watchers` on each, turn starts spread
+/// over one token interval (independent conversations are not in step).
+async fn scale(
+    transport: Transport,
+    base: &str,
+    conversations: usize,
+    watchers: usize,
+    events: usize,
+    rate: u64,
+    pids: &[u32],
+) -> Value {
+    let client = reqwest::Client::new();
+    let prefix = format!("scale{}", now_micros());
+    let mut tasks = Vec::with_capacity(conversations * watchers);
+    for c in 0..conversations {
+        for w in 0..watchers {
+            let feed =
+                subscribe(Server::Gateway, transport.nth(c * watchers + w), base, &format!("{prefix}-{c}")).await;
+            tasks.push(tokio::spawn(watch(Server::Gateway, feed, events)));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let cpu0 = cpu_micros(pids);
+    let started = Instant::now();
+    let spread = Duration::from_secs_f64(1.0 / rate.max(1) as f64 / conversations as f64);
+    for c in 0..conversations {
+        start_turn(&client, base, &format!("{prefix}-{c}"), &format!("paced-{events}-{rate}")).await;
+        tokio::time::sleep(spread).await;
+    }
+    let tally = Tally::collect(tasks, events).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu = cpu_micros(pids).saturating_sub(cpu0);
+    json!({
+        "transport": format!("{transport:?}").to_lowercase(),
+        "conversations": conversations,
+        "watchers_per_conversation": watchers,
+        "events": events,
+        "rate": rate,
+        "delivered": tally.delivered,
+        "seconds": elapsed,
+        "latency_p50_ms": tally.p(0.50),
+        "latency_p99_ms": tally.p(0.99),
+        "server_cores": cpu as f64 / 1e6 / elapsed,
+        "server_cpu_us_per_delivery": cpu as f64 / tally.delivered.max(1) as f64,
+        "out_of_order": tally.out_of_order,
+        "incomplete_watchers": tally.incomplete,
+        "correct": tally.correct(),
+    })
+}
+
+/// W8, first half: `watchers` healthy watchers of a burst turn, once alone and once beside a
+/// watcher that never reads; healthy throughput of both runs and the server's memory growth.
+async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Value {
+    use tokio::io::AsyncWriteExt;
+    let client = reqwest::Client::new();
+    let mut runs = Vec::new();
+    for with_stalled in [false, true] {
+        let channel = format!("stalled{}", now_micros());
+        let mut tasks = Vec::with_capacity(watchers);
+        for _ in 0..watchers {
+            let feed = subscribe(Server::Gateway, Transport::Sse, base, &channel).await;
+            tasks.push(tokio::spawn(watch(Server::Gateway, feed, events)));
+        }
+        // The stalled watcher: asks for the stream, then never reads a byte.
+        let stalled = if with_stalled {
+            let host = base.strip_prefix("http://").unwrap_or(base);
+            let mut socket = tokio::net::TcpStream::connect(host).await.expect("connects");
+            let request = format!("GET /conversations/{channel}/events HTTP/1.1\r\nhost: {host}\r\n\r\n");
+            socket.write_all(request.as_bytes()).await.unwrap();
+            Some(socket)
+        } else {
+            None
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let rss0 = rss_kib(pids);
+        let peak = Arc::new(AtomicU64::new(rss0));
+        let sampler = {
+            let (peak, pids) = (peak.clone(), pids.to_vec());
+            tokio::spawn(async move {
+                loop {
+                    peak.fetch_max(rss_kib(&pids), Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        };
+        let started = Instant::now();
+        start_turn(&client, base, &channel, &format!("fanout-{events}-0")).await;
+        let tally = Tally::collect(tasks, events).await;
+        let elapsed = started.elapsed().as_secs_f64();
+        sampler.abort();
+        drop(stalled);
+        runs.push(json!({
+            "stalled_watcher": with_stalled,
+            "deliveries_per_second": tally.delivered as f64 / elapsed,
+            "seconds": elapsed,
+            "rss_growth_kib": peak.load(Ordering::Relaxed).saturating_sub(rss0),
+            "correct": tally.correct(),
+        }));
+    }
+    let rate = |i: usize| runs[i]["deliveries_per_second"].as_f64().unwrap_or(0.0);
+    let growth = |i: usize| runs[i]["rss_growth_kib"].as_u64().unwrap_or(0);
+    json!({
+        "watchers": watchers,
+        "events": events,
+        "healthy_throughput_ratio": rate(1) / rate(0).max(1.0),
+        "rss_growth_alone_kib": growth(0),
+        "rss_growth_beside_stalled_kib": growth(1),
+        "correct": runs.iter().all(|r| r["correct"] == true),
+        "runs": runs,
+    })
+}
+
+/// W8, second half: a fake OpenAI-compatible upstream on `listen` streams `chunks` stamped
+/// chunks at `rate` per second; read once directly and once through the gateway's `openai`
+/// runtime (`model`), the per-chunk latency of both.
+async fn proxy(base: &str, listen: &str, model: &str, chunks: usize, rate: u64) -> Value {
+    let listener = tokio::net::TcpListener::bind(listen).await.expect("binds the upstream address");
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            tokio::spawn(fake_upstream(socket, chunks, rate));
+        }
+    });
+    // Directly: the client reads the upstream's stream.
+    let direct = {
+        let client = reqwest::Client::new();
+        let r = client
+            .post(format!("http://{listen}/v1/chat/completions"))
+            .json(&json!({"model": "fake", "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+            .await
+            .expect("the upstream answers");
+        let mut body = r.bytes_stream();
+        let (mut buf, mut latencies, mut expected, mut bad) = (Vec::new(), Vec::new(), 0u64, 0u64);
+        while let Some(Ok(b)) = body.next().await {
+            let now = now_micros();
+            buf.extend_from_slice(&b);
+            while let Some(end) = find(&buf, b"\n\n") {
+                if let Some((stamp, index)) = content_stamp(&buf[..end]) {
+                    bad += u64::from(index != expected);
+                    expected += 1;
+                    latencies.push(now.saturating_sub(stamp));
+                }
+                buf.drain(..end + 2);
+            }
+        }
+        latencies.sort_unstable();
+        (latencies, bad == 0 && expected == chunks as u64)
+    };
+    // Through the gateway: an SSE watcher of a turn on the openai model.
+    let channel = format!("proxy{}", now_micros());
+    let mut feed = subscribe(Server::Gateway, Transport::Sse, base, &channel).await;
+    let client = reqwest::Client::new();
+    let r = client
+        .post(format!("{base}/conversations/{channel}/messages"))
+        .json(&json!({"message": "proxy", "model": model}))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(r.status(), 202, "starting the proxied turn");
+    let (mut via, mut expected, mut bad, mut sealed) = (Vec::new(), 0u64, 0u64, false);
+    while let Some(range) = feed.next_message().await {
+        let now = now_micros();
+        let (_, data) = fields(&feed.body[range]);
+        if let Some((stamp, index)) = stamp_of(data) {
+            bad += u64::from(index != expected);
+            expected += 1;
+            via.push(now.saturating_sub(stamp));
+        }
+        if find(data, b"\"type\":\"turn-sealed\"").is_some() {
+            sealed = true;
+            break;
+        }
+    }
+    via.sort_unstable();
+    let ms = |v: &[u64], p: f64| percentile(v, p) as f64 / 1000.0;
+    json!({
+        "chunks": chunks,
+        "rate": rate,
+        "direct_p50_ms": ms(&direct.0, 0.5),
+        "direct_p99_ms": ms(&direct.0, 0.99),
+        "gateway_p50_ms": ms(&via, 0.5),
+        "gateway_p99_ms": ms(&via, 0.99),
+        "added_p50_ms": ms(&via, 0.5) - ms(&direct.0, 0.5),
+        "added_p99_ms": ms(&via, 0.99) - ms(&direct.0, 0.99),
+        "correct": direct.1 && bad == 0 && sealed && expected == chunks as u64,
+    })
+}
+
+/// The `<micros>:<index>:` stamp of an upstream chunk's content.
+fn content_stamp(message: &[u8]) -> Option<(u64, u64)> {
+    let at = find(message, b"\"content\":\"")?;
+    let mut parts = message[at + 11..].splitn(3, |b| *b == b':');
+    Some((number(parts.next()?)?, number(parts.next()?)?))
+}
+
+/// Answers one Chat Completions request with `chunks` stamped content chunks at `rate`/s.
+async fn fake_upstream(mut socket: tokio::net::TcpStream, chunks: usize, rate: u64) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = socket.set_nodelay(true);
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let head_end = loop {
+        if let Some(i) = find(&buf, b"\r\n\r\n") {
+            break i + 4;
+        }
+        match socket.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+    let length: usize =
+        head.lines().find_map(|l| l.strip_prefix("content-length:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+    while buf.len() < head_end + length {
+        match socket.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+    if socket.write_all(head.as_bytes()).await.is_err() {
+        return;
+    }
+    let start = Instant::now();
+    for i in 0..chunks {
+        if rate > 0 {
+            tokio::time::sleep_until((start + Duration::from_secs_f64(i as f64 / rate as f64)).into()).await;
+        }
+        let payload = json!({"id": "bench", "object": "chat.completion.chunk", "model": "fake",
+            "choices": [{"index": 0, "delta": {"content": format!("{}:{i}:x ", now_micros())}, "finish_reason": null}]});
+        if socket.write_all(format!("data: {payload}\n\n").as_bytes()).await.is_err() {
+            return;
+        }
+    }
+    let last = json!({"id": "bench", "object": "chat.completion.chunk", "model": "fake",
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": chunks}});
+    let _ = socket.write_all(format!("data: {last}\n\ndata: [DONE]\n\n").as_bytes()).await;
+}
+
+async fn idle(server: Server, transport: Transport, base: &str, watchers: usize, pids: &[u32]) -> Value {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = rss_kib(pids);
     let mut open = Vec::with_capacity(watchers);
     for i in 0..watchers {
-        let url = subscribe_url(server, base, &format!("idle{}", i % 100));
-        open.push(Sse::open(&url).await.expect("subscribes"));
+        open.push(subscribe(server, transport.nth(i), base, &format!("idle{}", i % 100)).await);
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = rss_kib(pids);
     let per_stream = after.saturating_sub(before) as f64 / watchers as f64;
     drop(open);
-    json!({"watchers": watchers, "rss_before_kib": before, "rss_after_kib": after, "kib_per_stream": per_stream, "correct": true})
+    json!({"transport": format!("{transport:?}").to_lowercase(), "watchers": watchers, "rss_before_kib": before,
+           "rss_after_kib": after, "kib_per_stream": per_stream, "correct": true})
 }
 
-async fn latejoin(server: Server, base: &str, events: usize, rate: u64) -> Value {
+async fn latejoin(server: Server, transport: Transport, base: &str, events: usize, rate: u64) -> Value {
     let client = reqwest::Client::new();
     let channel = format!("late{}", now_micros());
-    let url = subscribe_url(server, base, &channel);
-    let mut early = Sse::open(&url).await.expect("subscribes");
+    let mut early = subscribe(server, Transport::Sse, base, &channel).await;
     let produced = Arc::new(AtomicU64::new(0));
     let publisher = match server {
         Server::Gateway => {
@@ -438,12 +888,14 @@ async fn latejoin(server: Server, base: &str, events: usize, rate: u64) -> Value
             Some(tokio::spawn(async move { publish_nchan(&client, &base, &channel, events, rate).await }))
         }
     };
+    let is_event = |server: Server, data: &[u8]| {
+        !data.is_empty() && (server == Server::Nchan || find(data, b"\"type\":\"text-delta\"").is_some())
+    };
     // Wait until the early watcher holds every event: the turn has emitted them all.
     let mut count = 0;
     while count < events {
-        let Some(range) = early.next_block().await else { break };
-        let (_, data) = fields(&early.body[range]);
-        if !data.is_empty() && (server == Server::Nchan || find(data, b"\"type\":\"text-delta\"").is_some()) {
+        let Some(range) = early.next_message().await else { break };
+        if is_event(server, fields(&early.body[range]).1) {
             count += 1;
         }
     }
@@ -452,16 +904,19 @@ async fn latejoin(server: Server, base: &str, events: usize, rate: u64) -> Value
         p.await.unwrap();
     }
     let started = Instant::now();
-    let late_url = match server {
-        Server::Gateway => format!("{base}/conversations/{channel}/events"),
-        Server::Nchan => format!("{base}/sub/{channel}"),
+    // Without `until=sealed`: the turn is still open.
+    let late_url = match (server, transport) {
+        (Server::Gateway, Transport::Ws) => format!("{base}/ws"),
+        (Server::Gateway, _) => format!("{base}/conversations/{channel}/events"),
+        (Server::Nchan, _) => format!("{base}/sub/{channel}"),
     };
-    let mut late = Sse::open(&late_url).await.expect("subscribes");
+    let mut late = Feed::open(transport, &late_url, &channel).await.expect("subscribes");
     let mut got = 0;
     while got < events {
-        let Some(range) = late.next_block().await else { break };
-        let (_, data) = fields(&late.body[range]);
-        if !data.is_empty() && (server == Server::Nchan || find(data, b"\"type\":\"text-delta\"").is_some()) {
+        let Some(range) = late.next_message().await else { break };
+        let message = &late.body[range];
+        let data = if transport == Transport::Sse { fields(message).1 } else { message };
+        if is_event(server, data) {
             got += 1;
         }
     }
@@ -469,7 +924,8 @@ async fn latejoin(server: Server, base: &str, events: usize, rate: u64) -> Value
     if server == Server::Gateway {
         let _ = client.post(format!("{base}/conversations/{channel}/stop")).send().await;
     }
-    json!({"events": events, "rate": rate, "emitted": produced.load(Ordering::Relaxed), "received": got, "seconds": seconds, "correct": got == events})
+    json!({"transport": format!("{transport:?}").to_lowercase(), "events": events, "rate": rate,
+           "emitted": produced.load(Ordering::Relaxed), "received": got, "seconds": seconds, "correct": got == events})
 }
 
 async fn turns(base: &str, clients: usize, seconds: f64, pids: &[u32]) -> Value {
@@ -606,11 +1062,20 @@ async fn seed(database: &str, conversation: &str, chunks: u64) -> Value {
 async fn main() {
     let cli = Cli::parse();
     let result = match cli.workload {
-        Workload::Fanout { server, base, watchers, events, rate, pids } => {
-            fanout(server, &base, watchers, events, rate, &pids).await
+        Workload::Fanout { server, transport, base, watchers, events, rate, pids } => {
+            fanout(server, transport, &base, watchers, events, rate, &pids).await
         }
-        Workload::Idle { server, base, watchers, pids } => idle(server, &base, watchers, &pids).await,
-        Workload::Latejoin { server, base, events, rate } => latejoin(server, &base, events, rate).await,
+        Workload::Idle { server, transport, base, watchers, pids } => {
+            idle(server, transport, &base, watchers, &pids).await
+        }
+        Workload::Latejoin { server, transport, base, events, rate } => {
+            latejoin(server, transport, &base, events, rate).await
+        }
+        Workload::Scale { transport, base, conversations, watchers, events, rate, pids } => {
+            scale(transport, &base, conversations, watchers, events, rate, &pids).await
+        }
+        Workload::Stalled { base, watchers, events, pids } => stalled(&base, watchers, events, &pids).await,
+        Workload::Proxy { base, upstream, model, chunks, rate } => proxy(&base, &upstream, &model, chunks, rate).await,
         Workload::Turns { base, clients, seconds, pids } => turns(&base, clients, seconds, &pids).await,
         Workload::History { base, conversation, concurrency, seconds } => {
             history(&base, &conversation, concurrency, seconds).await

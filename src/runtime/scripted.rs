@@ -188,17 +188,19 @@ async fn stream_text(
     cancel: &CancellationToken,
     text: &str,
     reasoning: bool,
-    stamp: bool,
+    mut stamp: Option<&mut u64>,
 ) -> Result<u64, Stop> {
     let mut count = 0;
     for token in split_tokens(text) {
         pacer.tick(cancel).await?;
-        let delta = if stamp {
-            let micros =
-                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros());
-            format!("{micros}:{token}")
-        } else {
-            token.to_owned()
+        let delta = match stamp.as_deref_mut() {
+            Some(n) => {
+                let micros =
+                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros());
+                *n += 1;
+                format!("{micros}:{}:{token}", *n - 1)
+            }
+            None => token.to_owned(),
         };
         send(sink, if reasoning { RawEvent::ReasoningDelta(delta) } else { RawEvent::TextDelta(delta) }).await?;
         count += 1;
@@ -230,14 +232,16 @@ async fn play(
         let mut output = 0;
         if !noted.is_empty() {
             let ack = format!("Noted: {}. ", noted.join("; "));
-            output += stream_text(&sink, &mut pacer, &cancel, &ack, false, false).await?;
+            output += stream_text(&sink, &mut pacer, &cancel, &ack, false, None).await?;
         }
         if let Some(reasoning) = &step.reasoning {
-            output += stream_text(&sink, &mut pacer, &cancel, reasoning, true, false).await?;
+            output += stream_text(&sink, &mut pacer, &cancel, reasoning, true, None).await?;
         }
         if let Some(text) = &step.text {
+            let mut stamped = 0;
             for _ in 0..step.repeat.unwrap_or(1) {
-                output += stream_text(&sink, &mut pacer, &cancel, text, false, step.stamp).await?;
+                let stamp = step.stamp.then_some(&mut stamped);
+                output += stream_text(&sink, &mut pacer, &cancel, text, false, stamp).await?;
             }
         }
         let call_id = |i: usize, t: &ToolScript| t.id.clone().unwrap_or_else(|| format!("call_{k}_{i}"));
