@@ -334,7 +334,7 @@ impl Feed {
             }
             let payload = &rest[header..header + len];
             match opcode {
-                0x1 | 0x2 | 0x0 => {
+                0x0..=0x2 => {
                     self.body.extend_from_slice(payload);
                     self.body.push(b'\n');
                 }
