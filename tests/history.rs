@@ -34,6 +34,9 @@ async fn history_windows_and_parameter_rules() {
         ("?sinceSeq=6&beforeSeq=3", vec![], 6),
         ("?sinceSeq=007", (8..=9).collect(), 9),
         ("?limit=1&limit=2", vec![8, 9], 9),
+        ("?limit=18446744073709551615", (1..=9).collect(), 9),
+        ("?sinceSeq=4&limit=18446744073709551615", (5..=9).collect(), 9),
+        ("?beforeSeq=18446744073709551615&limit=1", vec![9], 9),
     ];
     for (query, expected, latest) in accepted {
         let (status, body) = server.get(&format!("/conversations/hist{query}")).await;
@@ -76,4 +79,25 @@ async fn history_windows_and_parameter_rules() {
             assert!(error.contains(name), "{query}: {error:?} names the parameter");
         }
     }
+}
+
+#[tokio::test]
+async fn a_corrupt_stored_chunk_fails_the_read_with_an_error_and_other_windows_still_read() {
+    use sqlx::Connection;
+    let dir = tempfile::tempdir().unwrap();
+    let config = test_config(dir.path());
+    let database = config.database.clone();
+    let server = TestServer::start(config).await;
+    server.chat("damaged", "hello").await;
+    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}", database.display())).await.unwrap();
+    sqlx::query(r#"UPDATE chunks SET chunk = '{"type":"text","text":' WHERE conversation_id = 'damaged' AND seq = 2"#)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let (status, body) = server.get("/conversations/damaged").await;
+    assert_eq!(status, 500, "{body}");
+    assert!(body["error"].is_string(), "{body}");
+    let (status, body) = server.get("/conversations/damaged?sinceSeq=2").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(seqs(&body), vec![3]);
 }

@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 use super::AppState;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ConversationId, JsonObject, QueryParams, check_id};
-use crate::store::{ConversationFilter, HistoryWindow, NewConversation, RawStoredChunk, now_ms};
+use crate::store::{ConversationFilter, HistoryWindow, NewConversation, now_ms};
 use crate::turn::StartError;
 use crate::wire::{ConversationMeta, StoredChunk, TurnMetrics};
 
@@ -44,14 +44,6 @@ pub struct HistoryResponse {
     pub chunks: Vec<StoredChunk>,
     /// Seq of the last chunk returned, or `sinceSeq` when none is.
     pub latest_seq: u64,
-}
-
-/// What is actually sent for a history read: stored chunks pass through unparsed.
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct HistoryBody {
-    chunks: Vec<RawStoredChunk>,
-    latest_seq: u64,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -170,9 +162,11 @@ pub async fn history(
         before_seq: query.integer("beforeSeq", 1)?,
         limit: query.integer("limit", 1)?,
     };
-    let chunks = state.store.history(&id, window).await?;
-    let latest_seq = chunks.last().map_or(window.since_seq, |c| c.seq);
-    Ok(Json(HistoryBody { chunks, latest_seq }).into_response())
+    // Stored chunks pass through unparsed: the body is assembled around the page's JSON.
+    let page = state.store.history(&id, window).await?;
+    let latest_seq = page.last_seq.unwrap_or(window.since_seq);
+    let body = format!(r#"{{"chunks":[{}],"latestSeq":{latest_seq}}}"#, page.items);
+    Ok(([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
 /// Metrics of every sealed turn, in turn order.

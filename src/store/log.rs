@@ -1,8 +1,6 @@
 //! The append-only chunk log: gap-free `seq` per conversation, a message id per chunk.
 
-use serde::Serialize;
-use serde_json::value::RawValue;
-use sqlx::{FromRow, Sqlite, Transaction};
+use sqlx::{Sqlite, Transaction};
 
 use super::{Store, StoreError, StoreResult};
 use crate::wire::{Chunk, Role};
@@ -16,12 +14,14 @@ pub struct NewChunk {
     pub new_message: bool,
 }
 
-/// A stored chunk as read back: the chunk stays the exact JSON that was written.
-#[derive(Debug, Serialize)]
-pub struct RawStoredChunk {
-    pub seq: u64,
-    pub role: Role,
-    pub chunk: Box<RawValue>,
+/// A window of the log as JSON: the stored chunks pass through as the exact JSON that was
+/// written, each wrapped as `{"seq":..,"role":..,"chunk":..}`.
+#[derive(Debug)]
+pub struct HistoryPage {
+    /// The chunk objects, comma-separated, in seq order (empty for none).
+    pub items: String,
+    /// Seq of the last chunk in the window.
+    pub last_seq: Option<u64>,
 }
 
 /// `sinceSeq < seq < beforeSeq`, newest `limit` of that, ascending.
@@ -30,13 +30,6 @@ pub struct HistoryWindow {
     pub since_seq: u64,
     pub before_seq: Option<u64>,
     pub limit: Option<u64>,
-}
-
-#[derive(FromRow)]
-struct ChunkRow {
-    seq: i64,
-    role: String,
-    chunk: String,
 }
 
 impl Store {
@@ -53,47 +46,45 @@ impl Store {
         Ok(last)
     }
 
-    pub async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<Vec<RawStoredChunk>> {
+    /// A window of the log, assembled by SQLite in one row: a window of 100 chunks is one
+    /// result row instead of 100 (each row crosses a thread and is copied; the JSON text is
+    /// joined where it lies). `json()` checks every stored chunk on the way: a corrupt one fails
+    /// the read rather than the client's parser.
+    pub async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<HistoryPage> {
         let since = i64::try_from(w.since_seq).unwrap_or(i64::MAX);
         let before = w.before_seq.map_or(i64::MAX, |b| i64::try_from(b).unwrap_or(i64::MAX));
-        let rows: Vec<ChunkRow> = match w.limit {
-            Some(limit) => {
-                let mut rows: Vec<ChunkRow> = sqlx::query_as(
-                    "SELECT seq, role, chunk FROM chunks
-                     WHERE conversation_id = ? AND seq > ? AND seq < ?
-                     ORDER BY seq DESC LIMIT ?",
-                )
-                .bind(conversation_id)
-                .bind(since)
-                .bind(before)
-                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                .fetch_all(&self.reader)
-                .await?;
-                rows.reverse();
-                rows
-            }
-            None => {
-                sqlx::query_as(
-                    "SELECT seq, role, chunk FROM chunks
-                     WHERE conversation_id = ? AND seq > ? AND seq < ?
-                     ORDER BY seq ASC",
-                )
-                .bind(conversation_id)
-                .bind(since)
-                .bind(before)
-                .fetch_all(&self.reader)
-                .await?
-            }
+        // The newest `limit` chunks of the selection are those above the (limit+1)th newest
+        // one: that bound is found by walking the index back `limit` entries, so the window
+        // itself is one ascending range scan with nothing to sort. LIMIT and OFFSET are written
+        // into the statement, not bound: SQLite plans with a bound LIMIT's value and then
+        // recompiles the statement at every execution (one cached statement per distinct limit
+        // instead).
+        let floor = match w.limit.map(|l| l.min(i64::MAX as u64)) {
+            Some(limit) => format!(
+                "max(?2, coalesce((SELECT seq FROM chunks WHERE conversation_id = ?1 AND seq < ?3
+                                   ORDER BY seq DESC LIMIT 1 OFFSET {limit}), 0))"
+            ),
+            None => "?2".to_owned(),
         };
-        rows.into_iter()
-            .map(|r| {
-                let role = Role::parse(&r.role)
-                    .ok_or_else(|| StoreError::Corrupt(format!("unknown role {:?} at seq {}", r.role, r.seq)))?;
-                let chunk = RawValue::from_string(r.chunk)
-                    .map_err(|e| StoreError::Corrupt(format!("chunk at seq {} is not JSON: {e}", r.seq)))?;
-                Ok(RawStoredChunk { seq: r.seq as u64, role, chunk })
-            })
-            .collect()
+        let sql = format!(
+            r#"SELECT group_concat('{{"seq":' || seq || ',"role":"' || role || '","chunk":' || json(chunk) || '}}', ','
+                                   ORDER BY seq),
+                      max(seq)
+               FROM chunks WHERE conversation_id = ?1 AND seq < ?3 AND seq > {floor}"#
+        );
+        let (items, last_seq): (Option<String>, Option<i64>) = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(conversation_id)
+            .bind(since)
+            .bind(before)
+            .fetch_one(&self.reader)
+            .await
+            .map_err(|e| match e {
+                sqlx::Error::Database(d) if d.message().contains("JSON") => {
+                    StoreError::Corrupt(format!("a stored chunk of {conversation_id:?} is not JSON: {}", d.message()))
+                }
+                other => other.into(),
+            })?;
+        Ok(HistoryPage { items: items.unwrap_or_default(), last_seq: last_seq.map(|s| s as u64) })
     }
 
     /// The conversation's highest seq (0 for none or unknown).

@@ -19,7 +19,7 @@ use sqlx::{Sqlite, SqlitePool, Transaction};
 
 use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation};
-pub use log::{HistoryWindow, NewChunk, RawStoredChunk};
+pub use log::{HistoryPage, HistoryWindow, NewChunk};
 pub use reads::{LastText, ModelThroughput};
 pub use turns::{BeginTurn, IdempotencyRecord, SealTurn, user_chunk};
 
