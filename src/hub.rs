@@ -11,16 +11,29 @@
 //! sealed. The hub keeps only the buffer of the turn in flight; a sealed buffer lives on only
 //! while some watcher still reads it.
 //!
+//! Wake-ups: a turn wakes its waiting watchers in rounds. Under light load every event starts a
+//! round at once. A round costs about one socket write per watcher, so when many watchers read
+//! in-flight turns, runs of deltas are paced: a turn starts a round of delta wake-ups at most
+//! once per flush window, and the deltas published in between share the next round (and so one
+//! write per watcher). The window is [`PER_READER`] times the number of watchers reading
+//! in-flight turns across the hub, up to [`MAX_WINDOW`], and zero below 1 ms (the timer's
+//! resolution): the hub aims to spend a bounded share of a core on wake-ups and writes whatever
+//! the fan-out, and adds no delay when there is little to share. Every event other than a delta
+//! starts a round at once, taking the pending deltas with it.
+//!
 //! Memory: past a per-turn cap, runs of consecutive text (or reasoning) deltas in the buffer are
 //! coalesced into one event with the joined text, so a late joiner still rebuilds the exact
 //! text. A watcher whose position fell inside a coalesced run is told so ([`Delivery::Lost`])
 //! and starts the turn over from its (coalesced) beginning.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use crate::wire::{AgentEvent, TurnReasoningDeltaEvent, TurnTextDeltaEvent};
 
@@ -51,15 +64,25 @@ pub struct Frame {
 
 impl Frame {
     fn new(turn_id: &str, first: u32, last: u32, event: &AgentEvent) -> Frame {
+        let (kind, json) = Frame::encode(event);
+        Frame::build(turn_id, first, last, kind, &json)
+    }
+
+    /// The event's kind and JSON: the part of framing that needs no index (done outside the
+    /// buffer's lock).
+    fn encode(event: &AgentEvent) -> (Kind, Vec<u8>) {
         let kind = match event {
             AgentEvent::TextDelta(_) => Kind::Text,
             AgentEvent::ReasoningDelta(_) => Kind::Reasoning,
             AgentEvent::TurnSealed(_) => Kind::Sealed,
             _ => Kind::Other,
         };
-        let json = serde_json::to_vec(event).expect("wire types always serialize");
+        (kind, serde_json::to_vec(event).expect("wire types always serialize"))
+    }
+
+    fn build(turn_id: &str, first: u32, last: u32, kind: Kind, json: &[u8]) -> Frame {
         let mut line = BytesMut::with_capacity(json.len() + 1);
-        line.put_slice(&json);
+        line.put_slice(json);
         line.put_u8(b'\n');
         let mut sse = BytesMut::with_capacity(json.len() + turn_id.len() + 24);
         sse.put_slice(b"id: ");
@@ -67,7 +90,7 @@ impl Frame {
         sse.put_u8(b':');
         sse.put_slice(last.to_string().as_bytes());
         sse.put_slice(b"\ndata: ");
-        sse.put_slice(&json);
+        sse.put_slice(json);
         sse.put_slice(b"\n\n");
         Frame { first, last, kind, line: line.freeze(), sse: sse.freeze(), ws: OnceLock::new() }
     }
@@ -104,6 +127,18 @@ impl Frame {
     }
 }
 
+/// The flush window per watcher reading an in-flight turn (see the module documentation).
+pub const PER_READER: Duration = Duration::from_micros(10);
+/// The longest flush window.
+pub const MAX_WINDOW: Duration = Duration::from_millis(25);
+
+/// When a turn last woke its watchers, and whether a deferred round is due.
+#[derive(Default)]
+struct Pacing {
+    last_round: Option<Instant>,
+    pending: bool,
+}
+
 /// Where the next turn of a conversation will appear.
 #[derive(Default)]
 struct TurnSlot {
@@ -130,21 +165,26 @@ pub struct TurnBuffer {
     cap: usize,
     state: RwLock<BufferState>,
     grown: Notify,
+    pacing: Mutex<Pacing>,
+    /// Watchers reading in-flight turns, hub-wide.
+    readers: Arc<AtomicUsize>,
     next: Arc<TurnSlot>,
 }
 
 impl TurnBuffer {
     /// Frames the event once, appends it, and wakes every reader waiting at the end.
     /// Returns the event's index in the turn.
-    pub fn publish(&self, event: &AgentEvent) -> u32 {
+    pub fn publish(self: &Arc<Self>, event: &AgentEvent) -> u32 {
         self.push(event, false)
     }
 
-    fn push(&self, event: &AgentEvent, last: bool) -> u32 {
+    fn push(self: &Arc<Self>, event: &AgentEvent, last: bool) -> u32 {
+        let (kind, json) = Frame::encode(event);
+        let paced = matches!(kind, Kind::Text | Kind::Reasoning) && !last;
         let index = {
             let mut st = self.state.write().unwrap_or_else(|p| p.into_inner());
             let index = st.next_index;
-            let frame = Arc::new(Frame::new(&self.turn_id, index, index, event));
+            let frame = Arc::new(Frame::build(&self.turn_id, index, index, kind, &json));
             st.next_index += 1;
             st.bytes += frame.size();
             st.frames.push(frame);
@@ -154,8 +194,59 @@ impl TurnBuffer {
             }
             index
         };
-        self.grown.notify_waiters();
+        self.wake(paced);
         index
+    }
+
+    /// The flush window for paced deltas right now.
+    fn window(&self) -> Duration {
+        let window = PER_READER.saturating_mul(self.readers.load(Relaxed).min(u32::MAX as usize) as u32);
+        if window < Duration::from_millis(1) { Duration::ZERO } else { window.min(MAX_WINDOW) }
+    }
+
+    fn pacing(&self) -> std::sync::MutexGuard<'_, Pacing> {
+        self.pacing.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes the waiting watchers now, or (a paced delta within the window of the last round)
+    /// schedules the round for the end of the window.
+    fn wake(self: &Arc<Self>, paced: bool) {
+        let window = if paced { self.window() } else { Duration::ZERO };
+        let now = Instant::now();
+        let mut pacing = self.pacing();
+        let due = pacing.last_round.map(|last| last + window);
+        if window.is_zero() || due.is_none_or(|due| now >= due) {
+            pacing.last_round = Some(now);
+            pacing.pending = false;
+            drop(pacing);
+            self.grown.notify_waiters();
+            return;
+        }
+        if std::mem::replace(&mut pacing.pending, true) {
+            return; // the scheduled round takes this delta too
+        }
+        drop(pacing);
+        let (Ok(runtime), Some(due)) = (tokio::runtime::Handle::try_current(), due) else {
+            return self.round();
+        };
+        let buffer: Weak<TurnBuffer> = Arc::downgrade(self);
+        runtime.spawn(async move {
+            tokio::time::sleep_until(due).await;
+            if let Some(buffer) = buffer.upgrade()
+                && buffer.pacing().pending
+            {
+                buffer.round();
+            }
+        });
+    }
+
+    /// Starts a round of wake-ups now.
+    fn round(&self) {
+        let mut pacing = self.pacing();
+        pacing.last_round = Some(Instant::now());
+        pacing.pending = false;
+        drop(pacing);
+        self.grown.notify_waiters();
     }
 
     /// Merges every run of two or more consecutive same-kind deltas into one frame.
@@ -221,10 +312,37 @@ pub enum Delivery {
     End,
 }
 
+/// A cursor's hold on the turn it reads, counted in the hub's total of readers while the turn
+/// is in flight (the flush window grows with it).
+struct Reader {
+    buffer: Arc<TurnBuffer>,
+    counted: bool,
+}
+
+impl Reader {
+    fn new(buffer: Arc<TurnBuffer>) -> Reader {
+        buffer.readers.fetch_add(1, Relaxed);
+        Reader { buffer, counted: true }
+    }
+
+    /// Stops counting once the turn has sealed: nothing more is paced in it.
+    fn sealed(&mut self) {
+        if std::mem::take(&mut self.counted) {
+            self.buffer.readers.fetch_sub(1, Relaxed);
+        }
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.sealed();
+    }
+}
+
 enum Position {
     /// Reading a turn; `next` is the index of the next event to hand out.
     Reading {
-        buffer: Arc<TurnBuffer>,
+        buffer: Reader,
         next: u32,
     },
     /// Caught up with every turn so far; waiting for the next one to begin.
@@ -260,13 +378,13 @@ impl Cursor {
                     tokio::pin!(filled);
                     filled.as_mut().enable();
                     if let Some(buffer) = slot.turn.get() {
-                        self.at = Position::Reading { buffer: buffer.clone(), next: 0 };
+                        self.at = Position::Reading { buffer: Reader::new(buffer.clone()), next: 0 };
                         continue;
                     }
                     filled.await;
                 }
-                Position::Reading { buffer, next } => {
-                    let buffer = buffer.clone();
+                Position::Reading { buffer: reader, next } => {
+                    let buffer = reader.buffer.clone();
                     let grown = buffer.grown.notified();
                     tokio::pin!(grown);
                     grown.as_mut().enable();
@@ -279,6 +397,9 @@ impl Cursor {
                         }
                         let end = st.frames.len().min(start.saturating_add(max));
                         let batch: Vec<Arc<Frame>> = st.frames[start..end].to_vec();
+                        if st.sealed {
+                            reader.sealed();
+                        }
                         (batch, st.sealed && end == st.frames.len())
                     };
                     if let Some(last) = batch.last() {
@@ -351,13 +472,15 @@ struct Channel {
 /// an `.await`, so a `std` mutex fits.
 pub struct Hub {
     channels: Mutex<HashMap<Arc<str>, Channel>>,
+    /// Watchers reading in-flight turns.
+    readers: Arc<AtomicUsize>,
     /// Per-turn buffer size past which deltas are coalesced.
     buffer_cap: usize,
 }
 
 impl Hub {
     pub fn new(buffer_cap: usize) -> Arc<Hub> {
-        Arc::new(Hub { channels: Mutex::default(), buffer_cap })
+        Arc::new(Hub { channels: Mutex::default(), readers: Arc::default(), buffer_cap })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, Channel>> {
@@ -375,6 +498,8 @@ impl Hub {
             cap: self.buffer_cap,
             state: RwLock::new(BufferState { threshold: self.buffer_cap, ..BufferState::default() }),
             grown: Notify::new(),
+            pacing: Mutex::default(),
+            readers: self.readers.clone(),
             next: Arc::default(),
         });
         let slot = std::mem::replace(&mut channel.next, buffer.next.clone());
@@ -402,7 +527,7 @@ impl Hub {
     /// Reads one turn alone, from its first event to `turn-sealed`.
     pub fn read_turn(self: &Arc<Self>, buffer: &Arc<TurnBuffer>) -> Cursor {
         Cursor {
-            at: Position::Reading { buffer: buffer.clone(), next: 0 },
+            at: Position::Reading { buffer: Reader::new(buffer.clone()), next: 0 },
             follow: false,
             release: Some((self.clone(), buffer.conversation_id.clone())),
         }
@@ -428,7 +553,7 @@ impl Hub {
                     next = id.index + 1;
                     resync = false;
                 }
-                Position::Reading { buffer: buffer.clone(), next }
+                Position::Reading { buffer: Reader::new(buffer.clone()), next }
             }
             None => Position::Waiting(channel.next.clone()),
         };
@@ -512,6 +637,58 @@ mod tests {
         assert!(String::from_utf8_lossy(&last.sse).starts_with(&format!("id: t:{}\n", last.last)));
         hub.seal_turn(buffer, &sealed());
         assert!(frames(&mut early).await[0].is_sealed());
+    }
+
+    /// Whether a spawned read has finished, after letting every ready task run.
+    async fn finished(task: &tokio::task::JoinHandle<Delivery>) -> bool {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        task.is_finished()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_many_watchers_deltas_wait_for_the_round_and_other_events_go_at_once() {
+        let hub = Hub::new(1 << 20);
+        let buffer = hub.begin_turn("c", "t");
+        // 300 watchers of the turn in flight: a 3 ms window.
+        let mut cursors: Vec<Cursor> = (0..300).map(|_| hub.subscribe("c", None).0).collect();
+        assert_eq!(buffer.window(), Duration::from_millis(3));
+        let start = AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() });
+        buffer.publish(&start);
+        for c in &mut cursors {
+            assert_eq!(frames(c).await.len(), 1);
+        }
+        let mut waiting = cursors.pop().unwrap();
+        let read = tokio::spawn(async move { waiting.next_batch(usize::MAX).await });
+        assert!(!finished(&read).await, "nothing to read yet");
+        // Two deltas right after a round: the waiting watcher is woken once, at the window's end.
+        buffer.publish(&text("a"));
+        buffer.publish(&text("b"));
+        tokio::time::advance(Duration::from_millis(2)).await;
+        assert!(!finished(&read).await, "woken before the window ended");
+        tokio::time::advance(Duration::from_millis(2)).await;
+        assert!(finished(&read).await, "woken when the window ended");
+        match read.await.unwrap() {
+            Delivery::Frames(f) => assert_eq!(f.iter().filter_map(|f| f.delta()).collect::<String>(), "ab"),
+            other => panic!("{other:?}"),
+        }
+        // Any other event wakes at once, taking the pending deltas along.
+        let mut waiting = cursors.pop().unwrap();
+        assert_eq!(frames(&mut waiting).await.len(), 2);
+        let read = tokio::spawn(async move { waiting.next_batch(usize::MAX).await });
+        assert!(!finished(&read).await);
+        buffer.publish(&text("c"));
+        assert!(!finished(&read).await, "a delta within the window waits");
+        hub.seal_turn(buffer.clone(), &sealed());
+        assert!(finished(&read).await, "turn-sealed goes at once");
+        match read.await.unwrap() {
+            Delivery::Frames(f) => assert!(f.len() == 2 && f[1].is_sealed()),
+            other => panic!("{other:?}"),
+        }
+        // Few watchers: no window at all.
+        drop(cursors);
+        assert_eq!(buffer.window(), Duration::ZERO);
     }
 
     #[tokio::test]
