@@ -52,7 +52,7 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
         let _ = stream.set_nodelay(true);
         let io = TokioIo::new(GuardedStream { inner: stream, drain_timeout: limits.drain_timeout, stalled: None });
         let service = TowerToHyperService::new(router.clone());
-        let stop = stop.clone();
+        let mut stopped = Cancelled::new(&stop);
         let alive = connection_alive.clone();
         tokio::spawn(async move {
             let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
@@ -62,13 +62,14 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
             let mut stopping = false;
             loop {
                 tokio::select! {
+                    biased;
                     result = connection.as_mut() => {
                         if let Err(e) = result {
                             tracing::trace!(error = %e, "connection ended with an error");
                         }
                         break;
                     }
-                    _ = stop.cancelled(), if !stopping => {
+                    _ = &mut stopped, if !stopping => {
                         stopping = true;
                         connection.as_mut().graceful_shutdown();
                     }
@@ -80,6 +81,62 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
     drop(listener);
     drop(connection_alive);
     all_closed.closed().await;
+}
+
+/// Resolves when a token is cancelled, for futures polled on every wake of a busy task (a
+/// connection, a live stream): polling the token's own future takes a lock each time, so it is
+/// polled only after it has woken the task itself, which it does through a waker that raises a
+/// flag on the way. Every other poll is an atomic swap.
+pub struct Cancelled {
+    wait: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    flag: std::sync::Arc<FlagWaker>,
+    waker: std::task::Waker,
+    polled: bool,
+}
+
+/// Raises `fired`, then wakes the task last registered.
+struct FlagWaker {
+    fired: std::sync::atomic::AtomicBool,
+    task: futures_util::task::AtomicWaker,
+}
+
+impl std::task::Wake for FlagWaker {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &std::sync::Arc<Self>) {
+        self.fired.store(true, std::sync::atomic::Ordering::Release);
+        self.task.wake();
+    }
+}
+
+impl Cancelled {
+    pub fn new(token: &CancellationToken) -> Cancelled {
+        let flag = std::sync::Arc::new(FlagWaker { fired: false.into(), task: Default::default() });
+        let waker = std::task::Waker::from(flag.clone());
+        Cancelled { wait: Box::pin(token.clone().cancelled_owned()), flag, waker, polled: false }
+    }
+}
+
+impl Future for Cancelled {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = &mut *self;
+        this.flag.task.register(cx.waker());
+        if this.polled && !this.flag.fired.load(std::sync::atomic::Ordering::Acquire) {
+            return Poll::Pending;
+        }
+        this.polled = true;
+        this.flag.fired.store(false, std::sync::atomic::Ordering::Relaxed);
+        let ready = this.wait.as_mut().poll(&mut Context::from_waker(&this.waker));
+        if ready.is_ready() {
+            // Cancelled for good: every later poll is ready too.
+            this.flag.fired.store(true, std::sync::atomic::Ordering::Release);
+        }
+        ready
+    }
 }
 
 /// A TCP stream whose writes fail once they have been blocked for the drain timeout.

@@ -9,7 +9,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
-use tower_http::trace::TraceLayer;
+use tracing::Instrument;
 
 use super::AppState;
 use super::error::ApiError;
@@ -27,11 +27,31 @@ pub fn wrap(router: Router<AppState>, state: &AppState) -> Router<AppState> {
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .layer(cors(&state.config.cors_origins))
         .layer(PropagateRequestIdLayer::new(REQUEST_ID))
-        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
-            let id = req.headers().get(&REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("-");
-            tracing::info_span!("request", id = %id, method = %req.method(), path = %req.uri().path())
-        }))
+        .layer(middleware::from_fn(trace))
         .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
+}
+
+/// The request's span around its handler, and a line when the response head is ready (an
+/// error line for 5xx). The body is not wrapped: a live stream's body is polled for every
+/// batch it writes, and entering a span each time costs more than the write's bookkeeping.
+async fn trace(req: Request, next: Next) -> Response {
+    let id = req.headers().get(&REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("-");
+    let span = tracing::info_span!("request", id = %id, method = %req.method(), path = %req.uri().path());
+    let started = std::time::Instant::now();
+    async move {
+        tracing::debug!("started processing request");
+        let response = next.run(req).await;
+        let latency_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let status = response.status().as_u16();
+        if response.status().is_server_error() {
+            tracing::error!(status, latency_ms, "request failed");
+        } else {
+            tracing::debug!(status, latency_ms, "finished processing request");
+        }
+        response
+    }
+    .instrument(span)
+    .await
 }
 
 fn cors(origins: &[String]) -> CorsLayer {

@@ -81,6 +81,9 @@ pub struct Watch {
 struct State {
     watch: Watch,
     ticker: Option<Interval>,
+    /// Something went out since the last tick (no keep-alive is due then).
+    sent: bool,
+    drained: crate::net::Cancelled,
     resync: bool,
     done: bool,
 }
@@ -101,7 +104,8 @@ pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>>
         t
     });
     let resync = watch.resync_first;
-    let state = State { watch, ticker, resync, done: false };
+    let drained = crate::net::Cancelled::new(&watch.drained);
+    let state = State { watch, ticker, sent: false, drained, resync, done: false };
     futures_util::stream::unfold(state, |mut st| async move {
         if st.done {
             return None;
@@ -110,11 +114,18 @@ pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>>
             let message = resync_message(&st.watch.store, &st.watch.conversation_id).await;
             return Some((Ok(message), st));
         }
-        let drained = st.watch.drained.clone();
-        let delivery = tokio::select! {
-            d = st.watch.cursor.next_batch(BATCH) => d,
-            _ = tick(st.ticker.as_mut()) => return Some((Ok(st.watch.framing.keepalive()), st)),
-            _ = drained.cancelled() => st.watch.cursor.try_batch(BATCH).unwrap_or(Delivery::End),
+        let delivery = loop {
+            tokio::select! {
+                biased;
+                d = st.watch.cursor.next_batch(BATCH) => break d,
+                _ = tick(st.ticker.as_mut()) => {
+                    // A keep-alive after a whole period of silence (so within two periods).
+                    if !std::mem::take(&mut st.sent) {
+                        return Some((Ok(st.watch.framing.keepalive()), st));
+                    }
+                }
+                _ = &mut st.drained => break st.watch.cursor.try_batch(BATCH).unwrap_or(Delivery::End),
+            }
         };
         match delivery {
             Delivery::Frames(frames) => {
@@ -122,9 +133,7 @@ pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>>
                 if st.watch.until_sealed && frames.last().is_some_and(|f| f.is_sealed()) {
                     st.done = true;
                 }
-                if let Some(t) = st.ticker.as_mut() {
-                    t.reset();
-                }
+                st.sent = true;
                 Some((Ok(join_frames(&frames, st.watch.framing.pick())), st))
             }
             Delivery::Lost if st.watch.framing == Framing::Sse => {
