@@ -449,7 +449,7 @@ fn find(haystack: &[u8], needle: &'static [u8]) -> Option<usize> {
     }
 }
 
-const NEEDLES: [&[u8]; 8] = [
+const NEEDLES: [&[u8]; 9] = [
     b"\n\n",
     b"\r\n",
     b"\r\n\r\n",
@@ -458,6 +458,7 @@ const NEEDLES: [&[u8]; 8] = [
     b"\"type\":\"chat.delta\"",
     b"\"type\":\"turn-sealed\"",
     b"\"type\":\"text-delta\"",
+    b"\"type\":\"done\"",
 ];
 
 fn subscribe_url(server: Server, transport: Transport, base: &str, channel: &str) -> String {
@@ -982,18 +983,22 @@ async fn turns(base: &str, clients: usize, seconds: f64, pids: &[u32]) -> Value 
                     let mut body = r.bytes_stream();
                     let (mut buf, mut done_at, mut ok) = (Vec::new(), None, false);
                     while let Some(Ok(b)) = body.next().await {
+                        let now = Instant::now();
                         buf.extend_from_slice(&b);
-                        while let Some(pos) = buf.iter().position(|x| *x == b'\n') {
-                            let line: Vec<u8> = buf.drain(..=pos).collect();
-                            if line.windows(13).any(|w| w == b"\"type\":\"done\"") {
-                                done_at = Some(Instant::now());
-                            } else if line.windows(20).any(|w| w == b"\"type\":\"turn-sealed\"") {
+                        let mut at = 0;
+                        while let Some(end) = find(&buf[at..], b"\n") {
+                            let line = &buf[at..at + end];
+                            at += end + 1;
+                            if find(line, b"\"type\":\"done\"").is_some() {
+                                done_at = Some(now);
+                            } else if find(line, b"\"type\":\"turn-sealed\"").is_some() {
                                 ok = done_at.is_some();
                                 if let Some(d) = done_at {
-                                    gaps.push(d.elapsed().as_micros() as u64);
+                                    gaps.push(now.duration_since(d).as_micros() as u64);
                                 }
                             }
                         }
+                        buf.drain(..at);
                     }
                     if ok { sealed += 1 } else { bad += 1 }
                 }
