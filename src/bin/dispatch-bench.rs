@@ -223,6 +223,8 @@ struct Feed {
     ended: bool,
     /// WebSocket control frames to answer (pongs), written before the next read.
     reply: Vec<u8>,
+    /// When the last read returned (unix microseconds): the arrival time of what it brought.
+    read_at: u64,
 }
 
 impl Feed {
@@ -267,8 +269,18 @@ impl Feed {
             stream.write_all(&client_frame(0x1, op.as_bytes())).await.map_err(|e| e.to_string())?;
         }
         let body = Vec::with_capacity(1 << 16);
-        let mut feed =
-            Feed { transport, stream, raw, body, at: 0, chunked, chunk_left: 0, ended: false, reply: Vec::new() };
+        let mut feed = Feed {
+            transport,
+            stream,
+            raw,
+            body,
+            at: 0,
+            chunked,
+            chunk_left: 0,
+            ended: false,
+            reply: Vec::new(),
+            read_at: 0,
+        };
         feed.decode();
         Ok(feed)
     }
@@ -381,13 +393,16 @@ impl Feed {
                 self.body.reserve(1 << 16);
                 match self.stream.read_buf(&mut self.body).await {
                     Ok(0) | Err(_) => return None,
-                    Ok(_) => continue,
+                    Ok(_) => {
+                        self.read_at = now_micros();
+                        continue;
+                    }
                 }
             }
             self.raw.reserve(1 << 16);
             match self.stream.read_buf(&mut self.raw).await {
                 Ok(0) | Err(_) => return None,
-                Ok(_) => {}
+                Ok(_) => self.read_at = now_micros(),
             }
             self.decode();
         }
@@ -416,13 +431,16 @@ fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
 /// The number after the last ':' of an `id:` line, and the data line, of an event block.
 fn fields(block: &[u8]) -> (Option<u64>, &[u8]) {
     let (mut id, mut data): (Option<u64>, &[u8]) = (None, &[]);
-    for line in block.split(|b| *b == b'\n') {
+    let mut rest = block;
+    while !rest.is_empty() {
+        let end = memchr::memchr(b'\n', rest).unwrap_or(rest.len());
+        let line = &rest[..end];
         if let Some(v) = line.strip_prefix(b"id: ") {
-            let n = v.rsplit(|b| *b == b':').next().unwrap_or(v);
-            id = number(n);
+            id = number(memchr::memrchr(b':', v).map_or(v, |i| &v[i + 1..]));
         } else if let Some(v) = line.strip_prefix(b"data: ") {
             data = v;
         }
+        rest = &rest[(end + 1).min(rest.len())..];
     }
     (id, data)
 }
@@ -498,7 +516,7 @@ async fn watch(server: Server, mut feed: Feed, events: usize) -> Seen {
     let mut last_index: Option<u64> = None;
     let transport = feed.transport;
     while let Some(range) = feed.next_message().await {
-        let now = now_micros();
+        let now = feed.read_at;
         let message = &feed.body[range];
         let (id, data) = if transport == Transport::Sse { fields(message) } else { (None, message) };
         if data.is_empty() || (transport == Transport::Ws && find(data, b"\"type\":\"chat.delta\"").is_none()) {
@@ -596,8 +614,13 @@ impl Tally {
             }
             tally.latencies.extend(seen.latencies);
         }
-        tally.latencies.sort_unstable();
         tally
+    }
+
+    /// Sorts the latencies (after the clock has stopped: 20 million of them take a while).
+    fn sorted(mut self) -> Tally {
+        self.latencies.sort_unstable();
+        self
     }
 
     fn correct(&self) -> bool {
@@ -635,6 +658,7 @@ async fn fanout(
     let tally = Tally::collect(tasks, events).await;
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu_micros(pids).saturating_sub(cpu0);
+    let tally = tally.sorted();
     json!({
         "transport": format!("{transport:?}").to_lowercase(),
         "watchers": watchers,
@@ -684,6 +708,7 @@ async fn scale(
     let tally = Tally::collect(tasks, events).await;
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu_micros(pids).saturating_sub(cpu0);
+    let tally = tally.sorted();
     json!({
         "transport": format!("{transport:?}").to_lowercase(),
         "conversations": conversations,
@@ -813,7 +838,7 @@ async fn proxy(base: &str, listen: &str, model: &str, chunks: usize, rate: u64) 
     assert_eq!(r.status(), 202, "starting the proxied turn");
     let (mut via, mut expected, mut bad, mut sealed) = (Vec::new(), 0u64, 0u64, false);
     while let Some(range) = feed.next_message().await {
-        let now = now_micros();
+        let now = feed.read_at;
         let (_, data) = fields(&feed.body[range]);
         if let Some((stamp, index)) = stamp_of(data) {
             bad += u64::from(index != expected);
