@@ -66,6 +66,11 @@ impl Metrics {
         self.write_micros.fetch_add(took.as_micros() as u64, Relaxed);
     }
 
+    /// SQLite write transactions so far.
+    pub fn writes(&self) -> u64 {
+        self.write_count.load(Relaxed)
+    }
+
     pub fn runtime_error(&self, kind: &str) {
         let mut errors = self.runtime_errors.lock().unwrap_or_else(|p| p.into_inner());
         *errors.entry(kind.to_owned()).or_default() += 1;

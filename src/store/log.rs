@@ -1,6 +1,6 @@
 //! The append-only chunk log: gap-free `seq` per conversation, a message id per chunk.
 
-use sqlx::{Sqlite, Transaction};
+use sqlx::SqliteConnection;
 
 use super::{Store, StoreError, StoreResult};
 use crate::wire::{Chunk, Role};
@@ -33,17 +33,16 @@ pub struct HistoryWindow {
 }
 
 impl Store {
-    /// Appends `chunks` in one transaction; returns the seq of the last one (0 if none).
+    /// Appends `chunks` in one transaction (shared with other writes queued with it); returns
+    /// the seq of the last one (0 if none).
     pub async fn append_chunks(&self, conversation_id: &str, turn_id: &str, chunks: &[NewChunk]) -> StoreResult<u64> {
-        let result = self.write_append_chunks(conversation_id, turn_id, chunks).await;
-        self.noted(result)
-    }
-
-    async fn write_append_chunks(&self, conversation_id: &str, turn_id: &str, chunks: &[NewChunk]) -> StoreResult<u64> {
-        let (mut tx, started) = self.write_tx().await?;
-        let last = append_in(&mut tx, conversation_id, turn_id, chunks, super::now_ms()).await?;
-        self.commit(tx, started).await?;
-        Ok(last)
+        let job = super::batch::Write::Append {
+            conversation_id: conversation_id.to_owned(),
+            turn_id: turn_id.to_owned(),
+            chunks: chunks.to_vec(),
+            now: super::now_ms(),
+        };
+        self.write(job).await?.seq()
     }
 
     /// A window of the log, assembled by SQLite in one row: a window of 100 chunks is one
@@ -99,7 +98,7 @@ impl Store {
 
 /// Appends inside an open write transaction: reads the counters, inserts, bumps them.
 pub(super) async fn append_in(
-    tx: &mut Transaction<'static, Sqlite>,
+    tx: &mut SqliteConnection,
     conversation_id: &str,
     turn_id: &str,
     chunks: &[NewChunk],
@@ -108,7 +107,7 @@ pub(super) async fn append_in(
     let (mut seq, mut message_id): (i64, i64) =
         sqlx::query_as("SELECT last_seq, last_message_id FROM conversations WHERE id = ?")
             .bind(conversation_id)
-            .fetch_optional(&mut **tx)
+            .fetch_optional(&mut *tx)
             .await?
             .ok_or_else(|| StoreError::Corrupt(format!("conversation {conversation_id} vanished during a turn")))?;
     if chunks.is_empty() {
@@ -129,7 +128,7 @@ pub(super) async fn append_in(
         .bind(turn_id)
         .bind(c.role.as_str())
         .bind(json)
-        .execute(&mut **tx)
+        .execute(&mut *tx)
         .await?;
     }
     sqlx::query("UPDATE conversations SET last_seq = ?, last_message_id = ?, last_activity_at = ? WHERE id = ?")
@@ -137,7 +136,7 @@ pub(super) async fn append_in(
         .bind(message_id)
         .bind(now)
         .bind(conversation_id)
-        .execute(&mut **tx)
+        .execute(&mut *tx)
         .await?;
     Ok(seq as u64)
 }

@@ -4,6 +4,7 @@
 //! other inside the process and `seq` is assigned in the same transaction that inserts the rows.
 //! Reads use a separate small pool and, thanks to WAL, never wait for the writer.
 
+mod batch;
 mod conversations;
 mod log;
 mod reads;
@@ -53,6 +54,9 @@ pub struct Store {
     metrics: Arc<Metrics>,
     /// Why the last write failed, while writes fail (for `/ready`).
     write_fault: Arc<Mutex<Option<String>>>,
+    /// The writer task's queue (group commit, see `batch`); `None` in the task's own copy, so
+    /// the task ends when the last handle to the store is dropped.
+    queue: Option<tokio::sync::mpsc::UnboundedSender<batch::Queued>>,
 }
 
 /// Limits of the SQLite connection.
@@ -119,7 +123,10 @@ impl Store {
             .await?;
         MIGRATOR.run(&writer).await?;
         let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.read_only(true)).await?;
-        let store = Store { writer, reader, metrics, write_fault: Arc::default() };
+        let mut store = Store { writer, reader, metrics, write_fault: Arc::default(), queue: None };
+        let (queue, writes) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(store.clone().run_writer(writes));
+        store.queue = Some(queue);
         let repaired = store.recover_interrupted(now_ms()).await?;
         if repaired > 0 {
             tracing::warn!(turns = repaired, "marked turns cut off by the last shutdown as interrupted");

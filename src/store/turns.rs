@@ -1,6 +1,6 @@
 //! Turn rows: opened with the user's chunk, sealed with their metrics, repaired after a crash.
 
-use sqlx::FromRow;
+use sqlx::{FromRow, SqliteConnection};
 
 use super::log::{NewChunk, append_in};
 use super::{Store, StoreError, StoreResult};
@@ -45,65 +45,106 @@ pub struct SealTurn<'a> {
     pub now: i64,
 }
 
-impl Store {
-    /// Opens a turn: creates the conversation when missing, marks it active, records the turn
-    /// and appends the user's chunk, all in one transaction. Returns the user chunk's seq.
-    pub async fn begin_turn(&self, t: BeginTurn<'_>) -> StoreResult<u64> {
-        let result = self.write_begin_turn(t).await;
-        self.noted(result)
-    }
-
-    async fn write_begin_turn(&self, t: BeginTurn<'_>) -> StoreResult<u64> {
-        let (mut tx, started) = self.write_tx().await?;
-        sqlx::query(
-            "INSERT INTO conversations (id, title, status, created_at, last_activity_at)
-             VALUES (?1, ?2, 'active', ?3, ?3)
-             ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = ?3,
-                 title = CASE WHEN title = '' THEN ?2 ELSE title END",
-        )
+/// The statements that open a turn, inside an open write transaction.
+pub(super) async fn begin_in(tx: &mut SqliteConnection, t: BeginTurn<'_>) -> StoreResult<u64> {
+    sqlx::query(
+        "INSERT INTO conversations (id, title, status, created_at, last_activity_at)
+         VALUES (?1, ?2, 'active', ?3, ?3)
+         ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = ?3,
+             title = CASE WHEN title = '' THEN ?2 ELSE title END",
+    )
+    .bind(t.conversation_id)
+    .bind(t.default_title)
+    .bind(t.now)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at)
+         SELECT id, ?2, turn_count + 1, ?3, ?4 FROM conversations WHERE id = ?1",
+    )
+    .bind(t.conversation_id)
+    .bind(t.turn_id)
+    .bind(t.model)
+    .bind(t.now)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query("UPDATE conversations SET turn_count = turn_count + 1 WHERE id = ?")
         .bind(t.conversation_id)
-        .bind(t.default_title)
-        .bind(t.now)
         .execute(&mut *tx)
         .await?;
-        sqlx::query(
-            "INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at)
-             SELECT id, ?2, turn_count + 1, ?3, ?4 FROM conversations WHERE id = ?1",
-        )
-        .bind(t.conversation_id)
-        .bind(t.turn_id)
-        .bind(t.model)
-        .bind(t.now)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query("UPDATE conversations SET turn_count = turn_count + 1 WHERE id = ?")
-            .bind(t.conversation_id)
+    if let Some(record) = &t.idempotency {
+        sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?")
+            .bind(t.now - IDEMPOTENCY_KEEP_MS)
             .execute(&mut *tx)
             .await?;
-        if let Some(record) = &t.idempotency {
-            sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?")
-                .bind(t.now - IDEMPOTENCY_KEEP_MS)
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query(
-                "INSERT INTO idempotency_keys (conversation_id, key, body_hash, response, created_at)
-                 VALUES (?, ?, ?, ?, ?)",
-            )
-            .bind(t.conversation_id)
-            .bind(record.key)
-            .bind(record.body_hash)
-            .bind(record.response)
-            .bind(t.now)
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| match e.as_database_error() {
-                Some(d) if d.is_unique_violation() => StoreError::DuplicateKey,
-                _ => StoreError::Database(e),
-            })?;
-        }
-        let seq = append_in(&mut tx, t.conversation_id, t.turn_id, &[user_chunk(t.user_text)], t.now).await?;
-        self.commit(tx, started).await?;
-        Ok(seq)
+        sqlx::query(
+            "INSERT INTO idempotency_keys (conversation_id, key, body_hash, response, created_at)
+             VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(t.conversation_id)
+        .bind(record.key)
+        .bind(record.body_hash)
+        .bind(record.response)
+        .bind(t.now)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| match e.as_database_error() {
+            Some(d) if d.is_unique_violation() => StoreError::DuplicateKey,
+            _ => StoreError::Database(e),
+        })?;
+    }
+    append_in(tx, t.conversation_id, t.turn_id, &[user_chunk(t.user_text)], t.now).await
+}
+
+/// The statements of a seal, inside an open write transaction.
+pub(super) async fn seal_in(
+    tx: &mut SqliteConnection,
+    s: SealTurn<'_>,
+    final_chunks: &[NewChunk],
+) -> StoreResult<String> {
+    let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let gen_total_ms: u64 = s.metrics.steps.iter().filter_map(|st| st.gen_total_ms).sum();
+    append_in(tx, s.conversation_id, s.turn_id, final_chunks, s.now).await?;
+    sqlx::query(
+        "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
+         WHERE conversation_id = ? AND turn_id = ?",
+    )
+    .bind(s.now)
+    .bind(s.reason)
+    .bind(metrics)
+    .bind(s.metrics.usage.output_tokens as i64)
+    .bind(gen_total_ms as i64)
+    .bind(s.conversation_id)
+    .bind(s.turn_id)
+    .execute(&mut *tx)
+    .await?;
+    let status: String = sqlx::query_scalar(
+        "UPDATE conversations SET last_activity_at = ?,
+             status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
+         WHERE id = ? RETURNING status",
+    )
+    .bind(s.now)
+    .bind(s.conversation_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok(status)
+}
+
+impl Store {
+    /// Opens a turn: creates the conversation when missing, marks it active, records the turn
+    /// and appends the user's chunk, all in one transaction (shared with other writes queued
+    /// with it). Returns the user chunk's seq.
+    pub async fn begin_turn(&self, t: BeginTurn<'_>) -> StoreResult<u64> {
+        let job = super::batch::Write::Begin {
+            conversation_id: t.conversation_id.to_owned(),
+            turn_id: t.turn_id.to_owned(),
+            model: t.model.to_owned(),
+            user_text: t.user_text.to_owned(),
+            default_title: t.default_title.to_owned(),
+            idempotency: t.idempotency.map(|r| (r.key.to_owned(), r.body_hash.to_owned(), r.response.to_owned())),
+            now: t.now,
+        };
+        self.write(job).await?.seq()
     }
 
     /// The first answer to an idempotency key, with the hash of the body it came with.
@@ -116,41 +157,18 @@ impl Store {
     }
 
     /// Seals a turn: its chunks not yet written, its metrics, and the conversation back to
-    /// idle (a closed one stays closed), in one transaction. Returns the conversation's status.
+    /// idle (a closed one stays closed), in one transaction (shared with other writes queued
+    /// with it). Returns the conversation's status.
     pub async fn seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<String> {
-        let result = self.write_seal_turn(s, final_chunks).await;
-        self.noted(result)
-    }
-
-    async fn write_seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<String> {
-        let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let gen_total_ms: u64 = s.metrics.steps.iter().filter_map(|st| st.gen_total_ms).sum();
-        let (mut tx, started) = self.write_tx().await?;
-        append_in(&mut tx, s.conversation_id, s.turn_id, final_chunks, s.now).await?;
-        sqlx::query(
-            "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
-             WHERE conversation_id = ? AND turn_id = ?",
-        )
-        .bind(s.now)
-        .bind(s.reason)
-        .bind(metrics)
-        .bind(s.metrics.usage.output_tokens as i64)
-        .bind(gen_total_ms as i64)
-        .bind(s.conversation_id)
-        .bind(s.turn_id)
-        .execute(&mut *tx)
-        .await?;
-        let status: String = sqlx::query_scalar(
-            "UPDATE conversations SET last_activity_at = ?,
-                 status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
-             WHERE id = ? RETURNING status",
-        )
-        .bind(s.now)
-        .bind(s.conversation_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        self.commit(tx, started).await?;
-        Ok(status)
+        let job = super::batch::Write::Seal {
+            conversation_id: s.conversation_id.to_owned(),
+            turn_id: s.turn_id.to_owned(),
+            reason: s.reason.to_owned(),
+            metrics: s.metrics.clone(),
+            now: s.now,
+            chunks: final_chunks.to_vec(),
+        };
+        self.write(job).await?.status()
     }
 
     /// Every sealed turn's metrics, in turn order.
@@ -202,5 +220,91 @@ impl Store {
         // Whatever was active when the process died is not active now.
         sqlx::query("UPDATE conversations SET status = 'idle' WHERE status = 'active'").execute(&self.writer).await?;
         Ok(open.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::store::HistoryWindow;
+    use crate::wire::Usage;
+    use std::sync::Arc;
+
+    #[tokio::test]
+    async fn seals_queued_together_commit_in_one_transaction_and_each_gets_its_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = Arc::new(Metrics::default());
+        let store = Store::open(&dir.path().join("seal.db"), metrics.clone()).await.unwrap();
+        let ids: Vec<(String, String)> = (0..20).map(|i| (format!("c{i}"), format!("t{i}"))).collect();
+        for (c, t) in &ids {
+            let begin = BeginTurn {
+                conversation_id: c,
+                turn_id: t,
+                model: "demo/scripted",
+                user_text: "hi",
+                default_title: "hi",
+                idempotency: None,
+                now: 1,
+            };
+            store.begin_turn(begin).await.unwrap();
+        }
+        let turn_metrics: Vec<TurnMetrics> = ids
+            .iter()
+            .map(|(_, t)| TurnMetrics {
+                turn_id: t.clone(),
+                usage: Usage::default(),
+                duration_ms: Some(1),
+                steps: vec![],
+                context_size: None,
+            })
+            .collect();
+        let writes = metrics.writes();
+        // All 20 are queued before the writer task runs (one thread): one transaction takes them.
+        let seals = ids.iter().zip(&turn_metrics).map(|((c, t), m)| {
+            let seal = SealTurn { conversation_id: c, turn_id: t, reason: "stop", metrics: m, now: 2 };
+            let store = store.clone();
+            async move { store.seal_turn(seal, &[user_chunk("the end")]).await }
+        });
+        let statuses = futures_util::future::join_all(seals).await;
+        assert!(statuses.iter().all(|s| s.as_deref().ok() == Some("idle")), "{statuses:?}");
+        assert_eq!(metrics.writes() - writes, 1, "one transaction for the 20 seals");
+        for ((c, _), m) in ids.iter().zip(&turn_metrics) {
+            let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None };
+            assert_eq!(store.history(c, all).await.unwrap().last_seq, Some(2), "{c}: the final chunk was written");
+            assert_eq!(store.turn_metrics(c).await.unwrap(), vec![m.clone()]);
+        }
+        // A seal that fails inside a shared transaction fails alone (its savepoint); the
+        // others seal in the same transaction.
+        let mut begun = Vec::new();
+        for i in 0..3 {
+            let (c, t) = (format!("d{i}"), format!("u{i}"));
+            let begin = BeginTurn {
+                conversation_id: &c,
+                turn_id: &t,
+                model: "demo/scripted",
+                user_text: "hi",
+                default_title: "hi",
+                idempotency: None,
+                now: 1,
+            };
+            store.begin_turn(begin).await.unwrap();
+            begun.push((c, t));
+        }
+        begun[1].0 = "never-begun".into(); // no conversation row: its seal fails
+        let m = &turn_metrics[0];
+        let seals = begun.iter().map(|(c, t)| {
+            let seal = SealTurn { conversation_id: c, turn_id: t, reason: "stop", metrics: m, now: 3 };
+            let store = store.clone();
+            async move { store.seal_turn(seal, &[]).await }
+        });
+        let writes = metrics.writes();
+        let statuses = futures_util::future::join_all(seals).await;
+        assert!(statuses[0].is_ok() && statuses[2].is_ok(), "{statuses:?}");
+        assert!(statuses[1].is_err(), "{statuses:?}");
+        assert_eq!(metrics.writes() - writes, 1);
+        for (c, _) in [&begun[0], &begun[2]] {
+            assert_eq!(store.turn_metrics(c).await.unwrap().len(), 1, "{c} sealed");
+        }
     }
 }
