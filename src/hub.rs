@@ -168,7 +168,16 @@ pub struct TurnBuffer {
     pacing: Mutex<Pacing>,
     /// Watchers reading in-flight turns, hub-wide.
     readers: Arc<AtomicUsize>,
+    /// Bytes held by every live buffer, hub-wide.
+    held: Arc<AtomicUsize>,
     next: Arc<TurnSlot>,
+}
+
+impl Drop for TurnBuffer {
+    fn drop(&mut self) {
+        let bytes = self.state.get_mut().unwrap_or_else(|p| p.into_inner()).bytes;
+        self.held.fetch_sub(bytes, Relaxed);
+    }
 }
 
 impl TurnBuffer {
@@ -187,6 +196,7 @@ impl TurnBuffer {
             let frame = Arc::new(Frame::build(&self.turn_id, index, index, kind, &json));
             st.next_index += 1;
             st.bytes += frame.size();
+            self.held.fetch_add(frame.size(), Relaxed);
             st.frames.push(frame);
             st.sealed = last;
             if st.bytes > st.threshold {
@@ -286,6 +296,11 @@ impl TurnBuffer {
         flush(&mut run, &mut out);
         st.frames = out;
         st.bytes = st.frames.iter().map(|f| f.size()).sum();
+        if st.bytes <= before {
+            self.held.fetch_sub(before - st.bytes, Relaxed);
+        } else {
+            self.held.fetch_add(st.bytes - before, Relaxed);
+        }
         st.threshold = self.cap.max(st.bytes + self.cap / 2);
         tracing::debug!(turn = %self.turn_id, before, after = st.bytes, "coalesced the replay buffer");
     }
@@ -474,13 +489,15 @@ pub struct Hub {
     channels: Mutex<HashMap<Arc<str>, Channel>>,
     /// Watchers reading in-flight turns.
     readers: Arc<AtomicUsize>,
+    /// Bytes held by every live replay buffer (in flight, or sealed and still being read).
+    held: Arc<AtomicUsize>,
     /// Per-turn buffer size past which deltas are coalesced.
     buffer_cap: usize,
 }
 
 impl Hub {
     pub fn new(buffer_cap: usize) -> Arc<Hub> {
-        Arc::new(Hub { channels: Mutex::default(), readers: Arc::default(), buffer_cap })
+        Arc::new(Hub { channels: Mutex::default(), readers: Arc::default(), held: Arc::default(), buffer_cap })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, Channel>> {
@@ -500,6 +517,7 @@ impl Hub {
             grown: Notify::new(),
             pacing: Mutex::default(),
             readers: self.readers.clone(),
+            held: self.held.clone(),
             next: Arc::default(),
         });
         let slot = std::mem::replace(&mut channel.next, buffer.next.clone());
@@ -563,6 +581,12 @@ impl Hub {
     /// The in-flight turn of a conversation, if any.
     pub fn current(&self, conversation_id: &str) -> Option<Arc<TurnBuffer>> {
         self.lock().get(conversation_id).and_then(|c| c.current.clone())
+    }
+
+    /// Bytes held by every live replay buffer: turns in flight, and sealed turns a watcher is
+    /// still reading (each within `--turn-buffer-bytes`, give or take a coalescing pass).
+    pub fn buffered_bytes(&self) -> usize {
+        self.held.load(Relaxed)
     }
 
     /// Number of conversations the hub holds state for (idle, unwatched ones are forgotten).
@@ -635,8 +659,13 @@ mod tests {
         // The coalesced frame's SSE id names its last event, so resuming after it is exact.
         let last = again.last().unwrap();
         assert!(String::from_utf8_lossy(&last.sse).starts_with(&format!("id: t:{}\n", last.last)));
+        assert_eq!(hub.buffered_bytes(), buffer.bytes(), "the hub-wide count follows coalescing");
         hub.seal_turn(buffer, &sealed());
         assert!(frames(&mut early).await[0].is_sealed());
+        // A sealed turn's buffer is held while a watcher still reads it, and released after.
+        assert!(hub.buffered_bytes() > 0);
+        drop((early, middle));
+        assert_eq!(hub.buffered_bytes(), 0);
     }
 
     /// Whether a spawned read has finished, after letting every ready task run.

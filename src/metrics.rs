@@ -76,8 +76,8 @@ impl Metrics {
         *errors.entry(kind.to_owned()).or_default() += 1;
     }
 
-    /// The text exposition; `running` and `channels` are read from their owners.
-    pub fn render(&self, running: usize, channels: usize) -> String {
+    /// The text exposition; `running`, `channels` and `buffered` are read from their owners.
+    pub fn render(&self, running: usize, channels: usize, buffered: usize) -> String {
         let mut out = String::with_capacity(4096);
         let mut counter = |name: &str, help: &str, value: u64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
@@ -117,6 +117,10 @@ impl Metrics {
             "# HELP dispatch_hub_channels Conversations the hub holds state for.\n# TYPE dispatch_hub_channels gauge"
         );
         let _ = writeln!(out, "dispatch_hub_channels {channels}");
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_hub_buffer_bytes Bytes held by replay buffers (turns in flight, and sealed turns still being read).\n# TYPE dispatch_hub_buffer_bytes gauge\ndispatch_hub_buffer_bytes {buffered}"
+        );
         let _ = writeln!(out, "# HELP dispatch_open_streams Open live streams.\n# TYPE dispatch_open_streams gauge");
         for t in Transport::ALL {
             let _ = writeln!(

@@ -209,7 +209,8 @@ async fn the_replay_buffer_stays_within_its_cap_and_late_joiners_still_rebuild_t
         let (mut max_bytes, mut max_published) = (0, 0);
         for _ in 0..20_000 {
             if let Some(b) = hub.current("huge") {
-                max_bytes = max_bytes.max(b.bytes());
+                // The hub-wide gauge counts this buffer (the only one) as it grows and coalesces.
+                max_bytes = max_bytes.max(b.bytes()).max(hub.buffered_bytes());
                 max_published = max_published.max(b.published());
             } else if max_published > 0 {
                 break;
@@ -238,6 +239,14 @@ async fn the_replay_buffer_stays_within_its_cap_and_late_joiners_still_rebuild_t
     // The log holds the whole text too.
     let history = server.history("huge").await;
     assert_eq!(history[1]["chunk"]["text"], "tok ".repeat(60_000));
+
+    // Sealed and no longer read: the buffer is gone, and /metrics says so.
+    drop(watcher);
+    let metrics = || async { server.client.get(server.url("/metrics")).send().await.unwrap().text().await.unwrap() };
+    let released = eventually(100, || async { metrics().await.contains("\ndispatch_hub_buffer_bytes 0\n") }).await;
+    let text = metrics().await;
+    assert!(released, "{text}");
+    assert!(text.contains("# TYPE dispatch_hub_buffer_bytes gauge"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -768,12 +768,15 @@ async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Va
         let tally = Tally::collect(tasks, events).await;
         let elapsed = started.elapsed().as_secs_f64();
         sampler.abort();
+        // The turn has sealed: what the hub still holds is what the stalled watcher keeps alive.
+        let held = hub_buffer_bytes(&client, base).await;
         drop(stalled);
         runs.push(json!({
             "stalled_watcher": with_stalled,
             "deliveries_per_second": tally.delivered as f64 / elapsed,
             "seconds": elapsed,
             "rss_growth_kib": peak.load(Ordering::Relaxed).saturating_sub(rss0),
+            "hub_bytes_after_seal": held,
             "correct": tally.correct(),
         }));
     }
@@ -788,10 +791,18 @@ async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Va
         "events": events,
         "healthy_throughput_ratio": median(true, "deliveries_per_second") / median(false, "deliveries_per_second").max(1.0),
         "rss_growth_alone_kib": median(false, "rss_growth_kib"),
+        "hub_bytes_after_seal_alone": median(false, "hub_bytes_after_seal"),
+        "hub_bytes_after_seal_beside_stalled": median(true, "hub_bytes_after_seal"),
         "rss_growth_beside_stalled_kib": median(true, "rss_growth_kib"),
         "correct": runs.iter().all(|r| r["correct"] == true),
         "runs": runs,
     })
+}
+
+/// The gateway's `dispatch_hub_buffer_bytes` gauge.
+async fn hub_buffer_bytes(client: &reqwest::Client, base: &str) -> Option<u64> {
+    let text = client.get(format!("{base}/metrics")).send().await.ok()?.text().await.ok()?;
+    text.lines().find_map(|l| l.strip_prefix("dispatch_hub_buffer_bytes ")).and_then(|v| v.trim().parse().ok())
 }
 
 /// W8, second half: a fake OpenAI-compatible upstream on `listen` streams `chunks` stamped

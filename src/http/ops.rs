@@ -38,6 +38,6 @@ pub async fn ready(State(state): State<AppState>) -> Result<Json<Ready>, ApiErro
     (status = 200, description = "Prometheus text format", content_type = "text/plain; version=0.0.4", body = String),
 ))]
 pub async fn metrics(State(state): State<AppState>) -> Response {
-    let body = state.metrics.render(state.turns.running(), state.hub.channel_count());
+    let body = state.metrics.render(state.turns.running(), state.hub.channel_count(), state.hub.buffered_bytes());
     ([(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
 }
