@@ -226,11 +226,7 @@ impl TurnBuffer {
         let mut pacing = self.pacing();
         let due = pacing.last_round.map(|last| last + window);
         if window.is_zero() || due.is_none_or(|due| now >= due) {
-            pacing.last_round = Some(now);
-            pacing.pending = false;
-            drop(pacing);
-            self.grown.notify_waiters();
-            return;
+            return self.round_now(pacing, now);
         }
         if std::mem::replace(&mut pacing.pending, true) {
             return; // the scheduled round takes this delta too
@@ -252,8 +248,11 @@ impl TurnBuffer {
 
     /// Starts a round of wake-ups now.
     fn round(&self) {
-        let mut pacing = self.pacing();
-        pacing.last_round = Some(Instant::now());
+        self.round_now(self.pacing(), Instant::now());
+    }
+
+    fn round_now(&self, mut pacing: std::sync::MutexGuard<'_, Pacing>, now: Instant) {
+        pacing.last_round = Some(now);
         pacing.pending = false;
         drop(pacing);
         self.grown.notify_waiters();
@@ -296,11 +295,8 @@ impl TurnBuffer {
         flush(&mut run, &mut out);
         st.frames = out;
         st.bytes = st.frames.iter().map(|f| f.size()).sum();
-        if st.bytes <= before {
-            self.held.fetch_sub(before - st.bytes, Relaxed);
-        } else {
-            self.held.fetch_add(st.bytes - before, Relaxed);
-        }
+        // The change, either way (the atomic add wraps like the subtraction).
+        self.held.fetch_add(st.bytes.wrapping_sub(before), Relaxed);
         st.threshold = self.cap.max(st.bytes + self.cap / 2);
         tracing::debug!(turn = %self.turn_id, before, after = st.bytes, "coalesced the replay buffer");
     }

@@ -231,6 +231,19 @@ mod tests {
     use crate::wire::Usage;
     use std::sync::Arc;
 
+    async fn begin(store: &Store, conversation_id: &str, turn_id: &str) {
+        let begin = BeginTurn {
+            conversation_id,
+            turn_id,
+            model: "demo/scripted",
+            user_text: "hi",
+            default_title: "hi",
+            idempotency: None,
+            now: 1,
+        };
+        store.begin_turn(begin).await.unwrap();
+    }
+
     #[tokio::test]
     async fn seals_queued_together_commit_in_one_transaction_and_each_gets_its_answer() {
         let dir = tempfile::tempdir().unwrap();
@@ -238,16 +251,7 @@ mod tests {
         let store = Store::open(&dir.path().join("seal.db"), metrics.clone()).await.unwrap();
         let ids: Vec<(String, String)> = (0..20).map(|i| (format!("c{i}"), format!("t{i}"))).collect();
         for (c, t) in &ids {
-            let begin = BeginTurn {
-                conversation_id: c,
-                turn_id: t,
-                model: "demo/scripted",
-                user_text: "hi",
-                default_title: "hi",
-                idempotency: None,
-                now: 1,
-            };
-            store.begin_turn(begin).await.unwrap();
+            begin(&store, c, t).await;
         }
         let turn_metrics: Vec<TurnMetrics> = ids
             .iter()
@@ -279,16 +283,7 @@ mod tests {
         let mut begun = Vec::new();
         for i in 0..3 {
             let (c, t) = (format!("d{i}"), format!("u{i}"));
-            let begin = BeginTurn {
-                conversation_id: &c,
-                turn_id: &t,
-                model: "demo/scripted",
-                user_text: "hi",
-                default_title: "hi",
-                idempotency: None,
-                now: 1,
-            };
-            store.begin_turn(begin).await.unwrap();
+            begin(&store, &c, &t).await;
             begun.push((c, t));
         }
         begun[1].0 = "never-begun".into(); // no conversation row: its seal fails
