@@ -206,18 +206,19 @@ async fn the_replay_buffer_stays_within_its_cap_and_late_joiners_still_rebuild_t
     let server = server_with(dir.path(), |c| c.turn_buffer_bytes = cap).await;
     let hub = server.state.hub.clone();
     let sampler = tokio::spawn(async move {
-        let (mut max_bytes, mut max_published) = (0, 0);
+        let (mut max_bytes, mut max_published, mut max_gauge) = (0, 0, 0);
         for _ in 0..20_000 {
             if let Some(b) = hub.current("huge") {
                 // The hub-wide gauge counts this buffer (the only one) as it grows and coalesces.
-                max_bytes = max_bytes.max(b.bytes()).max(hub.buffered_bytes());
+                max_gauge = max_gauge.max(hub.buffered_bytes());
+                max_bytes = max_bytes.max(b.bytes()).max(max_gauge);
                 max_published = max_published.max(b.published());
             } else if max_published > 0 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        (max_bytes, max_published)
+        (max_bytes, max_published, max_gauge)
     });
     let mut watcher = server.sse("huge", "?until=sealed").await;
     start_turn(&server, "huge", "huge").await;
@@ -231,7 +232,8 @@ async fn the_replay_buffer_stays_within_its_cap_and_late_joiners_still_rebuild_t
         .map(|e| e["delta"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(text, "tok ".repeat(60_000));
-    let (max_bytes, max_published) = sampler.await.unwrap();
+    let (max_bytes, max_published, max_gauge) = sampler.await.unwrap();
+    assert!(max_gauge > cap / 4, "the gauge counted the buffer: {max_gauge}");
     assert!(max_published > 60_000, "sampled the turn: {max_published}");
     // Uncoalesced, 60,000 framed deltas would hold tens of MiB.
     assert!(max_bytes <= 2 * cap, "buffer peaked at {max_bytes} bytes, cap {cap}");

@@ -617,10 +617,21 @@ impl Tally {
         tally
     }
 
-    /// Sorts the latencies (after the clock has stopped: 20 million of them take a while).
-    fn sorted(mut self) -> Tally {
-        self.latencies.sort_unstable();
-        self
+    /// Waits for every watcher; returns the tally, the seconds since `started` and the server
+    /// CPU microseconds since `cpu0`, both read before the latencies are sorted (20 million of
+    /// them take a while).
+    async fn finish(
+        tasks: Vec<tokio::task::JoinHandle<Seen>>,
+        events: usize,
+        started: Instant,
+        cpu0: u64,
+        pids: &[u32],
+    ) -> (Tally, f64, u64) {
+        let mut tally = Tally::collect(tasks, events).await;
+        let elapsed = started.elapsed().as_secs_f64();
+        let cpu = cpu_micros(pids).saturating_sub(cpu0);
+        tally.latencies.sort_unstable();
+        (tally, elapsed, cpu)
     }
 
     fn correct(&self) -> bool {
@@ -655,10 +666,7 @@ async fn fanout(
         Server::Gateway => start_turn(&client, base, &channel, &format!("fanout-{events}-{rate}")).await,
         Server::Nchan => publish_nchan(&client, base, &channel, events, rate).await,
     }
-    let tally = Tally::collect(tasks, events).await;
-    let elapsed = started.elapsed().as_secs_f64();
-    let cpu = cpu_micros(pids).saturating_sub(cpu0);
-    let tally = tally.sorted();
+    let (tally, elapsed, cpu) = Tally::finish(tasks, events, started, cpu0, pids).await;
     json!({
         "transport": format!("{transport:?}").to_lowercase(),
         "watchers": watchers,
@@ -705,10 +713,7 @@ async fn scale(
         start_turn(&client, base, &format!("{prefix}-{c}"), &format!("paced-{events}-{rate}")).await;
         tokio::time::sleep(spread).await;
     }
-    let tally = Tally::collect(tasks, events).await;
-    let elapsed = started.elapsed().as_secs_f64();
-    let cpu = cpu_micros(pids).saturating_sub(cpu0);
-    let tally = tally.sorted();
+    let (tally, elapsed, cpu) = Tally::finish(tasks, events, started, cpu0, pids).await;
     json!({
         "transport": format!("{transport:?}").to_lowercase(),
         "conversations": conversations,
@@ -769,7 +774,7 @@ async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Va
         let elapsed = started.elapsed().as_secs_f64();
         sampler.abort();
         // The turn has sealed: what the hub still holds is what the stalled watcher keeps alive.
-        let held = hub_buffer_bytes(&client, base).await;
+        let held = metric(&client, base, "dispatch_hub_buffer_bytes").await;
         drop(stalled);
         runs.push(json!({
             "stalled_watcher": with_stalled,
@@ -799,10 +804,10 @@ async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Va
     })
 }
 
-/// The gateway's `dispatch_hub_buffer_bytes` gauge.
-async fn hub_buffer_bytes(client: &reqwest::Client, base: &str) -> Option<u64> {
+/// One unlabelled series of the gateway's `/metrics`.
+async fn metric(client: &reqwest::Client, base: &str, name: &str) -> Option<f64> {
     let text = client.get(format!("{base}/metrics")).send().await.ok()?.text().await.ok()?;
-    text.lines().find_map(|l| l.strip_prefix("dispatch_hub_buffer_bytes ")).and_then(|v| v.trim().parse().ok())
+    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')).and_then(|v| v.trim().parse().ok())
 }
 
 /// W8, second half: a fake OpenAI-compatible upstream on `listen` streams `chunks` stamped
@@ -1006,6 +1011,7 @@ async fn latejoin(server: Server, transport: Transport, base: &str, events: usiz
 async fn turns(base: &str, clients: usize, seconds: f64, pids: &[u32]) -> Value {
     let client = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs_f64(seconds);
+    let writes0 = metric(&client, base, "dispatch_sqlite_write_seconds_count").await.unwrap_or(0.0);
     let cpu0 = cpu_micros(pids);
     let started = Instant::now();
     let tasks: Vec<_> = (0..clients)
@@ -1055,9 +1061,11 @@ async fn turns(base: &str, clients: usize, seconds: f64, pids: &[u32]) -> Value 
         gaps.extend(g);
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let writes = metric(&client, base, "dispatch_sqlite_write_seconds_count").await.unwrap_or(0.0) - writes0;
     gaps.sort_unstable();
     json!({
         "clients": clients,
+        "write_transactions_per_turn": writes / sealed.max(1) as f64,
         "sealed": sealed,
         "seconds": elapsed,
         "turns_per_second": sealed as f64 / elapsed,
