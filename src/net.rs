@@ -21,6 +21,8 @@ use tokio::sync::watch;
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 
+mod direct;
+
 /// Limits every connection of a listener lives under.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
@@ -50,11 +52,23 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
             _ = stop.cancelled() => break,
         };
         let _ = stream.set_nodelay(true);
-        let io = TokioIo::new(GuardedStream { inner: stream, drain_timeout: limits.drain_timeout, stalled: None });
-        let service = TowerToHyperService::new(router.clone());
+        let router = router.clone();
         let mut stopped = Cancelled::new(&stop);
         let alive = connection_alive.clone();
         tokio::spawn(async move {
+            // Live streams first (written by `direct`); hyper takes over at any other request.
+            let prefix = match direct::serve(&stream, &router, &limits, &mut stopped).await {
+                direct::Next::Hyper(prefix) => prefix,
+                direct::Next::Closed => {
+                    let mut stream = stream;
+                    let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
+                    drop(alive);
+                    return;
+                }
+            };
+            let inner = GuardedStream { inner: stream, drain_timeout: limits.drain_timeout, stalled: None };
+            let io = TokioIo::new(Rewind { prefix, read: 0, inner });
+            let service = TowerToHyperService::new(router);
             let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
             builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
             let connection = builder.serve_connection_with_upgrades(io, service);
@@ -136,6 +150,56 @@ impl Future for Cancelled {
             this.flag.fired.store(true, std::sync::atomic::Ordering::Release);
         }
         ready
+    }
+}
+
+/// A stream that first yields bytes already read from it.
+struct Rewind {
+    prefix: Vec<u8>,
+    read: usize,
+    inner: GuardedStream,
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.read < this.prefix.len() {
+            let n = buf.remaining().min(this.prefix.len() - this.read);
+            buf.put_slice(&this.prefix[this.read..this.read + n]);
+            this.read += n;
+            if this.read == this.prefix.len() {
+                this.prefix = Vec::new();
+                this.read = 0;
+            }
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 

@@ -1,0 +1,327 @@
+//! Live streams written straight to their socket.
+//!
+//! A connection's request heads are read here first. `GET …/events` over HTTP/1.1 with no body
+//! and no upgrade (an SSE or NDJSON watcher) runs through the same router, middleware and
+//! handler as any request; only the response is written here: the head, then every batch the
+//! body yields as one chunk in one vectored write. Such a stream holds no per-connection read
+//! or write buffer while it is open (a generic HTTP/1.1 connection keeps several KiB of each for
+//! its whole life, which is most of what an idle watcher costs), and a batch goes from the hub
+//! to the socket without being queued a second time.
+//!
+//! Any other request, and everything after it on the same connection, is served by hyper,
+//! which is handed the bytes read so far.
+
+use std::future::poll_fn;
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::task::Poll;
+use std::time::{Duration, SystemTime};
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::header::{CONNECTION, CONTENT_LENGTH, DATE, TRANSFER_ENCODING};
+use axum::http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri, Version};
+use http_body::Body as _;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tower::ServiceExt;
+
+use super::{Cancelled, ConnectionLimits, stalled_error};
+
+/// A request head longer than this is left to hyper (which answers oversized heads itself);
+/// also the most a client may send while its stream is open (kept for its next request).
+const MAX_HEAD: usize = 16 * 1024;
+
+/// Most header lines parsed here; a request with more is left to hyper.
+const MAX_HEADERS: usize = 64;
+
+/// How the connection goes on after this module is done with it.
+pub enum Next {
+    /// Close it.
+    Closed,
+    /// Serve it with hyper, which reads these bytes first.
+    Hyper(Vec<u8>),
+}
+
+/// Serves the connection's live-stream requests until one that is not, the end of the
+/// connection, or shutdown (between requests).
+pub async fn serve(stream: &TcpStream, router: &Router, limits: &ConnectionLimits, stopped: &mut Cancelled) -> Next {
+    let mut pending = Vec::new();
+    loop {
+        let (request, close) = match read_head(stream, &mut pending, limits.header_read_timeout, stopped).await {
+            Head::Direct(request, close) => (request, close),
+            Head::Other => return Next::Hyper(pending),
+            Head::Closed => return Next::Closed,
+        };
+        let response = match router.clone().oneshot(request).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        };
+        match respond(stream, response, close, &mut pending, limits.drain_timeout).await {
+            Ok(true) => {}
+            Ok(false) | Err(_) => return Next::Closed,
+        }
+    }
+}
+
+enum Head {
+    /// A live-stream request, and whether the client asked to close after it.
+    Direct(Request<Body>, bool),
+    /// Anything else (or something this module does not parse): hyper's.
+    Other,
+    /// The client went away, sent nothing in time, or the server is stopping.
+    Closed,
+}
+
+/// Reads until `pending` holds a complete request head and parses it.
+async fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, timeout: Duration, stopped: &mut Cancelled) -> Head {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if !pending.is_empty() {
+            match parse(pending) {
+                Parsed::Complete(request, close, length) => {
+                    pending.drain(..length);
+                    if pending.is_empty() {
+                        // Give the head's buffer back: the stream may stay open for hours.
+                        *pending = Vec::new();
+                    }
+                    return Head::Direct(request, close);
+                }
+                Parsed::Partial if pending.len() < MAX_HEAD => {}
+                Parsed::Partial | Parsed::Other => return Head::Other,
+            }
+        }
+        if pending.capacity() - pending.len() < 512 {
+            pending.reserve(1024);
+        }
+        match stream.try_read_buf(pending) {
+            Ok(0) => return Head::Closed,
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => return Head::Closed,
+        }
+        tokio::select! {
+            biased;
+            _ = &mut *stopped => return Head::Closed,
+            ready = stream.readable() => if ready.is_err() { return Head::Closed },
+            _ = tokio::time::sleep_until(deadline) => return Head::Closed,
+        }
+    }
+}
+
+enum Parsed {
+    /// A live-stream request, whether to close after it, and the length of its head.
+    Complete(Request<Body>, bool, usize),
+    Partial,
+    Other,
+}
+
+fn parse(bytes: &[u8]) -> Parsed {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut head = httparse::Request::new(&mut headers);
+    let length = match head.parse(bytes) {
+        Ok(httparse::Status::Complete(length)) => length,
+        Ok(httparse::Status::Partial) => return Parsed::Partial,
+        Err(_) => return Parsed::Other,
+    };
+    if head.method != Some("GET") || head.version != Some(1) {
+        return Parsed::Other;
+    }
+    let Some(uri) = head.path.and_then(|p| p.parse::<Uri>().ok()) else { return Parsed::Other };
+    if !uri.path().ends_with("/events") {
+        return Parsed::Other;
+    }
+    let mut request = Request::new(Body::empty());
+    *request.method_mut() = Method::GET;
+    *request.uri_mut() = uri;
+    *request.version_mut() = Version::HTTP_11;
+    let mut close = false;
+    for header in head.headers.iter() {
+        let (Ok(name), Ok(value)) =
+            (HeaderName::from_bytes(header.name.as_bytes()), HeaderValue::from_bytes(header.value))
+        else {
+            return Parsed::Other;
+        };
+        // A body or a protocol switch is hyper's to handle.
+        let bodyless = match name.as_str() {
+            "content-length" => value.as_bytes() == b"0",
+            "transfer-encoding" | "upgrade" | "expect" => false,
+            _ => true,
+        };
+        if !bodyless {
+            return Parsed::Other;
+        }
+        if name == CONNECTION {
+            close |= value.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+        }
+        request.headers_mut().append(name, value);
+    }
+    Parsed::Complete(request, close, length)
+}
+
+/// What happened while a body was being waited for.
+enum Step {
+    Frame(Option<Result<http_body::Frame<bytes::Bytes>, axum::Error>>),
+    /// The client closed its side (or reset it, or sent more than a request head may hold).
+    Gone,
+}
+
+/// Writes `response`; whether the connection can carry another request.
+async fn respond(
+    stream: &TcpStream,
+    response: Response<Body>,
+    close: bool,
+    pending: &mut Vec<u8>,
+    drain: Duration,
+) -> io::Result<bool> {
+    let (parts, mut body) = response.into_parts();
+    let status = parts.status;
+    let bodyless = status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    let length = if parts.headers.contains_key(CONTENT_LENGTH) { None } else { body.size_hint().exact() };
+    let chunked = !bodyless && length.is_none() && !parts.headers.contains_key(CONTENT_LENGTH);
+    let mut head = Vec::with_capacity(256);
+    head.extend_from_slice(b"HTTP/1.1 ");
+    head.extend_from_slice(status.as_str().as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    head.extend_from_slice(b"\r\n");
+    for (name, value) in &parts.headers {
+        if name == TRANSFER_ENCODING || name == CONNECTION {
+            continue;
+        }
+        line(&mut head, name.as_str(), value.as_bytes());
+    }
+    if !parts.headers.contains_key(DATE) {
+        line(&mut head, "date", httpdate::fmt_http_date(SystemTime::now()).as_bytes());
+    }
+    if chunked {
+        line(&mut head, "transfer-encoding", b"chunked");
+    } else if let Some(n) = length.filter(|_| !bodyless) {
+        line(&mut head, "content-length", n.to_string().as_bytes());
+    }
+    if close {
+        line(&mut head, "connection", b"close");
+    }
+    head.extend_from_slice(b"\r\n");
+    write_all(stream, &mut [IoSlice::new(&head)], drain).await?;
+    drop(head);
+    if bodyless {
+        return Ok(!close);
+    }
+    loop {
+        let step = poll_fn(|cx| {
+            // The client side first: its end (or reset) ends the stream at once.
+            while stream.poll_read_ready(cx).is_ready() {
+                let mut scratch = [0u8; 512];
+                match stream.try_read(&mut scratch) {
+                    Ok(0) => return Poll::Ready(Step::Gone),
+                    Ok(n) if pending.len() + n <= MAX_HEAD => pending.extend_from_slice(&scratch[..n]),
+                    Ok(_) => return Poll::Ready(Step::Gone),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(_) => return Poll::Ready(Step::Gone),
+                }
+            }
+            Pin::new(&mut body).poll_frame(cx).map(Step::Frame)
+        })
+        .await;
+        let data = match step {
+            Step::Gone | Step::Frame(Some(Err(_))) => return Ok(false),
+            Step::Frame(None) => break,
+            Step::Frame(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) if !data.is_empty() => data,
+                _ => continue,
+            },
+        };
+        if chunked {
+            let mut size = [0u8; 18];
+            let size = chunk_size(&mut size, data.len());
+            write_all(stream, &mut [IoSlice::new(size), IoSlice::new(&data), IoSlice::new(b"\r\n")], drain).await?;
+        } else {
+            write_all(stream, &mut [IoSlice::new(&data)], drain).await?;
+        }
+    }
+    if chunked {
+        write_all(stream, &mut [IoSlice::new(b"0\r\n\r\n")], drain).await?;
+    }
+    Ok(!close)
+}
+
+fn line(head: &mut Vec<u8>, name: &str, value: &[u8]) {
+    head.extend_from_slice(name.as_bytes());
+    head.extend_from_slice(b": ");
+    head.extend_from_slice(value);
+    head.extend_from_slice(b"\r\n");
+}
+
+/// `<length in hex>\r\n`, the line that opens a chunk.
+fn chunk_size(buf: &mut [u8; 18], mut length: usize) -> &[u8] {
+    let mut at = buf.len() - 2;
+    buf[at..].copy_from_slice(b"\r\n");
+    loop {
+        at -= 1;
+        buf[at] = b"0123456789abcdef"[length & 0xf];
+        length >>= 4;
+        if length == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
+/// Writes every byte of `parts`, failing once the socket has taken nothing for `drain`.
+async fn write_all(stream: &TcpStream, mut parts: &mut [IoSlice<'_>], drain: Duration) -> io::Result<()> {
+    let mut blocked_since: Option<Instant> = None;
+    while !parts.is_empty() {
+        match stream.try_write_vectored(parts) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                blocked_since = None;
+                IoSlice::advance_slices(&mut parts, n);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let deadline = *blocked_since.get_or_insert_with(Instant::now) + drain;
+                match tokio::time::timeout_at(deadline, stream.writable()).await {
+                    Ok(ready) => ready?,
+                    Err(_) => return Err(stalled_error()),
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_sizes_are_hex_lines() {
+        let mut buf = [0u8; 18];
+        assert_eq!(chunk_size(&mut buf, 0), b"0\r\n");
+        assert_eq!(chunk_size(&mut buf, 10), b"a\r\n");
+        assert_eq!(chunk_size(&mut buf, 0x1f2e), b"1f2e\r\n");
+        assert_eq!(chunk_size(&mut buf, usize::MAX), b"ffffffffffffffff\r\n");
+    }
+
+    #[test]
+    fn only_bodyless_http11_gets_of_events_are_taken() {
+        let taken = |head: &str| matches!(parse(head.as_bytes()), Parsed::Complete(..));
+        assert!(taken("GET /conversations/a/events?until=sealed HTTP/1.1\r\nhost: x\r\n\r\n"));
+        assert!(!taken("GET /conversations/a/events HTTP/1.0\r\nhost: x\r\n\r\n"));
+        assert!(!taken("POST /conversations/a/events HTTP/1.1\r\nhost: x\r\n\r\n"));
+        assert!(!taken("GET /conversations/a HTTP/1.1\r\nhost: x\r\n\r\n"));
+        assert!(!taken("GET /conversations/a/events HTTP/1.1\r\nupgrade: websocket\r\n\r\n"));
+        assert!(!taken("GET /conversations/a/events HTTP/1.1\r\ncontent-length: 3\r\n\r\nabc"));
+        assert!(!taken("GET /conversations/a/events HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n"));
+        assert!(matches!(parse(b"GET /conversations/a/events HTTP/1.1\r\nhost"), Parsed::Partial));
+        let head = "GET /c/events HTTP/1.1\r\nConnection: keep-alive, Close\r\n\r\n";
+        match parse(format!("{head}GET /next").as_bytes()) {
+            Parsed::Complete(request, close, length) => {
+                assert!(close);
+                assert_eq!(length, head.len());
+                assert_eq!(request.uri().path(), "/c/events");
+            }
+            _ => panic!("a complete head"),
+        }
+    }
+}

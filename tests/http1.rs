@@ -1,0 +1,212 @@
+//! Live streams as raw HTTP/1.1 sees them: chunked framing, keep-alive and pipelined requests
+//! after a stream, `Connection: close`, error answers, and heads too long for the stream
+//! path (which the general HTTP server takes over).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+/// One HTTP/1.1 response read off a raw socket.
+struct RawResponse {
+    status: u16,
+    /// Header lines, names lowercased.
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    /// Sizes of the chunks the body came in (empty when it had a content-length).
+    chunks: Vec<usize>,
+}
+
+impl RawResponse {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8(self.body.clone()).expect("a UTF-8 body")
+    }
+}
+
+/// Reads one response: its head, then a chunked or content-length body.
+async fn read_response(reader: &mut BufReader<TcpStream>) -> RawResponse {
+    let read = async {
+        let mut line = String::new();
+        reader.read_line(&mut line).await.unwrap();
+        assert!(line.starts_with("HTTP/1.1 "), "a status line: {line:?}");
+        let status = line[9..12].parse().unwrap();
+        let mut headers = Vec::new();
+        loop {
+            line.clear();
+            reader.read_line(&mut line).await.unwrap();
+            assert!(line.ends_with("\r\n"), "header lines end with CRLF: {line:?}");
+            if line == "\r\n" {
+                break;
+            }
+            let (name, value) = line.trim_end().split_once(": ").expect("name: value");
+            headers.push((name.to_ascii_lowercase(), value.to_owned()));
+        }
+        let mut response = RawResponse { status, headers, body: Vec::new(), chunks: Vec::new() };
+        if response.header("transfer-encoding") == Some("chunked") {
+            assert!(response.header("content-length").is_none());
+            loop {
+                line.clear();
+                reader.read_line(&mut line).await.unwrap();
+                let size = usize::from_str_radix(line.trim_end(), 16).expect("a hex chunk size");
+                let mut chunk = vec![0u8; size + 2];
+                reader.read_exact(&mut chunk).await.unwrap();
+                assert_eq!(&chunk[size..], b"\r\n", "a chunk ends with CRLF");
+                if size == 0 {
+                    break;
+                }
+                response.chunks.push(size);
+                response.body.extend_from_slice(&chunk[..size]);
+            }
+        } else {
+            let length: usize = response.header("content-length").expect("a length or chunks").parse().unwrap();
+            response.body.resize(length, 0);
+            reader.read_exact(&mut response.body).await.unwrap();
+        }
+        response
+    };
+    tokio::time::timeout(Duration::from_secs(30), read).await.expect("a response within 30 s")
+}
+
+async fn connect(server: &TestServer) -> BufReader<TcpStream> {
+    BufReader::new(TcpStream::connect(server.addr).await.unwrap())
+}
+
+async fn send(reader: &mut BufReader<TcpStream>, bytes: &str) {
+    reader.get_mut().write_all(bytes.as_bytes()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_then_pipelined_and_later_requests_share_one_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    let mut conn = connect(&server).await;
+    // The stream and, behind it on the same write, the next request.
+    send(
+        &mut conn,
+        "GET /conversations/keep/events?until=sealed HTTP/1.1\r\nhost: gateway\r\n\r\n\
+         GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n",
+    )
+    .await;
+    // The head arrives before any event (an EventSource opens on it).
+    let mut line = String::new();
+    conn.read_line(&mut line).await.unwrap();
+    assert_eq!(line, "HTTP/1.1 200 OK\r\n");
+    let mut head = String::new();
+    while line != "\r\n" {
+        line.clear();
+        conn.read_line(&mut line).await.unwrap();
+        head.push_str(&line);
+    }
+    for expected in ["content-type: text/event-stream", "transfer-encoding: chunked", "x-request-id: ", "date: "] {
+        assert!(head.contains(expected), "{expected} in {head}");
+    }
+
+    let (status, body) = server.post("/conversations/keep/messages", json!({"message": "hello there"})).await;
+    assert_eq!(status, 202, "{body}");
+    // Chunks up to the terminating one; the stream ends after turn-sealed.
+    let mut body = Vec::new();
+    loop {
+        line.clear();
+        conn.read_line(&mut line).await.unwrap();
+        let size = usize::from_str_radix(line.trim_end(), 16).expect("a hex chunk size");
+        let mut chunk = vec![0u8; size + 2];
+        conn.read_exact(&mut chunk).await.unwrap();
+        assert_eq!(&chunk[size..], b"\r\n");
+        if size == 0 {
+            break;
+        }
+        body.extend_from_slice(&chunk[..size]);
+    }
+    let text = String::from_utf8(body).unwrap();
+    // Ids are `<turnId>:<index>`.
+    let ids: Vec<u64> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("id: "))
+        .map(|v| v.rsplit_once(':').unwrap().1.parse().unwrap())
+        .collect();
+    assert!(ids.len() > 4, "{text}");
+    assert_eq!(ids, (0..ids.len() as u64).collect::<Vec<_>>(), "every event once, in order: {text}");
+    assert!(text.contains(r#""type":"turn-sealed""#), "{text}");
+    assert!(text.ends_with("\n\n"), "whole SSE messages: {text:?}");
+
+    // The pipelined request is answered after the stream, on the same connection.
+    let health = read_response(&mut conn).await;
+    assert_eq!((health.status, health.text()), (200, r#"{"ok":true}"#.to_owned()));
+
+    // A bad stream request is a JSON error with a length, and the connection carries on.
+    send(&mut conn, "GET /conversations/keep/events?format=xml HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    let bad = read_response(&mut conn).await;
+    assert_eq!(bad.status, 400);
+    assert!(bad.chunks.is_empty());
+    let error: serde_json::Value = serde_json::from_slice(&bad.body).unwrap();
+    assert!(error["error"].as_str().unwrap().contains("format"), "{error}");
+    send(&mut conn, "GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    assert_eq!(read_response(&mut conn).await.status, 200);
+
+    // A stream request after requests the general server answered is still answered.
+    send(&mut conn, "GET /conversations/keep/events?format=ndjson&sinceSeq=0 HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    line.clear();
+    conn.read_line(&mut line).await.unwrap();
+    assert_eq!(line, "HTTP/1.1 200 OK\r\n");
+    drop(conn);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_close_is_honoured_and_a_dropped_watcher_frees_its_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_streams = 1;
+    let server = TestServer::start(config).await;
+
+    // `Connection: close`: the answer says so and the server closes after it.
+    let mut conn = connect(&server).await;
+    send(&mut conn, "GET /conversations/c/events?format=xml HTTP/1.1\r\nhost: gateway\r\nConnection: close\r\n\r\n")
+        .await;
+    let bad = read_response(&mut conn).await;
+    assert_eq!((bad.status, bad.header("connection")), (400, Some("close")));
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut rest)).await;
+    assert!(matches!(closed, Ok(Ok(0))), "closed with nothing more: {rest:?}");
+
+    // The one stream place is taken, and freed as soon as its client goes away.
+    let mut watcher = connect(&server).await;
+    send(&mut watcher, "GET /conversations/c/events HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    let mut line = String::new();
+    watcher.read_line(&mut line).await.unwrap();
+    assert_eq!(line, "HTTP/1.1 200 OK\r\n");
+    let (status, body) = server.get("/conversations/c/events").await;
+    assert_eq!(status, 503, "{body}");
+    drop(watcher);
+    let freed = eventually(200, || async {
+        server.client.get(server.url("/conversations/c/events")).send().await.unwrap().status() == 200
+    })
+    .await;
+    assert!(freed, "a closed connection frees its stream");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_request_with_a_long_head_is_still_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    let mut conn = connect(&server).await;
+    let pad = "p".repeat(40 * 1024);
+    send(
+        &mut conn,
+        &format!("GET /conversations/long/events?format=xml HTTP/1.1\r\nhost: gateway\r\nx-pad: {pad}\r\n\r\n"),
+    )
+    .await;
+    let bad = read_response(&mut conn).await;
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    // And the next one on that connection too.
+    send(&mut conn, "GET /conversations/long/events?format=xml HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    assert_eq!(read_response(&mut conn).await.status, 400);
+}
