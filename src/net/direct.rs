@@ -64,6 +64,8 @@ pub async fn serve(stream: &TcpStream, router: &Router, limits: &ConnectionLimit
     }
 }
 
+// Built and moved once per request: not worth a box.
+#[allow(clippy::large_enum_variant)]
 enum Head {
     /// A live-stream request, and whether the client asked to close after it.
     Direct(Request<Body>, bool),
@@ -109,6 +111,7 @@ async fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, timeout: Duration,
     }
 }
 
+#[allow(clippy::large_enum_variant)]
 enum Parsed {
     /// A live-stream request, whether to close after it, and the length of its head.
     Complete(Request<Body>, bool, usize),
