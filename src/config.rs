@@ -71,6 +71,17 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_KEEPALIVE_SECS", default_value_t = 15)]
     pub keepalive_secs: u64,
 
+    /// Microseconds of flush window per watcher reading a turn in flight: deltas published
+    /// within the window of the last round of wake-ups share the next one (and one write per
+    /// watcher). Larger saves CPU under fan-out, smaller cuts latency; 0 sends every delta at
+    /// once. See "Pacing" in the README.
+    #[arg(long, env = "DISPATCH_FLUSH_US_PER_WATCHER", default_value_t = 10)]
+    pub flush_us_per_watcher: u64,
+
+    /// Longest flush window, in milliseconds.
+    #[arg(long, env = "DISPATCH_FLUSH_MAX_MS", default_value_t = 25)]
+    pub flush_max_ms: u64,
+
     /// Seconds a connection may go without its socket taking any bytes while the gateway has
     /// bytes for it; past that it is closed (the client comes back with its cursor).
     #[arg(long, env = "DISPATCH_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
@@ -370,6 +381,8 @@ impl Config {
             max_body_bytes: 1024 * 1024,
             turn_buffer_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
+            flush_us_per_watcher: 10,
+            flush_max_ms: 25,
             drain_timeout_secs: 30,
             header_read_timeout_secs: 10,
             max_streams: 10_000,

@@ -15,8 +15,8 @@
 //! round at once. A round costs about one socket write per watcher, so when many watchers read
 //! in-flight turns, runs of deltas are paced: a turn starts a round of delta wake-ups at most
 //! once per flush window, and the deltas published in between share the next round (and so one
-//! write per watcher). The window is [`PER_READER`] times the number of watchers reading
-//! in-flight turns across the hub, up to [`MAX_WINDOW`], and zero below 1 ms (the timer's
+//! write per watcher). The window is [`FlushWindow::per_reader`] times the number of watchers
+//! reading in-flight turns across the hub, up to [`FlushWindow::max`], and zero below 1 ms (the timer's
 //! resolution): the hub aims to spend a bounded share of a core on wake-ups and writes whatever
 //! the fan-out, and adds no delay when there is little to share. Every event other than a delta
 //! starts a round at once, taking the pending deltas with it.
@@ -127,10 +127,29 @@ impl Frame {
     }
 }
 
-/// The flush window per watcher reading an in-flight turn (see the module documentation).
-pub const PER_READER: Duration = Duration::from_micros(10);
-/// The longest flush window.
-pub const MAX_WINDOW: Duration = Duration::from_millis(25);
+/// How long paced deltas may wait for their round (see the module documentation): a trade of
+/// latency for CPU that an operator may move either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlushWindow {
+    /// The window per watcher reading an in-flight turn.
+    pub per_reader: Duration,
+    /// The longest window.
+    pub max: Duration,
+}
+
+impl Default for FlushWindow {
+    fn default() -> FlushWindow {
+        FlushWindow { per_reader: Duration::from_micros(10), max: Duration::from_millis(25) }
+    }
+}
+
+impl FlushWindow {
+    /// The window with `readers` watchers reading in-flight turns.
+    fn for_readers(&self, readers: usize) -> Duration {
+        let window = self.per_reader.saturating_mul(readers.min(u32::MAX as usize) as u32);
+        if window < Duration::from_millis(1) { Duration::ZERO } else { window.min(self.max) }
+    }
+}
 
 /// When a turn last woke its watchers, and whether a deferred round is due.
 #[derive(Default)]
@@ -170,6 +189,7 @@ pub struct TurnBuffer {
     readers: Arc<AtomicUsize>,
     /// Bytes held by every live buffer, hub-wide.
     held: Arc<AtomicUsize>,
+    flush: FlushWindow,
     next: Arc<TurnSlot>,
 }
 
@@ -210,8 +230,7 @@ impl TurnBuffer {
 
     /// The flush window for paced deltas right now.
     fn window(&self) -> Duration {
-        let window = PER_READER.saturating_mul(self.readers.load(Relaxed).min(u32::MAX as usize) as u32);
-        if window < Duration::from_millis(1) { Duration::ZERO } else { window.min(MAX_WINDOW) }
+        self.flush.for_readers(self.readers.load(Relaxed))
     }
 
     fn pacing(&self) -> std::sync::MutexGuard<'_, Pacing> {
@@ -489,11 +508,12 @@ pub struct Hub {
     held: Arc<AtomicUsize>,
     /// Per-turn buffer size past which deltas are coalesced.
     buffer_cap: usize,
+    flush: FlushWindow,
 }
 
 impl Hub {
-    pub fn new(buffer_cap: usize) -> Arc<Hub> {
-        Arc::new(Hub { channels: Mutex::default(), readers: Arc::default(), held: Arc::default(), buffer_cap })
+    pub fn new(buffer_cap: usize, flush: FlushWindow) -> Arc<Hub> {
+        Arc::new(Hub { channels: Mutex::default(), readers: Arc::default(), held: Arc::default(), buffer_cap, flush })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, Channel>> {
@@ -514,6 +534,7 @@ impl Hub {
             pacing: Mutex::default(),
             readers: self.readers.clone(),
             held: self.held.clone(),
+            flush: self.flush,
             next: Arc::default(),
         });
         let slot = std::mem::replace(&mut channel.next, buffer.next.clone());
@@ -628,7 +649,7 @@ mod tests {
 
     #[tokio::test]
     async fn coalescing_keeps_the_text_and_loses_only_positions_inside_a_run() {
-        let hub = Hub::new(2_000);
+        let hub = Hub::new(2_000, FlushWindow::default());
         let buffer = hub.begin_turn("c", "t");
         buffer.publish(&AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() }));
         let (mut early, _) = hub.subscribe("c", None);
@@ -672,9 +693,20 @@ mod tests {
         task.is_finished()
     }
 
+    #[test]
+    fn the_flush_window_grows_with_readers_up_to_its_cap_and_is_zero_below_a_millisecond() {
+        let flush = FlushWindow { per_reader: Duration::from_micros(20), max: Duration::from_millis(40) };
+        assert_eq!(flush.for_readers(49), Duration::ZERO);
+        assert_eq!(flush.for_readers(50), Duration::from_millis(1));
+        assert_eq!(flush.for_readers(1_000), Duration::from_millis(20));
+        assert_eq!(flush.for_readers(1_000_000), Duration::from_millis(40));
+        let off = FlushWindow { per_reader: Duration::ZERO, ..flush };
+        assert_eq!(off.for_readers(1_000_000), Duration::ZERO);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn with_many_watchers_deltas_wait_for_the_round_and_other_events_go_at_once() {
-        let hub = Hub::new(1 << 20);
+        let hub = Hub::new(1 << 20, FlushWindow::default());
         let buffer = hub.begin_turn("c", "t");
         // 300 watchers of the turn in flight: a 3 ms window.
         let mut cursors: Vec<Cursor> = (0..300).map(|_| hub.subscribe("c", None).0).collect();
@@ -718,7 +750,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_watcher_behind_finds_later_turns_even_after_they_sealed() {
-        let hub = Hub::new(1 << 20);
+        let hub = Hub::new(1 << 20, FlushWindow::default());
         let (mut watcher, resync) = hub.subscribe("c", None);
         assert!(!resync);
         for turn in ["t1", "t2"] {
@@ -738,7 +770,7 @@ mod tests {
 
     #[tokio::test]
     async fn resume_inside_the_turn_in_flight_or_resync() {
-        let hub = Hub::new(1 << 20);
+        let hub = Hub::new(1 << 20, FlushWindow::default());
         let buffer = hub.begin_turn("c", "t:x");
         for i in 0..5 {
             buffer.publish(&text(&i.to_string()));

@@ -43,7 +43,11 @@ impl Gateway {
             max_pages: config.sqlite_max_pages,
         };
         let store = Store::open_with(&config.database, metrics.clone(), limits).await?;
-        let hub = Hub::new(config.turn_buffer_bytes);
+        let flush = crate::hub::FlushWindow {
+            per_reader: Duration::from_micros(config.flush_us_per_watcher),
+            max: Duration::from_millis(config.flush_max_ms),
+        };
+        let hub = Hub::new(config.turn_buffer_bytes, flush);
         let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone());
         Ok(Gateway {
             state: AppState {
