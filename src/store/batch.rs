@@ -3,17 +3,19 @@
 //! a write waits for one commit instead of one per write ahead of it, and the single writer
 //! connection does several writes per round trip of BEGIN and COMMIT.
 //!
-//! Each write in a shared transaction runs inside a savepoint, so a write that fails (a reused
-//! idempotency key, say) is rolled back alone and answered with its own error. Nothing is
-//! answered as written before the COMMIT succeeds; when the shared transaction fails as a whole,
-//! each write is tried again in a transaction of its own, so every failure reaches the write it
-//! belongs to.
+//! A shared transaction is optimistic: when any of its writes fails (a reused idempotency key,
+//! say), the whole transaction is rolled back and each write is tried again in a transaction of
+//! its own, in the same order, so every failure reaches the write it belongs to and the others
+//! commit. (Failures are rare; a savepoint around every write would cost two more round trips
+//! to the database thread per write, every time.) Nothing is answered as written before the
+//! COMMIT succeeds.
 
-use sqlx::{Acquire, SqliteConnection};
+use sqlx::SqliteConnection;
 use tokio::sync::{mpsc, oneshot};
 
-use super::log::{NewChunk, append_in};
-use super::turns::{BeginTurn, IdempotencyRecord, SealTurn, begin_in, seal_in};
+use super::log::{NewChunk, append_to, appended_seq};
+use super::script::Script;
+use super::turns::{BeginTurn, IdempotencyRecord, SealTurn, begin_to, duplicate_key, seal_to, sealed_status};
 use super::{Store, StoreError, StoreResult};
 use crate::wire::TurnMetrics;
 
@@ -77,8 +79,9 @@ pub(super) struct Queued {
 }
 
 impl Write {
-    /// The write's statements, inside an open transaction.
+    /// The write's statements, inside an open transaction: one script, one round trip.
     async fn run_in(&self, conn: &mut SqliteConnection) -> StoreResult<Written> {
+        let mut script = Script::default();
         match self {
             Write::Begin { conversation_id, turn_id, model, user_text, default_title, idempotency, now } => {
                 let begin = BeginTurn {
@@ -94,14 +97,18 @@ impl Write {
                     }),
                     now: *now,
                 };
-                begin_in(conn, begin).await.map(Written::Seq)
+                begin_to(&mut script, &begin)?;
+                let rows = script.run(conn).await.map_err(duplicate_key)?;
+                appended_seq(&rows, conversation_id).map(Written::Seq)
             }
             Write::Append { conversation_id, turn_id, chunks, now } => {
-                append_in(conn, conversation_id, turn_id, chunks, *now).await.map(Written::Seq)
+                append_to(&mut script, conversation_id, turn_id, chunks, *now)?;
+                appended_seq(&script.run(conn).await?, conversation_id).map(Written::Seq)
             }
             Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks } => {
                 let seal = SealTurn { conversation_id, turn_id, reason, metrics, now: *now };
-                seal_in(conn, seal, chunks).await.map(Written::Status)
+                seal_to(&mut script, &seal, chunks)?;
+                sealed_status(&script.run(conn).await?, conversation_id).map(Written::Status)
             }
         }
     }
@@ -152,7 +159,7 @@ impl Store {
             match self.write_together(&batch).await {
                 Ok(answers) => {
                     for (queued, answer) in batch.into_iter().zip(answers) {
-                        let _ = queued.reply.send(self.noted(answer));
+                        let _ = queued.reply.send(self.noted(Ok(answer)));
                     }
                 }
                 Err(e) => {
@@ -165,21 +172,16 @@ impl Store {
         }
     }
 
-    /// Runs the writes in one transaction, each inside a savepoint. The outer error means
-    /// nothing was committed; the inner results are final once this returns `Ok`.
-    async fn write_together(&self, batch: &[Queued]) -> StoreResult<Vec<StoreResult<Written>>> {
+    /// Runs the writes in one transaction. An error means nothing was committed.
+    async fn write_together(&self, batch: &[Queued]) -> StoreResult<Vec<Written>> {
         let (mut tx, started) = self.write_tx().await?;
         let mut answers = Vec::with_capacity(batch.len());
         for queued in batch {
-            let mut savepoint = (&mut *tx).begin().await?;
-            match queued.write.run_in(&mut savepoint).await {
-                Ok(written) => {
-                    savepoint.commit().await?;
-                    answers.push(Ok(written));
-                }
+            match queued.write.run_in(&mut tx).await {
+                Ok(written) => answers.push(written),
                 Err(e) => {
-                    savepoint.rollback().await?;
-                    answers.push(Err(e));
+                    let _ = tx.rollback().await;
+                    return Err(e);
                 }
             }
         }

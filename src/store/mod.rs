@@ -8,6 +8,7 @@ mod batch;
 mod conversations;
 mod log;
 mod reads;
+mod script;
 mod turns;
 
 use std::path::Path;
@@ -25,6 +26,34 @@ pub use reads::{LastText, ModelThroughput};
 pub use turns::{BeginTurn, IdempotencyRecord, SealTurn, user_chunk};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// WAL pages past which the writer checkpoints inside its own commit (about 40 MiB).
+const WRITER_CHECKPOINT_PAGES: u32 = 10_000;
+
+/// How often the background checkpointer looks for new commits.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+
+/// Copies committed WAL frames into the database file after every period with commits, without
+/// blocking the writer or readers (a passive checkpoint). Ends when the pool is closed.
+async fn checkpoints(pool: SqlitePool, metrics: Arc<Metrics>) {
+    let mut seen = metrics.writes();
+    let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !pool.is_closed() {
+        tick.tick().await;
+        let writes = metrics.writes();
+        if writes == seen {
+            continue;
+        }
+        seen = writes;
+        if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)").execute(&pool).await {
+            if pool.is_closed() {
+                return;
+            }
+            tracing::debug!(error = %e, "a background checkpoint failed; the next one retries");
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -51,6 +80,8 @@ pub type StoreResult<T> = Result<T, StoreError>;
 pub struct Store {
     writer: SqlitePool,
     reader: SqlitePool,
+    /// The connection background checkpoints run on.
+    checkpointer: SqlitePool,
     metrics: Arc<Metrics>,
     /// Why the last write failed, while writes fail (for `/ready`).
     write_fault: Arc<Mutex<Option<String>>>,
@@ -111,7 +142,12 @@ impl Store {
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
             .busy_timeout(limits.busy_timeout);
-        let mut writer_options = options.clone();
+        // Checkpoints (copying the WAL into the database file, with an fsync) run on a
+        // connection of their own (see `checkpoints`), off the writer's path: a checkpoint
+        // inside a commit stalls every write queued behind it. The writer checkpoints itself
+        // only past WRITER_CHECKPOINT_PAGES, so the WAL is restarted even when writes never
+        // pause (by then the background checkpoints have copied nearly all of it).
+        let mut writer_options = options.clone().pragma("wal_autocheckpoint", WRITER_CHECKPOINT_PAGES.to_string());
         if limits.max_pages > 0 {
             writer_options = writer_options.pragma("max_page_count", limits.max_pages.to_string());
         }
@@ -122,8 +158,10 @@ impl Store {
             .connect_with(writer_options)
             .await?;
         MIGRATOR.run(&writer).await?;
-        let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.read_only(true)).await?;
-        let mut store = Store { writer, reader, metrics, write_fault: Arc::default(), queue: None };
+        let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.clone().read_only(true)).await?;
+        let checkpointer = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
+        tokio::spawn(checkpoints(checkpointer.clone(), metrics.clone()));
+        let mut store = Store { writer, reader, checkpointer, metrics, write_fault: Arc::default(), queue: None };
         let (queue, writes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(store.clone().run_writer(writes));
         store.queue = Some(queue);
@@ -165,8 +203,9 @@ impl Store {
         sqlx::query("SELECT 1").execute(&self.reader).await.is_ok()
     }
 
-    /// Closes both pools, waiting for queries in flight; the WAL is checkpointed on close.
+    /// Closes the pools, waiting for queries in flight; the WAL is checkpointed on close.
     pub async fn close(&self) {
+        self.checkpointer.close().await;
         self.reader.close().await;
         self.writer.close().await;
     }

@@ -1,8 +1,10 @@
 //! Turn rows: opened with the user's chunk, sealed with their metrics, repaired after a crash.
 
-use sqlx::{FromRow, SqliteConnection};
+use sqlx::FromRow;
+use sqlx::sqlite::SqliteRow;
 
-use super::log::{NewChunk, append_in};
+use super::log::{NewChunk, append_to};
+use super::script::Script;
 use super::{Store, StoreError, StoreResult};
 use crate::wire::{Chunk, ErrorChunk, Role, TextChunk, TurnMetrics};
 
@@ -45,89 +47,89 @@ pub struct SealTurn<'a> {
     pub now: i64,
 }
 
-/// The statements that open a turn, inside an open write transaction.
-pub(super) async fn begin_in(tx: &mut SqliteConnection, t: BeginTurn<'_>) -> StoreResult<u64> {
-    sqlx::query(
-        "INSERT INTO conversations (id, title, status, created_at, last_activity_at)
-         VALUES (?1, ?2, 'active', ?3, ?3)
-         ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = ?3,
-             title = CASE WHEN title = '' THEN ?2 ELSE title END",
-    )
-    .bind(t.conversation_id)
-    .bind(t.default_title)
-    .bind(t.now)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query(
-        "INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at)
-         SELECT id, ?2, turn_count + 1, ?3, ?4 FROM conversations WHERE id = ?1",
-    )
-    .bind(t.conversation_id)
-    .bind(t.turn_id)
-    .bind(t.model)
-    .bind(t.now)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query("UPDATE conversations SET turn_count = turn_count + 1 WHERE id = ?")
-        .bind(t.conversation_id)
-        .execute(&mut *tx)
-        .await?;
-    if let Some(record) = &t.idempotency {
-        sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?")
-            .bind(t.now - IDEMPOTENCY_KEEP_MS)
-            .execute(&mut *tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO idempotency_keys (conversation_id, key, body_hash, response, created_at)
-             VALUES (?, ?, ?, ?, ?)",
+/// Adds the statements that open a turn to `script` (answered like an append: the seq of the
+/// user's chunk). A reused idempotency key fails the script with a unique violation on
+/// `idempotency_keys` (see [`duplicate_key`]).
+pub(super) fn begin_to(script: &mut Script, t: &BeginTurn<'_>) -> StoreResult<()> {
+    script
+        .sql(
+            "INSERT INTO conversations (id, title, status, created_at, last_activity_at, turn_count)
+             VALUES (?, ?, 'active', ?, ?, 1)
+             ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
+                 turn_count = turn_count + 1, title = CASE WHEN title = '' THEN excluded.title ELSE title END;
+             INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at)
+             SELECT id, ?, turn_count, ?, ? FROM conversations WHERE id = ?;",
         )
         .bind(t.conversation_id)
-        .bind(record.key)
-        .bind(record.body_hash)
-        .bind(record.response)
+        .bind(t.default_title)
         .bind(t.now)
-        .execute(&mut *tx)
-        .await
-        .map_err(|e| match e.as_database_error() {
-            Some(d) if d.is_unique_violation() => StoreError::DuplicateKey,
-            _ => StoreError::Database(e),
-        })?;
+        .bind(t.now)
+        .bind(t.turn_id)
+        .bind(t.model)
+        .bind(t.now)
+        .bind(t.conversation_id);
+    if let Some(record) = &t.idempotency {
+        script
+            .sql(
+                "DELETE FROM idempotency_keys WHERE created_at < ?;
+                 INSERT INTO idempotency_keys (conversation_id, key, body_hash, response, created_at)
+                 VALUES (?, ?, ?, ?, ?);",
+            )
+            .bind(t.now - IDEMPOTENCY_KEEP_MS)
+            .bind(t.conversation_id)
+            .bind(record.key)
+            .bind(record.body_hash)
+            .bind(record.response)
+            .bind(t.now);
     }
-    append_in(tx, t.conversation_id, t.turn_id, &[user_chunk(t.user_text)], t.now).await
+    append_to(script, t.conversation_id, t.turn_id, &[user_chunk(t.user_text)], t.now)
 }
 
-/// The statements of a seal, inside an open write transaction.
-pub(super) async fn seal_in(
-    tx: &mut SqliteConnection,
-    s: SealTurn<'_>,
-    final_chunks: &[NewChunk],
-) -> StoreResult<String> {
+/// A script's error, with a reused idempotency key told apart.
+pub(super) fn duplicate_key(e: StoreError) -> StoreError {
+    match &e {
+        StoreError::Database(db) => match db.as_database_error() {
+            Some(d) if d.is_unique_violation() && d.message().contains("idempotency_keys") => StoreError::DuplicateKey,
+            _ => e,
+        },
+        _ => e,
+    }
+}
+
+/// Adds the statements of a seal to `script`; its last row is the conversation's status
+/// (no row when the conversation does not exist).
+pub(super) fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<()> {
     let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
     let gen_total_ms: u64 = s.metrics.steps.iter().filter_map(|st| st.gen_total_ms).sum();
-    append_in(tx, s.conversation_id, s.turn_id, final_chunks, s.now).await?;
-    sqlx::query(
-        "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
-         WHERE conversation_id = ? AND turn_id = ?",
-    )
-    .bind(s.now)
-    .bind(s.reason)
-    .bind(metrics)
-    .bind(s.metrics.usage.output_tokens as i64)
-    .bind(gen_total_ms as i64)
-    .bind(s.conversation_id)
-    .bind(s.turn_id)
-    .execute(&mut *tx)
-    .await?;
-    let status: String = sqlx::query_scalar(
-        "UPDATE conversations SET last_activity_at = ?,
-             status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
-         WHERE id = ? RETURNING status",
-    )
-    .bind(s.now)
-    .bind(s.conversation_id)
-    .fetch_one(&mut *tx)
-    .await?;
-    Ok(status)
+    if !final_chunks.is_empty() {
+        append_to(script, s.conversation_id, s.turn_id, final_chunks, s.now)?;
+    }
+    script
+        .sql(
+            "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
+             WHERE conversation_id = ? AND turn_id = ?;
+             UPDATE conversations SET last_activity_at = ?,
+                 status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
+             WHERE id = ? RETURNING status;",
+        )
+        .bind(s.now)
+        .bind(s.reason)
+        .bind(metrics)
+        .bind(s.metrics.usage.output_tokens as i64)
+        .bind(gen_total_ms as i64)
+        .bind(s.conversation_id)
+        .bind(s.turn_id)
+        .bind(s.now)
+        .bind(s.conversation_id);
+    Ok(())
+}
+
+/// The status a seal script answered with.
+pub(super) fn sealed_status(rows: &[SqliteRow], conversation_id: &str) -> StoreResult<String> {
+    use sqlx::Row;
+    let row =
+        rows.last().ok_or_else(|| StoreError::Corrupt(format!("conversation {conversation_id} does not exist")))?;
+    Ok(row.try_get::<String, _>(0)?)
 }
 
 impl Store {
@@ -208,13 +210,14 @@ impl Store {
                 }),
                 new_message: true,
             };
-            append_in(&mut tx, &turn.conversation_id, &turn.turn_id, &[marker], now).await?;
-            sqlx::query("UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?")
+            let mut script = Script::default();
+            append_to(&mut script, &turn.conversation_id, &turn.turn_id, &[marker], now)?;
+            script
+                .sql("UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?;")
                 .bind(now)
-                .bind(&turn.conversation_id)
-                .bind(&turn.turn_id)
-                .execute(&mut *tx)
-                .await?;
+                .bind(turn.conversation_id.as_str())
+                .bind(turn.turn_id.as_str());
+            script.run(&mut tx).await?;
             self.commit(tx, started).await?;
         }
         // Whatever was active when the process died is not active now.
@@ -278,8 +281,8 @@ mod tests {
             assert_eq!(store.history(c, all).await.unwrap().last_seq, Some(2), "{c}: the final chunk was written");
             assert_eq!(store.turn_metrics(c).await.unwrap(), vec![m.clone()]);
         }
-        // A seal that fails inside a shared transaction fails alone (its savepoint); the
-        // others seal in the same transaction.
+        // A seal that fails inside a shared transaction fails alone: the transaction is rolled
+        // back and each seal tried on its own, so the others still seal.
         let mut begun = Vec::new();
         for i in 0..3 {
             let (c, t) = (format!("d{i}"), format!("u{i}"));
@@ -297,7 +300,7 @@ mod tests {
         let statuses = futures_util::future::join_all(seals).await;
         assert!(statuses[0].is_ok() && statuses[2].is_ok(), "{statuses:?}");
         assert!(statuses[1].is_err(), "{statuses:?}");
-        assert_eq!(metrics.writes() - writes, 1);
+        assert_eq!(metrics.writes() - writes, 2, "the two good seals, each in its own commit");
         for (c, _) in [&begun[0], &begun[2]] {
             assert_eq!(store.turn_metrics(c).await.unwrap().len(), 1, "{c} sealed");
         }
