@@ -58,8 +58,9 @@ pub struct Frame {
     pub line: Bytes,
     /// `id: <turnId>:<last>\ndata: <json>\n\n`.
     pub sse: Bytes,
-    /// `{"type":"chat.delta","event":<json>}`, built the first time a WebSocket needs it.
-    ws: OnceLock<Bytes>,
+    /// `{"type":"chat.delta","event":<json>}`, built the first time a WebSocket needs it (as
+    /// text checked once, so sending it to every socket checks nothing).
+    ws: OnceLock<axum::extract::ws::Utf8Bytes>,
 }
 
 impl Frame {
@@ -96,14 +97,15 @@ impl Frame {
     }
 
     /// The event wrapped as a WebSocket `chat.delta` message.
-    pub fn ws(&self) -> &Bytes {
+    pub fn ws(&self) -> &axum::extract::ws::Utf8Bytes {
         self.ws.get_or_init(|| {
-            let json = &self.line[..self.line.len() - 1];
-            let mut out = BytesMut::with_capacity(json.len() + 32);
-            out.put_slice(br#"{"type":"chat.delta","event":"#);
-            out.put_slice(json);
-            out.put_u8(b'}');
-            out.freeze()
+            // The line is JSON serialized by serde_json: UTF-8 by construction.
+            let json = std::str::from_utf8(&self.line[..self.line.len() - 1]).unwrap_or_default();
+            let mut out = String::with_capacity(json.len() + 32);
+            out.push_str(r#"{"type":"chat.delta","event":"#);
+            out.push_str(json);
+            out.push('}');
+            out.into()
         })
     }
 

@@ -155,16 +155,70 @@ fn now_micros() -> u64 {
 
 /// Utime + stime of the processes, in microseconds (from /proc, in clock ticks of 10 ms).
 fn cpu_micros(pids: &[u32]) -> u64 {
-    pids.iter()
-        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
-        .filter_map(|stat| {
-            let after = stat.rsplit_once(')')?.1;
-            let fields: Vec<&str> = after.split_whitespace().collect();
-            let utime: u64 = fields.get(11)?.parse().ok()?;
-            let stime: u64 = fields.get(12)?.parse().ok()?;
-            Some((utime + stime) * 10_000)
+    let usage = Usage::read(pids);
+    usage.user_us + usage.sys_us
+}
+
+/// What the server processes have used so far: CPU in user space and in the kernel (from
+/// /proc/PID/stat, in microseconds) and write system calls (`syscw` of /proc/PID/io: write and
+/// writev, which the gateway's SSE and NDJSON streams and Nchan use; not send, which WebSocket
+/// frames go out by).
+#[derive(Debug, Clone, Copy, Default)]
+struct Usage {
+    user_us: u64,
+    sys_us: u64,
+    writes: u64,
+}
+
+impl Usage {
+    fn read(pids: &[u32]) -> Usage {
+        let mut usage = Usage::default();
+        for pid in pids {
+            if let Some((utime, stime)) = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|stat| {
+                let fields: Vec<u64> = stat
+                    .rsplit_once(')')?
+                    .1
+                    .split_whitespace()
+                    .skip(11)
+                    .take(2)
+                    .filter_map(|f| f.parse().ok())
+                    .collect();
+                Some((*fields.first()?, *fields.get(1)?))
+            }) {
+                usage.user_us += utime * 10_000;
+                usage.sys_us += stime * 10_000;
+            }
+            usage.writes += std::fs::read_to_string(format!("/proc/{pid}/io"))
+                .ok()
+                .and_then(|io| io.lines().find_map(|l| l.strip_prefix("syscw:")?.trim().parse::<u64>().ok()))
+                .unwrap_or(0);
+        }
+        usage
+    }
+
+    fn since(self, before: Usage) -> Usage {
+        Usage {
+            user_us: self.user_us.saturating_sub(before.user_us),
+            sys_us: self.sys_us.saturating_sub(before.sys_us),
+            writes: self.writes.saturating_sub(before.writes),
+        }
+    }
+
+    fn cpu_us(&self) -> u64 {
+        self.user_us + self.sys_us
+    }
+
+    /// Where a fan-out's server CPU went, per delivery and per write system call.
+    fn split(&self, delivered: u64) -> Value {
+        let per = |n: u64, d: u64| if d == 0 { Value::Null } else { json!(n as f64 / d as f64) };
+        json!({
+            "server_user_us_per_delivery": per(self.user_us, delivered),
+            "server_sys_us_per_delivery": per(self.sys_us, delivered),
+            "server_writes": self.writes,
+            "deliveries_per_write": per(delivered, self.writes),
+            "server_sys_us_per_write": per(self.sys_us, self.writes),
         })
-        .sum()
+    }
 }
 
 /// Resident memory of the processes, in KiB.
@@ -617,21 +671,21 @@ impl Tally {
         tally
     }
 
-    /// Waits for every watcher; returns the tally, the seconds since `started` and the server
-    /// CPU microseconds since `cpu0`, both read before the latencies are sorted (20 million of
+    /// Waits for every watcher; returns the tally, the seconds since `started` and what the
+    /// server used since `before`, both read before the latencies are sorted (20 million of
     /// them take a while).
     async fn finish(
         tasks: Vec<tokio::task::JoinHandle<Seen>>,
         events: usize,
         started: Instant,
-        cpu0: u64,
+        before: Usage,
         pids: &[u32],
-    ) -> (Tally, f64, u64) {
+    ) -> (Tally, f64, Usage) {
         let mut tally = Tally::collect(tasks, events).await;
         let elapsed = started.elapsed().as_secs_f64();
-        let cpu = cpu_micros(pids).saturating_sub(cpu0);
+        let used = Usage::read(pids).since(before);
         tally.latencies.sort_unstable();
-        (tally, elapsed, cpu)
+        (tally, elapsed, used)
     }
 
     fn correct(&self) -> bool {
@@ -660,14 +714,15 @@ async fn fanout(
     }
     let tasks: Vec<_> = subscriptions.into_iter().map(|feed| tokio::spawn(watch(server, feed, events))).collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let cpu0 = cpu_micros(pids);
+    let before = Usage::read(pids);
     let started = Instant::now();
     match server {
         Server::Gateway => start_turn(&client, base, &channel, &format!("fanout-{events}-{rate}")).await,
         Server::Nchan => publish_nchan(&client, base, &channel, events, rate).await,
     }
-    let (tally, elapsed, cpu) = Tally::finish(tasks, events, started, cpu0, pids).await;
-    json!({
+    let (tally, elapsed, used) = Tally::finish(tasks, events, started, before, pids).await;
+    let cpu = used.cpu_us();
+    let mut result = json!({
         "transport": format!("{transport:?}").to_lowercase(),
         "watchers": watchers,
         "events": events,
@@ -681,7 +736,16 @@ async fn fanout(
         "out_of_order": tally.out_of_order,
         "incomplete_watchers": tally.incomplete,
         "correct": tally.correct(),
-    })
+    });
+    merge(&mut result, used.split(tally.delivered));
+    result
+}
+
+/// Adds the fields of `more` to the object `into`.
+fn merge(into: &mut Value, more: Value) {
+    if let (Value::Object(into), Value::Object(more)) = (into, more) {
+        into.extend(more);
+    }
 }
 
 /// W3: `conversations` turns at `rate` tokens/s at once, `watchers` on each, turn starts spread
@@ -706,15 +770,16 @@ async fn scale(
         }
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let cpu0 = cpu_micros(pids);
+    let before = Usage::read(pids);
     let started = Instant::now();
     let spread = Duration::from_secs_f64(1.0 / rate.max(1) as f64 / conversations as f64);
     for c in 0..conversations {
         start_turn(&client, base, &format!("{prefix}-{c}"), &format!("paced-{events}-{rate}")).await;
         tokio::time::sleep(spread).await;
     }
-    let (tally, elapsed, cpu) = Tally::finish(tasks, events, started, cpu0, pids).await;
-    json!({
+    let (tally, elapsed, used) = Tally::finish(tasks, events, started, before, pids).await;
+    let cpu = used.cpu_us();
+    let mut result = json!({
         "transport": format!("{transport:?}").to_lowercase(),
         "conversations": conversations,
         "watchers_per_conversation": watchers,
@@ -729,7 +794,9 @@ async fn scale(
         "out_of_order": tally.out_of_order,
         "incomplete_watchers": tally.incomplete,
         "correct": tally.correct(),
-    })
+    });
+    merge(&mut result, used.split(tally.delivered));
+    result
 }
 
 /// W8, first half: `watchers` healthy watchers of a burst turn, once alone and once beside a

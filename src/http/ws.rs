@@ -2,14 +2,16 @@
 //!
 //! One JSON object per text frame. The connection has one writer task fed by a bounded queue;
 //! each subscribed conversation has a forwarding task that reads its hub cursor into that
-//! queue, so a slow socket holds its cursors back (they read further back later, losslessly)
-//! and never the turn.
+//! queue (a batch of shared frames at a time), so a slow socket holds its cursors back (they
+//! read further back later, losslessly) and never the turn.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use axum::extract::State;
 use axum::extract::ws::{Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::response::Response;
+use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Map, Value, json};
 use tokio::sync::{broadcast, mpsc};
@@ -21,12 +23,14 @@ use super::extract::{JsonObject, check_id};
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::error::ApiError;
-use crate::hub::Delivery;
+use crate::hub::{Delivery, Frame};
 use crate::metrics::{StreamPermit, Transport};
 use crate::turn::StartError;
 
-/// Messages queued for one socket before forwarding tasks wait.
-const OUTBOUND: usize = 1024;
+/// Messages (or batches of events) queued for one socket before forwarding tasks wait.
+const OUTBOUND: usize = 64;
+/// Bytes a socket read takes at most (messages may still be up to `max_body_bytes`).
+const READ_BUFFER: usize = 4096;
 /// Most frames a forwarding task takes from its cursor at once.
 const BATCH: usize = 256;
 
@@ -43,24 +47,48 @@ const BATCH: usize = 256;
 pub async fn ws(State(state): State<AppState>, upgrade: WebSocketUpgrade) -> Result<Response, ApiError> {
     let permit = state.stream_permit(Transport::WebSocket)?;
     Ok(upgrade
+        // The read buffer is zeroed before reads (128 KiB by default): clients send small ops,
+        // and a smaller buffer makes every read of a busy socket cheaper and an idle one lighter.
+        .read_buffer_size(READ_BUFFER)
         .max_message_size(state.config.max_body_bytes)
         .max_frame_size(state.config.max_body_bytes)
         .on_upgrade(move |socket| session(state, socket, permit)))
 }
 
-fn text(value: Value) -> Message {
-    Message::Text(Utf8Bytes::from(value.to_string()))
+fn text(value: Value) -> Outbound {
+    Outbound::Message(Message::Text(Utf8Bytes::from(value.to_string())))
+}
+
+/// What the writer task sends: one message, or a batch of hub events as `chat.delta`s.
+enum Outbound {
+    Message(Message),
+    Events(Vec<Arc<Frame>>),
+}
+
+impl Outbound {
+    /// Queues the messages into the sink without flushing.
+    async fn feed(self, sink: &mut SplitSink<WebSocket, Message>) -> Result<(), axum::Error> {
+        match self {
+            Outbound::Message(m) => sink.feed(m).await,
+            Outbound::Events(frames) => {
+                for frame in frames {
+                    sink.feed(Message::Text(frame.ws().clone())).await?;
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 struct Session {
     state: AppState,
-    out: mpsc::Sender<Message>,
+    out: mpsc::Sender<Outbound>,
     subscriptions: HashMap<String, JoinHandle<()>>,
 }
 
 async fn session(state: AppState, socket: WebSocket, _permit: StreamPermit) {
     let (mut sink, mut incoming) = socket.split();
-    let (out, mut queue) = mpsc::channel::<Message>(OUTBOUND);
+    let (out, mut queue) = mpsc::channel::<Outbound>(OUTBOUND);
     let keepalive = state.keepalive();
     let writer = tokio::spawn(async move {
         let mut ping = keepalive.map(|period| tokio::time::interval_at(tokio::time::Instant::now() + period, period));
@@ -68,17 +96,17 @@ async fn session(state: AppState, socket: WebSocket, _permit: StreamPermit) {
             let message = match ping.as_mut() {
                 Some(ping) => tokio::select! {
                     m = queue.recv() => m,
-                    _ = ping.tick() => Some(Message::Ping(Default::default())),
+                    _ = ping.tick() => Some(Outbound::Message(Message::Ping(Default::default()))),
                 },
                 None => queue.recv().await,
             };
             let Some(message) = message else { break };
             // Write everything already queued in one flush.
-            if sink.feed(message).await.is_err() {
+            if message.feed(&mut sink).await.is_err() {
                 break;
             }
             while let Ok(more) = queue.try_recv() {
-                if sink.feed(more).await.is_err() {
+                if more.feed(&mut sink).await.is_err() {
                     return;
                 }
             }
@@ -219,19 +247,19 @@ impl Session {
         let id = conversation_id.to_owned();
         let drained = self.state.drained.clone();
         let task = tokio::spawn(async move {
+            // Polled on every batch: a flag check, not the token's lock (see `Cancelled`).
+            let mut drained = crate::net::Cancelled::new(&drained);
             loop {
                 let delivery = tokio::select! {
+                    biased;
                     d = cursor.next_batch(BATCH) => d,
-                    _ = drained.cancelled() => cursor.try_batch(BATCH).unwrap_or(Delivery::End),
+                    _ = &mut drained => cursor.try_batch(BATCH).unwrap_or(Delivery::End),
                 };
                 match delivery {
                     Delivery::Frames(frames) => {
                         metrics.events_delivered.fetch_add(frames.len() as u64, Relaxed);
-                        for frame in frames {
-                            let Ok(text) = Utf8Bytes::try_from(frame.ws().clone()) else { continue };
-                            if out.send(Message::Text(text)).await.is_err() {
-                                return;
-                            }
+                        if out.send(Outbound::Events(frames)).await.is_err() {
+                            return;
                         }
                     }
                     Delivery::Lost => {
