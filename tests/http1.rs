@@ -31,40 +31,52 @@ impl RawResponse {
     }
 }
 
+/// Reads a response head: the status and the header lines, names lowercased.
+async fn read_head(reader: &mut BufReader<TcpStream>) -> (u16, Vec<(String, String)>) {
+    let mut line = String::new();
+    reader.read_line(&mut line).await.unwrap();
+    assert!(line.starts_with("HTTP/1.1 "), "a status line: {line:?}");
+    let status = line[9..12].parse().unwrap();
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        reader.read_line(&mut line).await.unwrap();
+        assert!(line.ends_with("\r\n"), "header lines end with CRLF: {line:?}");
+        if line == "\r\n" {
+            return (status, headers);
+        }
+        let (name, value) = line.trim_end().split_once(": ").expect("name: value");
+        headers.push((name.to_ascii_lowercase(), value.to_owned()));
+    }
+}
+
+/// Reads a chunked body up to its last (empty) chunk: the bytes and the size of each chunk.
+async fn read_chunked(reader: &mut BufReader<TcpStream>) -> (Vec<u8>, Vec<usize>) {
+    let (mut body, mut sizes) = (Vec::new(), Vec::new());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        reader.read_line(&mut line).await.unwrap();
+        let size = usize::from_str_radix(line.trim_end(), 16).expect("a hex chunk size");
+        let mut chunk = vec![0u8; size + 2];
+        reader.read_exact(&mut chunk).await.unwrap();
+        assert_eq!(&chunk[size..], b"\r\n", "a chunk ends with CRLF");
+        if size == 0 {
+            return (body, sizes);
+        }
+        sizes.push(size);
+        body.extend_from_slice(&chunk[..size]);
+    }
+}
+
 /// Reads one response: its head, then a chunked or content-length body.
 async fn read_response(reader: &mut BufReader<TcpStream>) -> RawResponse {
     let read = async {
-        let mut line = String::new();
-        reader.read_line(&mut line).await.unwrap();
-        assert!(line.starts_with("HTTP/1.1 "), "a status line: {line:?}");
-        let status = line[9..12].parse().unwrap();
-        let mut headers = Vec::new();
-        loop {
-            line.clear();
-            reader.read_line(&mut line).await.unwrap();
-            assert!(line.ends_with("\r\n"), "header lines end with CRLF: {line:?}");
-            if line == "\r\n" {
-                break;
-            }
-            let (name, value) = line.trim_end().split_once(": ").expect("name: value");
-            headers.push((name.to_ascii_lowercase(), value.to_owned()));
-        }
+        let (status, headers) = read_head(reader).await;
         let mut response = RawResponse { status, headers, body: Vec::new(), chunks: Vec::new() };
         if response.header("transfer-encoding") == Some("chunked") {
             assert!(response.header("content-length").is_none());
-            loop {
-                line.clear();
-                reader.read_line(&mut line).await.unwrap();
-                let size = usize::from_str_radix(line.trim_end(), 16).expect("a hex chunk size");
-                let mut chunk = vec![0u8; size + 2];
-                reader.read_exact(&mut chunk).await.unwrap();
-                assert_eq!(&chunk[size..], b"\r\n", "a chunk ends with CRLF");
-                if size == 0 {
-                    break;
-                }
-                response.chunks.push(size);
-                response.body.extend_from_slice(&chunk[..size]);
-            }
+            (response.body, response.chunks) = read_chunked(reader).await;
         } else {
             let length: usize = response.header("content-length").expect("a length or chunks").parse().unwrap();
             response.body.resize(length, 0);
@@ -96,35 +108,18 @@ async fn a_stream_then_pipelined_and_later_requests_share_one_connection() {
     )
     .await;
     // The head arrives before any event (an EventSource opens on it).
-    let mut line = String::new();
-    conn.read_line(&mut line).await.unwrap();
-    assert_eq!(line, "HTTP/1.1 200 OK\r\n");
-    let mut head = String::new();
-    while line != "\r\n" {
-        line.clear();
-        conn.read_line(&mut line).await.unwrap();
-        head.push_str(&line);
+    let (status, headers) = read_head(&mut conn).await;
+    assert_eq!(status, 200);
+    let head = format!("{headers:?}");
+    for expected in [("content-type", "text/event-stream"), ("transfer-encoding", "chunked")] {
+        assert!(headers.iter().any(|(n, v)| (n.as_str(), v.as_str()) == expected), "{expected:?} in {head}");
     }
-    for expected in ["content-type: text/event-stream", "transfer-encoding: chunked", "x-request-id: ", "date: "] {
-        assert!(head.contains(expected), "{expected} in {head}");
-    }
+    assert!(headers.iter().any(|(n, _)| n == "x-request-id") && headers.iter().any(|(n, _)| n == "date"), "{head}");
 
     let (status, body) = server.post("/conversations/keep/messages", json!({"message": "hello there"})).await;
     assert_eq!(status, 202, "{body}");
     // Chunks up to the terminating one; the stream ends after turn-sealed.
-    let mut body = Vec::new();
-    loop {
-        line.clear();
-        conn.read_line(&mut line).await.unwrap();
-        let size = usize::from_str_radix(line.trim_end(), 16).expect("a hex chunk size");
-        let mut chunk = vec![0u8; size + 2];
-        conn.read_exact(&mut chunk).await.unwrap();
-        assert_eq!(&chunk[size..], b"\r\n");
-        if size == 0 {
-            break;
-        }
-        body.extend_from_slice(&chunk[..size]);
-    }
+    let (body, _) = read_chunked(&mut conn).await;
     let text = String::from_utf8(body).unwrap();
     // Ids are `<turnId>:<index>`.
     let ids: Vec<u64> = text
@@ -153,9 +148,7 @@ async fn a_stream_then_pipelined_and_later_requests_share_one_connection() {
 
     // A stream request after requests the general server answered is still answered.
     send(&mut conn, "GET /conversations/keep/events?format=ndjson&sinceSeq=0 HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
-    line.clear();
-    conn.read_line(&mut line).await.unwrap();
-    assert_eq!(line, "HTTP/1.1 200 OK\r\n");
+    assert_eq!(read_head(&mut conn).await.0, 200);
     drop(conn);
     server.stop().await;
 }
@@ -180,9 +173,7 @@ async fn connection_close_is_honoured_and_a_dropped_watcher_frees_its_stream() {
     // The one stream place is taken, and freed as soon as its client goes away.
     let mut watcher = connect(&server).await;
     send(&mut watcher, "GET /conversations/c/events HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
-    let mut line = String::new();
-    watcher.read_line(&mut line).await.unwrap();
-    assert_eq!(line, "HTTP/1.1 200 OK\r\n");
+    assert_eq!(read_head(&mut watcher).await.0, 200);
     let (status, body) = server.get("/conversations/c/events").await;
     assert_eq!(status, 503, "{body}");
     drop(watcher);
