@@ -804,9 +804,10 @@ async fn scale(
 async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Value {
     use tokio::io::AsyncWriteExt;
     let client = reqwest::Client::new();
-    // Three rounds of (alone, beside): one run is a second or two, so single runs are noisy.
+    // Five rounds of (alone, beside), medians compared: one run is a few seconds, and single
+    // runs differ by 15% here with nothing changed.
     let mut runs = Vec::new();
-    for with_stalled in [false, true, false, true, false, true] {
+    for with_stalled in [false, true].repeat(5) {
         let channel = format!("stalled{}", now_micros());
         let mut tasks = Vec::with_capacity(watchers);
         for _ in 0..watchers {
