@@ -139,6 +139,9 @@ pub struct FlushWindow {
     pub max: Duration,
 }
 
+/// The configuration's defaults (`--flush-us-per-watcher`, `--flush-max-ms`), for tests; the
+/// gateway builds its window from the configuration.
+#[cfg(test)]
 impl Default for FlushWindow {
     fn default() -> FlushWindow {
         FlushWindow { per_reader: Duration::from_micros(10), max: Duration::from_millis(25) }
