@@ -101,7 +101,8 @@ enum Workload {
         #[arg(long, value_delimiter = ',')]
         pids: Vec<u32>,
     },
-    /// A fake OpenAI-compatible upstream read directly, then through the gateway.
+    /// A fake OpenAI-compatible upstream read directly and through the gateway, in alternating
+    /// rounds.
     Proxy {
         #[arg(long)]
         base: String,
@@ -881,41 +882,70 @@ async fn metric(client: &reqwest::Client, base: &str, name: &str) -> Option<f64>
 /// W8, second half: a fake OpenAI-compatible upstream on `listen` streams `chunks` stamped
 /// chunks at `rate` per second; read once directly and once through the gateway's `openai`
 /// runtime (`model`), the per-chunk latency of both.
+/// Rounds of the proxy workload: direct and through the gateway alternate, so a hiccup of the
+/// machine lands in both sides' samples instead of in one side's whole run.
+const PROXY_ROUNDS: usize = 5;
+
 async fn proxy(base: &str, listen: &str, model: &str, chunks: usize, rate: u64) -> Value {
+    let per_round = chunks.div_ceil(PROXY_ROUNDS).max(1);
     let listener = tokio::net::TcpListener::bind(listen).await.expect("binds the upstream address");
     tokio::spawn(async move {
         while let Ok((socket, _)) = listener.accept().await {
-            tokio::spawn(fake_upstream(socket, chunks, rate));
+            tokio::spawn(fake_upstream(socket, per_round, rate));
         }
     });
-    // Directly: the client reads the upstream's stream.
-    let direct = {
-        let client = reqwest::Client::new();
-        let r = client
-            .post(format!("http://{listen}/v1/chat/completions"))
-            .json(&json!({"model": "fake", "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
-            .send()
-            .await
-            .expect("the upstream answers");
-        let mut body = r.bytes_stream();
-        let (mut buf, mut latencies, mut expected, mut bad) = (Vec::new(), Vec::new(), 0u64, 0u64);
-        while let Some(Ok(b)) = body.next().await {
-            let now = now_micros();
-            buf.extend_from_slice(&b);
-            while let Some(end) = find(&buf, b"\n\n") {
-                if let Some((stamp, index)) = content_stamp(&buf[..end]) {
-                    bad += u64::from(index != expected);
-                    expected += 1;
-                    latencies.push(now.saturating_sub(stamp));
-                }
-                buf.drain(..end + 2);
+    let (mut direct, mut via, mut correct) = (Vec::new(), Vec::new(), true);
+    for round in 0..PROXY_ROUNDS {
+        correct &= proxy_direct(listen, per_round, &mut direct).await;
+        correct &= proxy_via(base, model, round, per_round, &mut via).await;
+    }
+    direct.sort_unstable();
+    via.sort_unstable();
+    let ms = |v: &[u64], p: f64| percentile(v, p) as f64 / 1000.0;
+    json!({
+        "chunks": per_round * PROXY_ROUNDS,
+        "rounds": PROXY_ROUNDS,
+        "rate": rate,
+        "direct_p50_ms": ms(&direct, 0.5),
+        "direct_p99_ms": ms(&direct, 0.99),
+        "gateway_p50_ms": ms(&via, 0.5),
+        "gateway_p99_ms": ms(&via, 0.99),
+        "added_p50_ms": ms(&via, 0.5) - ms(&direct, 0.5),
+        "added_p99_ms": ms(&via, 0.99) - ms(&direct, 0.99),
+        "correct": correct,
+    })
+}
+
+/// The client reads the upstream's stream itself; whether every chunk came, in order.
+async fn proxy_direct(listen: &str, chunks: usize, latencies: &mut Vec<u64>) -> bool {
+    let client = reqwest::Client::new();
+    let r = client
+        .post(format!("http://{listen}/v1/chat/completions"))
+        .json(&json!({"model": "fake", "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .expect("the upstream answers");
+    let mut body = r.bytes_stream();
+    let (mut buf, mut expected, mut bad) = (Vec::new(), 0u64, 0u64);
+    while let Some(Ok(b)) = body.next().await {
+        let now = now_micros();
+        buf.extend_from_slice(&b);
+        while let Some(end) = find(&buf, b"\n\n") {
+            if let Some((stamp, index)) = content_stamp(&buf[..end]) {
+                bad += u64::from(index != expected);
+                expected += 1;
+                latencies.push(now.saturating_sub(stamp));
             }
+            buf.drain(..end + 2);
         }
-        latencies.sort_unstable();
-        (latencies, bad == 0 && expected == chunks as u64)
-    };
-    // Through the gateway: an SSE watcher of a turn on the openai model.
-    let channel = format!("proxy{}", now_micros());
+    }
+    bad == 0 && expected == chunks as u64
+}
+
+/// An SSE watcher of a turn on the openai model; whether every chunk came, in order, and the
+/// turn sealed.
+async fn proxy_via(base: &str, model: &str, round: usize, chunks: usize, latencies: &mut Vec<u64>) -> bool {
+    let channel = format!("proxy{}-{round}", now_micros());
     let mut feed = subscribe(Server::Gateway, Transport::Sse, base, &channel).await;
     let client = reqwest::Client::new();
     let r = client
@@ -925,33 +955,21 @@ async fn proxy(base: &str, listen: &str, model: &str, chunks: usize, rate: u64) 
         .await
         .expect("the gateway answers");
     assert_eq!(r.status(), 202, "starting the proxied turn");
-    let (mut via, mut expected, mut bad, mut sealed) = (Vec::new(), 0u64, 0u64, false);
+    let (mut expected, mut bad, mut sealed) = (0u64, 0u64, false);
     while let Some(range) = feed.next_message().await {
         let now = feed.read_at;
         let (_, data) = fields(&feed.body[range]);
         if let Some((stamp, index)) = stamp_of(data) {
             bad += u64::from(index != expected);
             expected += 1;
-            via.push(now.saturating_sub(stamp));
+            latencies.push(now.saturating_sub(stamp));
         }
         if find(data, b"\"type\":\"turn-sealed\"").is_some() {
             sealed = true;
             break;
         }
     }
-    via.sort_unstable();
-    let ms = |v: &[u64], p: f64| percentile(v, p) as f64 / 1000.0;
-    json!({
-        "chunks": chunks,
-        "rate": rate,
-        "direct_p50_ms": ms(&direct.0, 0.5),
-        "direct_p99_ms": ms(&direct.0, 0.99),
-        "gateway_p50_ms": ms(&via, 0.5),
-        "gateway_p99_ms": ms(&via, 0.99),
-        "added_p50_ms": ms(&via, 0.5) - ms(&direct.0, 0.5),
-        "added_p99_ms": ms(&via, 0.99) - ms(&direct.0, 0.99),
-        "correct": direct.1 && bad == 0 && sealed && expected == chunks as u64,
-    })
+    bad == 0 && sealed && expected == chunks as u64
 }
 
 /// The `<micros>:<index>:` stamp of an upstream chunk's content.
