@@ -879,13 +879,13 @@ async fn metric(client: &reqwest::Client, base: &str, name: &str) -> Option<f64>
     text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')).and_then(|v| v.trim().parse().ok())
 }
 
-/// W8, second half: a fake OpenAI-compatible upstream on `listen` streams `chunks` stamped
-/// chunks at `rate` per second; read once directly and once through the gateway's `openai`
-/// runtime (`model`), the per-chunk latency of both.
 /// Rounds of the proxy workload: direct and through the gateway alternate, so a hiccup of the
 /// machine lands in both sides' samples instead of in one side's whole run.
 const PROXY_ROUNDS: usize = 5;
 
+/// W8, second half: a fake OpenAI-compatible upstream on `listen` streams stamped chunks at
+/// `rate` per second, `chunks` in all; read directly and through the gateway's `openai` runtime
+/// (`model`) in alternating rounds, the per-chunk latency of both.
 async fn proxy(base: &str, listen: &str, model: &str, chunks: usize, rate: u64) -> Value {
     let per_round = chunks.div_ceil(PROXY_ROUNDS).max(1);
     let listener = tokio::net::TcpListener::bind(listen).await.expect("binds the upstream address");
