@@ -471,10 +471,7 @@ impl Drop for Cursor {
 /// first (two frames, instead of a binary search touching a frame at every step).
 fn start_of(frames: &[Arc<Frame>], next: u32) -> usize {
     let i = next as usize;
-    if i <= frames.len()
-        && (i == 0 || frames[i - 1].last < next)
-        && frames.get(i).is_none_or(|f| f.last >= next)
-    {
+    if i <= frames.len() && (i == 0 || frames[i - 1].last < next) && frames.get(i).is_none_or(|f| f.last >= next) {
         return i;
     }
     frames.partition_point(|f| f.last < next)
