@@ -54,27 +54,7 @@ impl Store {
     pub async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<HistoryPage> {
         let since = i64::try_from(w.since_seq).unwrap_or(i64::MAX);
         let before = w.before_seq.map_or(i64::MAX, |b| i64::try_from(b).unwrap_or(i64::MAX));
-        // The newest `limit` chunks of the selection are those above the (limit+1)th newest
-        // one: that bound is found by walking the index back `limit` entries, so the window
-        // itself is one ascending range scan with nothing to sort. LIMIT and OFFSET are written
-        // into the statement, not bound: SQLite plans with a bound LIMIT's value and then
-        // recompiles the statement at every execution (one cached statement per distinct limit
-        // instead). The order comes from the subquery's ORDER BY, which the primary key's range
-        // scan satisfies with no sort: SQLite keeps a subquery's ORDER BY under an aggregate
-        // other than count/min/max, and never flattens it into one. (`group_concat(... ORDER BY
-        // seq)` sorts the window again in a temporary b-tree: a third of the query's time.)
-        let floor = match w.limit.map(|l| l.min(i64::MAX as u64)) {
-            Some(limit) => format!(
-                "max(?2, coalesce((SELECT seq FROM chunks WHERE conversation_id = ?1 AND seq < ?3
-                                   ORDER BY seq DESC LIMIT 1 OFFSET {limit}), 0))"
-            ),
-            None => "?2".to_owned(),
-        };
-        let sql = format!(
-            r#"SELECT group_concat(item, ','), max(seq) FROM (
-                 SELECT '{{"seq":' || seq || ',"role":"' || role || '","chunk":' || chunk || '}}' AS item, seq
-                 FROM chunks WHERE conversation_id = ?1 AND seq < ?3 AND seq > {floor} ORDER BY seq)"#
-        );
+        let sql = window_sql(w.limit);
         let (items, last_seq): (Option<String>, Option<i64>) = sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(conversation_id)
             .bind(since)
@@ -92,6 +72,31 @@ impl Store {
             .await?;
         Ok(seq.unwrap_or(0) as u64)
     }
+}
+
+/// The statement of a history window (parameters: conversation id, sinceSeq, beforeSeq).
+///
+/// The newest `limit` chunks of the selection are those above the (limit+1)th newest one: that
+/// bound is found by walking the index back `limit` entries, so the window itself is one
+/// ascending range scan. LIMIT and OFFSET are written into the statement, not bound: SQLite
+/// plans with a bound LIMIT's value and then recompiles the statement at every execution (one
+/// cached statement per distinct limit instead). The order comes from the subquery's ORDER BY,
+/// which the primary key's range scan satisfies with no sort: SQLite keeps a subquery's ORDER
+/// BY under an aggregate other than count/min/max, and does not flatten it into the aggregate.
+/// (`group_concat(... ORDER BY seq)` would sort the window again in a temporary b-tree.)
+fn window_sql(limit: Option<u64>) -> String {
+    let floor = match limit.map(|l| l.min(i64::MAX as u64)) {
+        Some(limit) => format!(
+            "max(?2, coalesce((SELECT seq FROM chunks WHERE conversation_id = ?1 AND seq < ?3
+                               ORDER BY seq DESC LIMIT 1 OFFSET {limit}), 0))"
+        ),
+        None => "?2".to_owned(),
+    };
+    format!(
+        r#"SELECT group_concat(item, ','), max(seq) FROM (
+             SELECT '{{"seq":' || seq || ',"role":"' || role || '","chunk":' || chunk || '}}' AS item, seq
+             FROM chunks WHERE conversation_id = ?1 AND seq < ?3 AND seq > {floor} ORDER BY seq)"#
+    )
 }
 
 /// Most rows in one INSERT (four parameters each, well under SQLite's limit of 32,766).
@@ -255,6 +260,32 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         assert!(grown > before + 1_000_000, "the database file went from {before} to {grown} bytes");
+        store.close().await;
+    }
+
+    #[tokio::test]
+    async fn a_history_window_is_read_in_key_order_without_a_sort() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("plan.db"), Arc::new(Metrics::default())).await.unwrap();
+        for limit in [None, Some(100)] {
+            let sql = format!("EXPLAIN QUERY PLAN {}", window_sql(limit));
+            let plan: Vec<(i64, i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind("c")
+                .bind(0i64)
+                .bind(i64::MAX)
+                .fetch_all(&store.reader)
+                .await
+                .unwrap();
+            let steps: Vec<&str> = plan.iter().map(|row| row.3.as_str()).collect();
+            // The ordered subquery stays a subquery (its ORDER BY decides the order), is read
+            // by the primary key, and nothing is sorted in a temporary b-tree.
+            assert!(steps.iter().any(|s| s.starts_with("CO-ROUTINE")), "{steps:?}");
+            assert!(
+                steps.iter().any(|s| s.contains("USING PRIMARY KEY (conversation_id=? AND seq>? AND seq<?)")),
+                "{steps:?}"
+            );
+            assert!(!steps.iter().any(|s| s.contains("TEMP B-TREE")), "{steps:?}");
+        }
         store.close().await;
     }
 }
