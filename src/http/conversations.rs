@@ -165,7 +165,12 @@ pub async fn history(
     // Stored chunks pass through unparsed: the body is assembled around the page's JSON.
     let page = state.store.history(&id, window).await?;
     let latest_seq = page.last_seq.unwrap_or(window.since_seq);
-    let body = format!(r#"{{"chunks":[{}],"latestSeq":{latest_seq}}}"#, page.items);
+    let mut body = Vec::with_capacity(page.items.len() + 48);
+    body.extend_from_slice(br#"{"chunks":["#);
+    body.extend_from_slice(&page.items);
+    body.extend_from_slice(br#"],"latestSeq":"#);
+    crate::store::push_decimal(&mut body, latest_seq);
+    body.push(b'}');
     Ok(([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 

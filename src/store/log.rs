@@ -19,8 +19,8 @@ pub struct NewChunk {
 /// written, each wrapped as `{"seq":..,"role":..,"chunk":..}`.
 #[derive(Debug)]
 pub struct HistoryPage {
-    /// The chunk objects, comma-separated, in seq order (empty for none).
-    pub items: String,
+    /// The chunk objects, comma-separated, in seq order (empty for none): JSON text.
+    pub items: Vec<u8>,
     /// Seq of the last chunk in the window.
     pub last_seq: Option<u64>,
 }
@@ -46,22 +46,21 @@ impl Store {
         self.write(job).await?.seq()
     }
 
-    /// A window of the log, assembled by SQLite in one row: a window of 100 chunks is one
-    /// result row instead of 100 (each row crosses a thread and is copied; the JSON text is
-    /// joined where it lies). The text is joined unparsed: the database refuses to store a
-    /// chunk that is not JSON or a role outside the four (migration 0003), so what is joined is
-    /// JSON.
+    /// A window of the log. The stored JSON text is joined unparsed, straight from SQLite's
+    /// row buffers into the page: the database refuses to store a chunk that is not JSON or a
+    /// role outside the four (migration 0003), so what is joined is JSON. Windows of at most
+    /// `INLINE_WINDOW_LIMIT` chunks are read on the calling thread (see `direct`), larger ones
+    /// on the blocking pool.
     pub async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<HistoryPage> {
         let since = i64::try_from(w.since_seq).unwrap_or(i64::MAX);
         let before = w.before_seq.map_or(i64::MAX, |b| i64::try_from(b).unwrap_or(i64::MAX));
         let sql = window_sql(w.limit);
-        let (items, last_seq): (Option<String>, Option<i64>) = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-            .bind(conversation_id)
-            .bind(since)
-            .bind(before)
-            .fetch_one(&self.reader)
-            .await?;
-        Ok(HistoryPage { items: items.unwrap_or_default(), last_seq: last_seq.map(|s| s as u64) })
+        if w.limit.is_some_and(|l| l <= INLINE_WINDOW_LIMIT) {
+            self.direct.run(|c| read_window(c, &sql, conversation_id, since, before))
+        } else {
+            let conversation_id = conversation_id.to_owned();
+            self.direct.run_blocking(move |c| read_window(c, &sql, &conversation_id, since, before)).await
+        }
     }
 
     /// The conversation's highest seq (0 for none or unknown).
@@ -74,16 +73,15 @@ impl Store {
     }
 }
 
-/// The statement of a history window (parameters: conversation id, sinceSeq, beforeSeq).
+/// The statement of a history window (parameters: conversation id, sinceSeq, beforeSeq):
+/// its rows' seq, role and chunk in ascending seq order.
 ///
 /// The newest `limit` chunks of the selection are those above the (limit+1)th newest one: that
 /// bound is found by walking the index back `limit` entries, so the window itself is one
-/// ascending range scan. LIMIT and OFFSET are written into the statement, not bound: SQLite
-/// plans with a bound LIMIT's value and then recompiles the statement at every execution (one
-/// cached statement per distinct limit instead). The order comes from the subquery's ORDER BY,
-/// which the primary key's range scan satisfies with no sort: SQLite keeps a subquery's ORDER
-/// BY under an aggregate other than count/min/max, and does not flatten it into the aggregate.
-/// (`group_concat(... ORDER BY seq)` would sort the window again in a temporary b-tree.)
+/// ascending range scan of the primary key, which yields seq order with no sort. LIMIT and
+/// OFFSET are written into the statement, not bound: SQLite plans with a bound LIMIT's value
+/// and then recompiles the statement at every execution (one cached statement per distinct
+/// limit instead).
 fn window_sql(limit: Option<u64>) -> String {
     let floor = match limit.map(|l| l.min(i64::MAX as u64)) {
         Some(limit) => format!(
@@ -93,10 +91,63 @@ fn window_sql(limit: Option<u64>) -> String {
         None => "?2".to_owned(),
     };
     format!(
-        r#"SELECT group_concat(item, ','), max(seq) FROM (
-             SELECT '{{"seq":' || seq || ',"role":"' || role || '","chunk":' || chunk || '}}' AS item, seq
-             FROM chunks WHERE conversation_id = ?1 AND seq < ?3 AND seq > {floor} ORDER BY seq)"#
+        "SELECT seq, role, chunk FROM chunks WHERE conversation_id = ?1 AND seq < ?3 AND seq > {floor} ORDER BY seq"
     )
+}
+
+/// Largest window read on the calling thread (about a millisecond of SQLite work at most).
+const INLINE_WINDOW_LIMIT: u64 = 1000;
+
+/// Reads the window `sql` (from `window_sql`) selects, each row wrapped as
+/// `{"seq":..,"role":..,"chunk":..}`. The text is copied as stored, without a UTF-8 check:
+/// it entered as Rust strings.
+fn read_window(
+    c: &rusqlite::Connection,
+    sql: &str,
+    conversation_id: &str,
+    since: i64,
+    before: i64,
+) -> rusqlite::Result<HistoryPage> {
+    let mut statement = c.prepare_cached(sql)?;
+    let mut rows = statement.query((conversation_id, since, before))?;
+    let (mut items, mut last_seq) = (Vec::new(), None);
+    while let Some(row) = rows.next()? {
+        let seq: i64 = row.get(0)?;
+        let (role, chunk) = (text(row, 1)?, text(row, 2)?);
+        items.reserve(chunk.len() + role.len() + 48);
+        items.extend_from_slice(if last_seq.is_some() { b",{\"seq\":" } else { b"{\"seq\":" });
+        push_decimal(&mut items, seq as u64);
+        items.extend_from_slice(b",\"role\":\"");
+        items.extend_from_slice(role);
+        items.extend_from_slice(b"\",\"chunk\":");
+        items.extend_from_slice(chunk);
+        items.push(b'}');
+        last_seq = Some(seq as u64);
+    }
+    Ok(HistoryPage { items, last_seq })
+}
+
+/// Column `i` of `row` as text, borrowed from SQLite's buffer.
+fn text<'r>(row: &'r rusqlite::Row<'_>, i: usize) -> rusqlite::Result<&'r [u8]> {
+    match row.get_ref(i)? {
+        rusqlite::types::ValueRef::Text(bytes) => Ok(bytes),
+        other => Err(rusqlite::Error::InvalidColumnType(i, format!("column {i}"), other.data_type())),
+    }
+}
+
+/// Appends `n` in decimal.
+pub fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// Most rows in one INSERT (four parameters each, well under SQLite's limit of 32,766).
@@ -263,6 +314,57 @@ mod tests {
         store.close().await;
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn windows_read_inline_and_on_the_blocking_pool_agree_with_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("windows.db"), Arc::new(Metrics::default())).await.unwrap();
+        let new = super::super::NewConversation { id: "c", title: "", model: None, now: 1 };
+        store.create_conversation(new).await.unwrap();
+        let total = INLINE_WINDOW_LIMIT as usize + 500;
+        let batch: Vec<NewChunk> = (0..total).map(|i| chunk(i, i % 7 == 0)).collect();
+        store.append_chunks("c", "t", &batch).await.unwrap();
+        let item =
+            |seq: u64| format!(r#"{{"seq":{seq},"role":"assistant","chunk":{{"type":"text","text":"c{}"}}}}"#, seq - 1);
+        let expected = |seqs: std::ops::RangeInclusive<u64>| seqs.map(item).collect::<Vec<_>>().join(",");
+        let window = |since_seq, before_seq, limit| HistoryWindow { since_seq, before_seq, limit };
+        let last = total as u64;
+        // Inline (limit <= INLINE_WINDOW_LIMIT) and blocking (larger or no limit) reads.
+        let cases = [
+            (window(0, None, Some(100)), last - 99..=last),
+            (window(0, None, Some(INLINE_WINDOW_LIMIT)), last - INLINE_WINDOW_LIMIT + 1..=last),
+            (window(0, None, Some(INLINE_WINDOW_LIMIT + 1)), last - INLINE_WINDOW_LIMIT..=last),
+            (window(0, None, None), 1..=last),
+            (window(10, Some(1_200), None), 11..=1_199),
+            (window(10, Some(1_200), Some(3)), 1_197..=1_199),
+        ];
+        for (w, seqs) in cases {
+            let page = store.history("c", w).await.unwrap();
+            assert_eq!(page.last_seq, Some(*seqs.end()), "{w:?}");
+            assert_eq!(String::from_utf8(page.items).unwrap(), expected(seqs), "{w:?}");
+        }
+        let empty = store.history("c", window(last, None, Some(5))).await.unwrap();
+        assert_eq!((empty.items.len(), empty.last_seq), (0, None));
+        // A chunk committed is in the next window read.
+        store.append_chunks("c", "t", &[chunk(total, true)]).await.unwrap();
+        assert_eq!(store.history("c", window(0, None, Some(1))).await.unwrap().last_seq, Some(last + 1));
+        // Many reads at once, on both paths: each gets a connection; a few stay open after.
+        let reads = (0..24u64).map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let limit = if i % 2 == 0 { Some(50) } else { None };
+                store.history("c", window(i * 10, Some(i * 10 + 51), limit)).await.unwrap()
+            })
+        });
+        for (i, read) in (0..24u64).zip(reads.collect::<Vec<_>>()) {
+            let page = read.await.unwrap();
+            assert_eq!(String::from_utf8(page.items).unwrap(), expected(i * 10 + 1..=i * 10 + 50));
+        }
+        assert!((1..=super::super::direct::IDLE_CONNECTIONS).contains(&store.direct.idle()));
+        // Closed: no connection stays open.
+        store.close().await;
+        assert_eq!(store.direct.idle(), 0);
+    }
+
     #[tokio::test]
     async fn a_history_window_is_read_in_key_order_without_a_sort() {
         let dir = tempfile::tempdir().unwrap();
@@ -277,9 +379,8 @@ mod tests {
                 .await
                 .unwrap();
             let steps: Vec<&str> = plan.iter().map(|row| row.3.as_str()).collect();
-            // The ordered subquery stays a subquery (its ORDER BY decides the order), is read
-            // by the primary key, and nothing is sorted in a temporary b-tree.
-            assert!(steps.iter().any(|s| s.starts_with("CO-ROUTINE")), "{steps:?}");
+            // The window is read by the primary key, and nothing is sorted in a temporary
+            // b-tree.
             assert!(
                 steps.iter().any(|s| s.contains("USING PRIMARY KEY (conversation_id=? AND seq>? AND seq<?)")),
                 "{steps:?}"

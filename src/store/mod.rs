@@ -2,10 +2,12 @@
 //!
 //! All writes go through one connection (`writer`), so transactions never contend with each
 //! other inside the process and `seq` is assigned in the same transaction that inserts the rows.
-//! Reads use a separate small pool and, thanks to WAL, never wait for the writer.
+//! Reads use separate read-only connections (sqlx's pool, and `direct` for history windows)
+//! and, thanks to WAL, never wait for the writer.
 
 mod batch;
 mod conversations;
+mod direct;
 mod log;
 mod reads;
 mod script;
@@ -21,7 +23,7 @@ use sqlx::{Sqlite, SqlitePool, Transaction};
 
 use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation};
-pub use log::{HistoryPage, HistoryWindow, NewChunk};
+pub use log::{HistoryPage, HistoryWindow, NewChunk, push_decimal};
 pub use reads::{LastText, ModelThroughput};
 pub use turns::{BeginTurn, IdempotencyRecord, SealTurn, user_chunk};
 
@@ -59,6 +61,8 @@ async fn checkpoints(pool: SqlitePool, metrics: Arc<Metrics>) {
 pub enum StoreError {
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    #[error("database error: {0}")]
+    Read(#[from] rusqlite::Error),
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("could not prepare the database folder {path}: {source}")]
@@ -80,6 +84,8 @@ pub type StoreResult<T> = Result<T, StoreError>;
 pub struct Store {
     writer: SqlitePool,
     reader: SqlitePool,
+    /// Read-only connections for the hot reads (history windows), run without a thread hop.
+    direct: direct::Readers,
     /// The connection background checkpoints run on.
     checkpointer: SqlitePool,
     metrics: Arc<Metrics>,
@@ -161,7 +167,9 @@ impl Store {
         let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.clone().read_only(true)).await?;
         let checkpointer = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
         tokio::spawn(checkpoints(checkpointer.clone(), metrics.clone()));
-        let mut store = Store { writer, reader, checkpointer, metrics, write_fault: Arc::default(), queue: None };
+        let direct = direct::Readers::new(path, limits.busy_timeout);
+        let mut store =
+            Store { writer, reader, direct, checkpointer, metrics, write_fault: Arc::default(), queue: None };
         let (queue, writes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(store.clone().run_writer(writes));
         store.queue = Some(queue);
@@ -205,6 +213,7 @@ impl Store {
 
     /// Closes the pools, waiting for queries in flight; the WAL is checkpointed on close.
     pub async fn close(&self) {
+        self.direct.close();
         self.checkpointer.close().await;
         self.reader.close().await;
         self.writer.close().await;
