@@ -8,7 +8,7 @@ use tokio::net::TcpListener;
 
 use crate::config::Config;
 use crate::config::{Credential, ScriptedCredential};
-use crate::http::{AppState, router, ws_router};
+use crate::http::{AppState, Shared, router, ws_router};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
 use crate::net::{ConnectionLimits, serve};
@@ -50,15 +50,15 @@ impl Gateway {
         let hub = Hub::new(config.turn_buffer_bytes, flush);
         let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone());
         Ok(Gateway {
-            state: AppState {
+            state: AppState::new(Shared {
                 config: Arc::new(config),
                 store,
                 hub,
                 turns,
                 metrics,
                 drained: Default::default(),
-                openapi: Arc::new(bytes::Bytes::from(crate::http::openapi_json_text())),
-            },
+                openapi: bytes::Bytes::from(crate::http::openapi_json_text()),
+            }),
         })
     }
 

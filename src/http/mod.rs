@@ -29,10 +29,27 @@ use crate::store::Store;
 use crate::turn::Turns;
 use error::ApiError;
 
-/// What every handler can reach. Cheap to clone: everything is behind an `Arc` (axum clones
-/// the state per request).
+/// What every handler can reach. One `Arc`: axum clones the state several times per request
+/// (each layer with state, each `State` extractor), so a clone is one reference count, not
+/// one per field.
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<Shared>);
+
+impl AppState {
+    pub fn new(shared: Shared) -> AppState {
+        AppState(Arc::new(shared))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+/// The state's contents.
+pub struct Shared {
     pub config: Arc<Config>,
     pub store: Store,
     pub hub: Arc<Hub>,
@@ -41,8 +58,8 @@ pub struct AppState {
     /// Cancelled at shutdown once every turn has sealed: live streams deliver what is left
     /// and end.
     pub drained: tokio_util::sync::CancellationToken,
-    /// `/openapi.json`, serialized once (shared, not copied, by every clone of the state).
-    pub openapi: Arc<bytes::Bytes>,
+    /// `/openapi.json`, serialized once.
+    pub openapi: bytes::Bytes,
 }
 
 impl AppState {
@@ -113,7 +130,7 @@ pub fn openapi_json_text() -> String {
     responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
 async fn openapi_json(State(state): State<AppState>) -> axum::response::Response {
     use axum::response::IntoResponse;
-    ([(axum::http::header::CONTENT_TYPE, "application/json")], state.openapi.as_ref().clone()).into_response()
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], state.openapi.clone()).into_response()
 }
 
 /// The routes bound to the gateway's state.
