@@ -290,3 +290,70 @@ async fn draining_refuses_new_turns_and_is_not_ready() {
     }
     assert_eq!(server.history("x").await, Vec::<Value>::new());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_request_is_one_log_line_with_its_id_and_what_went_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("gateway.db");
+    let args: Vec<std::ffi::OsString> =
+        vec!["--database".into(), db.clone().into(), "--sqlite-busy-timeout-ms".into(), "100".into()];
+    let gateway = ChildGateway::spawn(&args);
+    let base = format!("http://{}", gateway.addr);
+    let client = reqwest::Client::new();
+    let get = |path: &str, id: &str| client.get(format!("{base}{path}")).header("x-request-id", id).send();
+
+    // Stored metrics that are not JSON: the read fails inside the gateway (500).
+    use sqlx::Connection;
+    let mut other = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display())).await.unwrap();
+    sqlx::query("INSERT INTO conversations (id, created_at, last_activity_at) VALUES ('bad', 0, 0)")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at, sealed_at, metrics)
+         VALUES ('bad', 't', 1, 'scripted', 0, 1, '{not json')",
+    )
+    .execute(&mut other)
+    .await
+    .unwrap();
+    let r = get("/conversations/bad/metrics", "req-500").await.unwrap();
+    assert_eq!(r.status(), 500);
+    assert_eq!(read_json(r).await.1, json!({"error": "internal error"}), "the detail is not sent");
+    // Another writer holds the lock: a write is refused (503).
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap();
+    let r = client
+        .post(format!("{base}/conversations"))
+        .header("x-request-id", "req-503")
+        .json(&json!({"id": "locked"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    // Requests that succeed write nothing at the default level.
+    assert_eq!(get("/conversations/bad?limit=1", "req-200").await.unwrap().status(), 200);
+
+    let line = |id: &str| {
+        let logs = gateway.logs.lock().unwrap();
+        let lines: Vec<Value> = logs.iter().filter(|l| l.to_string().contains(id)).cloned().collect();
+        lines
+    };
+    assert!(eventually(100, || async { line("req-503").len() == 1 }).await, "{:?}", line("req-503"));
+    let failed = &line("req-500")[..];
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    let fields = &failed[0]["fields"];
+    assert_eq!(failed[0]["level"], "ERROR");
+    assert_eq!(
+        (&fields["message"], &fields["id"], &fields["method"], &fields["path"], &fields["status"]),
+        (&json!("request failed"), &json!("req-500"), &json!("GET"), &json!("/conversations/bad/metrics"), &json!(500)),
+        "{failed:?}"
+    );
+    assert!(fields["error"].as_str().unwrap().contains("turn metrics"), "{failed:?}");
+    let refused = &line("req-503")[0]["fields"];
+    assert_eq!(
+        (&refused["method"], &refused["path"], &refused["status"]),
+        (&json!("POST"), &json!("/conversations"), &json!(503))
+    );
+    assert!(line("req-200").is_empty());
+    gateway.terminate();
+}

@@ -52,12 +52,18 @@ impl ApiError {
     }
 }
 
+/// What went wrong inside a request answered 500, carried on the response to the request's log
+/// line (`layers::trace`), never sent.
+#[derive(Debug, Clone)]
+pub struct InternalDetail(pub String);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if let ApiError::Internal(detail) = &self {
-            tracing::error!(error = %detail, "request failed");
+        let mut response = (self.status(), Json(ErrorBody { error: self.to_string() })).into_response();
+        if let ApiError::Internal(detail) = self {
+            response.extensions_mut().insert(InternalDetail(detail));
         }
-        (self.status(), Json(ErrorBody { error: self.to_string() })).into_response()
+        response
     }
 }
 

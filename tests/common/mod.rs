@@ -412,6 +412,8 @@ pub async fn table_counts(db: &Path) -> Vec<(String, i64)> {
 pub struct ChildGateway {
     pub child: std::process::Child,
     pub addr: String,
+    /// Every JSON log line the gateway has written so far.
+    pub logs: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
 }
 
 impl ChildGateway {
@@ -427,17 +429,19 @@ impl ChildGateway {
             .expect("the gateway binary starts");
         let stdout = child.stdout.take().unwrap();
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let logs = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = logs.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Ok(v) = serde_json::from_str::<Value>(&line)
-                    && let Some(addr) = v["fields"]["addr"].as_str()
-                {
+                let Ok(v) = serde_json::from_str::<Value>(&line) else { continue };
+                if let Some(addr) = v["fields"]["addr"].as_str() {
                     let _ = addr_tx.send(addr.to_owned());
                 }
+                kept.lock().unwrap().push(v);
             }
         });
         let addr = addr_rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the gateway logs its address");
-        ChildGateway { child, addr }
+        ChildGateway { child, addr, logs }
     }
 
     /// SIGTERM, and wait for a clean exit.
