@@ -805,10 +805,12 @@ async fn scale(
 async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Value {
     use tokio::io::AsyncWriteExt;
     let client = reqwest::Client::new();
-    // Five rounds of (alone, beside), medians compared: one run is a few seconds, and single
-    // runs differ by 15% here with nothing changed.
+    // Six runs of each, medians compared: one run is a few seconds, and single runs differ by
+    // 15% here with nothing changed. The order is alone, beside, beside, alone, ...: the
+    // machine's speed drifts during a run, and in this order a steady drift slows both sides
+    // alike (in alternating pairs, the side that always runs second would take all of it).
     let mut runs = Vec::new();
-    for with_stalled in [false, true].repeat(5) {
+    for with_stalled in (0..12).map(|i| matches!(i % 4, 1 | 2)) {
         let channel = format!("stalled{}", now_micros());
         let mut tasks = Vec::with_capacity(watchers);
         for _ in 0..watchers {
@@ -858,7 +860,11 @@ async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Va
         let mut v: Vec<f64> =
             runs.iter().filter(|r| r["stalled_watcher"] == stalled).filter_map(|r| r[key].as_f64()).collect();
         v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
+        match v.len() {
+            0 => 0.0,
+            n if n % 2 == 0 => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+            n => v[n / 2],
+        }
     };
     json!({
         "watchers": watchers,
