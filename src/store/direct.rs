@@ -2,8 +2,8 @@
 //!
 //! sqlx's SQLite driver runs every statement on a thread per connection: a query is a message
 //! to that thread and its rows are messages back, and the connection goes back to its pool
-//! through a task of its own. For a history window (one row, tens of microseconds of SQLite
-//! work) those hand-offs cost as much as the query. These connections are opened read-only on
+//! through a task of its own. For a history window (tens of microseconds of SQLite work) those
+//! hand-offs cost as much as the query. These connections are opened read-only on
 //! the same file (WAL: readers never wait for the writer and see only committed
 //! transactions), and a bounded read runs where it is awaited, like any other short piece of
 //! CPU work; a read without a bound goes to tokio's blocking pool.
@@ -55,9 +55,12 @@ impl Readers {
         read: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> StoreResult<T> {
         let readers = self.clone();
-        tokio::task::spawn_blocking(move || readers.run(read))
-            .await
-            .map_err(|e| StoreError::Corrupt(format!("a read stopped: {e}")))?
+        match tokio::task::spawn_blocking(move || readers.run(read)).await {
+            Ok(result) => result,
+            // A panic goes on as it would have on the calling thread.
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(StoreError::Cancelled),
+        }
     }
 
     /// Closes the idle connections, and every other one when it is given back; later reads

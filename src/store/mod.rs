@@ -76,6 +76,9 @@ pub enum StoreError {
     DuplicateKey,
     #[error("stored data is corrupt: {0}")]
     Corrupt(String),
+    /// A read on the blocking pool was dropped (the runtime is shutting down).
+    #[error("the read was cancelled")]
+    Cancelled,
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
