@@ -6,7 +6,8 @@
 //! hand-offs cost as much as the query. These connections are opened read-only on
 //! the same file (WAL: readers never wait for the writer and see only committed
 //! transactions), and a bounded read runs where it is awaited, like any other short piece of
-//! CPU work; a read without a bound goes to tokio's blocking pool.
+//! CPU work, unless it would have to wait for a lock; a read without a bound goes to tokio's
+//! blocking pool.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -41,12 +42,22 @@ impl Readers {
         Readers { inner: Arc::new(Inner { path: path.to_owned(), busy_timeout, idle: Mutex::new(Some(Vec::new())) }) }
     }
 
-    /// Runs `read` on a connection on this thread: for reads whose work is bounded and small.
-    pub fn run<T>(&self, read: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> StoreResult<T> {
-        let connection = self.take()?;
-        let result = read(&connection);
-        self.give_back(connection);
-        result.map_err(StoreError::from)
+    /// Runs `read` where it is awaited when it can start at once, else on the blocking pool:
+    /// for reads whose work is bounded and small. The first attempt does not wait for a lock
+    /// (a reader in WAL mode meets one only while another process holds the database
+    /// exclusively, or recovers its WAL): SQLite's busy handler sleeps, and a sleeping runtime
+    /// thread would stall every task on it. Such a read is tried again on the blocking pool,
+    /// which waits up to the busy timeout.
+    pub async fn run<T: Send + 'static>(
+        &self,
+        read: impl Fn(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> StoreResult<T> {
+        match self.run_here(Duration::ZERO, &read) {
+            Err(StoreError::Read(e)) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy) => {
+                self.run_blocking(read).await
+            }
+            done => done,
+        }
     }
 
     /// Runs `read` on tokio's blocking pool: for reads of any size.
@@ -55,7 +66,8 @@ impl Readers {
         read: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> StoreResult<T> {
         let readers = self.clone();
-        match tokio::task::spawn_blocking(move || readers.run(read)).await {
+        let busy_timeout = self.inner.busy_timeout;
+        match tokio::task::spawn_blocking(move || readers.run_here(busy_timeout, read)).await {
             Ok(result) => result,
             // A panic goes on as it would have on the calling thread.
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -76,6 +88,18 @@ impl Readers {
         self.inner.idle.lock().unwrap().as_ref().map_or(0, Vec::len)
     }
 
+    /// Runs `read` on a connection on this thread, waiting up to `busy_timeout` for a lock.
+    fn run_here<T>(
+        &self,
+        busy_timeout: Duration,
+        read: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+    ) -> StoreResult<T> {
+        let connection = self.take()?;
+        let result = connection.busy_timeout(busy_timeout).and_then(|()| read(&connection));
+        self.give_back(connection);
+        result.map_err(StoreError::from)
+    }
+
     fn take(&self) -> StoreResult<Connection> {
         if let Some(connection) = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner()).as_mut().and_then(Vec::pop)
         {
@@ -83,7 +107,6 @@ impl Readers {
         }
         let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let connection = Connection::open_with_flags(&self.inner.path, flags)?;
-        connection.busy_timeout(self.inner.busy_timeout)?;
         connection.set_prepared_statement_cache_capacity(CACHED_STATEMENTS);
         Ok(connection)
     }
@@ -93,5 +116,49 @@ impl Readers {
         if let Some(idle) = idle.as_mut().filter(|idle| idle.len() < IDLE_CONNECTIONS) {
             idle.push(connection);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_read_that_meets_a_lock_waits_for_it_off_the_runtime_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locked.db");
+        // Another process's view: a connection that holds the database exclusively.
+        let holder = Connection::open(&path).unwrap();
+        holder
+            .execute_batch(
+                "PRAGMA journal_mode=WAL; PRAGMA locking_mode=EXCLUSIVE;
+                 CREATE TABLE t (x INTEGER); INSERT INTO t VALUES (7);",
+            )
+            .unwrap();
+        let readers = Readers::new(&path, Duration::from_secs(30));
+        let attempts = Arc::new(AtomicUsize::new(0));
+        let counted = attempts.clone();
+        let read = move |c: &Connection| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            c.query_row("SELECT x FROM t", (), |row| row.get::<_, i64>(0))
+        };
+        let pending = tokio::spawn({
+            let readers = readers.clone();
+            async move { readers.run(read).await }
+        });
+        // The first attempt, on the runtime thread, finds the lock and does not wait for it.
+        while attempts.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!pending.is_finished());
+        drop(holder);
+        // The second, on the blocking pool, waited and reads.
+        assert_eq!(pending.await.unwrap().unwrap(), 7);
+        assert_eq!(attempts.load(Ordering::SeqCst), 2);
+        // Any other failure is the read's error.
+        let missing = readers.run(|c| c.query_row("SELECT x FROM nowhere", (), |row| row.get::<_, i64>(0))).await;
+        assert!(matches!(missing, Err(StoreError::Read(_))), "{missing:?}");
     }
 }

@@ -55,11 +55,12 @@ impl Store {
         let since = i64::try_from(w.since_seq).unwrap_or(i64::MAX);
         let before = w.before_seq.map_or(i64::MAX, |b| i64::try_from(b).unwrap_or(i64::MAX));
         let sql = window_sql(w.limit);
+        let conversation_id = conversation_id.to_owned();
+        let read = move |c: &rusqlite::Connection| read_window(c, &sql, &conversation_id, since, before);
         if w.limit.is_some_and(|l| l <= INLINE_WINDOW_LIMIT) {
-            self.direct.run(|c| read_window(c, &sql, conversation_id, since, before))
+            self.direct.run(read).await
         } else {
-            let conversation_id = conversation_id.to_owned();
-            self.direct.run_blocking(move |c| read_window(c, &sql, &conversation_id, since, before)).await
+            self.direct.run_blocking(read).await
         }
     }
 
