@@ -333,10 +333,8 @@ async fn a_failed_request_is_one_log_line_with_its_id_and_what_went_wrong() {
     // Requests that succeed write nothing at the default level.
     assert_eq!(get("/conversations/bad?limit=1", "req-200").await.unwrap().status(), 200);
 
-    let line = |id: &str| {
-        let logs = gateway.logs.lock().unwrap();
-        let lines: Vec<Value> = logs.iter().filter(|l| l.to_string().contains(id)).cloned().collect();
-        lines
+    let line = |id: &str| -> Vec<Value> {
+        gateway.logs.lock().unwrap().iter().filter(|l| l.to_string().contains(id)).cloned().collect()
     };
     assert!(eventually(100, || async { line("req-503").len() == 1 }).await, "{:?}", line("req-503"));
     let failed = &line("req-500")[..];

@@ -169,7 +169,7 @@ pub async fn history(
     body.extend_from_slice(br#"{"chunks":["#);
     body.extend_from_slice(&page.items);
     body.extend_from_slice(br#"],"latestSeq":"#);
-    crate::store::push_decimal(&mut body, latest_seq);
+    let _ = serde_json::to_writer(&mut body, &latest_seq);
     body.push(b'}');
     Ok(([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response())
 }

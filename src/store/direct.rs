@@ -2,8 +2,8 @@
 //!
 //! sqlx's SQLite driver runs every statement on a thread per connection: a query is a message
 //! to that thread and its rows are messages back, and the connection goes back to its pool
-//! through a task of its own. For a history window (tens of microseconds of SQLite work) those
-//! hand-offs cost as much as the query. These connections are opened read-only on
+//! through a task of its own. For a history window, a short query, those hand-offs cost about
+//! as much as the query itself. These connections are opened read-only on
 //! the same file (WAL: readers never wait for the writer and see only committed
 //! transactions), and a bounded read runs where it is awaited, like any other short piece of
 //! CPU work, unless it would have to wait for a lock; a read without a bound goes to tokio's

@@ -96,7 +96,8 @@ fn window_sql(limit: Option<u64>) -> String {
     )
 }
 
-/// Largest window read on the calling thread (about a millisecond of SQLite work at most).
+/// Largest window read on the calling thread (a window's SQLite work grows with its chunks;
+/// larger ones go to the blocking pool).
 const INLINE_WINDOW_LIMIT: u64 = 1000;
 
 /// Reads the window `sql` (from `window_sql`) selects, each row wrapped as
@@ -117,7 +118,8 @@ fn read_window(
         let (role, chunk) = (text(row, 1)?, text(row, 2)?);
         items.reserve(chunk.len() + role.len() + 48);
         items.extend_from_slice(if last_seq.is_some() { b",{\"seq\":" } else { b"{\"seq\":" });
-        push_decimal(&mut items, seq as u64);
+        // Writing to a Vec cannot fail; serde_json writes integers without `fmt`.
+        let _ = serde_json::to_writer(&mut items, &seq);
         items.extend_from_slice(b",\"role\":\"");
         items.extend_from_slice(role);
         items.extend_from_slice(b"\",\"chunk\":");
@@ -134,21 +136,6 @@ fn text<'r>(row: &'r rusqlite::Row<'_>, i: usize) -> rusqlite::Result<&'r [u8]> 
         rusqlite::types::ValueRef::Text(bytes) => Ok(bytes),
         other => Err(rusqlite::Error::InvalidColumnType(i, format!("column {i}"), other.data_type())),
     }
-}
-
-/// Appends `n` in decimal.
-pub fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[at..]);
 }
 
 /// Most rows in one INSERT (four parameters each, well under SQLite's limit of 32,766).

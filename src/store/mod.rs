@@ -23,7 +23,7 @@ use sqlx::{Sqlite, SqlitePool, Transaction};
 
 use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation};
-pub use log::{HistoryPage, HistoryWindow, NewChunk, push_decimal};
+pub use log::{HistoryPage, HistoryWindow, NewChunk};
 pub use reads::{LastText, ModelThroughput};
 pub use turns::{BeginTurn, IdempotencyRecord, SealTurn, user_chunk};
 
