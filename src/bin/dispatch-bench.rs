@@ -139,6 +139,19 @@ enum Workload {
         #[arg(long)]
         seconds: f64,
     },
+    /// The floor under any server's fan-out on this machine: a sender that does nothing but
+    /// write `bytes` bytes to each of `connections` loopback sockets `rate` times a second
+    /// (readers in this process), and the CPU its thread spends per write system call.
+    WriteFloor {
+        #[arg(long)]
+        connections: usize,
+        #[arg(long)]
+        rate: u64,
+        #[arg(long)]
+        bytes: usize,
+        #[arg(long)]
+        seconds: f64,
+    },
     /// Writes a conversation of `chunks` chunks straight into a (migrated) database file.
     Seed {
         #[arg(long)]
@@ -220,6 +233,95 @@ impl Usage {
             "server_sys_us_per_write": per(self.sys_us, self.writes),
         })
     }
+}
+
+/// CPU time of the calling thread so far: (user, kernel) in microseconds, from
+/// /proc/thread-self/stat (clock ticks of 10 ms).
+fn thread_cpu_micros() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
+    let fields: Vec<u64> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().skip(11).take(2).filter_map(|f| f.parse().ok()).collect())
+        .unwrap_or_default();
+    (fields.first().copied().unwrap_or(0) * 10_000, fields.get(1).copied().unwrap_or(0) * 10_000)
+}
+
+/// The write floor (see [`Workload::WriteFloor`]): writes go out round-robin in millisecond
+/// ticks (as a server's rounds spread over time), each one `write` call on a non-blocking socket;
+/// the readers count every byte, and the run is correct only if they got all of them.
+async fn write_floor(connections: usize, rate: u64, bytes: usize, seconds: f64) -> Value {
+    use std::io::Write;
+    use tokio::io::AsyncReadExt;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+    let address = listener.local_addr().expect("its address");
+    let sender = std::thread::spawn(move || {
+        let mut sockets = Vec::with_capacity(connections);
+        for _ in 0..connections {
+            let (socket, _) = listener.accept().expect("a reader connects");
+            socket.set_nodelay(true).expect("nodelay");
+            socket.set_nonblocking(true).expect("non-blocking");
+            sockets.push(socket);
+        }
+        let payload = vec![b'x'; bytes];
+        let per_tick = connections as f64 * rate as f64 / 1000.0;
+        let ticks = (seconds * 1000.0) as u32;
+        let (mut writes, mut sent, mut would_block, mut due, mut next) = (0u64, 0u64, 0u64, 0.0, 0);
+        let (user0, sys0) = thread_cpu_micros();
+        let started = Instant::now();
+        for tick in 1..=ticks {
+            due += per_tick;
+            while due >= 1.0 {
+                due -= 1.0;
+                match sockets[next].write(&payload) {
+                    Ok(n) => {
+                        writes += 1;
+                        sent += n as u64;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => would_block += 1,
+                    Err(e) => panic!("write: {e}"),
+                }
+                next = (next + 1) % sockets.len();
+            }
+            if let Some(wait) = (started + Duration::from_millis(tick.into())).checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let (user1, sys1) = thread_cpu_micros();
+        (writes, sent, would_block, elapsed, user1 - user0, sys1 - sys0)
+    });
+    let received = Arc::new(AtomicU64::new(0));
+    let mut readers = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        let mut socket = tokio::net::TcpStream::connect(address).await.expect("connects");
+        let received = received.clone();
+        readers.push(tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            while let Ok(n @ 1..) = socket.read(&mut buf).await {
+                received.fetch_add(n as u64, Ordering::Relaxed);
+            }
+        }));
+    }
+    let (writes, sent, would_block, elapsed, user, sys) =
+        tokio::task::spawn_blocking(move || sender.join().expect("the sender runs")).await.expect("joins");
+    for reader in readers {
+        reader.await.expect("a reader ends");
+    }
+    let per_write = |us: u64| us as f64 / writes.max(1) as f64;
+    json!({
+        "connections": connections,
+        "rate": rate,
+        "bytes_per_write": bytes,
+        "seconds": elapsed,
+        "writes": writes,
+        "writes_per_second": writes as f64 / elapsed,
+        "would_block": would_block,
+        "sender_user_us_per_write": per_write(user),
+        "sender_sys_us_per_write": per_write(sys),
+        "sender_cpu_us_per_write": per_write(user + sys),
+        "sender_cores": (user + sys) as f64 / 1e6 / elapsed,
+        "correct": received.load(Ordering::Relaxed) == sent && would_block == 0,
+    })
 }
 
 /// Resident memory of the processes, in KiB.
@@ -773,10 +875,25 @@ async fn scale(
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = Usage::read(pids);
     let started = Instant::now();
+    // Each start is its own request at its own instant: awaited one after another, the starts
+    // queue behind the streams already running and spread over seconds instead of one interval,
+    // so the conversations would not all stream at once.
     let spread = Duration::from_secs_f64(1.0 / rate.max(1) as f64 / conversations as f64);
-    for c in 0..conversations {
-        start_turn(&client, base, &format!("{prefix}-{c}"), &format!("paced-{events}-{rate}")).await;
-        tokio::time::sleep(spread).await;
+    let starts: Vec<_> = (0..conversations)
+        .map(|c| {
+            let (client, base) = (client.clone(), base.to_owned());
+            let (conversation, message) = (format!("{prefix}-{c}"), format!("paced-{events}-{rate}"));
+            let at = started + spread * c as u32;
+            tokio::spawn(async move {
+                tokio::time::sleep_until(at.into()).await;
+                start_turn(&client, &base, &conversation, &message).await;
+                started.elapsed()
+            })
+        })
+        .collect();
+    let mut starts_took = Duration::ZERO;
+    for start in starts {
+        starts_took = starts_took.max(start.await.expect("a turn starts"));
     }
     let (tally, elapsed, used) = Tally::finish(tasks, events, started, before, pids).await;
     let cpu = used.cpu_us();
@@ -788,6 +905,7 @@ async fn scale(
         "rate": rate,
         "delivered": tally.delivered,
         "seconds": elapsed,
+        "turns_started_within_ms": starts_took.as_secs_f64() * 1e3,
         "latency_p50_ms": tally.p(0.50),
         "latency_p99_ms": tally.p(0.99),
         "server_cores": cpu as f64 / 1e6 / elapsed,
@@ -1315,6 +1433,9 @@ async fn main() {
         Workload::Turns { base, clients, seconds, pids } => turns(&base, clients, seconds, &pids).await,
         Workload::History { base, conversation, concurrency, seconds } => {
             history(&base, &conversation, concurrency, seconds).await
+        }
+        Workload::WriteFloor { connections, rate, bytes, seconds } => {
+            write_floor(connections, rate, bytes, seconds).await
         }
         Workload::Seed { database, conversation, chunks } => seed(&database, &conversation, chunks).await,
     };
