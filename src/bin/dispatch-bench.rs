@@ -267,6 +267,7 @@ async fn write_floor(connections: usize, rate: u64, bytes: usize, seconds: f64) 
         let ticks = (seconds * 1000.0) as u32;
         let (mut writes, mut sent, mut would_block, mut due, mut next) = (0u64, 0u64, 0u64, 0.0, 0);
         let (user0, sys0) = thread_cpu_micros();
+        let process0 = cpu_micros(&[std::process::id()]);
         let started = Instant::now();
         for tick in 1..=ticks {
             due += per_tick;
@@ -288,7 +289,9 @@ async fn write_floor(connections: usize, rate: u64, bytes: usize, seconds: f64) 
         }
         let elapsed = started.elapsed().as_secs_f64();
         let (user1, sys1) = thread_cpu_micros();
-        (writes, sent, would_block, elapsed, user1 - user0, sys1 - sys0)
+        let process = cpu_micros(&[std::process::id()]) - process0;
+        let readers = process.saturating_sub((user1 - user0) + (sys1 - sys0));
+        (writes, sent, would_block, elapsed, user1 - user0, sys1 - sys0, readers)
     });
     let received = Arc::new(AtomicU64::new(0));
     let mut readers = Vec::with_capacity(connections);
@@ -302,7 +305,7 @@ async fn write_floor(connections: usize, rate: u64, bytes: usize, seconds: f64) 
             }
         }));
     }
-    let (writes, sent, would_block, elapsed, user, sys) =
+    let (writes, sent, would_block, elapsed, user, sys, readers_cpu) =
         tokio::task::spawn_blocking(move || sender.join().expect("the sender runs")).await.expect("joins");
     for reader in readers {
         reader.await.expect("a reader ends");
@@ -320,6 +323,10 @@ async fn write_floor(connections: usize, rate: u64, bytes: usize, seconds: f64) 
         "sender_sys_us_per_write": per_write(sys),
         "sender_cpu_us_per_write": per_write(user + sys),
         "sender_cores": (user + sys) as f64 / 1e6 / elapsed,
+        // The receiving side's reads (each also sends the window update the sender's side
+        // processes): the rest of this process's CPU over the same interval.
+        "readers_cpu_us_per_write": per_write(readers_cpu),
+        "readers_cores": readers_cpu as f64 / 1e6 / elapsed,
         "correct": received.load(Ordering::Relaxed) == sent && would_block == 0,
     })
 }
