@@ -881,6 +881,7 @@ async fn scale(
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = Usage::read(pids);
+    let client_before = cpu_micros(&[std::process::id()]);
     let started = Instant::now();
     // Each start is its own request at its own instant: awaited one after another, the starts
     // queue behind the streams already running and spread over seconds instead of one interval,
@@ -903,9 +904,12 @@ async fn scale(
         starts_took = starts_took.max(start.await.expect("a turn starts"));
     }
     let (tally, elapsed, used) = Tally::finish(tasks, events, started, before, pids).await;
+    let client_cpu = cpu_micros(&[std::process::id()]) - client_before;
     let cpu = used.cpu_us();
     let mut result = json!({
         "transport": format!("{transport:?}").to_lowercase(),
+        // The load generator's own CPU: it reads every delivery on the same cores.
+        "client_cores": client_cpu as f64 / 1e6 / elapsed,
         "conversations": conversations,
         "watchers_per_conversation": watchers,
         "events": events,
