@@ -188,19 +188,9 @@ impl Usage {
     fn read(pids: &[u32]) -> Usage {
         let mut usage = Usage::default();
         for pid in pids {
-            if let Some((utime, stime)) = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|stat| {
-                let fields: Vec<u64> = stat
-                    .rsplit_once(')')?
-                    .1
-                    .split_whitespace()
-                    .skip(11)
-                    .take(2)
-                    .filter_map(|f| f.parse().ok())
-                    .collect();
-                Some((*fields.first()?, *fields.get(1)?))
-            }) {
-                usage.user_us += utime * 10_000;
-                usage.sys_us += stime * 10_000;
+            if let Some((user, sys)) = stat_cpu_micros(&format!("/proc/{pid}/stat")) {
+                usage.user_us += user;
+                usage.sys_us += sys;
             }
             usage.writes += std::fs::read_to_string(format!("/proc/{pid}/io"))
                 .ok()
@@ -235,15 +225,17 @@ impl Usage {
     }
 }
 
-/// CPU time of the calling thread so far: (user, kernel) in microseconds, from
-/// /proc/thread-self/stat (clock ticks of 10 ms).
+/// User and kernel CPU time from a /proc `stat` file (of a process, or `/proc/thread-self/stat`
+/// for the calling thread), in microseconds (counted in clock ticks of 10 ms).
+fn stat_cpu_micros(path: &str) -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11).map(|f| f.parse::<u64>().ok());
+    Some((fields.next()?? * 10_000, fields.next()?? * 10_000))
+}
+
+/// CPU time of the calling thread so far: (user, kernel) in microseconds.
 fn thread_cpu_micros() -> (u64, u64) {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
-    let fields: Vec<u64> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().skip(11).take(2).filter_map(|f| f.parse().ok()).collect())
-        .unwrap_or_default();
-    (fields.first().copied().unwrap_or(0) * 10_000, fields.get(1).copied().unwrap_or(0) * 10_000)
+    stat_cpu_micros("/proc/thread-self/stat").unwrap_or_default()
 }
 
 /// The write floor (see [`Workload::WriteFloor`]): writes go out round-robin in millisecond
