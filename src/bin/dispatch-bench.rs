@@ -282,8 +282,8 @@ async fn write_floor(connections: usize, rate: u64, bytes: usize, seconds: f64) 
         let elapsed = started.elapsed().as_secs_f64();
         let (user1, sys1) = thread_cpu_micros();
         let process = cpu_micros(&[std::process::id()]) - process0;
-        let readers = process.saturating_sub((user1 - user0) + (sys1 - sys0));
-        (writes, sent, would_block, elapsed, user1 - user0, sys1 - sys0, readers)
+        let readers_cpu = process.saturating_sub((user1 - user0) + (sys1 - sys0));
+        (writes, sent, would_block, elapsed, user1 - user0, sys1 - sys0, readers_cpu)
     });
     let received = Arc::new(AtomicU64::new(0));
     let mut readers = Vec::with_capacity(connections);
