@@ -19,7 +19,8 @@
 //! reading in-flight turns across the hub, up to [`FlushWindow::max`], and zero below 1 ms (the timer's
 //! resolution): the hub aims to spend a bounded share of a core on wake-ups and writes whatever
 //! the fan-out, and adds no delay when there is little to share. Every event other than a delta
-//! starts a round at once, taking the pending deltas with it.
+//! starts a round at once, taking the pending deltas with it. A round also writes to the sockets
+//! of parked watchers itself ([`Sink`]): those are not woken at all.
 //!
 //! Memory: past a per-turn cap, runs of consecutive text (or reasoning) deltas in the buffer are
 //! coalesced into one event with the joined text, so a late joiner still rebuilds the exact
@@ -36,6 +37,9 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::wire::{AgentEvent, TurnReasoningDeltaEvent, TurnTextDeltaEvent};
+
+mod sink;
+pub use sink::{Framed, Sink, Unparked, chunk_size};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -196,6 +200,8 @@ pub struct TurnBuffer {
     held: Arc<AtomicUsize>,
     flush: FlushWindow,
     next: Arc<TurnSlot>,
+    /// Streams a round writes to itself while they are parked (see [`Sink`]).
+    sinks: Mutex<Vec<Arc<Sink>>>,
 }
 
 impl Drop for TurnBuffer {
@@ -209,10 +215,13 @@ impl TurnBuffer {
     /// Frames the event once, appends it, and wakes every reader waiting at the end.
     /// Returns the event's index in the turn.
     pub fn publish(self: &Arc<Self>, event: &AgentEvent) -> u32 {
-        self.push(event, false)
+        let (index, paced) = self.append(event, false);
+        self.wake(paced);
+        index
     }
 
-    fn push(self: &Arc<Self>, event: &AgentEvent, last: bool) -> u32 {
+    /// Frames and appends the event; its index, and whether its round may be paced.
+    fn append(&self, event: &AgentEvent, last: bool) -> (u32, bool) {
         let (kind, json) = Frame::encode(event);
         let paced = matches!(kind, Kind::Text | Kind::Reasoning) && !last;
         let index = {
@@ -229,8 +238,7 @@ impl TurnBuffer {
             }
             index
         };
-        self.wake(paced);
-        index
+        (index, paced)
     }
 
     /// The flush window for paced deltas right now.
@@ -271,15 +279,16 @@ impl TurnBuffer {
     }
 
     /// Starts a round of wake-ups now.
-    fn round(&self) {
+    fn round(self: &Arc<Self>) {
         self.round_now(self.pacing(), Instant::now());
     }
 
-    fn round_now(&self, mut pacing: std::sync::MutexGuard<'_, Pacing>, now: Instant) {
+    fn round_now(self: &Arc<Self>, mut pacing: std::sync::MutexGuard<'_, Pacing>, now: Instant) {
         pacing.last_round = Some(now);
         pacing.pending = false;
         drop(pacing);
         self.grown.notify_waiters();
+        self.pump_sinks();
     }
 
     /// Merges every run of two or more consecutive same-kind deltas into one frame.
@@ -395,6 +404,23 @@ pub struct Cursor {
 }
 
 impl Cursor {
+    /// The turn this cursor reads and the index of the next event it hands out (`None` while it
+    /// waits for a turn to begin, or has ended).
+    pub fn reading(&self) -> Option<(&Arc<TurnBuffer>, u32)> {
+        match &self.at {
+            Position::Reading { buffer, next } => Some((&buffer.buffer, *next)),
+            _ => None,
+        }
+    }
+
+    /// Moves the position within the turn being read to event `next` (where a [`Sink`] that
+    /// wrote for this cursor left off).
+    pub fn seek(&mut self, to: u32) {
+        if let Position::Reading { next, .. } = &mut self.at {
+            *next = to;
+        }
+    }
+
     /// What is available right now, without waiting (`None` when nothing is).
     pub fn try_batch(&mut self, max: usize) -> Option<Delivery> {
         use futures_util::FutureExt;
@@ -554,6 +580,7 @@ impl Hub {
             held: self.held.clone(),
             flush: self.flush,
             next: Arc::default(),
+            sinks: Mutex::default(),
         });
         let slot = std::mem::replace(&mut channel.next, buffer.next.clone());
         let _ = slot.turn.set(buffer.clone());
@@ -564,17 +591,21 @@ impl Hub {
 
     /// Publishes `turn-sealed` and drops the hub's hold on the buffer in one step, so a watcher
     /// that subscribes afterwards waits for the next turn instead of replaying a sealed one.
+    /// The round that carries it runs after the hub's lock is released (it may write to many
+    /// sockets).
     pub fn seal_turn(&self, buffer: Arc<TurnBuffer>, sealed: &AgentEvent) {
         let mut channels = self.lock();
-        buffer.push(sealed, true);
+        buffer.append(sealed, true);
         let conversation_id = buffer.conversation_id.clone();
         if let Some(channel) = channels.get_mut(&*conversation_id)
             && channel.current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &buffer))
         {
             channel.current = None;
         }
+        drop(channels);
+        buffer.wake(false);
         drop(buffer);
-        Self::collect(&mut channels, &conversation_id);
+        Self::collect(&mut self.lock(), &conversation_id);
     }
 
     /// Reads one turn alone, from its first event to `turn-sealed`.

@@ -43,6 +43,10 @@ pub struct Metrics {
     open_streams: [AtomicU64; 3],
     pub lag_recoveries: AtomicU64,
     pub subscriber_drops: AtomicU64,
+    /// Socket writes made by turns' rounds for parked streams (see `hub::Sink`).
+    pub round_writes: AtomicU64,
+    /// Of those, writes the socket took only part of (its stream's task writes the rest).
+    pub round_short_writes: AtomicU64,
     write_buckets: [AtomicU64; WRITE_BUCKETS.len()],
     write_count: AtomicU64,
     write_micros: AtomicU64,
@@ -109,6 +113,16 @@ impl Metrics {
             "dispatch_subscriber_drops_total",
             "Watchers disconnected because they could not be refilled or did not drain.",
             self.subscriber_drops.load(Relaxed),
+        );
+        counter(
+            "dispatch_round_writes_total",
+            "Writes a turn's round made itself to the sockets of parked SSE and NDJSON streams.",
+            self.round_writes.load(Relaxed),
+        );
+        counter(
+            "dispatch_round_short_writes_total",
+            "Rounds' writes the socket took only part of (a slow reader): its stream's task writes the rest.",
+            self.round_short_writes.load(Relaxed),
         );
         let _ = writeln!(out, "# HELP dispatch_turns_running Turns running now.\n# TYPE dispatch_turns_running gauge");
         let _ = writeln!(out, "dispatch_turns_running {running}");

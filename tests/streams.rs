@@ -14,6 +14,8 @@ const SLOW_TEXT: &str = "This reply streams slowly enough that watchers can join
     whichever transport they use to follow the conversation while it runs.";
 
 fn script() -> Value {
+    // 16 KiB deltas: 300 of them are more than a socket's buffers hold (4 MiB at most here).
+    let big = format!("{} ", "0123456789abcdef".repeat(1024));
     json!({"rules": [
         {"match": "slow", "pace": 150, "steps": [
             {"reasoning": "Thinking about it for a little while.", "text": SLOW_TEXT,
@@ -23,6 +25,7 @@ fn script() -> Value {
         {"match": "stall", "pace": 0, "steps": [{"text": "partial text before the stall", "stallMs": 600000}]},
         {"match": "steer", "pace": 0, "steps": [{"text": "first step", "stallMs": 1000}, {"text": "second step"}]},
         {"match": "burst", "pace": 0, "steps": [{"text": "w ", "repeat": 300}]},
+        {"match": "big", "pace": 400, "steps": [{"text": big, "repeat": 300}]},
         {"match": "huge", "pace": 0, "steps": [{"text": "tok ", "repeat": 60000}]},
         {"match": "stamped", "pace": 0, "steps": [{"text": "a b ", "repeat": 3, "stamp": true}]}
     ]})
@@ -197,6 +200,85 @@ async fn a_thousand_watchers_all_get_every_event_in_order_beside_one_that_never_
     assert_eq!(reference.len(), 306);
     assert_eq!(reference[304].json()["reason"], "stop");
     drop(stalled);
+}
+
+/// A raw watcher with a small receive buffer that sends its request and reads nothing yet.
+async fn late_reader(server: &TestServer, path: &str, accept: &str) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(server.addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nhost: gateway\r\naccept: {accept}\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
+}
+
+/// The body of a chunked response read to its last chunk, de-chunked.
+async fn read_chunked_body(stream: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut raw = Vec::new();
+    while !raw.ends_with(b"\r\n0\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(30), stream.read_buf(&mut raw)).await.unwrap().unwrap();
+        assert!(n > 0, "the stream ended before its last chunk");
+    }
+    let text = String::from_utf8(raw).unwrap();
+    let (head, mut rest) = text.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200 ") && head.contains("transfer-encoding: chunked"), "{head}");
+    let mut body = String::new();
+    loop {
+        let (size, after) = rest.split_once("\r\n").unwrap();
+        let size = usize::from_str_radix(size, 16).unwrap();
+        if size == 0 {
+            return body;
+        }
+        body.push_str(&after[..size]);
+        assert_eq!(&after[size..size + 2], "\r\n");
+        rest = &after[size + 2..];
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watchers_that_read_late_get_every_byte_in_order_while_rounds_write_for_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_with(dir.path(), |c| c.turn_buffer_bytes = 256 << 20).await;
+    let path = "/conversations/late/events?until=sealed";
+    let mut late_sse = late_reader(&server, path, "text/event-stream").await;
+    let mut late_ndjson = late_reader(&server, path, "application/x-ndjson").await;
+    let mut sse = server.sse("late", "?until=sealed").await;
+    let mut ndjson = server.ndjson("late", "?until=sealed").await;
+    let prompt = tokio::spawn(async move {
+        let messages = sse.until_sealed().await;
+        let mut events = Vec::new();
+        while let Some(event) = ndjson.next_event().await {
+            events.push(event);
+        }
+        (messages, events)
+    });
+    start_turn(&server, "late", "big").await;
+    // The late readers' sockets fill while the turn streams; then they read it all.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let late_sse = read_chunked_body(&mut late_sse).await;
+    let late_ndjson = read_chunked_body(&mut late_ndjson).await;
+    let (messages, events) = prompt.await.unwrap();
+    assert_eq!(messages.len(), 306);
+    let expected: String =
+        messages.iter().map(|m| format!("id: {}\ndata: {}\n\n", m.id.as_deref().unwrap(), m.data)).collect();
+    assert!(
+        late_sse == expected,
+        "the late SSE watcher's body differs ({} vs {} bytes)",
+        late_sse.len(),
+        expected.len()
+    );
+    let late_events: Vec<Value> = late_ndjson.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(late_events.len(), 306);
+    assert!(late_events == events, "the late NDJSON watcher's events differ");
+    // The prompt watchers were written to by the turn's rounds, and the late ones' sockets
+    // took only part of some writes (their tasks wrote the rest).
+    let metrics = server.client.get(server.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let counter = |name: &str| -> u64 {
+        metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).unwrap().parse().unwrap()
+    };
+    assert!(counter("dispatch_round_writes_total") > 300, "{metrics}");
+    assert!(counter("dispatch_round_short_writes_total") > 0, "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

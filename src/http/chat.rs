@@ -9,7 +9,7 @@ use utoipa::ToSchema;
 use super::AppState;
 use super::error::{ApiError, ErrorBody};
 use super::extract::JsonObject;
-use super::stream::{Framing, Watch, streaming_response, watch_body};
+use super::stream::{Framing, Watch, watch_response};
 use crate::turn::StartTurn;
 use crate::wire::AgentEvent;
 
@@ -80,7 +80,7 @@ pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonO
         permit,
         conversation_id: started.conversation_id.clone(),
     };
-    let mut response = streaming_response(framing, watch_body(watch));
+    let mut response = watch_response(watch);
     if let Ok(id) = HeaderValue::from_str(&started.conversation_id) {
         response.headers_mut().insert("x-conversation-id", id);
     }

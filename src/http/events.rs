@@ -8,7 +8,7 @@ use axum::response::Response;
 use super::AppState;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ConversationId, QueryParams};
-use super::stream::{Framing, Watch, streaming_response, watch_body};
+use super::stream::{Framing, Watch, watch_response};
 use crate::hub::EventId;
 
 /// Follows a conversation: the in-flight turn's events replayed from its start (or right after
@@ -78,7 +78,7 @@ pub async fn events(
         permit,
         conversation_id: id,
     };
-    Ok(streaming_response(framing, watch_body(watch)))
+    Ok(watch_response(watch))
 }
 
 fn accepts_ndjson(headers: &HeaderMap) -> bool {

@@ -10,7 +10,7 @@ mod layers;
 mod models;
 mod openapi;
 mod ops;
-mod stream;
+pub(crate) mod stream;
 mod throughput;
 mod ws;
 

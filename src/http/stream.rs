@@ -9,19 +9,19 @@ use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
-use futures_util::Stream;
+use futures_util::{Stream, StreamExt};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
 
-use crate::hub::{Cursor, Delivery, Frame, join_frames};
+use crate::hub::{Cursor, Delivery, Frame, Framed, join_frames};
 use crate::metrics::{Metrics, StreamPermit, Transport};
 use crate::store::Store;
 
 /// Most frames joined into one write: enough to make a write carry many events under load,
 /// few enough (tens of KiB) that a lagging connection holds little beside the shared buffer.
-const BATCH: usize = 128;
+pub const BATCH: usize = 128;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Framing {
@@ -51,7 +51,15 @@ impl Framing {
         }
     }
 
-    fn keepalive(self) -> Bytes {
+    /// The framing a parked [`crate::hub::Sink`] writes.
+    pub fn framed(self) -> Framed {
+        match self {
+            Framing::Ndjson => Framed::Line,
+            Framing::Sse => Framed::Sse,
+        }
+    }
+
+    pub fn keepalive(self) -> Bytes {
         match self {
             Framing::Ndjson => Bytes::from_static(b"\n"),
             Framing::Sse => Bytes::from_static(b": keep-alive\n\n"),
@@ -84,8 +92,47 @@ struct State {
     /// Something went out since the last tick (no keep-alive is due then).
     sent: bool,
     drained: crate::net::Cancelled,
-    resync: bool,
     done: bool,
+}
+
+impl Watch {
+    /// What a delivery puts on the wire: the bytes, and whether the stream ends after them;
+    /// `None` when it ends now.
+    pub async fn outcome(&mut self, delivery: Delivery) -> Option<(Bytes, bool)> {
+        match delivery {
+            Delivery::Frames(frames) => {
+                self.metrics.events_delivered.fetch_add(frames.len() as u64, Relaxed);
+                let last = self.until_sealed && frames.last().is_some_and(|f| f.is_sealed());
+                Some((join_frames(&frames, self.framing.pick()), last))
+            }
+            Delivery::Lost if self.framing == Framing::Sse => {
+                self.metrics.lag_recoveries.fetch_add(1, Relaxed);
+                Some((resync_message(&self.store, &self.conversation_id).await, false))
+            }
+            Delivery::Lost => {
+                self.metrics.subscriber_drops.fetch_add(1, Relaxed);
+                None
+            }
+            Delivery::End => None,
+        }
+    }
+
+    /// The `event: resync` message, when the stream must open with one (once).
+    pub async fn resync(&mut self) -> Option<Bytes> {
+        if !std::mem::take(&mut self.resync_first) {
+            return None;
+        }
+        Some(resync_message(&self.store, &self.conversation_id).await)
+    }
+
+    /// The keep-alive ticker (the first tick one period from now).
+    pub fn ticker(&self) -> Option<Interval> {
+        self.keepalive.map(|period| {
+            let mut t = tokio::time::interval_at(Instant::now() + period, period);
+            t.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            t
+        })
+    }
 }
 
 /// The SSE message that tells a watcher to refetch history past its cursor.
@@ -98,20 +145,14 @@ pub async fn resync_message(store: &Store, conversation_id: &str) -> Bytes {
 /// The body of a watcher: ends when the cursor ends, after `turn-sealed` with `until_sealed`,
 /// or (NDJSON, which cannot say `resync`) when its position could not be refilled.
 pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
-    let ticker = watch.keepalive.map(|period| {
-        let mut t = tokio::time::interval_at(Instant::now() + period, period);
-        t.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        t
-    });
-    let resync = watch.resync_first;
+    let ticker = watch.ticker();
     let drained = crate::net::Cancelled::new(&watch.drained);
-    let state = State { watch, ticker, sent: false, drained, resync, done: false };
+    let state = State { watch, ticker, sent: false, drained, done: false };
     futures_util::stream::unfold(state, |mut st| async move {
         if st.done {
             return None;
         }
-        if std::mem::take(&mut st.resync) {
-            let message = resync_message(&st.watch.store, &st.watch.conversation_id).await;
+        if let Some(message) = st.watch.resync().await {
             return Some((Ok(message), st));
         }
         let delivery = loop {
@@ -127,27 +168,36 @@ pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>>
                 _ = &mut st.drained => break st.watch.cursor.try_batch(BATCH).unwrap_or(Delivery::End),
             }
         };
-        match delivery {
-            Delivery::Frames(frames) => {
-                st.watch.metrics.events_delivered.fetch_add(frames.len() as u64, Relaxed);
-                if st.watch.until_sealed && frames.last().is_some_and(|f| f.is_sealed()) {
-                    st.done = true;
-                }
-                st.sent = true;
-                Some((Ok(join_frames(&frames, st.watch.framing.pick())), st))
-            }
-            Delivery::Lost if st.watch.framing == Framing::Sse => {
-                st.watch.metrics.lag_recoveries.fetch_add(1, Relaxed);
-                let message = resync_message(&st.watch.store, &st.watch.conversation_id).await;
-                Some((Ok(message), st))
-            }
-            Delivery::Lost => {
-                st.watch.metrics.subscriber_drops.fetch_add(1, Relaxed);
-                None
-            }
-            Delivery::End => None,
-        }
+        let (bytes, last) = st.watch.outcome(delivery).await?;
+        st.sent = true;
+        st.done = last;
+        Some((Ok(bytes), st))
     })
+}
+
+/// A watcher's streaming response. A connection that writes responses itself
+/// (`net::direct`) may take the [`Watch`] out of it ([`TakeWatch`]) instead of polling the body,
+/// which is then empty.
+pub fn watch_response(watch: Watch) -> Response {
+    let framing = watch.framing;
+    let slot = Arc::new(Mutex::new(Some(watch)));
+    let taken = slot.clone();
+    let body = futures_util::stream::once(async move { taken.lock().unwrap_or_else(|p| p.into_inner()).take() })
+        .filter_map(std::future::ready)
+        .flat_map(watch_body);
+    let mut response = streaming_response(framing, body);
+    response.extensions_mut().insert(TakeWatch(slot));
+    response
+}
+
+/// The [`Watch`] behind a [`watch_response`], for whoever serves it first.
+#[derive(Clone)]
+pub struct TakeWatch(Arc<Mutex<Option<Watch>>>);
+
+impl TakeWatch {
+    pub fn take(&self) -> Option<Watch> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
 }
 
 async fn tick(ticker: Option<&mut Interval>) {

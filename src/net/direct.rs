@@ -11,9 +11,11 @@
 //! Any other request, and everything after it on the same connection, is served by hyper,
 //! which is handed the bytes read so far.
 
-use std::future::poll_fn;
+use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice};
+use std::os::fd::AsRawFd;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, SystemTime};
 
@@ -27,6 +29,8 @@ use tokio::time::Instant;
 use tower::ServiceExt;
 
 use super::{Cancelled, ConnectionLimits, stalled_error};
+use crate::http::stream::{BATCH, TakeWatch, Watch};
+use crate::hub::{Delivery, Sink, TurnBuffer, chunk_size};
 
 /// A request head longer than this is left to hyper (which answers oversized heads itself);
 /// also the most a client may send while its stream is open (kept for its next request).
@@ -211,18 +215,19 @@ async fn respond(
     if bodyless {
         return Ok(!close);
     }
+    if chunked && let Some(watch) = parts.extensions.get::<TakeWatch>().and_then(TakeWatch::take) {
+        drop(body);
+        if !watch_stream(stream, watch, pending, drain).await? {
+            return Ok(false);
+        }
+        write_all(stream, &mut [IoSlice::new(b"0\r\n\r\n")], drain).await?;
+        return Ok(!close);
+    }
     loop {
         let step = poll_fn(|cx| {
             // The client side first: its end (or reset) ends the stream at once.
-            while stream.poll_read_ready(cx).is_ready() {
-                let mut scratch = [0u8; 512];
-                match stream.try_read(&mut scratch) {
-                    Ok(0) => return Poll::Ready(Step::Gone),
-                    Ok(n) if pending.len() + n <= MAX_HEAD => pending.extend_from_slice(&scratch[..n]),
-                    Ok(_) => return Poll::Ready(Step::Gone),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(_) => return Poll::Ready(Step::Gone),
-                }
+            if poll_gone(stream, pending, cx).is_ready() {
+                return Poll::Ready(Step::Gone);
             }
             Pin::new(&mut body).poll_frame(cx).map(Step::Frame)
         })
@@ -236,9 +241,7 @@ async fn respond(
             },
         };
         if chunked {
-            let mut size = [0u8; 18];
-            let size = chunk_size(&mut size, data.len());
-            write_all(stream, &mut [IoSlice::new(size), IoSlice::new(&data), IoSlice::new(b"\r\n")], drain).await?;
+            write_chunk(stream, &data, drain).await?;
         } else {
             write_all(stream, &mut [IoSlice::new(&data)], drain).await?;
         }
@@ -249,25 +252,172 @@ async fn respond(
     Ok(!close)
 }
 
+/// Ready once the client has closed its side (or reset it, or sent more than a request head may
+/// hold); bytes it sends meanwhile (its next request) are kept in `pending`.
+fn poll_gone(stream: &TcpStream, pending: &mut Vec<u8>, cx: &mut std::task::Context<'_>) -> Poll<()> {
+    while stream.poll_read_ready(cx).is_ready() {
+        let mut scratch = [0u8; 512];
+        match stream.try_read(&mut scratch) {
+            Ok(n) if n > 0 && pending.len() + n <= MAX_HEAD => pending.extend_from_slice(&scratch[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            _ => return Poll::Ready(()),
+        }
+    }
+    Poll::Pending
+}
+
+/// What a parked watcher woke up for.
+enum Woke {
+    Delivery(Delivery),
+    /// A round handed its sink back.
+    Handed,
+    Gone,
+    Tick,
+    Drained,
+}
+
+/// Releases a watcher's sink from the rounds when its stream ends, however it ends: the socket
+/// may close right after.
+struct Parking {
+    sink: Arc<Sink>,
+    attached: Option<Arc<TurnBuffer>>,
+}
+
+impl Parking {
+    fn attach(&mut self, buffer: &Arc<TurnBuffer>) {
+        if self.attached.as_ref().is_some_and(|b| Arc::ptr_eq(b, buffer)) {
+            return;
+        }
+        self.detach();
+        buffer.attach(&self.sink);
+        self.attached = Some(buffer.clone());
+    }
+
+    fn detach(&mut self) {
+        if let Some(buffer) = self.attached.take() {
+            buffer.detach(&self.sink);
+        }
+    }
+}
+
+impl Drop for Parking {
+    fn drop(&mut self) {
+        // Under the sink's lock: once this returns no round writes to the socket.
+        self.sink.unpark();
+        self.detach();
+    }
+}
+
+/// A watcher's stream (SSE or NDJSON), written here instead of through its body: the same bytes
+/// as [`crate::http::stream::watch_body`], but while the watcher has read everything there is it
+/// parks its position in a [`Sink`] and the turn's rounds write to the socket themselves. True
+/// when the stream ended (the last chunk is due), false when the client is gone.
+async fn watch_stream(
+    stream: &TcpStream,
+    mut watch: Watch,
+    pending: &mut Vec<u8>,
+    drain: Duration,
+) -> io::Result<bool> {
+    let sink = Sink::new(stream.as_raw_fd(), watch.framing.framed(), watch.metrics.clone());
+    let mut parking = Parking { sink, attached: None };
+    let mut ticker = watch.ticker();
+    let mut drained = Cancelled::new(&watch.drained);
+    // Something went out since the last tick (no keep-alive is due then).
+    let mut sent = false;
+    if let Some(message) = watch.resync().await {
+        write_chunk(stream, &message, drain).await?;
+    }
+    loop {
+        let woke = match watch.cursor.try_batch(BATCH) {
+            Some(delivery) => Woke::Delivery(delivery),
+            None => match watch.cursor.reading() {
+                Some((buffer, next)) => {
+                    let buffer = buffer.clone();
+                    parking.attach(&buffer);
+                    parking.sink.park(&buffer, next);
+                    let handed = parking.sink.handed_back();
+                    tokio::pin!(handed);
+                    let woke = poll_fn(|cx| {
+                        if handed.as_mut().poll(cx).is_ready() {
+                            Poll::Ready(Woke::Handed)
+                        } else if poll_gone(stream, pending, cx).is_ready() {
+                            Poll::Ready(Woke::Gone)
+                        } else if ticker.as_mut().is_some_and(|t| t.poll_tick(cx).is_ready()) {
+                            Poll::Ready(Woke::Tick)
+                        } else if Pin::new(&mut drained).poll(cx).is_ready() {
+                            Poll::Ready(Woke::Drained)
+                        } else {
+                            Poll::Pending
+                        }
+                    })
+                    .await;
+                    let back = parking.sink.unpark();
+                    watch.cursor.seek(back.next);
+                    sent |= back.sent;
+                    if let Some(rest) = back.rest {
+                        write_all(stream, &mut [IoSlice::new(&rest)], drain).await?;
+                    }
+                    if back.failed {
+                        return Ok(false);
+                    }
+                    if back.sealed && watch.until_sealed {
+                        return Ok(true);
+                    }
+                    woke
+                }
+                None => {
+                    // Between turns: nothing for a round to write.
+                    parking.detach();
+                    let tick = async {
+                        match ticker.as_mut() {
+                            Some(t) => drop(t.tick().await),
+                            None => std::future::pending().await,
+                        }
+                    };
+                    tokio::select! {
+                        biased;
+                        d = watch.cursor.next_batch(BATCH) => Woke::Delivery(d),
+                        _ = poll_fn(|cx| poll_gone(stream, pending, cx)) => Woke::Gone,
+                        _ = tick => Woke::Tick,
+                        _ = &mut drained => Woke::Drained,
+                    }
+                }
+            },
+        };
+        let delivery = match woke {
+            Woke::Delivery(delivery) => delivery,
+            Woke::Handed => continue,
+            Woke::Gone => return Ok(false),
+            Woke::Tick => {
+                // A keep-alive after a whole period of silence (so within two periods).
+                if !std::mem::take(&mut sent) {
+                    write_chunk(stream, &watch.framing.keepalive(), drain).await?;
+                }
+                continue;
+            }
+            Woke::Drained => watch.cursor.try_batch(BATCH).unwrap_or(Delivery::End),
+        };
+        let Some((bytes, last)) = watch.outcome(delivery).await else { return Ok(true) };
+        write_chunk(stream, &bytes, drain).await?;
+        sent = true;
+        if last {
+            return Ok(true);
+        }
+    }
+}
+
+/// Writes `data` as one chunk of a chunked body.
+async fn write_chunk(stream: &TcpStream, data: &[u8], drain: Duration) -> io::Result<()> {
+    let mut size = [0u8; 18];
+    let size = chunk_size(&mut size, data.len());
+    write_all(stream, &mut [IoSlice::new(size), IoSlice::new(data), IoSlice::new(b"\r\n")], drain).await
+}
+
 fn line(head: &mut Vec<u8>, name: &str, value: &[u8]) {
     head.extend_from_slice(name.as_bytes());
     head.extend_from_slice(b": ");
     head.extend_from_slice(value);
     head.extend_from_slice(b"\r\n");
-}
-
-/// `<length in hex>\r\n`, the line that opens a chunk.
-fn chunk_size(buf: &mut [u8; 18], mut length: usize) -> &[u8] {
-    let mut at = buf.len() - 2;
-    buf[at..].copy_from_slice(b"\r\n");
-    loop {
-        at -= 1;
-        buf[at] = b"0123456789abcdef"[length & 0xf];
-        length >>= 4;
-        if length == 0 {
-            return &buf[at..];
-        }
-    }
 }
 
 /// Writes every byte of `parts`, failing once the socket has taken nothing for `drain`.
@@ -296,15 +446,6 @@ async fn write_all(stream: &TcpStream, mut parts: &mut [IoSlice<'_>], drain: Dur
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn chunk_sizes_are_hex_lines() {
-        let mut buf = [0u8; 18];
-        assert_eq!(chunk_size(&mut buf, 0), b"0\r\n");
-        assert_eq!(chunk_size(&mut buf, 10), b"a\r\n");
-        assert_eq!(chunk_size(&mut buf, 0x1f2e), b"1f2e\r\n");
-        assert_eq!(chunk_size(&mut buf, usize::MAX), b"ffffffffffffffff\r\n");
-    }
 
     #[test]
     fn only_bodyless_http11_gets_of_events_are_taken() {

@@ -1,0 +1,468 @@
+//! Parked watchers: live streams whose socket a turn's round writes to itself.
+//!
+//! A watcher that has read everything there is would otherwise wait for a round's wake-up, be
+//! scheduled, poll its way down to its cursor, write, and register to wait again: several
+//! microseconds of user-space work per write, which under a paced fan-out of thousands of
+//! streams costs about as much CPU as the writes themselves. So a stream written straight to
+//! its socket (an HTTP/1.1 chunked response, see `net::direct`) parks instead: it hands its
+//! position to a [`Sink`] attached to the turn's buffer, and each round writes the new frames to
+//! every parked sink with one non-blocking `send`, building each distinct chunk once per round.
+//!
+//! The stream's task stays the owner of everything else. A round hands the sink back (unparks it
+//! and wakes the task) whenever it cannot simply write and move on: the socket did not take the
+//! whole chunk (the task writes the rest, with the drain timeout), a send failed, the batch was
+//! capped, the batch held `turn-sealed`, or the position was coalesced away. Every write while
+//! parked happens under the sink's lock and moves its position, so a round and the task never
+//! both write, and the bytes on the socket stay in order.
+
+use std::os::fd::RawFd;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use tokio::sync::Notify;
+
+use super::{Frame, TurnBuffer, start_of};
+use crate::metrics::Metrics;
+
+/// Most frames a round writes to one sink at once (the rest is left to the stream's task).
+const BATCH: usize = 128;
+
+/// A round with more parked sinks than this shares them out among the runtime's workers.
+const SHARED_PAST: usize = 64;
+
+/// A parked stream's socket and position.
+pub struct Sink {
+    /// The socket. Valid while the sink is parked: its owner unparks it (under the lock) before
+    /// it lets the socket go.
+    fd: RawFd,
+    framed: Framed,
+    metrics: Arc<Metrics>,
+    state: Mutex<SinkState>,
+    /// Tells the stream's task that the round handed the sink back.
+    handed: Notify,
+}
+
+#[derive(Default)]
+struct SinkState {
+    parked: bool,
+    /// Index of the next event to write.
+    next: u32,
+    /// Bytes of a written batch the socket did not take.
+    rest: Option<Bytes>,
+    failed: bool,
+    /// A written batch ended with `turn-sealed`.
+    sealed: bool,
+    /// Something was written since the task last looked.
+    sent: bool,
+}
+
+/// Which of a frame's framings a sink writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framed {
+    /// The NDJSON line.
+    Line,
+    /// The SSE message.
+    Sse,
+}
+
+impl Framed {
+    fn of(self, frame: &Frame) -> &Bytes {
+        match self {
+            Framed::Line => &frame.line,
+            Framed::Sse => &frame.sse,
+        }
+    }
+}
+
+/// What a round did for the task while its sink was parked.
+#[derive(Debug, Default)]
+pub struct Unparked {
+    /// Where the task's cursor goes on from.
+    pub next: u32,
+    /// Bytes the task must write first.
+    pub rest: Option<Bytes>,
+    /// A send failed: the connection is gone.
+    pub failed: bool,
+    /// `turn-sealed` was written.
+    pub sealed: bool,
+    /// Something was written.
+    pub sent: bool,
+}
+
+/// Chunks built in one round, shared by every sink at the same position.
+#[derive(Default)]
+pub struct Round {
+    chunks: Vec<(u32, Framed, Built)>,
+}
+
+#[derive(Clone)]
+struct Built {
+    chunk: Bytes,
+    frames: usize,
+    next: u32,
+    sealed: bool,
+    more: bool,
+}
+
+enum Ready {
+    Nothing,
+    Lost,
+    Chunk(Built),
+}
+
+impl Sink {
+    /// A sink for the socket `fd`.
+    pub fn new(fd: RawFd, framed: Framed, metrics: Arc<Metrics>) -> Arc<Sink> {
+        Arc::new(Sink { fd, framed, metrics, state: Mutex::default(), handed: Notify::new() })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SinkState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Parks at event `next` of `buffer` (to which the sink must be attached), and writes
+    /// whatever was published before the sink was there for a round to see.
+    pub fn park(&self, buffer: &TurnBuffer, next: u32) {
+        let mut st = self.lock();
+        st.parked = true;
+        st.next = next;
+        self.pump_locked(&mut st, buffer, &mut Round::default());
+    }
+
+    /// Takes the sink back from the rounds; what they did meanwhile.
+    pub fn unpark(&self) -> Unparked {
+        let mut st = self.lock();
+        st.parked = false;
+        Unparked {
+            next: st.next,
+            rest: st.rest.take(),
+            failed: std::mem::take(&mut st.failed),
+            sealed: std::mem::take(&mut st.sealed),
+            sent: std::mem::take(&mut st.sent),
+        }
+    }
+
+    /// Resolves once a round has handed the sink back (or spuriously: unpark and look).
+    pub async fn handed_back(&self) {
+        self.handed.notified().await;
+    }
+
+    /// A round's turn at this sink: writes the frames past its position, if it is parked.
+    pub(super) fn pump(&self, buffer: &TurnBuffer, round: &mut Round) {
+        let mut st = self.lock();
+        self.pump_locked(&mut st, buffer, round);
+    }
+
+    fn pump_locked(&self, st: &mut SinkState, buffer: &TurnBuffer, round: &mut Round) {
+        if !st.parked {
+            return;
+        }
+        let built = match round.chunks.iter().find(|(next, framed, _)| *next == st.next && *framed == self.framed) {
+            Some((_, _, built)) => built.clone(),
+            None => match buffer.chunk(st.next, self.framed) {
+                Ready::Nothing => return,
+                Ready::Lost => return self.hand_back(st),
+                Ready::Chunk(built) => {
+                    round.chunks.push((st.next, self.framed, built.clone()));
+                    built
+                }
+            },
+        };
+        // SAFETY: `fd` is open while the sink is parked (see the field), and `send` only reads
+        // the chunk's bytes.
+        let sent = unsafe {
+            libc::send(self.fd, built.chunk.as_ptr().cast(), built.chunk.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        };
+        let taken = if sent >= 0 {
+            sent as usize
+        } else if std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock {
+            0
+        } else {
+            st.failed = true;
+            return self.hand_back(st);
+        };
+        self.metrics.round_writes.fetch_add(1, Relaxed);
+        self.metrics.events_delivered.fetch_add(built.frames as u64, Relaxed);
+        st.next = built.next;
+        st.sent = true;
+        st.sealed = built.sealed;
+        if taken < built.chunk.len() {
+            self.metrics.round_short_writes.fetch_add(1, Relaxed);
+            st.rest = Some(built.chunk.slice(taken..));
+        }
+        if st.rest.is_some() || built.sealed || built.more {
+            self.hand_back(st);
+        }
+    }
+
+    fn hand_back(&self, st: &mut SinkState) {
+        st.parked = false;
+        self.handed.notify_one();
+    }
+}
+
+impl TurnBuffer {
+    /// The frames from event `next` on as one HTTP/1.1 chunk.
+    fn chunk(&self, next: u32, framed: Framed) -> Ready {
+        let st = self.state.read().unwrap_or_else(|p| p.into_inner());
+        let start = start_of(&st.frames, next);
+        let Some(first) = st.frames.get(start) else { return Ready::Nothing };
+        if first.first < next {
+            return Ready::Lost;
+        }
+        let end = st.frames.len().min(start + BATCH);
+        let frames = &st.frames[start..end];
+        let len: usize = frames.iter().map(|f| framed.of(f).len()).sum();
+        let mut size = [0u8; 18];
+        let size = chunk_size(&mut size, len);
+        let mut chunk = BytesMut::with_capacity(size.len() + len + 2);
+        chunk.put_slice(size);
+        for f in frames {
+            chunk.put_slice(framed.of(f));
+        }
+        chunk.put_slice(b"\r\n");
+        let last = &frames[frames.len() - 1];
+        Ready::Chunk(Built {
+            chunk: chunk.freeze(),
+            frames: frames.len(),
+            next: last.last + 1,
+            sealed: last.is_sealed(),
+            more: end < st.frames.len(),
+        })
+    }
+
+    /// Lets rounds write to `sink` (parked or not).
+    pub fn attach(&self, sink: &Arc<Sink>) {
+        self.sinks.lock().unwrap_or_else(|p| p.into_inner()).push(sink.clone());
+    }
+
+    pub fn detach(&self, sink: &Arc<Sink>) {
+        self.sinks.lock().unwrap_or_else(|p| p.into_inner()).retain(|s| !Arc::ptr_eq(s, sink));
+    }
+
+    /// Writes the new frames to every parked sink. A round of many sinks is shared out among
+    /// the runtime's workers (one part here, the others spawned), so its writes use every core
+    /// as the watchers' own tasks would.
+    pub(super) fn pump_sinks(self: &Arc<Self>) {
+        let sinks = {
+            let list = self.sinks.lock().unwrap_or_else(|p| p.into_inner());
+            if list.is_empty() {
+                return;
+            }
+            list.clone()
+        };
+        let workers = match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if sinks.len() > SHARED_PAST => Some((runtime.metrics().num_workers(), runtime)),
+            _ => None,
+        };
+        let Some((workers, runtime)) = workers.filter(|(workers, _)| *workers > 1) else {
+            return self.pump(&sinks);
+        };
+        let mut parts = sinks.chunks(sinks.len().div_ceil(workers));
+        let here = parts.next().unwrap_or_default();
+        for part in parts {
+            let (buffer, part) = (self.clone(), part.to_vec());
+            runtime.spawn(async move { buffer.pump(&part) });
+        }
+        self.pump(here);
+    }
+
+    fn pump(&self, sinks: &[Arc<Sink>]) {
+        let mut round = Round::default();
+        for sink in sinks {
+            sink.pump(self, &mut round);
+        }
+    }
+}
+
+/// `<length in hex>\r\n`, the line that opens a chunk.
+pub fn chunk_size(buf: &mut [u8; 18], mut length: usize) -> &[u8] {
+    let mut at = buf.len() - 2;
+    buf[at..].copy_from_slice(b"\r\n");
+    loop {
+        at -= 1;
+        buf[at] = b"0123456789abcdef"[length & 0xf];
+        length >>= 4;
+        if length == 0 {
+            return &buf[at..];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::hub::{FlushWindow, Hub};
+    use crate::wire::{AgentEvent, TurnSealedEvent, TurnTextDeltaEvent};
+
+    fn text(d: &str) -> AgentEvent {
+        AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id: "c".into(), turn_id: "t".into(), delta: d.into() })
+    }
+
+    fn sealed() -> AgentEvent {
+        AgentEvent::TurnSealed(TurnSealedEvent { conversation_id: "c".into(), turn_id: "t".into() })
+    }
+
+    /// No pacing: every event is its own round.
+    fn hub(cap: usize) -> Arc<Hub> {
+        Hub::new(cap, FlushWindow { per_reader: Duration::ZERO, max: Duration::ZERO })
+    }
+
+    /// A sink on one end of a socket pair, and the other end to read it from.
+    fn sink() -> (Arc<Sink>, UnixStream, UnixStream, Arc<Metrics>) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        theirs.set_nonblocking(true).unwrap();
+        let metrics = Arc::new(Metrics::default());
+        (Sink::new(ours.as_raw_fd(), Framed::Line, metrics.clone()), ours, theirs, metrics)
+    }
+
+    /// Everything readable now.
+    fn read_now(from: &mut UnixStream) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut buf = [0u8; 65536];
+        loop {
+            match from.read(&mut buf) {
+                Ok(0) => return out,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return out,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    /// The data of a run of whole HTTP/1.1 chunks.
+    fn dechunk(mut bytes: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        while !bytes.is_empty() {
+            let eol = bytes.windows(2).position(|w| w == b"\r\n").expect("a size line");
+            let size = usize::from_str_radix(std::str::from_utf8(&bytes[..eol]).unwrap(), 16).unwrap();
+            let data = &bytes[eol + 2..];
+            out.extend_from_slice(&data[..size]);
+            assert_eq!(&data[size..size + 2], b"\r\n");
+            bytes = &data[size + 2..];
+        }
+        out
+    }
+
+    fn deltas(lines: &[u8]) -> Vec<String> {
+        lines
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_slice::<serde_json::Value>(l).unwrap()["delta"].as_str().unwrap_or("").to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn chunk_sizes_are_hex_lines() {
+        let mut buf = [0u8; 18];
+        assert_eq!(chunk_size(&mut buf, 0), b"0\r\n");
+        assert_eq!(chunk_size(&mut buf, 10), b"a\r\n");
+        assert_eq!(chunk_size(&mut buf, 0x1f2e), b"1f2e\r\n");
+        assert_eq!(chunk_size(&mut buf, usize::MAX), b"ffffffffffffffff\r\n");
+    }
+
+    async fn handed_back(sink: &Sink) -> bool {
+        tokio::time::timeout(Duration::from_secs(1), sink.handed_back()).await.is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_parked_sink_gets_every_round_in_order_and_is_handed_back_at_the_seal() {
+        let hub = hub(1 << 20);
+        let buffer = hub.begin_turn("c", "t");
+        let (sink, _ours, mut theirs, metrics) = sink();
+        buffer.publish(&text("a"));
+        buffer.attach(&sink);
+        // Parking writes what was published before.
+        sink.park(&buffer, 0);
+        buffer.publish(&text("b"));
+        buffer.publish(&text("c"));
+        assert_eq!(deltas(&dechunk(&read_now(&mut theirs))), ["a", "b", "c"]);
+        assert_eq!(metrics.round_writes.load(Relaxed), 3);
+        assert_eq!(metrics.events_delivered.load(Relaxed), 3);
+        hub.seal_turn(buffer.clone(), &sealed());
+        assert!(handed_back(&sink).await, "turn-sealed hands the sink back");
+        let back = sink.unpark();
+        assert!(back.sealed && back.sent && !back.failed && back.rest.is_none());
+        assert_eq!(back.next, 4);
+        assert!(
+            dechunk(&read_now(&mut theirs))
+                .ends_with(b"\"type\":\"turn-sealed\",\"conversationId\":\"c\",\"turnId\":\"t\"}\n")
+        );
+        // Unparked: a round writes nothing more.
+        buffer.pump_sinks();
+        assert!(read_now(&mut theirs).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_socket_that_takes_part_of_a_write_hands_the_rest_back_and_nothing_is_written_after_unparking() {
+        let hub = hub(1 << 30);
+        let buffer = hub.begin_turn("c", "t");
+        let (sink, ours, mut theirs, metrics) = sink();
+        buffer.attach(&sink);
+        sink.park(&buffer, 0);
+        let big = "x".repeat(64 * 1024);
+        let mut published = 0;
+        while metrics.round_short_writes.load(Relaxed) == 0 {
+            buffer.publish(&text(&big));
+            published += 1;
+            assert!(published < 1_000, "the socket never filled");
+        }
+        assert!(handed_back(&sink).await);
+        let back = sink.unpark();
+        assert_eq!(back.next, published);
+        let rest = back.rest.expect("the part the socket did not take");
+        // Not parked: later events are not written by rounds.
+        buffer.publish(&text("later"));
+        // What the socket took, then the rest, is every event so far in order (the reader
+        // drains between writes of the rest).
+        let mut got = read_now(&mut theirs);
+        let mut rest = &rest[..];
+        while !rest.is_empty() {
+            let n = unsafe { libc::send(ours.as_raw_fd(), rest.as_ptr().cast(), rest.len(), libc::MSG_DONTWAIT) };
+            if n > 0 {
+                rest = &rest[n as usize..];
+            }
+            got.extend(read_now(&mut theirs));
+        }
+        let got = deltas(&dechunk(&got));
+        assert_eq!(got.len(), published as usize);
+        assert!(got.iter().all(|d| *d == big));
+    }
+
+    #[tokio::test]
+    async fn a_capped_batch_or_a_position_coalesced_away_is_handed_back() {
+        // More frames than one write takes: the first batch is written, the task does the rest.
+        let hub = hub(1 << 30);
+        let buffer = hub.begin_turn("c", "t");
+        for i in 0..(BATCH + 10) {
+            buffer.publish(&text(&i.to_string()));
+        }
+        let (sink, _ours, mut theirs, _) = sink();
+        buffer.attach(&sink);
+        sink.park(&buffer, 0);
+        assert!(handed_back(&sink).await);
+        assert_eq!(sink.unpark().next, BATCH as u32);
+        assert_eq!(deltas(&dechunk(&read_now(&mut theirs))).len(), BATCH);
+
+        // A position inside a coalesced run: nothing is written, the task is told.
+        let hub = self::hub(2_000);
+        let buffer = hub.begin_turn("c", "t");
+        for i in 0..40 {
+            buffer.publish(&text(&format!("w{i} ")));
+        }
+        let (sink, _ours, mut theirs, metrics) = self::sink();
+        buffer.attach(&sink);
+        sink.park(&buffer, 5);
+        assert!(handed_back(&sink).await);
+        let back = sink.unpark();
+        assert_eq!((back.next, back.sent), (5, false));
+        assert!(read_now(&mut theirs).is_empty());
+        assert_eq!(metrics.round_writes.load(Relaxed), 0);
+    }
+}
