@@ -6,11 +6,11 @@
 //! streams costs about as much CPU as the writes themselves. So a stream written straight to
 //! its socket (an HTTP/1.1 chunked response, see `net::direct`) parks instead: it hands its
 //! position to a [`Sink`] attached to the turn's buffer, and each round writes the new frames to
-//! every parked sink with one non-blocking `send`, building each distinct chunk once per round.
+//! every parked sink with one non-blocking `write`, building each distinct chunk once per round.
 //!
 //! The stream's task stays the owner of everything else. A round hands the sink back (unparks it
 //! and wakes the task) whenever it cannot simply write and move on: the socket did not take the
-//! whole chunk (the task writes the rest, with the drain timeout), a send failed, the batch was
+//! whole chunk (the task writes the rest, with the drain timeout), a write failed, the batch was
 //! capped, the batch held `turn-sealed`, or the position was coalesced away. Every write while
 //! parked happens under the sink's lock and moves its position, so a round and the task never
 //! both write, and the bytes on the socket stay in order.
@@ -82,7 +82,7 @@ pub struct Unparked {
     pub next: u32,
     /// Bytes the task must write first.
     pub rest: Option<Bytes>,
-    /// A send failed: the connection is gone.
+    /// A write failed: the connection is gone.
     pub failed: bool,
     /// `turn-sealed` was written.
     pub sealed: bool,
@@ -169,11 +169,10 @@ impl Sink {
                 }
             },
         };
-        // SAFETY: `fd` is open while the sink is parked (see the field), and `send` only reads
-        // the chunk's bytes.
-        let sent = unsafe {
-            libc::send(self.fd, built.chunk.as_ptr().cast(), built.chunk.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
-        };
+        // SAFETY: `fd` is open while the sink is parked (see the field), and `write` only reads
+        // the chunk's bytes. The socket is non-blocking (tokio's), and SIGPIPE is ignored (Rust's
+        // runtime does that at start), so a closed peer is an error here, not a signal.
+        let sent = unsafe { libc::write(self.fd, built.chunk.as_ptr().cast(), built.chunk.len()) };
         let taken = if sent >= 0 {
             sent as usize
         } else if std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock {
@@ -317,6 +316,7 @@ mod tests {
     /// A sink on one end of a socket pair, and the other end to read it from.
     fn sink() -> (Arc<Sink>, UnixStream, UnixStream, Arc<Metrics>) {
         let (ours, theirs) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
         theirs.set_nonblocking(true).unwrap();
         let metrics = Arc::new(Metrics::default());
         (Sink::new(ours.as_raw_fd(), Framed::Line, metrics.clone()), ours, theirs, metrics)
@@ -424,7 +424,7 @@ mod tests {
         let mut got = read_now(&mut theirs);
         let mut rest = &rest[..];
         while !rest.is_empty() {
-            let n = unsafe { libc::send(ours.as_raw_fd(), rest.as_ptr().cast(), rest.len(), libc::MSG_DONTWAIT) };
+            let n = unsafe { libc::write(ours.as_raw_fd(), rest.as_ptr().cast(), rest.len()) };
             if n > 0 {
                 rest = &rest[n as usize..];
             }
