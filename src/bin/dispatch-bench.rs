@@ -755,11 +755,14 @@ struct Tally {
     out_of_order: u64,
     incomplete: u64,
     latencies: Vec<u64>,
+    /// With a split asked for (`head` > 0): the latencies of each watcher's first `head`
+    /// events, and of the rest.
+    split: Option<(usize, Vec<u64>, Vec<u64>)>,
 }
 
 impl Tally {
-    async fn collect(tasks: Vec<tokio::task::JoinHandle<Seen>>, events: usize) -> Tally {
-        let mut tally = Tally::default();
+    async fn collect(tasks: Vec<tokio::task::JoinHandle<Seen>>, events: usize, head: usize) -> Tally {
+        let mut tally = Tally { split: (head > 0).then(|| (head, Vec::new(), Vec::new())), ..Tally::default() };
         for t in tasks {
             let seen = t.await.unwrap();
             tally.watchers += 1;
@@ -768,9 +771,25 @@ impl Tally {
             if seen.stamped != events as u64 || !seen.sealed {
                 tally.incomplete += 1;
             }
+            if let Some((head, first, rest)) = tally.split.as_mut() {
+                let at = (*head).min(seen.latencies.len());
+                first.extend_from_slice(&seen.latencies[..at]);
+                rest.extend_from_slice(&seen.latencies[at..]);
+            }
             tally.latencies.extend(seen.latencies);
         }
         tally
+    }
+
+    /// The p99 of every watcher's first `head` events and of the rest (see `split`).
+    /// `None` for a part with no events.
+    fn split_p99(&mut self) -> (Option<f64>, Option<f64>) {
+        let Some((_, first, rest)) = self.split.as_mut() else { return (None, None) };
+        let p99 = |v: &mut Vec<u64>| {
+            v.sort_unstable();
+            (!v.is_empty()).then(|| percentile(v, 0.99) as f64 / 1000.0)
+        };
+        (p99(first), p99(rest))
     }
 
     /// Waits for every watcher; returns the tally, the seconds since `started` and what the
@@ -779,11 +798,12 @@ impl Tally {
     async fn finish(
         tasks: Vec<tokio::task::JoinHandle<Seen>>,
         events: usize,
+        head: usize,
         started: Instant,
         before: Usage,
         pids: &[u32],
     ) -> (Tally, f64, Usage) {
-        let mut tally = Tally::collect(tasks, events).await;
+        let mut tally = Tally::collect(tasks, events, head).await;
         let elapsed = started.elapsed().as_secs_f64();
         let used = Usage::read(pids).since(before);
         tally.latencies.sort_unstable();
@@ -822,7 +842,7 @@ async fn fanout(
         Server::Gateway => start_turn(&client, base, &channel, &format!("fanout-{events}-{rate}")).await,
         Server::Nchan => publish_nchan(&client, base, &channel, events, rate).await,
     }
-    let (tally, elapsed, used) = Tally::finish(tasks, events, started, before, pids).await;
+    let (tally, elapsed, used) = Tally::finish(tasks, events, 0, started, before, pids).await;
     let cpu = used.cpu_us();
     let mut result = json!({
         "transport": format!("{transport:?}").to_lowercase(),
@@ -895,7 +915,9 @@ async fn scale(
     for start in starts {
         starts_took = starts_took.max(start.await.expect("a turn starts"));
     }
-    let (tally, elapsed, used) = Tally::finish(tasks, events, started, before, pids).await;
+    // The first second of each turn apart: the turns' starts fall in it.
+    let (mut tally, elapsed, used) = Tally::finish(tasks, events, rate as usize, started, before, pids).await;
+    let (p99_first_second, p99_after) = tally.split_p99();
     let client_cpu = cpu_micros(&[std::process::id()]) - client_before;
     let cpu = used.cpu_us();
     let mut result = json!({
@@ -911,6 +933,8 @@ async fn scale(
         "turns_started_within_ms": starts_took.as_secs_f64() * 1e3,
         "latency_p50_ms": tally.p(0.50),
         "latency_p99_ms": tally.p(0.99),
+        "latency_p99_first_second_ms": p99_first_second,
+        "latency_p99_after_first_second_ms": p99_after,
         "server_cores": cpu as f64 / 1e6 / elapsed,
         "server_cpu_us_per_delivery": cpu as f64 / tally.delivered.max(1) as f64,
         "out_of_order": tally.out_of_order,
@@ -962,7 +986,7 @@ async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Va
         };
         let started = Instant::now();
         start_turn(&client, base, &channel, &format!("fanout-{events}-0")).await;
-        let tally = Tally::collect(tasks, events).await;
+        let tally = Tally::collect(tasks, events, 0).await;
         let elapsed = started.elapsed().as_secs_f64();
         sampler.abort();
         // The turn has sealed: what the hub still holds is what the stalled watcher keeps alive.
