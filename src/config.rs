@@ -79,7 +79,7 @@ pub struct Config {
     pub flush_us_per_watcher: u64,
 
     /// Longest flush window, in milliseconds.
-    #[arg(long, env = "DISPATCH_FLUSH_MAX_MS", default_value_t = 25)]
+    #[arg(long, env = "DISPATCH_FLUSH_MAX_MS", default_value_t = 40)]
     pub flush_max_ms: u64,
 
     /// Seconds a connection may go without its socket taking any bytes while the gateway has
@@ -382,7 +382,7 @@ impl Config {
             turn_buffer_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
             flush_us_per_watcher: 10,
-            flush_max_ms: 25,
+            flush_max_ms: 40,
             drain_timeout_secs: 30,
             header_read_timeout_secs: 10,
             max_streams: 10_000,

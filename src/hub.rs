@@ -148,7 +148,7 @@ pub struct FlushWindow {
 #[cfg(test)]
 impl Default for FlushWindow {
     fn default() -> FlushWindow {
-        FlushWindow { per_reader: Duration::from_micros(10), max: Duration::from_millis(25) }
+        FlushWindow { per_reader: Duration::from_micros(10), max: Duration::from_millis(40) }
     }
 }
 
