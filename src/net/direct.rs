@@ -276,14 +276,21 @@ enum Woke {
     Drained,
 }
 
-/// Releases a watcher's sink from the rounds when its stream ends, however it ends: the socket
-/// may close right after.
-struct Parking {
+/// A watcher's sink, released from the rounds when its stream ends, however it ends. It
+/// borrows the socket whose descriptor the sink writes to, so the socket outlives it (and with
+/// it every write a round makes).
+struct Parking<'a> {
     sink: Arc<Sink>,
     attached: Option<Arc<TurnBuffer>>,
+    _socket: &'a TcpStream,
 }
 
-impl Parking {
+impl<'a> Parking<'a> {
+    fn new(socket: &'a TcpStream, watch: &Watch) -> Parking<'a> {
+        let sink = Sink::new(socket.as_raw_fd(), watch.framing.framed(), watch.metrics.clone());
+        Parking { sink, attached: None, _socket: socket }
+    }
+
     fn attach(&mut self, buffer: &Arc<TurnBuffer>) {
         if self.attached.as_ref().is_some_and(|b| Arc::ptr_eq(b, buffer)) {
             return;
@@ -300,7 +307,7 @@ impl Parking {
     }
 }
 
-impl Drop for Parking {
+impl Drop for Parking<'_> {
     fn drop(&mut self) {
         // Under the sink's lock: once this returns no round writes to the socket.
         self.sink.unpark();
@@ -318,8 +325,7 @@ async fn watch_stream(
     pending: &mut Vec<u8>,
     drain: Duration,
 ) -> io::Result<bool> {
-    let sink = Sink::new(stream.as_raw_fd(), watch.framing.framed(), watch.metrics.clone());
-    let mut parking = Parking { sink, attached: None };
+    let mut parking = Parking::new(stream, &watch);
     let mut ticker = watch.ticker();
     let mut drained = Cancelled::new(&watch.drained);
     // Something went out since the last tick (no keep-alive is due then).
