@@ -125,7 +125,7 @@ async fn slow_stalled_and_churning_clients_do_not_hurt_the_turn_or_the_process()
     // this; an unbounded queue per watcher would not.
     assert!(peak_kib < rss_before + 128 * 1024, "memory stays bounded: peak {peak_kib} KiB");
     assert_eq!(server.get("/health").await.0, 200);
-    let metrics = server.client.get(server.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let metrics = server.metrics().await;
     assert!(metrics.contains("dispatch_open_streams{transport=\"sse\"} 0"), "{metrics}");
 }
 

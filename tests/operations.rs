@@ -227,14 +227,6 @@ async fn an_oversized_websocket_frame_closes_the_socket() {
     assert_eq!(server.get("/health").await.0, 200);
 }
 
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("{name} not in metrics:\n{text}"))
-}
-
 #[tokio::test]
 async fn metrics_move_when_turns_run_and_ready_answers() {
     let dir = tempfile::tempdir().unwrap();

@@ -128,7 +128,7 @@ async fn a_429_is_retried_and_the_wire_sees_one_clean_turn() {
     );
     assert_eq!(events[5]["reason"], "stop");
     assert_eq!(upstream.requests().len(), 3);
-    let metrics = server.client.get(server.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let metrics = server.metrics().await;
     assert!(metrics.contains("dispatch_runtime_errors_total{kind=\"retried\"} 2"), "{metrics}");
 }
 

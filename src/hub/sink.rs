@@ -31,6 +31,10 @@ const BATCH: usize = 128;
 /// A round with more parked sinks than this shares them out among the runtime's workers.
 const SHARED_PAST: usize = 64;
 
+/// Most sinks one part of a shared round writes to (a few milliseconds of writes), so that a
+/// round of many thousands keeps no worker, and no turn, busy for long.
+const PART: usize = 512;
+
 /// A parked stream's socket and position.
 pub struct Sink {
     /// The socket. Valid while the sink is parked: its owner unparks it (under the lock) before
@@ -241,8 +245,8 @@ impl TurnBuffer {
     }
 
     /// Writes the new frames to every parked sink. A round of many sinks is shared out among
-    /// the runtime's workers (one part here, the others spawned), so its writes use every core
-    /// as the watchers' own tasks would.
+    /// the runtime's workers (one part here, the others spawned, at most [`PART`] sinks each),
+    /// so its writes use every core as the watchers' own tasks would.
     pub(super) fn pump_sinks(self: &Arc<Self>) {
         let sinks = {
             let list = self.sinks.lock().unwrap_or_else(|p| p.into_inner());
@@ -258,7 +262,7 @@ impl TurnBuffer {
         let Some((workers, runtime)) = workers.filter(|(workers, _)| *workers > 1) else {
             return self.pump(&sinks);
         };
-        let mut parts = sinks.chunks(sinks.len().div_ceil(workers));
+        let mut parts = sinks.chunks(sinks.len().div_ceil(workers).min(PART));
         let here = parts.next().unwrap_or_default();
         for part in parts {
             let (buffer, part) = (self.clone(), part.to_vec());

@@ -309,7 +309,21 @@ impl SseStream {
     }
 }
 
+/// The value of a metric without labels in a Prometheus text exposition.
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in metrics:\n{text}"))
+}
+
 impl TestServer {
+    /// `GET /metrics`.
+    pub async fn metrics(&self) -> String {
+        self.client.get(self.url("/metrics")).send().await.unwrap().text().await.unwrap()
+    }
+
     /// Opens `GET /conversations/:id/events` with extra query and headers.
     pub async fn events(&self, conversation_id: &str, query: &str, headers: &[(&str, &str)]) -> reqwest::Response {
         let mut req = self.client.get(self.url(&format!("/conversations/{conversation_id}/events{query}")));
