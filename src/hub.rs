@@ -246,6 +246,12 @@ impl TurnBuffer {
         self.flush.for_readers(self.readers.load(Relaxed))
     }
 
+    /// Whether deltas are paced now (the window is open): only then may a watcher park, since
+    /// only then does a round carry what a window gathered instead of every single event.
+    pub fn paced(&self) -> bool {
+        !self.window().is_zero()
+    }
+
     fn pacing(&self) -> std::sync::MutexGuard<'_, Pacing> {
         self.pacing.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -681,11 +687,11 @@ mod tests {
     use super::*;
     use crate::wire::{TurnSealedEvent, TurnStartEvent};
 
-    fn text(d: &str) -> AgentEvent {
+    pub(super) fn text(d: &str) -> AgentEvent {
         AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id: "c".into(), turn_id: "t".into(), delta: d.into() })
     }
 
-    fn sealed() -> AgentEvent {
+    pub(super) fn sealed() -> AgentEvent {
         AgentEvent::TurnSealed(TurnSealedEvent { conversation_id: "c".into(), turn_id: "t".into() })
     }
 

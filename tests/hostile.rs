@@ -26,12 +26,7 @@ fn rss_kib(field: &str) -> u64 {
 }
 
 async fn raw_watcher(server: &TestServer, conversation: &str) -> tokio::net::TcpStream {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut stream = socket.connect(server.addr).await.unwrap();
-    let request = format!("GET /conversations/{conversation}/events HTTP/1.1\r\nhost: gateway\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    stream
+    raw_get(server, &format!("/conversations/{conversation}/events"), "*/*").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

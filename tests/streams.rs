@@ -204,16 +204,6 @@ async fn a_thousand_watchers_all_get_every_event_in_order_beside_one_that_never_
     drop(stalled);
 }
 
-/// A raw watcher with a small receive buffer that sends its request and reads nothing yet.
-async fn late_reader(server: &TestServer, path: &str, accept: &str) -> tokio::net::TcpStream {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut stream = socket.connect(server.addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nhost: gateway\r\naccept: {accept}\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    stream
-}
-
 /// The body of a chunked response read to its last chunk, de-chunked.
 async fn read_chunked_body(stream: &mut tokio::net::TcpStream) -> String {
     use tokio::io::AsyncReadExt;
@@ -241,10 +231,15 @@ async fn read_chunked_body(stream: &mut tokio::net::TcpStream) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watchers_that_read_late_get_every_byte_in_order_while_rounds_write_for_the_others() {
     let dir = tempfile::tempdir().unwrap();
-    let server = server_with(dir.path(), |c| c.turn_buffer_bytes = 256 << 20).await;
+    // Four watchers: a window of 4 ms, so the rounds are paced and the watchers park.
+    let server = server_with(dir.path(), |c| {
+        c.turn_buffer_bytes = 256 << 20;
+        c.flush_us_per_watcher = 1_000;
+    })
+    .await;
     let path = "/conversations/late/events?until=sealed";
-    let mut late_sse = late_reader(&server, path, "text/event-stream").await;
-    let mut late_ndjson = late_reader(&server, path, "application/x-ndjson").await;
+    let mut late_sse = raw_get(&server, path, "text/event-stream").await;
+    let mut late_ndjson = raw_get(&server, path, "application/x-ndjson").await;
     let mut sse = server.sse("late", "?until=sealed").await;
     let mut ndjson = server.ndjson("late", "?until=sealed").await;
     let prompt = tokio::spawn(async move {

@@ -336,7 +336,7 @@ async fn watch_stream(
     loop {
         let woke = match watch.cursor.try_batch(BATCH) {
             Some(delivery) => Woke::Delivery(delivery),
-            None => match watch.cursor.reading() {
+            None => match watch.cursor.reading().filter(|(buffer, _)| buffer.paced()) {
                 Some((buffer, next)) => {
                     let buffer = buffer.clone();
                     parking.attach(&buffer);
@@ -372,7 +372,7 @@ async fn watch_stream(
                     woke
                 }
                 None => {
-                    // Between turns: nothing for a round to write.
+                    // Between turns, or rounds are not paced: the cursor wakes this task.
                     parking.detach();
                     let tick = async {
                         match ticker.as_mut() {

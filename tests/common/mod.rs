@@ -309,6 +309,18 @@ impl SseStream {
     }
 }
 
+/// A raw connection with a small receive buffer (its socket fills fast) that has sent
+/// `GET <path>` and reads nothing yet.
+pub async fn raw_get(server: &TestServer, path: &str, accept: &str) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(server.addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nhost: gateway\r\naccept: {accept}\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream
+}
+
 /// The value of a metric without labels in a Prometheus text exposition.
 pub fn metric(text: &str, name: &str) -> f64 {
     text.lines()
