@@ -52,6 +52,9 @@ pub struct Sink {
 #[derive(Default)]
 struct SinkState {
     parked: bool,
+    /// The buffer it is parked on (its address: the owner holds it while parked), so that a
+    /// round of an earlier turn that still holds the sink in its copy of the list leaves it be.
+    on: usize,
     /// Index of the next event to write.
     next: u32,
     /// Bytes of a written batch the socket did not take.
@@ -132,6 +135,7 @@ impl Sink {
     pub fn park(&self, buffer: &TurnBuffer, next: u32) {
         let mut st = self.lock();
         st.parked = true;
+        st.on = std::ptr::from_ref(buffer) as usize;
         st.next = next;
         self.pump_locked(&mut st, buffer, &mut Round::default());
     }
@@ -169,7 +173,7 @@ impl Sink {
     }
 
     fn pump_locked(&self, st: &mut SinkState, buffer: &TurnBuffer, round: &mut Round) {
-        if !st.parked {
+        if !st.parked || st.on != std::ptr::from_ref(buffer) as usize {
             return;
         }
         let built = match round.chunks.iter().find(|(next, framed, _)| *next == st.next && *framed == self.framed) {
@@ -490,6 +494,25 @@ mod tests {
         assert_eq!((back.next, back.sent), (5, false));
         assert!(read_now(&mut theirs).is_empty());
         assert_eq!(metrics.round_writes.load(Relaxed), 0);
+    }
+
+    #[tokio::test]
+    async fn a_round_of_another_turn_does_not_write_to_a_sink_parked_on_this_one() {
+        let (_hub, earlier, _reading) = paced(1 << 20);
+        let (_hub2, later, _reading2) = paced(1 << 20);
+        let (sink, _ours, mut theirs, metrics) = sink();
+        // Still in the earlier turn's list (a round's copy of it), parked on the later turn.
+        earlier.attach(&sink);
+        later.attach(&sink);
+        sink.park(&later, 0);
+        earlier.publish(&text("from the earlier turn"));
+        settle().await;
+        earlier.pump_sinks();
+        assert!(read_now(&mut theirs).is_empty());
+        later.publish(&text("b"));
+        settle().await;
+        assert_eq!(deltas(&dechunk(&read_now(&mut theirs))), ["b"]);
+        assert_eq!(metrics.round_writes.load(Relaxed), 1);
     }
 
     #[tokio::test]
