@@ -510,14 +510,14 @@ fn start_of(frames: &[Arc<Frame>], next: u32) -> usize {
 }
 
 /// Concatenates a batch of frames into one buffer, so a batch costs one socket write.
-pub fn join_frames(frames: &[Arc<Frame>], pick: impl Fn(&Frame) -> &Bytes) -> Bytes {
+pub fn join_frames(frames: &[Arc<Frame>], framed: Framed) -> Bytes {
     match frames {
-        [one] => pick(one).clone(),
+        [one] => framed.of(one).clone(),
         many => {
-            let len = many.iter().map(|f| pick(f).len()).sum();
+            let len = many.iter().map(|f| framed.of(f).len()).sum();
             let mut out = BytesMut::with_capacity(len);
             for f in many {
-                out.put_slice(pick(f));
+                out.put_slice(framed.of(f));
             }
             out.freeze()
         }

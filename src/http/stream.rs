@@ -15,7 +15,7 @@ use tokio::time::{Instant, Interval, MissedTickBehavior};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 
-use crate::hub::{Cursor, Delivery, Frame, Framed, join_frames};
+use crate::hub::{Cursor, Delivery, Framed, join_frames};
 use crate::metrics::{Metrics, StreamPermit, Transport};
 use crate::store::Store;
 
@@ -37,13 +37,6 @@ impl Framing {
         }
     }
 
-    fn pick(self) -> fn(&Frame) -> &Bytes {
-        match self {
-            Framing::Ndjson => |f| &f.line,
-            Framing::Sse => |f| &f.sse,
-        }
-    }
-
     pub fn transport(self) -> Transport {
         match self {
             Framing::Ndjson => Transport::Ndjson,
@@ -51,7 +44,7 @@ impl Framing {
         }
     }
 
-    /// The framing a parked [`crate::hub::Sink`] writes.
+    /// Which of a frame's pre-built framings this stream writes.
     pub fn framed(self) -> Framed {
         match self {
             Framing::Ndjson => Framed::Line,
@@ -103,7 +96,7 @@ impl Watch {
             Delivery::Frames(frames) => {
                 self.metrics.events_delivered.fetch_add(frames.len() as u64, Relaxed);
                 let last = self.until_sealed && frames.last().is_some_and(|f| f.is_sealed());
-                Some((join_frames(&frames, self.framing.pick()), last))
+                Some((join_frames(&frames, self.framing.framed()), last))
             }
             Delivery::Lost if self.framing == Framing::Sse => {
                 self.metrics.lag_recoveries.fetch_add(1, Relaxed);

@@ -76,7 +76,8 @@ pub enum Framed {
 }
 
 impl Framed {
-    fn of(self, frame: &Frame) -> &Bytes {
+    /// The frame's bytes in this framing.
+    pub fn of(self, frame: &Frame) -> &Bytes {
         match self {
             Framed::Line => &frame.line,
             Framed::Sse => &frame.sse,
