@@ -276,6 +276,32 @@ async fn watchers_that_read_late_get_every_byte_in_order_while_rounds_write_for_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_watcher_gets_keep_alives_and_the_end_of_the_turn_at_shutdown() {
+    let dir = tempfile::tempdir().unwrap();
+    // One watcher opens a 1 ms window: deltas are paced, so the idle watcher parks.
+    let server = server_with(dir.path(), |c| {
+        c.keepalive_secs = 1;
+        c.flush_us_per_watcher = 1_000;
+    })
+    .await;
+    let mut watcher = server.sse("parked", "").await;
+    start_turn(&server, "parked", "stall").await;
+    while watcher.next().await.expect("the turn's events").json()["type"] != "text-delta" {}
+    let reading = tokio::spawn(async move {
+        let rest = watcher.until_sealed().await;
+        (sse_events(&rest), watcher.comments)
+    });
+    // The turn stalls: two keep-alive periods of silence.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    server.stop().await;
+    let (rest, comments) = reading.await.unwrap();
+    assert!(comments >= 1, "no keep-alive while parked");
+    // The rest of the text, then the turn's end, in order.
+    assert!(types(&rest).ends_with(&["step-complete", "done", "turn-sealed"]), "{:?}", types(&rest));
+    assert_eq!(rest[rest.len() - 2]["reason"], "aborted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_replay_buffer_stays_within_its_cap_and_late_joiners_still_rebuild_the_text() {
     let dir = tempfile::tempdir().unwrap();
     let cap = 512 * 1024;
