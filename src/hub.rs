@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use crate::wire::{AgentEvent, TurnReasoningDeltaEvent, TurnTextDeltaEvent};
 
 mod sink;
-pub use sink::{Framed, Sink, Unparked, chunk_size};
+pub use sink::{Framed, Sink, Unparked, WS_CLOSE, WS_PING, WS_PONG, WS_TEXT, chunk_size, put_ws_frame, ws_frame_len};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -512,12 +512,12 @@ fn start_of(frames: &[Arc<Frame>], next: u32) -> usize {
 /// Concatenates a batch of frames into one buffer, so a batch costs one socket write.
 pub fn join_frames(frames: &[Arc<Frame>], framed: Framed) -> Bytes {
     match frames {
-        [one] => framed.of(one).clone(),
+        [one] => framed.bytes(one),
         many => {
-            let len = many.iter().map(|f| framed.of(f).len()).sum();
+            let len = many.iter().map(|f| framed.len(f)).sum();
             let mut out = BytesMut::with_capacity(len);
             for f in many {
-                out.put_slice(framed.of(f));
+                framed.put(&mut out, f);
             }
             out.freeze()
         }

@@ -219,3 +219,133 @@ async fn websocket_ops() {
     other = other_client.socket;
     drop(other);
 }
+
+/// A masked client frame (the mask is applied, so a server that ignored it would read garbage).
+fn client_frame(first: u8, payload: &[u8]) -> Vec<u8> {
+    let mask = [0x37, 0xfa, 0x21, 0x3d];
+    let mut frame = vec![first];
+    match payload.len() {
+        n if n < 126 => frame.push(0x80 | n as u8),
+        n => {
+            frame.push(0x80 | 126);
+            frame.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+    }
+    frame.extend_from_slice(&mask);
+    frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    frame
+}
+
+/// Sends a WebSocket handshake on a fresh connection; the response head, and the socket.
+async fn handshake(server: &TestServer, version: &str) -> (String, tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let request = format!(
+        "GET /ws HTTP/1.1\r\nhost: gateway\r\nupgrade: websocket\r\nconnection: keep-alive, Upgrade\r\n\
+         sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: {version}\r\n\r\n"
+    );
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8];
+        socket.read_exact(&mut byte).await.unwrap();
+        head.push(byte[0]);
+    }
+    (String::from_utf8(head).unwrap().to_lowercase(), socket)
+}
+
+/// The next server frame: its first byte and payload (server frames are never masked).
+async fn server_frame(socket: &mut tokio::net::TcpStream) -> (u8, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    let mut header = [0u8; 2];
+    socket.read_exact(&mut header).await.unwrap();
+    assert_eq!(header[1] & 0x80, 0, "a server frame is not masked");
+    let len = match header[1] & 0x7f {
+        126 => socket.read_u16().await.unwrap() as usize,
+        127 => socket.read_u64().await.unwrap() as usize,
+        n => n as usize,
+    };
+    let mut payload = vec![0u8; len];
+    socket.read_exact(&mut payload).await.unwrap();
+    (header[0], payload)
+}
+
+/// The next text frame's JSON, skipping status changes.
+async fn next_json(socket: &mut tokio::net::TcpStream) -> Value {
+    loop {
+        let (first, payload) = server_frame(socket).await;
+        assert_eq!(first, 0x81, "a final text frame");
+        let m: Value = serde_json::from_slice(&payload).unwrap();
+        if m["type"] != "conversation.statusChanged" {
+            return m;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_frames_on_the_wire() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(dir.path(), |_| {}).await;
+
+    // The handshake of RFC 6455's example key; the session opens with the catalog.
+    let (head, mut socket) = handshake(&server, "13").await;
+    assert!(head.starts_with("http/1.1 101 switching protocols\r\n"), "{head}");
+    assert!(head.contains("\r\nsec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo=\r\n"), "{head}");
+    assert!(head.contains("\r\nupgrade: websocket\r\n") && head.contains("\r\nconnection: upgrade\r\n"), "{head}");
+    assert_eq!(next_json(&mut socket).await, json!({"type": "catalog", "catalog": []}));
+
+    // A ping is answered with its payload; an op in two fragments with a ping between them is
+    // one op.
+    socket.write_all(&client_frame(0x89, b"abc")).await.unwrap();
+    assert_eq!(server_frame(&mut socket).await, (0x8A, b"abc".to_vec()));
+    let op = json!({"type": "chat.send", "conversationId": "frames", "message": "tools"}).to_string();
+    let (a, b) = op.as_bytes().split_at(10);
+    let mut bytes = client_frame(0x01, a);
+    bytes.extend(client_frame(0x89, b"x"));
+    bytes.extend(client_frame(0x80, b));
+    socket.write_all(&bytes).await.unwrap();
+    assert_eq!(server_frame(&mut socket).await, (0x8A, b"x".to_vec()));
+    let mut events = Vec::new();
+    while events.last().is_none_or(|e: &Value| e["type"] != "turn-sealed") {
+        let m = next_json(&mut socket).await;
+        assert_eq!(m["type"], "chat.delta", "{m}");
+        events.push(m["event"].clone());
+    }
+    assert_eq!(events[0]["type"], "user-message");
+    assert_eq!(events[0]["text"], "tools");
+    // A long op (a 16-bit length) that is not JSON gets its error.
+    socket.write_all(&client_frame(0x81, &[b'{'; 300])).await.unwrap();
+    assert_eq!(next_json(&mut socket).await, json!({"type": "error", "message": "Invalid JSON"}));
+
+    // An unmasked frame is a protocol error: close 1002, then the connection ends.
+    socket.write_all(&[0x81, 0x02, b'h', b'i']).await.unwrap();
+    assert_eq!(server_frame(&mut socket).await, (0x88, 1002u16.to_be_bytes().to_vec()));
+    let mut rest = Vec::new();
+    socket.read_to_end(&mut rest).await.unwrap();
+    assert!(rest.is_empty(), "{rest:?}");
+
+    // A close is answered with the same code.
+    let (_, mut socket) = handshake(&server, "13").await;
+    next_json(&mut socket).await;
+    socket.write_all(&client_frame(0x88, &1000u16.to_be_bytes())).await.unwrap();
+    assert_eq!(server_frame(&mut socket).await, (0x88, 1000u16.to_be_bytes().to_vec()));
+    socket.read_to_end(&mut rest).await.unwrap();
+    assert!(rest.is_empty(), "{rest:?}");
+
+    // A text message that is not UTF-8: close 1007.
+    let (_, mut socket) = handshake(&server, "13").await;
+    next_json(&mut socket).await;
+    socket.write_all(&client_frame(0x81, &[0xc3, 0x28])).await.unwrap();
+    assert_eq!(server_frame(&mut socket).await, (0x88, 1007u16.to_be_bytes().to_vec()));
+
+    // A handshake of another version is refused with a JSON error.
+    let (head, mut socket) = handshake(&server, "8").await;
+    assert!(head.starts_with("http/1.1 400 "), "{head}");
+    let length: usize = head.split("content-length: ").nth(1).unwrap().split("\r\n").next().unwrap().parse().unwrap();
+    let mut body = vec![0u8; length];
+    socket.read_exact(&mut body).await.unwrap();
+    let body: Value = serde_json::from_slice(&body).unwrap();
+    assert!(body["error"].as_str().unwrap().contains("Sec-WebSocket-Version"), "{body}");
+    assert_eq!(server.get("/health").await.0, 200);
+}

@@ -276,6 +276,58 @@ async fn watchers_that_read_late_get_every_byte_in_order_while_rounds_write_for_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_with_one_subscription_is_written_by_the_rounds_and_misses_nothing() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let dir = tempfile::tempdir().unwrap();
+    // A 1 ms window per watcher: deltas are paced, so the socket with one subscription parks;
+    // the one with two is written by its session.
+    let server = server_with(dir.path(), |c| c.flush_us_per_watcher = 1_000).await;
+    let mut parked = server.ws().await;
+    let mut reference = server.ws().await;
+    parked.next().await.unwrap();
+    reference.next().await.unwrap();
+    parked.send(json!({"type": "chat.subscribe", "conversationId": "wsp"})).await;
+    reference.send(json!({"type": "chat.subscribe", "conversationId": "elsewhere"})).await;
+    reference.send(json!({"type": "chat.subscribe", "conversationId": "wsp"})).await;
+    let before = metric(&server.metrics().await, "dispatch_round_writes_total");
+    start_turn(&server, "wsp", "slow").await;
+    // Midway, the parked socket still answers: a ping gets its pong among the deltas.
+    let mut first = Vec::new();
+    while first.len() < 20 {
+        let m = parked.next().await.unwrap();
+        if m["type"] == "chat.delta" {
+            first.push(m["event"].clone());
+        }
+    }
+    parked.socket.send(Message::Ping(b"still there".to_vec().into())).await.unwrap();
+    let mut rest = Vec::new();
+    let mut ponged = false;
+    while let Some(Ok(m)) = parked.socket.next().await {
+        match m {
+            Message::Pong(p) => ponged = &p[..] == b"still there",
+            Message::Text(t) => {
+                let m: Value = serde_json::from_str(t.as_str()).unwrap();
+                if m["type"] == "chat.delta" {
+                    rest.push(m["event"].clone());
+                    if m["event"]["type"] == "turn-sealed" {
+                        break;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    assert!(ponged, "no pong while parked");
+    first.extend(rest);
+    let (expected, _) = reference.deltas_until_sealed("wsp").await;
+    assert_eq!(types(&expected)[..2], ["user-message", "turn-start"]);
+    assert!(first == expected, "the parked socket's events differ: {:?}", types(&first));
+    let writes = metric(&server.metrics().await, "dispatch_round_writes_total") - before;
+    assert!(writes > 20.0, "the rounds wrote to the parked socket {writes} times");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_watcher_gets_keep_alives_and_the_end_of_the_turn_at_shutdown() {
     let dir = tempfile::tempdir().unwrap();
     // One watcher opens a 1 ms window: deltas are paced, so the idle watcher parks.

@@ -12,7 +12,7 @@ mod openapi;
 mod ops;
 pub(crate) mod stream;
 mod throughput;
-mod ws;
+pub mod ws;
 
 use std::sync::Arc;
 

@@ -1,16 +1,24 @@
 //! `GET /ws`: the WebSocket protocol of the reference backend's web client (spec 3.4).
 //!
-//! One JSON object per text frame. The connection has one writer task fed by a bounded queue;
-//! each subscribed conversation has a forwarding task that reads its hub cursor into that
-//! queue (a batch of shared frames at a time), so a slow socket holds its cursors back (they
-//! read further back later, losslessly) and never the turn.
+//! One JSON object per text frame. A session is served one of two ways:
+//! - on a connection whose first request is the upgrade (the usual case), by `net::websocket`:
+//!   the gateway writes the frames itself, from one loop that reads the session's hub cursors,
+//!   and a session with one subscription parks on the turn like an SSE watcher, so rounds write
+//!   its `chat.delta`s straight to the socket ([`crate::hub::Sink`]);
+//! - otherwise (an upgrade after other requests on a kept-alive connection), by hyper and
+//!   tungstenite: one writer task fed by a bounded queue, and a forwarding task per subscribed
+//!   conversation that reads its hub cursor into that queue.
+//!
+//! Either way a slow socket holds its cursors back (they read further back later, losslessly)
+//! and never the turn; the ops are handled by the same [`Session`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use axum::extract::State;
 use axum::extract::ws::{Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
-use axum::response::Response;
+use axum::extract::{FromRequestParts, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use futures_util::stream::SplitSink;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Map, Value, json};
@@ -23,7 +31,7 @@ use super::extract::{JsonObject, check_id};
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::error::ApiError;
-use crate::hub::{Delivery, Frame};
+use crate::hub::{Cursor, Delivery, Frame};
 use crate::metrics::{StreamPermit, Transport};
 use crate::turn::StartError;
 
@@ -44,7 +52,24 @@ const BATCH: usize = 256;
         (status = 400, description = "Not a WebSocket upgrade request"),
     )
 )]
-pub async fn ws(State(state): State<AppState>, upgrade: WebSocketUpgrade) -> Result<Response, ApiError> {
+pub async fn ws(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
+    let (mut parts, _) = request.into_parts();
+    if parts.extensions.get::<DirectUpgrade>().is_some() {
+        let accept = accept_key(&parts.headers)?;
+        let permit = state.stream_permit(Transport::WebSocket)?;
+        let mut response = StatusCode::SWITCHING_PROTOCOLS.into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::UPGRADE, header::HeaderValue::from_static("websocket"));
+        headers.insert(header::CONNECTION, header::HeaderValue::from_static("upgrade"));
+        headers.insert(header::SEC_WEBSOCKET_ACCEPT, accept);
+        let session = OwnedSession { state, permit };
+        response.extensions_mut().insert(TakeSession(Arc::new(std::sync::Mutex::new(Some(session)))));
+        return Ok(response);
+    }
+    let upgrade = match WebSocketUpgrade::from_request_parts(&mut parts, &state).await {
+        Ok(upgrade) => upgrade,
+        Err(rejection) => return Ok(rejection.into_response()),
+    };
     let permit = state.stream_permit(Transport::WebSocket)?;
     Ok(upgrade
         // The read buffer is zeroed before reads (128 KiB by default): clients send small ops,
@@ -55,12 +80,58 @@ pub async fn ws(State(state): State<AppState>, upgrade: WebSocketUpgrade) -> Res
         .on_upgrade(move |socket| session(state, socket, permit)))
 }
 
-fn text(value: Value) -> Outbound {
-    Outbound::Message(Message::Text(Utf8Bytes::from(value.to_string())))
+/// Put on an upgrade request by a connection that serves the session itself (`net::direct`).
+#[derive(Clone, Copy)]
+pub struct DirectUpgrade;
+
+/// What a connection needs to serve a session itself: in the `101` response to a
+/// [`DirectUpgrade`] request, for whoever serves it first.
+#[derive(Clone)]
+pub struct TakeSession(Arc<std::sync::Mutex<Option<OwnedSession>>>);
+
+impl TakeSession {
+    pub fn take(&self) -> Option<OwnedSession> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+pub struct OwnedSession {
+    pub state: AppState,
+    /// Holds the session's place under the stream cap.
+    pub permit: StreamPermit,
+}
+
+/// Checks an upgrade request the way tungstenite's server does; the `Sec-WebSocket-Accept` value.
+fn accept_key(headers: &HeaderMap) -> Result<header::HeaderValue, ApiError> {
+    let has_token = |name: header::HeaderName, token: &str| {
+        headers
+            .get_all(name)
+            .iter()
+            .any(|v| v.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes())))
+    };
+    if !has_token(header::CONNECTION, "upgrade") {
+        return Err(ApiError::BadRequest("`Connection` must include `upgrade`".into()));
+    }
+    if !has_token(header::UPGRADE, "websocket") {
+        return Err(ApiError::BadRequest("`Upgrade` must be `websocket`".into()));
+    }
+    if headers.get(header::SEC_WEBSOCKET_VERSION).is_none_or(|v| v.as_bytes() != b"13") {
+        return Err(ApiError::BadRequest("`Sec-WebSocket-Version` must be 13".into()));
+    }
+    let key = headers
+        .get(header::SEC_WEBSOCKET_KEY)
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| ApiError::BadRequest("`Sec-WebSocket-Key` is required".into()))?;
+    let accept = tungstenite::handshake::derive_accept_key(key.as_bytes());
+    Ok(header::HeaderValue::from_str(&accept).expect("base64 is a valid header value"))
+}
+
+fn text(value: Value) -> Message {
+    Message::Text(Utf8Bytes::from(value.to_string()))
 }
 
 /// What the writer task sends: one message, or a batch of hub events as `chat.delta`s.
-enum Outbound {
+pub enum Outbound {
     Message(Message),
     Events(Vec<Arc<Frame>>),
 }
@@ -80,10 +151,27 @@ impl Outbound {
     }
 }
 
-struct Session {
+/// Where a session's replies go.
+enum Outbox {
+    /// The writer task's queue (a session served by tungstenite).
+    Queue(mpsc::Sender<Outbound>),
+    /// Messages the session's own loop writes next (see `net::websocket`).
+    Local(Vec<Message>),
+}
+
+/// A session's subscriptions.
+enum Subscriptions {
+    /// A forwarding task per conversation, feeding the writer's queue.
+    Tasks(HashMap<String, JoinHandle<()>>),
+    /// Cursors the session's own loop reads, in subscription order.
+    Cursors(Vec<(String, Cursor)>),
+}
+
+/// One WebSocket's ops: what every op does, whichever way the session is served.
+pub struct Session {
     state: AppState,
-    out: mpsc::Sender<Outbound>,
-    subscriptions: HashMap<String, JoinHandle<()>>,
+    out: Outbox,
+    subscriptions: Subscriptions,
 }
 
 async fn session(state: AppState, socket: WebSocket, _permit: StreamPermit) {
@@ -117,8 +205,12 @@ async fn session(state: AppState, socket: WebSocket, _permit: StreamPermit) {
         let _ = sink.close().await;
     });
 
-    let mut session = Session { state: state.clone(), out: out.clone(), subscriptions: HashMap::new() };
-    let _ = out.send(text(json!({"type": "catalog", "catalog": []}))).await;
+    let mut session = Session {
+        state: state.clone(),
+        out: Outbox::Queue(out.clone()),
+        subscriptions: Subscriptions::Tasks(HashMap::new()),
+    };
+    session.send(catalog()).await;
     let mut statuses = state.turns.status_changes();
     loop {
         tokio::select! {
@@ -132,9 +224,7 @@ async fn session(state: AppState, socket: WebSocket, _permit: StreamPermit) {
                 Some(Ok(_)) => {}
             },
             change = statuses.recv() => match change {
-                Ok(c) => {
-                    session.send(json!({"type": "conversation.statusChanged", "conversationId": c.conversation_id, "status": c.status})).await;
-                }
+                Ok(change) => session.push(Message::Text(change.message)).await,
                 Err(broadcast::error::RecvError::Lagged(n)) => tracing::debug!(missed = n, "status changes lagged on a WebSocket"),
                 Err(broadcast::error::RecvError::Closed) => break,
             },
@@ -145,26 +235,78 @@ async fn session(state: AppState, socket: WebSocket, _permit: StreamPermit) {
             break;
         }
     }
-    if state.drained.is_cancelled() {
-        // Shutdown: the forwarding tasks deliver what is left, then end.
-        for (_, task) in session.subscriptions.drain() {
-            let _ = task.await;
+    if let Subscriptions::Tasks(tasks) = &mut session.subscriptions {
+        if state.drained.is_cancelled() {
+            // Shutdown: the forwarding tasks deliver what is left, then end.
+            for (_, task) in tasks.drain() {
+                let _ = task.await;
+            }
         }
-    }
-    for (_, task) in session.subscriptions.drain() {
-        task.abort();
+        for (_, task) in tasks.drain() {
+            task.abort();
+        }
     }
     drop(session);
     drop(out);
     let _ = writer.await;
 }
 
+/// Tells the client that its position in a conversation was coalesced away: it refetches
+/// history, and the turn's replay follows from its start.
+async fn resync(state: &AppState, conversation_id: &str) -> Message {
+    state.metrics.lag_recoveries.fetch_add(1, Relaxed);
+    let latest_seq = state.store.latest_seq(conversation_id).await.unwrap_or(0);
+    text(json!({"type": "chat.resync", "conversationId": conversation_id, "latestSeq": latest_seq}))
+}
+
+/// The message a session opens with.
+pub fn catalog() -> Value {
+    json!({"type": "catalog", "catalog": []})
+}
+
 impl Session {
-    async fn send(&self, value: Value) {
-        let _ = self.out.send(text(value)).await;
+    /// A session whose loop writes its messages and reads its cursors itself.
+    pub fn local(state: AppState) -> Session {
+        Session { state, out: Outbox::Local(Vec::new()), subscriptions: Subscriptions::Cursors(Vec::new()) }
     }
 
-    async fn chat_error(&self, conversation_id: Option<&str>, message: impl Into<String>) {
+    pub async fn send(&mut self, value: Value) {
+        self.push(text(value)).await;
+    }
+
+    pub async fn push(&mut self, message: Message) {
+        match &mut self.out {
+            Outbox::Queue(out) => drop(out.send(Outbound::Message(message)).await),
+            Outbox::Local(out) => out.push(message),
+        }
+    }
+
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.state.metrics
+    }
+
+    /// The messages queued for a session's own loop to write.
+    pub fn outbox(&mut self) -> &mut Vec<Message> {
+        match &mut self.out {
+            Outbox::Local(out) => out,
+            Outbox::Queue(_) => unreachable!("only a local session has an outbox"),
+        }
+    }
+
+    /// The cursors of a session's own loop, with their conversations.
+    pub fn cursors(&mut self) -> &mut Vec<(String, Cursor)> {
+        match &mut self.subscriptions {
+            Subscriptions::Cursors(cursors) => cursors,
+            Subscriptions::Tasks(_) => unreachable!("only a local session reads its cursors"),
+        }
+    }
+
+    /// The `chat.resync` message for a subscription whose position was coalesced away.
+    pub async fn resync(&self, conversation_id: &str) -> Message {
+        resync(&self.state, conversation_id).await
+    }
+
+    async fn chat_error(&mut self, conversation_id: Option<&str>, message: impl Into<String>) {
         let mut body = Map::new();
         body.insert("type".into(), "chat.error".into());
         if let Some(id) = conversation_id {
@@ -174,7 +316,7 @@ impl Session {
         self.send(Value::Object(body)).await;
     }
 
-    async fn handle(&mut self, raw: &str) {
+    pub async fn handle(&mut self, raw: &str) {
         let Ok(Value::Object(op)) = serde_json::from_str::<Value>(raw) else {
             self.send(json!({"type": "error", "message": "Invalid JSON"})).await;
             return;
@@ -191,8 +333,8 @@ impl Session {
                 }
             }
             "chat.unsubscribe" => {
-                if let Some(task) = conversation_id.and_then(|id| self.subscriptions.remove(&id)) {
-                    task.abort();
+                if let Some(id) = conversation_id {
+                    self.unsubscribe(&id);
                 }
             }
             "chat.queue" => self.chat_queue(&op, conversation_id.as_deref()).await,
@@ -235,20 +377,40 @@ impl Session {
         }
     }
 
+    fn unsubscribe(&mut self, conversation_id: &str) {
+        match &mut self.subscriptions {
+            Subscriptions::Tasks(tasks) => {
+                if let Some(task) = tasks.remove(conversation_id) {
+                    task.abort();
+                }
+            }
+            Subscriptions::Cursors(cursors) => cursors.retain(|(id, _)| id != conversation_id),
+        }
+    }
+
     /// Idempotent: a second subscribe to the same conversation changes nothing.
     fn subscribe(&mut self, conversation_id: &str) {
-        if self.subscriptions.get(conversation_id).is_some_and(|t| !t.is_finished()) {
+        let tasks = match &mut self.subscriptions {
+            Subscriptions::Cursors(cursors) => {
+                if !cursors.iter().any(|(id, _)| id == conversation_id) {
+                    let (cursor, _) = self.state.hub.subscribe(conversation_id, None);
+                    cursors.push((conversation_id.to_owned(), cursor));
+                }
+                return;
+            }
+            Subscriptions::Tasks(tasks) => tasks,
+        };
+        if tasks.get(conversation_id).is_some_and(|t| !t.is_finished()) {
             return;
         }
+        let Outbox::Queue(out) = &self.out else { unreachable!("forwarding tasks feed a queue") };
         let (mut cursor, _) = self.state.hub.subscribe(conversation_id, None);
-        let out = self.out.clone();
-        let store = self.state.store.clone();
-        let metrics = self.state.metrics.clone();
+        let out = out.clone();
+        let state = self.state.clone();
         let id = conversation_id.to_owned();
-        let drained = self.state.drained.clone();
         let task = tokio::spawn(async move {
             // Polled on every batch: a flag check, not the token's lock (see `Cancelled`).
-            let mut drained = crate::net::Cancelled::new(&drained);
+            let mut drained = crate::net::Cancelled::new(&state.drained);
             loop {
                 let delivery = tokio::select! {
                     biased;
@@ -257,18 +419,13 @@ impl Session {
                 };
                 match delivery {
                     Delivery::Frames(frames) => {
-                        metrics.events_delivered.fetch_add(frames.len() as u64, Relaxed);
+                        state.metrics.events_delivered.fetch_add(frames.len() as u64, Relaxed);
                         if out.send(Outbound::Events(frames)).await.is_err() {
                             return;
                         }
                     }
                     Delivery::Lost => {
-                        // The position was coalesced away: tell the client to refetch history;
-                        // the turn's replay follows from its start.
-                        metrics.lag_recoveries.fetch_add(1, Relaxed);
-                        let latest_seq = store.latest_seq(&id).await.unwrap_or(0);
-                        let message = json!({"type": "chat.resync", "conversationId": id, "latestSeq": latest_seq});
-                        if out.send(text(message)).await.is_err() {
+                        if out.send(Outbound::Message(resync(&state, &id).await)).await.is_err() {
                             return;
                         }
                     }
@@ -276,6 +433,6 @@ impl Session {
                 }
             }
         });
-        self.subscriptions.insert(conversation_id.to_owned(), task);
+        tasks.insert(conversation_id.to_owned(), task);
     }
 }

@@ -73,16 +73,75 @@ pub enum Framed {
     Line,
     /// The SSE message.
     Sse,
+    /// The WebSocket `chat.delta` message, as a text frame.
+    Ws,
 }
 
 impl Framed {
-    /// The frame's bytes in this framing.
-    pub fn of(self, frame: &Frame) -> &Bytes {
+    /// The frame's length in this framing.
+    pub fn len(self, frame: &Frame) -> usize {
         match self {
-            Framed::Line => &frame.line,
-            Framed::Sse => &frame.sse,
+            Framed::Line => frame.line.len(),
+            Framed::Sse => frame.sse.len(),
+            Framed::Ws => ws_frame_len(frame.ws().len()),
         }
     }
+
+    /// Appends the frame in this framing.
+    pub fn put(self, out: &mut BytesMut, frame: &Frame) {
+        match self {
+            Framed::Line => out.put_slice(&frame.line),
+            Framed::Sse => out.put_slice(&frame.sse),
+            Framed::Ws => put_ws_frame(out, WS_TEXT, frame.ws().as_bytes()),
+        }
+    }
+
+    /// The frame in this framing, shared where it is stored that way.
+    pub fn bytes(self, frame: &Frame) -> Bytes {
+        match self {
+            Framed::Line => frame.line.clone(),
+            Framed::Sse => frame.sse.clone(),
+            Framed::Ws => {
+                let mut out = BytesMut::with_capacity(self.len(frame));
+                self.put(&mut out, frame);
+                out.freeze()
+            }
+        }
+    }
+}
+
+/// The WebSocket opcodes a server sends.
+pub const WS_TEXT: u8 = 0x1;
+pub const WS_CLOSE: u8 = 0x8;
+pub const WS_PING: u8 = 0x9;
+pub const WS_PONG: u8 = 0xA;
+
+/// The length of an unmasked (server) WebSocket frame with a payload of `payload` bytes.
+pub fn ws_frame_len(payload: usize) -> usize {
+    payload
+        + match payload {
+            0..126 => 2,
+            126..65536 => 4,
+            _ => 10,
+        }
+}
+
+/// Appends one final, unmasked WebSocket frame (a server's frames are never masked).
+pub fn put_ws_frame(out: &mut BytesMut, opcode: u8, payload: &[u8]) {
+    out.reserve(ws_frame_len(payload.len()));
+    out.put_u8(0x80 | opcode);
+    match payload.len() {
+        n @ 0..126 => out.put_u8(n as u8),
+        n @ 126..65536 => {
+            out.put_u8(126);
+            out.put_u16(n as u16);
+        }
+        n => {
+            out.put_u8(127);
+            out.put_u64(n as u64);
+        }
+    }
+    out.put_slice(payload);
 }
 
 /// What a round did for the task while its sink was parked.
@@ -221,7 +280,7 @@ impl Sink {
 }
 
 impl TurnBuffer {
-    /// The frames from event `next` on as one HTTP/1.1 chunk.
+    /// The frames from event `next` on as one write: an HTTP/1.1 chunk, or WebSocket frames.
     fn chunk(&self, next: u32, framed: Framed) -> Ready {
         let st = self.state.read().unwrap_or_else(|p| p.into_inner());
         let start = start_of(&st.frames, next);
@@ -231,15 +290,17 @@ impl TurnBuffer {
         }
         let end = st.frames.len().min(start + BATCH);
         let frames = &st.frames[start..end];
-        let len: usize = frames.iter().map(|f| framed.of(f).len()).sum();
+        let len: usize = frames.iter().map(|f| framed.len(f)).sum();
         let mut size = [0u8; 18];
-        let size = chunk_size(&mut size, len);
+        let size = if framed == Framed::Ws { &[][..] } else { chunk_size(&mut size, len) };
         let mut chunk = BytesMut::with_capacity(size.len() + len + 2);
         chunk.put_slice(size);
         for f in frames {
-            chunk.put_slice(framed.of(f));
+            framed.put(&mut chunk, f);
         }
-        chunk.put_slice(b"\r\n");
+        if framed != Framed::Ws {
+            chunk.put_slice(b"\r\n");
+        }
         let last = &frames[frames.len() - 1];
         Ready::Chunk(Built {
             chunk: chunk.freeze(),

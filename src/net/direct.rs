@@ -8,6 +8,10 @@
 //! its whole life, which is most of what an idle watcher costs), and a batch goes from the hub
 //! to the socket without being queued a second time.
 //!
+//! A WebSocket upgrade (any path: the router decides) goes through the router too, marked
+//! [`DirectUpgrade`]; its `101` carries the session, which `net::websocket` then serves on the
+//! socket itself.
+//!
 //! Any other request, and everything after it on the same connection, is served by hyper,
 //! which is handed the bytes read so far.
 
@@ -30,7 +34,9 @@ use tower::ServiceExt;
 
 use super::{Cancelled, ConnectionLimits, stalled_error};
 use crate::http::stream::{BATCH, TakeWatch, Watch};
-use crate::hub::{Delivery, Sink, TurnBuffer, chunk_size};
+use crate::http::ws::{DirectUpgrade, TakeSession};
+use crate::hub::{Delivery, Framed, Sink, TurnBuffer, chunk_size};
+use crate::metrics::Metrics;
 
 /// A request head longer than this is left to hyper (which answers oversized heads itself);
 /// also the most a client may send while its stream is open (kept for its next request).
@@ -135,7 +141,13 @@ fn parse(bytes: &[u8]) -> Parsed {
         return Parsed::Other;
     }
     let Some(uri) = head.path.and_then(|p| p.parse::<Uri>().ok()) else { return Parsed::Other };
-    if !uri.path().ends_with("/events") {
+    let websocket = head.headers.iter().any(|h| h.name.eq_ignore_ascii_case("upgrade"))
+        && head
+            .headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("upgrade"))
+            .all(|h| h.value.eq_ignore_ascii_case(b"websocket"));
+    if !websocket && !uri.path().ends_with("/events") {
         return Parsed::Other;
     }
     let mut request = Request::new(Body::empty());
@@ -149,10 +161,11 @@ fn parse(bytes: &[u8]) -> Parsed {
         else {
             return Parsed::Other;
         };
-        // A body or a protocol switch is hyper's to handle.
+        // A body, or a switch to another protocol, is hyper's to handle.
         let bodyless = match name.as_str() {
             "content-length" => value.as_bytes() == b"0",
-            "transfer-encoding" | "upgrade" | "expect" => false,
+            "upgrade" => websocket,
+            "transfer-encoding" | "expect" => false,
             _ => true,
         };
         if !bodyless {
@@ -162,6 +175,9 @@ fn parse(bytes: &[u8]) -> Parsed {
             close |= value.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
         }
         request.headers_mut().append(name, value);
+    }
+    if websocket {
+        request.extensions_mut().insert(DirectUpgrade);
     }
     Parsed::Complete(request, close, length)
 }
@@ -183,6 +199,7 @@ async fn respond(
 ) -> io::Result<bool> {
     let (parts, mut body) = response.into_parts();
     let status = parts.status;
+    let session = parts.extensions.get::<TakeSession>().filter(|_| status == StatusCode::SWITCHING_PROTOCOLS);
     let bodyless = status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
     let length = if parts.headers.contains_key(CONTENT_LENGTH) { None } else { body.size_hint().exact() };
     let chunked = !bodyless && length.is_none() && !parts.headers.contains_key(CONTENT_LENGTH);
@@ -193,7 +210,7 @@ async fn respond(
     head.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     head.extend_from_slice(b"\r\n");
     for (name, value) in &parts.headers {
-        if name == TRANSFER_ENCODING || name == CONNECTION {
+        if name == TRANSFER_ENCODING || (name == CONNECTION && session.is_none()) {
             continue;
         }
         line(&mut head, name.as_str(), value.as_bytes());
@@ -206,12 +223,16 @@ async fn respond(
     } else if let Some(n) = length.filter(|_| !bodyless) {
         line(&mut head, "content-length", n.to_string().as_bytes());
     }
-    if close {
+    if close && session.is_none() {
         line(&mut head, "connection", b"close");
     }
     head.extend_from_slice(b"\r\n");
     write_all(stream, &mut [IoSlice::new(&head)], drain).await?;
     drop(head);
+    if let Some(session) = session.and_then(TakeSession::take) {
+        super::websocket::serve(stream, session, std::mem::take(pending), drain).await;
+        return Ok(false);
+    }
     if bodyless {
         return Ok(!close);
     }
@@ -279,19 +300,19 @@ enum Woke {
 /// A watcher's sink, released from the rounds when its stream ends, however it ends. It
 /// borrows the socket whose descriptor the sink writes to, so the socket outlives it (and with
 /// it every write a round makes).
-struct Parking<'a> {
-    sink: Arc<Sink>,
+pub(super) struct Parking<'a> {
+    pub(super) sink: Arc<Sink>,
     attached: Option<Arc<TurnBuffer>>,
     _socket: &'a TcpStream,
 }
 
 impl<'a> Parking<'a> {
-    fn new(socket: &'a TcpStream, watch: &Watch) -> Parking<'a> {
-        let sink = Sink::new(socket.as_raw_fd(), watch.framing.framed(), watch.metrics.clone());
+    pub(super) fn new(socket: &'a TcpStream, framed: Framed, metrics: Arc<Metrics>) -> Parking<'a> {
+        let sink = Sink::new(socket.as_raw_fd(), framed, metrics);
         Parking { sink, attached: None, _socket: socket }
     }
 
-    fn attach(&mut self, buffer: &Arc<TurnBuffer>) {
+    pub(super) fn attach(&mut self, buffer: &Arc<TurnBuffer>) {
         if self.attached.as_ref().is_some_and(|b| Arc::ptr_eq(b, buffer)) {
             return;
         }
@@ -300,7 +321,7 @@ impl<'a> Parking<'a> {
         self.attached = Some(buffer.clone());
     }
 
-    fn detach(&mut self) {
+    pub(super) fn detach(&mut self) {
         if let Some(buffer) = self.attached.take() {
             buffer.detach(&self.sink);
         }
@@ -325,7 +346,7 @@ async fn watch_stream(
     pending: &mut Vec<u8>,
     drain: Duration,
 ) -> io::Result<bool> {
-    let mut parking = Parking::new(stream, &watch);
+    let mut parking = Parking::new(stream, watch.framing.framed(), watch.metrics.clone());
     let mut ticker = watch.ticker();
     let mut drained = Cancelled::new(&watch.drained);
     // Something went out since the last tick (no keep-alive is due then).
@@ -427,7 +448,7 @@ fn line(head: &mut Vec<u8>, name: &str, value: &[u8]) {
 }
 
 /// Writes every byte of `parts`, failing once the socket has taken nothing for `drain`.
-async fn write_all(stream: &TcpStream, mut parts: &mut [IoSlice<'_>], drain: Duration) -> io::Result<()> {
+pub(super) async fn write_all(stream: &TcpStream, mut parts: &mut [IoSlice<'_>], drain: Duration) -> io::Result<()> {
     let mut blocked_since: Option<Instant> = None;
     while !parts.is_empty() {
         match stream.try_write_vectored(parts) {
@@ -460,7 +481,20 @@ mod tests {
         assert!(!taken("GET /conversations/a/events HTTP/1.0\r\nhost: x\r\n\r\n"));
         assert!(!taken("POST /conversations/a/events HTTP/1.1\r\nhost: x\r\n\r\n"));
         assert!(!taken("GET /conversations/a HTTP/1.1\r\nhost: x\r\n\r\n"));
-        assert!(!taken("GET /conversations/a/events HTTP/1.1\r\nupgrade: websocket\r\n\r\n"));
+        assert!(!taken("GET /conversations/a/events HTTP/1.1\r\nupgrade: h2c\r\n\r\n"));
+        // A WebSocket upgrade, on any path (the router answers it), is taken and marked.
+        for path in ["/ws", "/", "/conversations/a/events"] {
+            match parse(format!("GET {path} HTTP/1.1\r\nupgrade: WebSocket\r\nconnection: upgrade\r\n\r\n").as_bytes())
+            {
+                Parsed::Complete(request, close, _) => {
+                    assert!(!close);
+                    assert!(request.extensions().get::<DirectUpgrade>().is_some());
+                }
+                _ => panic!("a WebSocket upgrade of {path} is taken"),
+            }
+        }
+        assert!(!taken("GET /ws HTTP/1.1\r\nupgrade: websocket\r\nupgrade: h2c\r\n\r\n"));
+        assert!(!taken("POST /ws HTTP/1.1\r\nupgrade: websocket\r\n\r\n"));
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\ncontent-length: 3\r\n\r\nabc"));
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n"));
         assert!(matches!(parse(b"GET /conversations/a/events HTTP/1.1\r\nhost"), Parsed::Partial));

@@ -57,11 +57,11 @@ pub enum StartError {
     Store(#[from] StoreError),
 }
 
-/// A conversation went active, idle or closed.
+/// A conversation went active, idle or closed: the `conversation.statusChanged` message every
+/// WebSocket gets, serialized once for all of them (a clone shares the bytes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StatusChange {
-    pub conversation_id: String,
-    pub status: &'static str,
+    pub message: axum::extract::ws::Utf8Bytes,
 }
 
 /// What `/queue` did with a message.
@@ -134,7 +134,8 @@ impl Turns {
     }
 
     fn announce(&self, conversation_id: &str, status: &'static str) {
-        let _ = self.statuses.send(StatusChange { conversation_id: conversation_id.to_owned(), status });
+        let message = serde_json::json!({"type": "conversation.statusChanged", "conversationId": conversation_id, "status": status});
+        let _ = self.statuses.send(StatusChange { message: message.to_string().into() });
     }
 
     /// Whether a turn is running (or starting) in this conversation.

@@ -1,0 +1,521 @@
+//! WebSocket sessions the gateway serves itself (RFC 6455, server side), on connections whose
+//! first request is the upgrade (see `net::direct`; the ops are [`Session`]'s).
+//!
+//! One loop per session reads the client's frames, handles their ops, and writes everything the
+//! session sends: replies, status changes, and the `chat.delta`s of its subscriptions, each
+//! gathered from the hub cursors into one write. A session with a single subscription whose turn
+//! is paced parks it in a [`crate::hub::Sink`] like an SSE watcher, and the turn's rounds write
+//! its `chat.delta` frames to the socket themselves; anything else the session has to write
+//! takes the sink back first, so the frames on the socket never interleave.
+//!
+//! Frames from the client must be masked; fragmented messages are joined, pings answered,
+//! a close answered with a close. A protocol error, a text message that is not UTF-8, or a
+//! message over `--max-body-bytes` is answered with a close frame of code 1002, 1007 or 1009 and
+//! the connection ends. A session still open at shutdown gets what its cursors hold, then a
+//! close frame of code 1001.
+
+use std::future::{Future, poll_fn};
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::task::Poll;
+use std::time::Duration;
+
+use axum::extract::ws::Message;
+use bytes::BytesMut;
+use tokio::net::TcpStream;
+use tokio::sync::broadcast::error::RecvError;
+
+use super::Cancelled;
+use super::direct::{Parking, write_all};
+use crate::http::stream::BATCH;
+use crate::http::ws::{OwnedSession, Session, catalog};
+use crate::hub::{Delivery, Framed, WS_CLOSE, WS_PING, WS_PONG, WS_TEXT, put_ws_frame};
+use crate::turn::StatusChange;
+
+/// Close codes (RFC 6455, 7.4.1).
+const GOING_AWAY: u16 = 1001;
+const PROTOCOL_ERROR: u16 = 1002;
+const INVALID_PAYLOAD: u16 = 1007;
+const TOO_BIG: u16 = 1009;
+
+/// Most bytes one read of the client's socket takes.
+const READ: usize = 16 * 1024;
+
+/// Writes gathered past this size go out before more is gathered.
+const GATHER: usize = 256 * 1024;
+
+/// What a client sent.
+#[derive(Debug, PartialEq, Eq)]
+enum Incoming {
+    Text(String),
+    Binary(Vec<u8>),
+    Ping(Vec<u8>),
+    Pong,
+    /// A close frame, with its code if it had one.
+    Close(Option<u16>),
+}
+
+/// Decodes the client's frames from the bytes read so far.
+struct Frames {
+    buf: Vec<u8>,
+    /// Bytes of `buf` already decoded.
+    at: usize,
+    /// Largest message (joined fragments) taken.
+    max: usize,
+    /// A fragmented message so far: its opcode and payload.
+    partial: Option<(u8, Vec<u8>)>,
+}
+
+impl Frames {
+    fn new(read: Vec<u8>, max: usize) -> Frames {
+        Frames { buf: read, at: 0, max, partial: None }
+    }
+
+    /// The next whole message or control frame, `None` until more bytes arrive, or the close
+    /// code the connection must end with.
+    fn next(&mut self) -> Result<Option<Incoming>, u16> {
+        loop {
+            let b = &self.buf[self.at..];
+            if b.len() < 2 {
+                return Ok(None);
+            }
+            let fin = b[0] & 0x80 != 0;
+            let opcode = b[0] & 0x0f;
+            if b[0] & 0x70 != 0 || b[1] & 0x80 == 0 {
+                return Err(PROTOCOL_ERROR); // no extension was agreed; client frames are masked
+            }
+            let (len, header) = match b[1] & 0x7f {
+                126 if b.len() >= 4 => (u64::from(u16::from_be_bytes([b[2], b[3]])), 4),
+                127 if b.len() >= 10 => (u64::from_be_bytes(b[2..10].try_into().expect("eight bytes")), 10),
+                126 | 127 => return Ok(None),
+                n => (u64::from(n), 2),
+            };
+            let control = opcode >= 0x8;
+            if control && (!fin || len > 125) {
+                return Err(PROTOCOL_ERROR);
+            }
+            let so_far = self.partial.as_ref().map_or(0, |(_, p)| p.len()) as u64;
+            if so_far + len > self.max as u64 {
+                return Err(TOO_BIG);
+            }
+            let len = len as usize;
+            let end = header + 4 + len;
+            if b.len() < end {
+                self.buf.reserve(end - b.len());
+                return Ok(None);
+            }
+            let mask = [b[header], b[header + 1], b[header + 2], b[header + 3]];
+            let mut payload = b[header + 4..end].to_vec();
+            for (i, byte) in payload.iter_mut().enumerate() {
+                *byte ^= mask[i % 4];
+            }
+            self.at += end;
+            if self.at == self.buf.len() {
+                self.buf = Vec::new();
+                self.at = 0;
+            }
+            let (opcode, payload) = match opcode {
+                0x0 => {
+                    let Some((_, so_far)) = self.partial.as_mut() else { return Err(PROTOCOL_ERROR) };
+                    so_far.extend_from_slice(&payload);
+                    if !fin {
+                        continue;
+                    }
+                    self.partial.take().expect("a message in progress")
+                }
+                0x1 | 0x2 if self.partial.is_some() => return Err(PROTOCOL_ERROR),
+                0x1 | 0x2 if !fin => {
+                    self.partial = Some((opcode, payload));
+                    continue;
+                }
+                _ => (opcode, payload),
+            };
+            return match opcode {
+                0x1 => String::from_utf8(payload).map(|t| Some(Incoming::Text(t))).map_err(|_| INVALID_PAYLOAD),
+                0x2 => Ok(Some(Incoming::Binary(payload))),
+                0x8 => match payload.len() {
+                    0 => Ok(Some(Incoming::Close(None))),
+                    1 => Err(PROTOCOL_ERROR),
+                    _ if std::str::from_utf8(&payload[2..]).is_err() => Err(INVALID_PAYLOAD),
+                    _ => Ok(Some(Incoming::Close(Some(u16::from_be_bytes([payload[0], payload[1]]))))),
+                },
+                0x9 => Ok(Some(Incoming::Ping(payload))),
+                0xA => Ok(Some(Incoming::Pong)),
+                _ => Err(PROTOCOL_ERROR),
+            };
+        }
+    }
+
+    /// Reads what the socket has (at most [`READ`] bytes): false once the client is gone. Read
+    /// through the stack, so an idle session holds no read buffer.
+    fn read(&mut self, stream: &TcpStream) -> io::Result<bool> {
+        if self.at > 0 {
+            self.buf.drain(..self.at);
+            self.at = 0;
+        }
+        let mut scratch = [0u8; READ];
+        match stream.try_read(&mut scratch) {
+            Ok(0) => Ok(false),
+            Ok(n) => {
+                self.buf.extend_from_slice(&scratch[..n]);
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A close frame with `code`.
+fn put_close(out: &mut BytesMut, code: Option<u16>) {
+    let payload = code.map(u16::to_be_bytes);
+    put_ws_frame(out, WS_CLOSE, payload.as_ref().map_or(&[][..], |p| &p[..]));
+}
+
+fn put_message(out: &mut BytesMut, message: Message) {
+    match message {
+        Message::Text(t) => put_ws_frame(out, WS_TEXT, t.as_bytes()),
+        Message::Binary(b) => put_ws_frame(out, 0x2, &b),
+        Message::Ping(p) => put_ws_frame(out, WS_PING, &p),
+        Message::Pong(p) => put_ws_frame(out, WS_PONG, &p),
+        Message::Close(frame) => put_close(out, frame.map(|f| f.code)),
+    }
+}
+
+/// What the session woke up for.
+enum Woke {
+    /// One subscription's delivery (its index).
+    Delivery(usize, Delivery),
+    /// A round handed the parked subscription back.
+    Handed,
+    Readable,
+    Status(Result<StatusChange, RecvError>),
+    Ping,
+    Drained,
+}
+
+/// Serves the session until it ends; `read` holds what the client sent after its upgrade.
+pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain: Duration) {
+    let OwnedSession { state, permit: _permit } = owned;
+    let mut frames = Frames::new(read, state.config.max_body_bytes);
+    let mut session = Session::local(state.clone());
+    session.send(catalog()).await;
+    let mut statuses = state.turns.status_changes();
+    let mut ping = state.keepalive().map(|p| tokio::time::interval_at(tokio::time::Instant::now() + p, p));
+    let mut drained = Cancelled::new(&state.drained);
+    let mut parking = Parking::new(stream, Framed::Ws, state.metrics.clone());
+    let mut out = BytesMut::new();
+    let mut draining = false;
+    let mut woke = None;
+    let end = loop {
+        match woke.take() {
+            Some(Woke::Delivery(i, delivery)) => {
+                if let Err(code) = deliver(&mut session, &mut out, i, delivery).await {
+                    break Some(code);
+                }
+            }
+            Some(Woke::Readable) => match frames.read(stream) {
+                Ok(true) => {}
+                Ok(false) | Err(_) => break None,
+            },
+            Some(Woke::Status(Ok(change))) => {
+                // With any others already sent: many conversations start at once.
+                session.push(Message::Text(change.message)).await;
+                while let Ok(change) = statuses.try_recv() {
+                    session.push(Message::Text(change.message)).await;
+                }
+            }
+            Some(Woke::Status(Err(RecvError::Lagged(missed)))) => {
+                tracing::debug!(missed, "status changes lagged on a WebSocket");
+            }
+            Some(Woke::Status(Err(RecvError::Closed))) => draining = true,
+            Some(Woke::Ping) => session.push(Message::Ping(Default::default())).await,
+            Some(Woke::Drained) => draining = true,
+            Some(Woke::Handed) | None => {}
+        }
+        // The ops read so far.
+        let mut closing = None;
+        loop {
+            match frames.next() {
+                Ok(Some(Incoming::Text(t))) => session.handle(&t).await,
+                Ok(Some(Incoming::Binary(b))) => match std::str::from_utf8(&b) {
+                    Ok(t) => session.handle(t).await,
+                    Err(_) => session.send(serde_json::json!({"type": "error", "message": "Invalid JSON"})).await,
+                },
+                Ok(Some(Incoming::Ping(p))) => session.push(Message::Pong(p.into())).await,
+                Ok(Some(Incoming::Pong)) => {}
+                // Answered with the same code (none for none).
+                Ok(Some(Incoming::Close(code))) => {
+                    closing = Some(code);
+                    break;
+                }
+                Ok(None) => break,
+                Err(code) => {
+                    closing = Some(Some(code));
+                    break;
+                }
+            }
+        }
+        if let Some(code) = closing {
+            break code;
+        }
+        // Everything there is to write, in one write.
+        for message in session.outbox().drain(..) {
+            put_message(&mut out, message);
+        }
+        if let Err(code) = gather(&mut session, &mut out, draining).await {
+            break Some(code);
+        }
+        if !out.is_empty() {
+            if write_all(stream, &mut [IoSlice::new(&out)], drain).await.is_err() {
+                return;
+            }
+            // Not kept: the session may idle for hours.
+            out = BytesMut::new();
+            continue;
+        }
+        if draining {
+            break Some(GOING_AWAY);
+        }
+        woke = Some(match parked(&mut session) {
+            Some((buffer, next)) => {
+                parking.attach(&buffer);
+                parking.sink.park(&buffer, next);
+                let handed = parking.sink.handed_back();
+                let status = statuses.recv();
+                tokio::pin!(handed, status);
+                let woke = poll_fn(|cx| {
+                    if handed.as_mut().poll(cx).is_ready() {
+                        Poll::Ready(Woke::Handed)
+                    } else if stream.poll_read_ready(cx).is_ready() {
+                        Poll::Ready(Woke::Readable)
+                    } else if let Poll::Ready(change) = status.as_mut().poll(cx) {
+                        Poll::Ready(Woke::Status(change))
+                    } else if ping.as_mut().is_some_and(|t| t.poll_tick(cx).is_ready()) {
+                        Poll::Ready(Woke::Ping)
+                    } else if Pin::new(&mut drained).poll(cx).is_ready() {
+                        Poll::Ready(Woke::Drained)
+                    } else {
+                        Poll::Pending
+                    }
+                })
+                .await;
+                let back = parking.sink.unpark();
+                if let Some((_, cursor)) = session.cursors().first_mut() {
+                    cursor.seek(back.next);
+                }
+                if let Some(rest) = back.rest
+                    && write_all(stream, &mut [IoSlice::new(&rest)], drain).await.is_err()
+                {
+                    return;
+                }
+                if back.failed {
+                    return;
+                }
+                woke
+            }
+            None => {
+                parking.detach();
+                let tick = async {
+                    match ping.as_mut() {
+                        Some(t) => drop(t.tick().await),
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    (i, d) = next_delivery(&mut session) => Woke::Delivery(i, d),
+                    r = stream.readable() => match r {
+                        Ok(()) => Woke::Readable,
+                        Err(_) => return,
+                    },
+                    change = statuses.recv() => Woke::Status(change),
+                    _ = tick => Woke::Ping,
+                    _ = &mut drained => Woke::Drained,
+                }
+            }
+        });
+    };
+    drop(parking);
+    // Whatever was gathered, then the close frame (best effort: the client may be gone).
+    for message in session.outbox().drain(..) {
+        put_message(&mut out, message);
+    }
+    put_close(&mut out, end);
+    let _ = write_all(stream, &mut [IoSlice::new(&out)], drain).await;
+}
+
+/// The turn and position of the session's one subscription, when the rounds may write it: a
+/// session with several subscriptions writes them all itself (one lock per socket would be
+/// needed otherwise), and so does one whose turn is not paced.
+fn parked(session: &mut Session) -> Option<(std::sync::Arc<crate::hub::TurnBuffer>, u32)> {
+    match session.cursors().as_slice() {
+        [(_, cursor)] => cursor.reading().filter(|(buffer, _)| buffer.paced()).map(|(b, next)| (b.clone(), next)),
+        _ => None,
+    }
+}
+
+/// The next delivery of any subscription (never, with none).
+async fn next_delivery(session: &mut Session) -> (usize, Delivery) {
+    let cursors = session.cursors();
+    if cursors.is_empty() {
+        return std::future::pending().await;
+    }
+    let waits = cursors.iter_mut().map(|(_, cursor)| Box::pin(cursor.next_batch(BATCH)));
+    let (delivery, i, _) = futures_util::future::select_all(waits).await;
+    (i, delivery)
+}
+
+/// Adds what every subscription has ready to `out` (at shutdown, ends those with nothing).
+async fn gather(session: &mut Session, out: &mut BytesMut, draining: bool) -> Result<(), u16> {
+    let mut i = 0;
+    while i < session.cursors().len() && out.len() < GATHER {
+        match session.cursors()[i].1.try_batch(BATCH) {
+            Some(delivery) => deliver(session, out, i, delivery).await?,
+            None if draining => drop(session.cursors().remove(i)),
+            None => i += 1,
+        }
+    }
+    Ok(())
+}
+
+/// Adds one subscription's delivery to `out`.
+async fn deliver(session: &mut Session, out: &mut BytesMut, i: usize, delivery: Delivery) -> Result<(), u16> {
+    match delivery {
+        Delivery::Frames(frames) => {
+            session.metrics().events_delivered.fetch_add(frames.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            for frame in &frames {
+                Framed::Ws.put(out, frame);
+            }
+        }
+        Delivery::Lost => {
+            let id = session.cursors()[i].0.clone();
+            let message = session.resync(&id).await;
+            put_message(out, message);
+        }
+        Delivery::End => drop(session.cursors().remove(i)),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A masked client frame.
+    fn client(first: u8, payload: &[u8]) -> Vec<u8> {
+        let mask = [0x12, 0x34, 0x56, 0x78];
+        let mut f = vec![first];
+        match payload.len() {
+            n if n < 126 => f.push(0x80 | n as u8),
+            n if n < 65536 => {
+                f.push(0x80 | 126);
+                f.extend_from_slice(&(n as u16).to_be_bytes());
+            }
+            n => {
+                f.push(0x80 | 127);
+                f.extend_from_slice(&(n as u64).to_be_bytes());
+            }
+        }
+        f.extend_from_slice(&mask);
+        f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        f
+    }
+
+    fn all(bytes: Vec<u8>, max: usize) -> Vec<Result<Incoming, u16>> {
+        let mut frames = Frames::new(bytes, max);
+        let mut got = Vec::new();
+        loop {
+            match frames.next() {
+                Ok(Some(m)) => got.push(Ok(m)),
+                Ok(None) => return got,
+                Err(code) => {
+                    got.push(Err(code));
+                    return got;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn messages_fragments_and_control_frames_decode() {
+        let mut bytes = client(0x81, b"hello");
+        bytes.extend(client(0x01, b"frag"));
+        bytes.extend(client(0x89, b"p")); // a ping between fragments
+        bytes.extend(client(0x80, "mented \u{e9}".as_bytes()));
+        bytes.extend(client(0x82, &[0xff, 0]));
+        bytes.extend(client(0x8A, b""));
+        bytes.extend(client(0x81, &vec![b'x'; 70_000]));
+        bytes.extend(client(0x88, &[0x03, 0xe8, b'b', b'y', b'e']));
+        assert_eq!(
+            all(bytes, 100_000),
+            vec![
+                Ok(Incoming::Text("hello".into())),
+                Ok(Incoming::Ping(b"p".to_vec())),
+                Ok(Incoming::Text("fragmented \u{e9}".into())),
+                Ok(Incoming::Binary(vec![0xff, 0])),
+                Ok(Incoming::Pong),
+                Ok(Incoming::Text("x".repeat(70_000))),
+                Ok(Incoming::Close(Some(1000))),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_frame_split_across_reads_waits_for_its_rest() {
+        let whole = client(0x81, &vec![b'y'; 300]);
+        for cut in [1, 2, 3, 5, 8, 100, whole.len() - 1] {
+            let mut frames = Frames::new(whole[..cut].to_vec(), 1000);
+            assert_eq!(frames.next(), Ok(None), "cut at {cut}");
+            frames.buf.extend_from_slice(&whole[cut..]);
+            assert_eq!(frames.next(), Ok(Some(Incoming::Text("y".repeat(300)))), "cut at {cut}");
+            assert_eq!(frames.next(), Ok(None));
+        }
+    }
+
+    #[test]
+    fn bad_frames_end_the_session_with_their_code() {
+        let unmasked = vec![0x81, 0x02, b'h', b'i'];
+        let rsv = client(0xC1, b"hi");
+        let long_ping = client(0x89, &[0; 126]);
+        let fragmented_close = client(0x08, b"");
+        let stray_continuation = client(0x80, b"x");
+        let mut interleaved = client(0x01, b"a");
+        interleaved.extend(client(0x81, b"b"));
+        let bad_opcode = client(0x83, b"");
+        let not_utf8 = client(0x81, &[0xc3, 0x28]);
+        let one_byte_close = client(0x88, &[3]);
+        let mut too_big = client(0x01, &[b'a'; 60]);
+        too_big.extend(client(0x80, &[b'a'; 60]));
+        for (bytes, code) in [
+            (unmasked, PROTOCOL_ERROR),
+            (rsv, PROTOCOL_ERROR),
+            (long_ping, PROTOCOL_ERROR),
+            (fragmented_close, PROTOCOL_ERROR),
+            (stray_continuation, PROTOCOL_ERROR),
+            (interleaved, PROTOCOL_ERROR),
+            (bad_opcode, PROTOCOL_ERROR),
+            (not_utf8, INVALID_PAYLOAD),
+            (one_byte_close, PROTOCOL_ERROR),
+            (too_big, TOO_BIG),
+            // Refused by its header alone, before its payload arrives.
+            (client(0x81, &[b'a'; 101])[..4].to_vec(), TOO_BIG),
+        ] {
+            assert_eq!(all(bytes.clone(), 100).last(), Some(&Err(code)), "{bytes:02x?}");
+        }
+    }
+
+    #[test]
+    fn server_frames_have_the_shortest_length_encoding() {
+        for (len, header) in [(0, 2), (125, 2), (126, 4), (65535, 4), (65536, 10)] {
+            let mut out = BytesMut::new();
+            put_ws_frame(&mut out, WS_TEXT, &vec![b'a'; len]);
+            assert_eq!(out.len(), header + len);
+            assert_eq!(out[0], 0x81);
+            assert_eq!(crate::hub::ws_frame_len(len), header + len);
+        }
+        let mut out = BytesMut::new();
+        put_close(&mut out, Some(1001));
+        assert_eq!(&out[..], &[0x88, 2, 0x03, 0xe9]);
+    }
+}
