@@ -22,7 +22,7 @@ use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 
 mod direct;
-mod websocket;
+pub mod websocket;
 
 /// Limits every connection of a listener lives under.
 #[derive(Debug, Clone, Copy)]

@@ -220,20 +220,9 @@ async fn websocket_ops() {
     drop(other);
 }
 
-/// A masked client frame (the mask is applied, so a server that ignored it would read garbage).
+/// A masked client frame (a server that ignored the mask would read garbage).
 fn client_frame(first: u8, payload: &[u8]) -> Vec<u8> {
-    let mask = [0x37, 0xfa, 0x21, 0x3d];
-    let mut frame = vec![first];
-    match payload.len() {
-        n if n < 126 => frame.push(0x80 | n as u8),
-        n => {
-            frame.push(0x80 | 126);
-            frame.extend_from_slice(&(n as u16).to_be_bytes());
-        }
-    }
-    frame.extend_from_slice(&mask);
-    frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-    frame
+    dispatch_gateway::net::websocket::client_frame(first, payload, [0x37, 0xfa, 0x21, 0x3d])
 }
 
 /// Sends a WebSocket handshake on a fresh connection; the response head, and the socket.

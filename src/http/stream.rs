@@ -193,7 +193,8 @@ impl TakeWatch {
     }
 }
 
-async fn tick(ticker: Option<&mut Interval>) {
+/// The ticker's next tick; never, without one.
+pub async fn tick(ticker: Option<&mut Interval>) {
     match ticker {
         Some(t) => {
             t.tick().await;

@@ -33,9 +33,9 @@ use tokio::time::Instant;
 use tower::ServiceExt;
 
 use super::{Cancelled, ConnectionLimits, stalled_error};
-use crate::http::stream::{BATCH, TakeWatch, Watch};
+use crate::http::stream::{BATCH, TakeWatch, Watch, tick};
 use crate::http::ws::{DirectUpgrade, TakeSession};
-use crate::hub::{Delivery, Framed, Sink, TurnBuffer, chunk_size};
+use crate::hub::{Cursor, Delivery, Framed, Sink, TurnBuffer, Unparked, chunk_size};
 use crate::metrics::Metrics;
 
 /// A request head longer than this is left to hyper (which answers oversized heads itself);
@@ -303,13 +303,13 @@ enum Woke {
 pub(super) struct Parking<'a> {
     pub(super) sink: Arc<Sink>,
     attached: Option<Arc<TurnBuffer>>,
-    _socket: &'a TcpStream,
+    socket: &'a TcpStream,
 }
 
 impl<'a> Parking<'a> {
     pub(super) fn new(socket: &'a TcpStream, framed: Framed, metrics: Arc<Metrics>) -> Parking<'a> {
         let sink = Sink::new(socket.as_raw_fd(), framed, metrics);
-        Parking { sink, attached: None, _socket: socket }
+        Parking { sink, attached: None, socket }
     }
 
     pub(super) fn attach(&mut self, buffer: &Arc<TurnBuffer>) {
@@ -319,6 +319,21 @@ impl<'a> Parking<'a> {
         self.detach();
         buffer.attach(&self.sink);
         self.attached = Some(buffer.clone());
+    }
+
+    /// Takes the sink back from the rounds: moves `cursor` to where they left off and writes
+    /// what the socket did not take of their last write. What they did; an error when a write
+    /// failed (the client is gone).
+    pub(super) async fn take_back(&self, cursor: &mut Cursor, drain: Duration) -> io::Result<Unparked> {
+        let mut back = self.sink.unpark();
+        cursor.seek(back.next);
+        if let Some(rest) = back.rest.take() {
+            write_all(self.socket, &mut [IoSlice::new(&rest)], drain).await?;
+        }
+        if back.failed {
+            return Err(io::ErrorKind::BrokenPipe.into());
+        }
+        Ok(back)
     }
 
     pub(super) fn detach(&mut self) {
@@ -378,15 +393,8 @@ async fn watch_stream(
                         }
                     })
                     .await;
-                    let back = parking.sink.unpark();
-                    watch.cursor.seek(back.next);
+                    let back = parking.take_back(&mut watch.cursor, drain).await?;
                     sent |= back.sent;
-                    if let Some(rest) = back.rest {
-                        write_all(stream, &mut [IoSlice::new(&rest)], drain).await?;
-                    }
-                    if back.failed {
-                        return Ok(false);
-                    }
                     if back.sealed && watch.until_sealed {
                         return Ok(true);
                     }
@@ -395,17 +403,11 @@ async fn watch_stream(
                 None => {
                     // Between turns, or rounds are not paced: the cursor wakes this task.
                     parking.detach();
-                    let tick = async {
-                        match ticker.as_mut() {
-                            Some(t) => drop(t.tick().await),
-                            None => std::future::pending().await,
-                        }
-                    };
                     tokio::select! {
                         biased;
                         d = watch.cursor.next_batch(BATCH) => Woke::Delivery(d),
                         _ = poll_fn(|cx| poll_gone(stream, pending, cx)) => Woke::Gone,
-                        _ = tick => Woke::Tick,
+                        _ = tick(ticker.as_mut()) => Woke::Tick,
                         _ = &mut drained => Woke::Drained,
                     }
                 }

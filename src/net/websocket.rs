@@ -27,7 +27,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use super::Cancelled;
 use super::direct::{Parking, write_all};
-use crate::http::stream::BATCH;
+use crate::http::stream::{BATCH, tick};
 use crate::http::ws::{OwnedSession, Session, catalog};
 use crate::hub::{Delivery, Framed, WS_CLOSE, WS_PING, WS_PONG, WS_TEXT, put_ws_frame};
 use crate::turn::StatusChange;
@@ -300,37 +300,25 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                     }
                 })
                 .await;
-                let back = parking.sink.unpark();
-                if let Some((_, cursor)) = session.cursors().first_mut() {
-                    cursor.seek(back.next);
-                }
-                if let Some(rest) = back.rest
-                    && write_all(stream, &mut [IoSlice::new(&rest)], drain).await.is_err()
-                {
-                    return;
-                }
-                if back.failed {
+                let (_, cursor) = &mut session.cursors()[0];
+                if parking.take_back(cursor, drain).await.is_err() {
                     return;
                 }
                 woke
             }
             None => {
                 parking.detach();
-                let tick = async {
-                    match ping.as_mut() {
-                        Some(t) => drop(t.tick().await),
-                        None => std::future::pending().await,
-                    }
-                };
+                // The client first: its ops are few and cheap, and a busy turn must not keep
+                // them (an unsubscribe, a close) waiting.
                 tokio::select! {
                     biased;
-                    (i, d) = next_delivery(&mut session) => Woke::Delivery(i, d),
                     r = stream.readable() => match r {
                         Ok(()) => Woke::Readable,
                         Err(_) => return,
                     },
+                    (i, d) = next_delivery(&mut session) => Woke::Delivery(i, d),
                     change = statuses.recv() => Woke::Status(change),
-                    _ = tick => Woke::Ping,
+                    _ = tick(ping.as_mut()) => Woke::Ping,
                     _ = &mut drained => Woke::Drained,
                 }
             }
@@ -398,28 +386,33 @@ async fn deliver(session: &mut Session, out: &mut BytesMut, i: usize, delivery: 
     Ok(())
 }
 
+/// A client's frame: `first` is the frame's first byte (FIN, RSV and opcode), the payload is
+/// masked with `mask`. For clients of the gateway: its load generator and tests.
+pub fn client_frame(first: u8, payload: &[u8], mask: [u8; 4]) -> Vec<u8> {
+    let mut frame = Vec::with_capacity(payload.len() + 14);
+    frame.push(first);
+    match payload.len() {
+        n if n < 126 => frame.push(0x80 | n as u8),
+        n if n < 65536 => {
+            frame.push(0x80 | 126);
+            frame.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            frame.push(0x80 | 127);
+            frame.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    frame.extend_from_slice(&mask);
+    frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    frame
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A masked client frame.
     fn client(first: u8, payload: &[u8]) -> Vec<u8> {
-        let mask = [0x12, 0x34, 0x56, 0x78];
-        let mut f = vec![first];
-        match payload.len() {
-            n if n < 126 => f.push(0x80 | n as u8),
-            n if n < 65536 => {
-                f.push(0x80 | 126);
-                f.extend_from_slice(&(n as u16).to_be_bytes());
-            }
-            n => {
-                f.push(0x80 | 127);
-                f.extend_from_slice(&(n as u64).to_be_bytes());
-            }
-        }
-        f.extend_from_slice(&mask);
-        f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-        f
+        client_frame(first, payload, [0x12, 0x34, 0x56, 0x78])
     }
 
     fn all(bytes: Vec<u8>, max: usize) -> Vec<Result<Incoming, u16>> {
