@@ -424,7 +424,10 @@ impl Feed {
             let op = json!({"type": "chat.subscribe", "conversationId": conversation}).to_string();
             stream.write_all(&client_frame(0x1, op.as_bytes())).await.map_err(|e| e.to_string())?;
         }
-        let body = Vec::with_capacity(1 << 16);
+        let mut body = Vec::with_capacity(1 << 16);
+        // The pages the first reads land in, faulted in now rather than when events arrive.
+        prefault(&mut raw);
+        prefault(&mut body);
         let mut feed = Feed {
             transport,
             stream,
@@ -565,23 +568,16 @@ impl Feed {
     }
 }
 
+/// Touches the first pages of `buf`'s spare capacity.
+fn prefault(buf: &mut Vec<u8>) {
+    let spare = buf.spare_capacity_mut();
+    let n = spare.len().min(16 * 1024);
+    spare[..n].fill(std::mem::MaybeUninit::new(0));
+}
+
 /// A masked client frame (the mask is zero: XOR with it leaves the payload as it is).
 fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
-    let mut frame = vec![0x80 | opcode];
-    match payload.len() {
-        n if n < 126 => frame.push(0x80 | n as u8),
-        n if n < 65536 => {
-            frame.push(0x80 | 126);
-            frame.extend_from_slice(&(n as u16).to_be_bytes());
-        }
-        n => {
-            frame.push(0x80 | 127);
-            frame.extend_from_slice(&(n as u64).to_be_bytes());
-        }
-    }
-    frame.extend_from_slice(&[0, 0, 0, 0]);
-    frame.extend_from_slice(payload);
-    frame
+    dispatch_gateway::net::websocket::client_frame(0x80 | opcode, payload, [0; 4])
 }
 
 /// The number after the last ':' of an `id:` line, and the data line, of an event block.
@@ -668,7 +664,11 @@ fn stamp_of(data: &[u8]) -> Option<(u64, u64)> {
 /// Reads a subscription until the end of the workload and checks its order: SSE ids without
 /// gaps, stamped deltas in index order without gaps, `turn-sealed` at the end.
 async fn watch(server: Server, mut feed: Feed, events: usize) -> Seen {
-    let mut seen = Seen::default();
+    // Sized and touched now, before the workload's clock starts: grown as events arrive, the
+    // list would be copied a dozen times and fault its pages in while latencies are measured.
+    let mut latencies = Vec::with_capacity(events);
+    latencies.spare_capacity_mut().fill(std::mem::MaybeUninit::new(0));
+    let mut seen = Seen { latencies, ..Seen::default() };
     let mut last_index: Option<u64> = None;
     let transport = feed.transport;
     while let Some(range) = feed.next_message().await {
