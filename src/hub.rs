@@ -13,9 +13,10 @@
 //!
 //! Wake-ups: a turn wakes its waiting watchers in rounds. Under light load every event starts a
 //! round at once. A round costs about one socket write per watcher, so when many watchers read
-//! in-flight turns, runs of deltas are paced: a turn starts a round of delta wake-ups at most
-//! once per flush window, and the deltas published in between share the next round (and so one
-//! write per watcher). The window is [`FlushWindow::per_reader`] times the number of watchers
+//! in-flight turns, runs of deltas are paced: a turn starts a round of delta wake-ups about once
+//! per flush window, and the deltas published in between share the next round (and so one
+//! write per watcher); the round starts early once as many deltas wait as a window of this
+//! turn usually gathers (see `TurnBuffer::wake`). The window is [`FlushWindow::per_reader`] times the number of watchers
 //! reading in-flight turns across the hub, up to [`FlushWindow::max`], and zero below 1 ms (the timer's
 //! resolution): the hub aims to spend a bounded share of a core on wake-ups and writes whatever
 //! the fan-out, and adds no delay when there is little to share. Every event other than a delta
@@ -160,11 +161,49 @@ impl FlushWindow {
     }
 }
 
-/// When a turn last woke its watchers, and whether a deferred round is due.
+/// When a turn last woke its watchers, whether a deferred round is due, and how its deltas are
+/// spaced.
 #[derive(Default)]
 struct Pacing {
     last_round: Option<Instant>,
+    /// Rounds so far: a scheduled round that another round overtook has nothing to do.
+    rounds: u64,
     pending: bool,
+    /// Deltas published since the last round.
+    waiting: u32,
+    last_delta: Option<Instant>,
+    /// The usual interval between the turn's deltas (a moving average).
+    spacing: Option<Duration>,
+}
+
+impl Pacing {
+    fn delta_at(&mut self, now: Instant) {
+        if let Some(last) = self.last_delta {
+            let gap = now - last;
+            self.spacing = Some(self.spacing.map_or(gap, |s| (s * 7 + gap) / 8));
+        }
+        self.last_delta = Some(now);
+    }
+
+    /// How long after the window's end the scheduled round waits for the share the window
+    /// usually gathers: half a spacing, when the turn has one.
+    fn slack(&self, window: Duration) -> Duration {
+        match self.spacing {
+            Some(spacing) if self.per_window(window) < u32::MAX => spacing / 2,
+            _ => Duration::ZERO,
+        }
+    }
+
+    /// How many deltas a window of `window` usually gathers (at least two; unbounded while
+    /// the deltas come all at once).
+    fn per_window(&self, window: Duration) -> u32 {
+        match self.spacing {
+            Some(spacing) if !spacing.is_zero() => {
+                (window.as_nanos() / spacing.as_nanos()).clamp(2, u32::MAX.into()) as u32
+            }
+            _ => u32::MAX,
+        }
+    }
 }
 
 /// Where the next turn of a conversation will appear.
@@ -257,29 +296,45 @@ impl TurnBuffer {
     }
 
     /// Wakes the waiting watchers now, or (a paced delta within the window of the last round)
-    /// schedules the round for the end of the window.
+    /// schedules the round for the end of the window. A round does not wait for the window's end
+    /// once as many deltas wait as a window usually gathers: it would carry no more, and each
+    /// waits less (deltas 20 ms apart under a 40 ms window go out in pairs as the second one
+    /// comes, instead of waiting 20 and 40 ms for a timer that may just miss the second).
     fn wake(self: &Arc<Self>, paced: bool) {
         let window = if paced { self.window() } else { Duration::ZERO };
         let now = Instant::now();
         let mut pacing = self.pacing();
+        if paced {
+            pacing.delta_at(now);
+        }
         let due = pacing.last_round.map(|last| last + window);
         if window.is_zero() || due.is_none_or(|due| now >= due) {
+            return self.round_now(pacing, now);
+        }
+        pacing.waiting += 1;
+        if pacing.waiting >= pacing.per_window(window) {
             return self.round_now(pacing, now);
         }
         if std::mem::replace(&mut pacing.pending, true) {
             return; // the scheduled round takes this delta too
         }
+        // Half a spacing more, so that a share gathered on time starts the round itself rather
+        // than racing the timer to it.
+        let slack = pacing.slack(window);
+        let round = pacing.rounds;
         drop(pacing);
         let (Ok(runtime), Some(due)) = (tokio::runtime::Handle::try_current(), due) else {
             return self.round();
         };
+        let due = due + slack;
         let buffer: Weak<TurnBuffer> = Arc::downgrade(self);
         runtime.spawn(async move {
             tokio::time::sleep_until(due).await;
-            if let Some(buffer) = buffer.upgrade()
-                && buffer.pacing().pending
-            {
-                buffer.round();
+            if let Some(buffer) = buffer.upgrade() {
+                let pacing = buffer.pacing();
+                if pacing.pending && pacing.rounds == round {
+                    buffer.round_now(pacing, Instant::now());
+                }
             }
         });
     }
@@ -291,7 +346,9 @@ impl TurnBuffer {
 
     fn round_now(self: &Arc<Self>, mut pacing: std::sync::MutexGuard<'_, Pacing>, now: Instant) {
         pacing.last_round = Some(now);
+        pacing.rounds += 1;
         pacing.pending = false;
+        pacing.waiting = 0;
         drop(pacing);
         self.grown.notify_waiters();
         self.pump_sinks();
@@ -814,6 +871,48 @@ mod tests {
         // Few watchers: no window at all.
         drop(cursors);
         assert_eq!(buffer.window(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn evenly_spaced_deltas_go_out_as_soon_as_a_window_has_gathered_its_share() {
+        // 4,000 watchers of the turn in flight: a 40 ms window; deltas 20 ms apart.
+        let hub = Hub::new(1 << 20, FlushWindow::default());
+        let buffer = hub.begin_turn("c", "t");
+        let mut cursors: Vec<Cursor> = (0..4_000).map(|_| hub.subscribe("c", None).0).collect();
+        assert_eq!(buffer.window(), Duration::from_millis(40));
+        let mut watcher = cursors.pop().unwrap();
+        let start = Instant::now();
+        let reader = tokio::spawn(async move {
+            // When each batch arrived (ms since the start) and how many deltas it held.
+            let mut got = Vec::new();
+            while got.iter().map(|(_, n)| n).sum::<usize>() < 20 {
+                let n = frames(&mut watcher).await.len();
+                got.push((start.elapsed().as_millis(), n));
+            }
+            got
+        });
+        let settle = || async {
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+        };
+        for _ in 0..20 {
+            buffer.publish(&text("x"));
+            settle().await;
+            // Time moves on to the next delta, and whatever timer is due by then runs first.
+            tokio::time::advance(Duration::from_millis(20)).await;
+            settle().await;
+        }
+        let got = reader.await.unwrap();
+        // Once the turn's spacing is known, each round goes out as the second delta of a pair is
+        // published, not when a timer ends the window (which would race that delta and, losing,
+        // send the first alone and make the second wait a whole window).
+        let steady = &got[2..got.len() - 1];
+        assert!(steady.len() >= 8, "{got:?}");
+        for (i, (at, n)) in steady.iter().enumerate() {
+            assert_eq!((*n, *at), (2, steady[0].0 + 40 * i as u128), "{got:?}");
+        }
+        drop(cursors);
     }
 
     #[tokio::test]
