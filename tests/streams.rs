@@ -430,7 +430,28 @@ async fn a_watcher_whose_socket_does_not_drain_is_closed_and_does_not_hold_the_t
         }
     }
     assert_eq!(count, 60_006);
-    // The server gives up on the stalled socket: reading it now reaches its end.
+    // The server gives up on the stalled socket: its stream is gone (the healthy one ended at
+    // `turn-sealed`) ...
+    let gone =
+        eventually(600, || async { server.metrics().await.contains("dispatch_open_streams{transport=\"sse\"} 0") })
+            .await;
+    assert!(gone, "the stalled stream is still open:\n{}", server.metrics().await);
+    // ... and reading its socket now reaches the end. With the 4 KiB window it was opened with,
+    // the megabytes the server's kernel still holds for it would trickle in; a wide one takes
+    // them at once.
+    use std::os::fd::AsRawFd;
+    let wide: libc::c_int = 4 << 20;
+    // SAFETY: a plain setsockopt on a socket this test owns.
+    let set = unsafe {
+        libc::setsockopt(
+            stalled.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            std::ptr::from_ref(&wide).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(set, 0);
     assert!(closed_by_peer(&mut stalled, Duration::from_secs(60)).await, "the stalled connection was not closed");
 }
 
