@@ -161,15 +161,14 @@ impl FlushWindow {
     }
 }
 
-/// When a turn last woke its watchers, whether a deferred round is due, and how its deltas are
-/// spaced.
+/// When a turn last woke its watchers, how many deltas wait for a deferred round, and how its
+/// deltas are spaced.
 #[derive(Default)]
 struct Pacing {
     last_round: Option<Instant>,
     /// Rounds so far: a scheduled round that another round overtook has nothing to do.
     rounds: u64,
-    pending: bool,
-    /// Deltas published since the last round.
+    /// Deltas waiting for a scheduled round (one is scheduled while this is above zero).
     waiting: u32,
     last_delta: Option<Instant>,
     /// The usual interval between the turn's deltas (a moving average).
@@ -186,12 +185,9 @@ impl Pacing {
     }
 
     /// How long after the window's end the scheduled round waits for the share the window
-    /// usually gathers: half a spacing, when the turn has one.
-    fn slack(&self, window: Duration) -> Duration {
-        match self.spacing {
-            Some(spacing) if self.per_window(window) < u32::MAX => spacing / 2,
-            _ => Duration::ZERO,
-        }
+    /// usually gathers: half a spacing.
+    fn slack(&self) -> Duration {
+        self.spacing.unwrap_or_default() / 2
     }
 
     /// How many deltas a window of `window` usually gathers (at least two; unbounded while
@@ -315,12 +311,12 @@ impl TurnBuffer {
         if pacing.waiting >= pacing.per_window(window) {
             return self.round_now(pacing, now);
         }
-        if std::mem::replace(&mut pacing.pending, true) {
+        if pacing.waiting > 1 {
             return; // the scheduled round takes this delta too
         }
         // Half a spacing more, so that a share gathered on time starts the round itself rather
         // than racing the timer to it.
-        let slack = pacing.slack(window);
+        let slack = pacing.slack();
         let round = pacing.rounds;
         drop(pacing);
         let (Ok(runtime), Some(due)) = (tokio::runtime::Handle::try_current(), due) else {
@@ -332,7 +328,7 @@ impl TurnBuffer {
             tokio::time::sleep_until(due).await;
             if let Some(buffer) = buffer.upgrade() {
                 let pacing = buffer.pacing();
-                if pacing.pending && pacing.rounds == round {
+                if pacing.rounds == round {
                     buffer.round_now(pacing, Instant::now());
                 }
             }
@@ -347,7 +343,6 @@ impl TurnBuffer {
     fn round_now(self: &Arc<Self>, mut pacing: std::sync::MutexGuard<'_, Pacing>, now: Instant) {
         pacing.last_round = Some(now);
         pacing.rounds += 1;
-        pacing.pending = false;
         pacing.waiting = 0;
         drop(pacing);
         self.grown.notify_waiters();
