@@ -103,16 +103,13 @@ pub struct OwnedSession {
 
 /// Checks an upgrade request the way tungstenite's server does; the `Sec-WebSocket-Accept` value.
 fn accept_key(headers: &HeaderMap) -> Result<header::HeaderValue, ApiError> {
-    let has_token = |name: header::HeaderName, token: &str| {
-        headers
-            .get_all(name)
-            .iter()
-            .any(|v| v.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes())))
+    let lists = |name: header::HeaderName, token: &str| {
+        headers.get_all(name).iter().any(|v| has_token(v.as_bytes(), token.as_bytes()))
     };
-    if !has_token(header::CONNECTION, "upgrade") {
+    if !lists(header::CONNECTION, "upgrade") {
         return Err(ApiError::BadRequest("`Connection` must include `upgrade`".into()));
     }
-    if !has_token(header::UPGRADE, "websocket") {
+    if !lists(header::UPGRADE, "websocket") {
         return Err(ApiError::BadRequest("`Upgrade` must be `websocket`".into()));
     }
     if headers.get(header::SEC_WEBSOCKET_VERSION).is_none_or(|v| v.as_bytes() != b"13") {
@@ -126,12 +123,17 @@ fn accept_key(headers: &HeaderMap) -> Result<header::HeaderValue, ApiError> {
     Ok(header::HeaderValue::from_str(&accept).expect("base64 is a valid header value"))
 }
 
+/// Whether a comma-separated header value lists `token` (any case).
+pub fn has_token(value: &[u8], token: &[u8]) -> bool {
+    value.split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
 fn text(value: Value) -> Message {
     Message::Text(Utf8Bytes::from(value.to_string()))
 }
 
 /// What the writer task sends: one message, or a batch of hub events as `chat.delta`s.
-pub enum Outbound {
+enum Outbound {
     Message(Message),
     Events(Vec<Arc<Frame>>),
 }

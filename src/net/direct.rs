@@ -34,7 +34,7 @@ use tower::ServiceExt;
 
 use super::{Cancelled, ConnectionLimits, stalled_error};
 use crate::http::stream::{BATCH, TakeWatch, Watch, tick};
-use crate::http::ws::{DirectUpgrade, TakeSession};
+use crate::http::ws::{DirectUpgrade, TakeSession, has_token};
 use crate::hub::{Cursor, Delivery, Framed, Sink, TurnBuffer, Unparked, chunk_size};
 use crate::metrics::Metrics;
 
@@ -172,7 +172,7 @@ fn parse(bytes: &[u8]) -> Parsed {
             return Parsed::Other;
         }
         if name == CONNECTION {
-            close |= value.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+            close |= has_token(value.as_bytes(), b"close");
         }
         request.headers_mut().append(name, value);
     }

@@ -209,11 +209,7 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
     let mut woke = None;
     let end = loop {
         match woke.take() {
-            Some(Woke::Delivery(i, delivery)) => {
-                if let Err(code) = deliver(&mut session, &mut out, i, delivery).await {
-                    break Some(code);
-                }
-            }
+            Some(Woke::Delivery(i, delivery)) => deliver(&mut session, &mut out, i, delivery).await,
             Some(Woke::Readable) => match frames.read(stream) {
                 Ok(true) => {}
                 Ok(false) | Err(_) => break None,
@@ -263,9 +259,7 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
         for message in session.outbox().drain(..) {
             put_message(&mut out, message);
         }
-        if let Err(code) = gather(&mut session, &mut out, draining).await {
-            break Some(code);
-        }
+        gather(&mut session, &mut out, draining).await;
         if !out.is_empty() {
             if write_all(stream, &mut [IoSlice::new(&out)], drain).await.is_err() {
                 return;
@@ -355,20 +349,19 @@ async fn next_delivery(session: &mut Session) -> (usize, Delivery) {
 }
 
 /// Adds what every subscription has ready to `out` (at shutdown, ends those with nothing).
-async fn gather(session: &mut Session, out: &mut BytesMut, draining: bool) -> Result<(), u16> {
+async fn gather(session: &mut Session, out: &mut BytesMut, draining: bool) {
     let mut i = 0;
     while i < session.cursors().len() && out.len() < GATHER {
         match session.cursors()[i].1.try_batch(BATCH) {
-            Some(delivery) => deliver(session, out, i, delivery).await?,
+            Some(delivery) => deliver(session, out, i, delivery).await,
             None if draining => drop(session.cursors().remove(i)),
             None => i += 1,
         }
     }
-    Ok(())
 }
 
 /// Adds one subscription's delivery to `out`.
-async fn deliver(session: &mut Session, out: &mut BytesMut, i: usize, delivery: Delivery) -> Result<(), u16> {
+async fn deliver(session: &mut Session, out: &mut BytesMut, i: usize, delivery: Delivery) {
     match delivery {
         Delivery::Frames(frames) => {
             session.metrics().events_delivered.fetch_add(frames.len() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -383,7 +376,6 @@ async fn deliver(session: &mut Session, out: &mut BytesMut, i: usize, delivery: 
         }
         Delivery::End => drop(session.cursors().remove(i)),
     }
-    Ok(())
 }
 
 /// A client's frame: `first` is the frame's first byte (FIN, RSV and opcode), the payload is
