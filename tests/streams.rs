@@ -420,6 +420,8 @@ async fn a_watcher_whose_socket_does_not_drain_is_closed_and_does_not_hold_the_t
     stalled.write_all(b"GET /conversations/drain/events HTTP/1.1\r\nhost: gateway\r\n\r\n").await.unwrap();
     let mut healthy = server.ndjson("drain", "?until=sealed").await;
     tokio::time::sleep(Duration::from_millis(100)).await;
+    let sse_open = "dispatch_open_streams{transport=\"sse\"}";
+    assert!(server.metrics().await.contains(&format!("{sse_open} 1")), "the stalled watcher's stream is open");
 
     start_turn(&server, "drain", "huge").await;
     let mut count = 0;
@@ -432,9 +434,7 @@ async fn a_watcher_whose_socket_does_not_drain_is_closed_and_does_not_hold_the_t
     assert_eq!(count, 60_006);
     // The server gives up on the stalled socket: its stream is gone (the healthy one ended at
     // `turn-sealed`) ...
-    let gone =
-        eventually(600, || async { server.metrics().await.contains("dispatch_open_streams{transport=\"sse\"} 0") })
-            .await;
+    let gone = eventually(600, || async { server.metrics().await.contains(&format!("{sse_open} 0")) }).await;
     assert!(gone, "the stalled stream is still open:\n{}", server.metrics().await);
     // ... and reading its socket now reaches the end. With the 4 KiB window it was opened with,
     // the megabytes the server's kernel still holds for it would trickle in; a wide one takes
