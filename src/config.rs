@@ -75,7 +75,7 @@ pub struct Config {
     /// within the window of the last round of wake-ups share the next one (and one write per
     /// watcher). Larger saves CPU under fan-out, smaller cuts latency; 0 sends every delta at
     /// once. See "Pacing" in the README.
-    #[arg(long, env = "DISPATCH_FLUSH_US_PER_WATCHER", default_value_t = 10)]
+    #[arg(long, env = "DISPATCH_FLUSH_US_PER_WATCHER", default_value_t = 16)]
     pub flush_us_per_watcher: u64,
 
     /// Longest flush window, in milliseconds.
@@ -381,7 +381,7 @@ impl Config {
             max_body_bytes: 1024 * 1024,
             turn_buffer_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
-            flush_us_per_watcher: 10,
+            flush_us_per_watcher: 16,
             flush_max_ms: 40,
             drain_timeout_secs: 30,
             header_read_timeout_secs: 10,

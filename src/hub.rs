@@ -21,7 +21,9 @@
 //! resolution): the hub aims to spend a bounded share of a core on wake-ups and writes whatever
 //! the fan-out, and adds no delay when there is little to share. Every event other than a delta
 //! starts a round at once, taking the pending deltas with it. A round also writes to the sockets
-//! of parked watchers itself ([`Sink`]): those are not woken at all.
+//! of parked watchers itself ([`Sink`]): those are not woken at all. When a window gathers a few
+//! deltas, parked watchers are staggered in phases, one phase's round per delta, so that a
+//! round's writes are spread over the window rather than bunched at its end.
 //!
 //! Memory: past a per-turn cap, runs of consecutive text (or reasoning) deltas in the buffer are
 //! coalesced into one event with the joined text, so a late joiner still rebuilds the exact
@@ -149,7 +151,7 @@ pub struct FlushWindow {
 #[cfg(test)]
 impl Default for FlushWindow {
     fn default() -> FlushWindow {
-        FlushWindow { per_reader: Duration::from_micros(10), max: Duration::from_millis(40) }
+        FlushWindow { per_reader: Duration::from_micros(16), max: Duration::from_millis(40) }
     }
 }
 
@@ -161,18 +163,34 @@ impl FlushWindow {
     }
 }
 
-/// When a turn last woke its watchers, how many deltas wait for a deferred round, and how its
-/// deltas are spaced.
+/// Most phases a turn's parked watchers are staggered into (see `TurnBuffer::wake`).
+const PHASES: usize = 8;
+
+/// When a turn last woke its watchers, how its deltas are spaced, how its parked watchers are
+/// staggered, and when a round of everyone is due.
 #[derive(Default)]
 struct Pacing {
+    /// The last round, of every watcher or of one phase.
     last_round: Option<Instant>,
-    /// Rounds so far: a scheduled round that another round overtook has nothing to do.
-    rounds: u64,
-    /// Deltas waiting for a scheduled round (one is scheduled while this is above zero).
-    waiting: u32,
+    /// Deltas since the last round of every watcher.
+    deltas: u32,
     last_delta: Option<Instant>,
     /// The usual interval between the turn's deltas (a moving average).
     spacing: Option<Duration>,
+    /// Deltas per write at the last delta (see [`Pacing::share`]).
+    share: u32,
+    /// The share the phases are laid out for (0: not staggered).
+    phases: u32,
+    /// Per phase, the delta (counted as in `deltas`) with which it writes next.
+    next_write: [u32; PHASES],
+    /// Per phase, when the oldest delta it has not been written was published.
+    unsent_since: [Option<Instant>; PHASES],
+    /// When the first delta since the last round of everyone was published.
+    first_delta: Option<Instant>,
+    /// When a round of every watcher is due unless deltas start rounds first.
+    deadline: Option<Instant>,
+    /// Where the timer task sleeps to, if one does.
+    timer: Option<Instant>,
 }
 
 impl Pacing {
@@ -184,20 +202,42 @@ impl Pacing {
         self.last_delta = Some(now);
     }
 
-    /// How long after the window's end the scheduled round waits for the share the window
+    /// How long after the window's end a round of everyone waits for the share the window
     /// usually gathers: half a spacing.
     fn slack(&self) -> Duration {
         self.spacing.unwrap_or_default() / 2
     }
 
     /// How many deltas a window of `window` usually gathers (at least two; unbounded while
-    /// the deltas come all at once).
-    fn per_window(&self, window: Duration) -> u32 {
-        match self.spacing {
+    /// the deltas come all at once): the deltas one write per watcher carries. Staggered
+    /// phases keep their share while the window holds between a quarter of a spacing less and
+    /// a quarter more than the next share (relaying them out costs a round of everyone); the
+    /// first delta of a share still waits less than the window.
+    fn share(&mut self, window: Duration) -> u32 {
+        self.share = match self.spacing {
             Some(spacing) if !spacing.is_zero() => {
-                (window.as_nanos() / spacing.as_nanos()).clamp(2, u32::MAX.into()) as u32
+                let ratio = window.as_secs_f64() / spacing.as_secs_f64();
+                let kept = f64::from(self.phases);
+                if self.phases != 0 && ratio >= kept - 0.25 && ratio < kept + 1.25 {
+                    self.phases
+                } else {
+                    (window.as_nanos() / spacing.as_nanos()).clamp(2, u32::MAX.into()) as u32
+                }
             }
             _ => u32::MAX,
+        };
+        self.share
+    }
+
+    /// Lays the phases out for the current share, the first to write with the next delta
+    /// (with this one, `now`, when deltas already wait), then one per delta in turn.
+    fn lay_out_phases(&mut self) {
+        self.phases = if (2..=PHASES as u32).contains(&self.share) { self.share } else { 0 };
+        let k = self.phases as usize;
+        let from = self.deltas.saturating_sub(1);
+        for p in 0..k {
+            self.next_write[p] = from + ((p + k - 1) % k) as u32 + 1;
+            self.unsent_since[p] = self.first_delta;
         }
     }
 }
@@ -236,7 +276,15 @@ pub struct TurnBuffer {
     flush: FlushWindow,
     next: Arc<TurnSlot>,
     /// Streams a round writes to itself while they are parked (see [`Sink`]).
-    sinks: Mutex<Vec<Arc<Sink>>>,
+    sinks: Mutex<Attached>,
+}
+
+/// The sinks attached to a turn, each with its phase (see `TurnBuffer::wake`).
+#[derive(Default)]
+struct Attached {
+    sinks: Vec<(u32, Arc<Sink>)>,
+    /// The phase the next sink gets: sinks take the phases in turn.
+    next_phase: u32,
 }
 
 impl Drop for TurnBuffer {
@@ -292,61 +340,144 @@ impl TurnBuffer {
     }
 
     /// Wakes the waiting watchers now, or (a paced delta within the window of the last round)
-    /// schedules the round for the end of the window. A round does not wait for the window's end
-    /// once as many deltas wait as a window usually gathers: it would carry no more, and each
-    /// waits less (deltas 20 ms apart under a 40 ms window go out in pairs as the second one
-    /// comes, instead of waiting 20 and 40 ms for a timer that may just miss the second).
+    /// lets it wait for a later round.
+    ///
+    /// A round does not wait for the window's end once as many deltas wait as a window of this
+    /// turn usually gathers (its *share*): it would carry no more, and each waits less (deltas
+    /// 20 ms apart under a 40 ms window go out in pairs as the second one comes, instead of
+    /// waiting 20 and 40 ms for a timer that may just miss the second).
+    ///
+    /// With a share of a few deltas, parked watchers are staggered: they are laid out in as many
+    /// phases as the share, and each delta starts the round of one phase. Every watcher still
+    /// gets one write per share of deltas, and no delta waits longer, but a round writes to a
+    /// share's fraction of the sockets instead of all of them at once, so the last socket of a
+    /// round is written that much sooner. Woken tasks are phase 0. A delta that does not come
+    /// in time (the timer: the window and half a spacing after the oldest delta some phase has
+    /// not been sent) or any other event starts a round of everyone, after which the phases
+    /// start over.
     fn wake(self: &Arc<Self>, paced: bool) {
         let window = if paced { self.window() } else { Duration::ZERO };
         let now = Instant::now();
         let mut pacing = self.pacing();
-        if paced {
-            pacing.delta_at(now);
-        }
-        let due = pacing.last_round.map(|last| last + window);
-        if window.is_zero() || due.is_none_or(|due| now >= due) {
+        if window.is_zero() {
             return self.round_now(pacing, now);
         }
-        pacing.waiting += 1;
-        if pacing.waiting >= pacing.per_window(window) {
+        pacing.delta_at(now);
+        if pacing.last_round.is_none_or(|last| now >= last + window) {
             return self.round_now(pacing, now);
         }
-        if pacing.waiting > 1 {
-            return; // the scheduled round takes this delta too
+        let share = pacing.share(window);
+        pacing.deltas += 1;
+        let deltas = pacing.deltas;
+        if deltas == 1 {
+            pacing.first_delta = Some(now);
         }
-        // Half a spacing more, so that a share gathered on time starts the round itself rather
-        // than racing the timer to it.
-        let slack = pacing.slack();
-        let round = pacing.rounds;
+        if pacing.phases != 0 || (2..=PHASES as u32).contains(&share) {
+            if share != pacing.phases {
+                if pacing.phases != 0 {
+                    // Phases laid out for another share: everyone now, and they start over.
+                    return self.round_now(pacing, now);
+                }
+                // Every round since the last of everyone was one of everyone: lay the phases
+                // out as if from that one.
+                pacing.lay_out_phases();
+            }
+            return self.phase_round(pacing, now, window);
+        }
+        if deltas >= share {
+            return self.round_now(pacing, now);
+        }
+        if deltas == 1 {
+            // Half a spacing more, so that a share gathered on time starts the round itself
+            // rather than racing the timer to it.
+            let due = pacing.last_round.map(|last| last + window + pacing.slack());
+            if !due.is_some_and(|due| self.arm(&mut pacing, due)) {
+                self.round_now(pacing, now);
+            }
+        }
+    }
+
+    /// The round of the phases that write with the `deltas`th delta.
+    fn phase_round(self: &Arc<Self>, mut pacing: std::sync::MutexGuard<'_, Pacing>, now: Instant, window: Duration) {
+        let (k, c) = (pacing.phases as usize, pacing.deltas);
+        let mut due = [false; PHASES];
+        let mut oldest: Option<Instant> = None;
+        let Pacing { next_write, unsent_since, .. } = &mut *pacing;
+        for ((next, unsent), due) in next_write.iter_mut().zip(unsent_since).zip(&mut due).take(k) {
+            if c >= *next {
+                *next = c + k as u32;
+                *unsent = None;
+                *due = true;
+            } else {
+                let since = *unsent.get_or_insert(now);
+                oldest = Some(oldest.map_or(since, |o| o.min(since)));
+            }
+        }
+        pacing.last_round = Some(now);
+        match oldest {
+            Some(since) => {
+                let at = since + window + pacing.slack();
+                if !self.arm(&mut pacing, at) {
+                    return self.round_now(pacing, now);
+                }
+            }
+            None => pacing.deadline = None,
+        }
         drop(pacing);
-        let (Ok(runtime), Some(due)) = (tokio::runtime::Handle::try_current(), due) else {
-            return self.round();
-        };
-        let due = due + slack;
+        if due[0] {
+            self.grown.notify_waiters();
+        }
+        self.pump_sinks(Some((k as u32, due)));
+    }
+
+    /// Makes sure a round of everyone starts at `at` unless one starts before; false without
+    /// a runtime to time it.
+    fn arm(self: &Arc<Self>, pacing: &mut Pacing, at: Instant) -> bool {
+        pacing.deadline = Some(at);
+        if pacing.timer.is_some_and(|timer| timer <= at) {
+            return true; // that timer sleeps on to the new deadline
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
+        pacing.timer = Some(at);
         let buffer: Weak<TurnBuffer> = Arc::downgrade(self);
         runtime.spawn(async move {
-            tokio::time::sleep_until(due).await;
-            if let Some(buffer) = buffer.upgrade() {
-                let pacing = buffer.pacing();
-                if pacing.rounds == round {
-                    buffer.round_now(pacing, Instant::now());
+            let mut sleep_to = at;
+            loop {
+                tokio::time::sleep_until(sleep_to).await;
+                let Some(buffer) = buffer.upgrade() else { return };
+                let mut pacing = buffer.pacing();
+                if pacing.timer != Some(sleep_to) {
+                    return; // an earlier timer took over
+                }
+                match pacing.deadline {
+                    Some(deadline) if deadline > Instant::now() => {
+                        sleep_to = deadline;
+                        pacing.timer = Some(deadline);
+                    }
+                    Some(_) => {
+                        pacing.timer = None;
+                        return buffer.round_now(pacing, Instant::now());
+                    }
+                    None => {
+                        pacing.timer = None;
+                        return;
+                    }
                 }
             }
         });
+        true
     }
 
-    /// Starts a round of wake-ups now.
-    fn round(self: &Arc<Self>) {
-        self.round_now(self.pacing(), Instant::now());
-    }
-
+    /// Starts a round of everyone now: wakes every waiting watcher and writes to every parked one.
     fn round_now(self: &Arc<Self>, mut pacing: std::sync::MutexGuard<'_, Pacing>, now: Instant) {
         pacing.last_round = Some(now);
-        pacing.rounds += 1;
-        pacing.waiting = 0;
+        pacing.deltas = 0;
+        pacing.first_delta = None;
+        pacing.deadline = None;
+        pacing.lay_out_phases();
         drop(pacing);
         self.grown.notify_waiters();
-        self.pump_sinks();
+        self.pump_sinks(None);
     }
 
     /// Merges every run of two or more consecutive same-kind deltas into one frame.
@@ -826,7 +957,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn with_many_watchers_deltas_wait_for_the_round_and_other_events_go_at_once() {
-        let hub = Hub::new(1 << 20, FlushWindow::default());
+        let flush = FlushWindow { per_reader: Duration::from_micros(10), ..FlushWindow::default() };
+        let hub = Hub::new(1 << 20, flush);
         let buffer = hub.begin_turn("c", "t");
         // 300 watchers of the turn in flight: a 3 ms window.
         let mut cursors: Vec<Cursor> = (0..300).map(|_| hub.subscribe("c", None).0).collect();

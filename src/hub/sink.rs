@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytes::{BufMut, Bytes, BytesMut};
 use tokio::sync::Notify;
 
-use super::{Frame, TurnBuffer, start_of};
+use super::{Frame, PHASES, TurnBuffer, start_of};
 use crate::metrics::Metrics;
 
 /// Most frames a round writes to one sink at once (the rest is left to the stream's task).
@@ -311,29 +311,34 @@ impl TurnBuffer {
         })
     }
 
-    /// Lets rounds write to `sink` (parked or not).
+    /// Lets rounds write to `sink` (parked or not), in the next phase.
     pub fn attach(&self, sink: &Arc<Sink>) {
-        self.sinks.lock().unwrap_or_else(|p| p.into_inner()).push(sink.clone());
+        let mut attached = self.sinks.lock().unwrap_or_else(|p| p.into_inner());
+        let phase = attached.next_phase;
+        attached.next_phase = phase.wrapping_add(1);
+        attached.sinks.push((phase, sink.clone()));
     }
 
     pub fn detach(&self, sink: &Arc<Sink>) {
-        self.sinks.lock().unwrap_or_else(|p| p.into_inner()).retain(|s| !Arc::ptr_eq(s, sink));
+        self.sinks.lock().unwrap_or_else(|p| p.into_inner()).sinks.retain(|(_, s)| !Arc::ptr_eq(s, sink));
     }
 
-    /// Writes the new frames to every parked sink. A round of many sinks is shared out among
-    /// the runtime's workers (one part here, the others spawned, at most [`PART`] sinks each),
-    /// so its writes use every core as the watchers' own tasks would.
+    /// Writes the new frames to the parked sinks: all of them, or those of the phases due in a
+    /// share of `k` (see `TurnBuffer::wake`). A round of many sinks is shared out among the
+    /// runtime's workers (one part here, the others spawned, at most [`PART`] sinks each), so its
+    /// writes use every core as the watchers' own tasks would.
     /// With the window closed a round comes with every event, and writing each one to each
     /// socket would cost a write per event where woken tasks batch a burst: the sinks go back to
     /// their tasks instead.
-    pub(super) fn pump_sinks(self: &Arc<Self>) {
-        let sinks = {
-            let list = self.sinks.lock().unwrap_or_else(|p| p.into_inner());
-            if list.is_empty() {
-                return;
-            }
-            list.clone()
+    pub(super) fn pump_sinks(self: &Arc<Self>, phases: Option<(u32, [bool; PHASES])>) {
+        let sinks: Vec<Arc<Sink>> = {
+            let attached = self.sinks.lock().unwrap_or_else(|p| p.into_inner());
+            let due = |phase: u32| phases.is_none_or(|(k, due)| due[(phase % k) as usize]);
+            attached.sinks.iter().filter(|(phase, _)| due(*phase)).map(|(_, sink)| sink.clone()).collect()
         };
+        if sinks.is_empty() {
+            return;
+        }
         if !self.paced() {
             for sink in &sinks {
                 sink.release();
@@ -388,6 +393,7 @@ mod tests {
     use super::*;
     use crate::hub::tests::{sealed, text};
     use crate::hub::{FlushWindow, Hub};
+    use crate::wire::{AgentEvent, TurnStartEvent};
 
     /// A turn whose deltas are paced (a 1 ms window: one cursor reads it), so rounds write to
     /// parked sinks; the cursor must be kept.
@@ -488,7 +494,7 @@ mod tests {
                 .ends_with(b"\"type\":\"turn-sealed\",\"conversationId\":\"c\",\"turnId\":\"t\"}\n")
         );
         // Unparked: a round writes nothing more.
-        buffer.pump_sinks();
+        buffer.pump_sinks(None);
         assert!(read_now(&mut theirs).is_empty());
     }
 
@@ -569,7 +575,7 @@ mod tests {
         sink.park(&later, 0);
         earlier.publish(&text("from the earlier turn"));
         settle().await;
-        earlier.pump_sinks();
+        earlier.pump_sinks(None);
         assert!(read_now(&mut theirs).is_empty());
         later.publish(&text("b"));
         settle().await;
@@ -591,5 +597,69 @@ mod tests {
         assert_eq!((back.next, back.sent), (0, false));
         assert!(read_now(&mut theirs).is_empty());
         assert_eq!(metrics.round_writes.load(Relaxed), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn evenly_spaced_deltas_write_one_phase_of_the_sinks_each_with_a_full_share() {
+        // A 15 ms window and deltas 5 ms apart: a share of 3 deltas per write.
+        let window = Duration::from_millis(15);
+        let hub = Hub::new(1 << 20, FlushWindow { per_reader: window, max: window });
+        let buffer = hub.begin_turn("c", "t");
+        let (_reading, _) = hub.subscribe("c", None);
+        let sinks: Vec<_> = (0..6).map(|_| sink()).collect();
+        for (sink, ..) in &sinks {
+            buffer.attach(sink);
+            sink.park(&buffer, 0);
+        }
+        let mut theirs: Vec<UnixStream> = sinks.iter().map(|(_, _, theirs, _)| theirs.try_clone().unwrap()).collect();
+        let start = AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() });
+        buffer.publish(&start);
+        let mut got: Vec<Vec<u8>> = theirs.iter_mut().map(read_now).collect();
+        assert!(got.iter().all(|g| !g.is_empty()), "anything but a delta goes to everyone at once");
+        // Per delta: how many deltas each sink was written.
+        let mut writes: Vec<Vec<usize>> = Vec::new();
+        for i in 0..30 {
+            buffer.publish(&text(&i.to_string()));
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+            let now: Vec<Vec<u8>> = theirs.iter_mut().map(read_now).collect();
+            writes.push(now.iter().map(|bytes| deltas(&dechunk(bytes)).len()).collect());
+            for (all, new) in got.iter_mut().zip(now) {
+                all.extend(new);
+            }
+            tokio::time::advance(Duration::from_millis(5)).await;
+        }
+        // Once the spacing is known, each delta writes to a third of the sinks, three deltas each:
+        // the rounds are spread over the deltas instead of all six sockets every third delta.
+        for (i, per_sink) in writes.iter().enumerate().skip(4) {
+            let written: Vec<usize> = per_sink.iter().copied().filter(|n| *n > 0).collect();
+            assert_eq!(written, [3, 3], "delta {i}: {writes:?}");
+        }
+        // The deltas stop (the last one 5 ms ago): what two phases have not been sent goes out
+        // with a round of everyone a window and half a spacing after the oldest of it.
+        let want: Vec<String> = (0..30).map(|i| i.to_string()).collect();
+        let complete = |got: &[Vec<u8>]| {
+            got.iter()
+                .filter(|all| deltas(&dechunk(all)).into_iter().filter(|d| !d.is_empty()).eq(want.clone()))
+                .count()
+        };
+        for (advance, complete_then) in [(7, 2), (1, 6)] {
+            tokio::time::advance(Duration::from_millis(advance)).await;
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+            for (all, new) in got.iter_mut().zip(theirs.iter_mut().map(read_now)) {
+                all.extend(new);
+            }
+            assert_eq!(complete(&got), complete_then, "every delta, in order, once, at the deadline");
+        }
+        hub.seal_turn(buffer.clone(), &sealed());
+        for (sink, ..) in &sinks {
+            assert!(handed_back(sink).await);
+        }
+        for (_, _, _, metrics) in &sinks {
+            assert!(metrics.round_writes.load(Relaxed) <= 14, "about one write per share");
+        }
     }
 }
