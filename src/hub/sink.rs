@@ -390,6 +390,8 @@ mod tests {
     use std::os::unix::net::UnixStream;
     use std::time::Duration;
 
+    use tokio::time::Instant;
+
     use super::*;
     use crate::hub::tests::{sealed, text};
     use crate::hub::{FlushWindow, Hub};
@@ -661,5 +663,68 @@ mod tests {
         for (_, _, _, metrics) in &sinks {
             assert!(metrics.round_writes.load(Relaxed) <= 14, "about one write per share");
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_irregular_spacing_every_delta_arrives_once_in_order_within_the_window_and_half_a_spacing() {
+        let window = Duration::from_millis(15);
+        let hub = Hub::new(1 << 20, FlushWindow { per_reader: window, max: window });
+        let buffer = hub.begin_turn("c", "t");
+        let (_reading, _) = hub.subscribe("c", None);
+        let sinks: Vec<_> = (0..7).map(|_| sink()).collect();
+        for (sink, ..) in &sinks {
+            buffer.attach(sink);
+            sink.park(&buffer, 0);
+        }
+        let mut theirs: Vec<UnixStream> = sinks.iter().map(|(_, _, theirs, _)| theirs.try_clone().unwrap()).collect();
+        // Per sink, the deltas it got and when.
+        let mut got: Vec<Vec<(usize, Instant)>> = vec![Vec::new(); sinks.len()];
+        let read = |theirs: &mut [UnixStream], got: &mut [Vec<(usize, Instant)>]| {
+            for (from, got) in theirs.iter_mut().zip(got.iter_mut()) {
+                for delta in deltas(&dechunk(&read_now(from))) {
+                    got.push((delta.parse().unwrap(), Instant::now()));
+                }
+            }
+        };
+        let settle = || async {
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+        };
+        // Runs of 20 deltas, 0 to 3 ms apart and 8 to 12 ms apart in turn (a fixed pseudo-random
+        // sequence): the share moves between 2 and every delta at once, the phases are laid out
+        // again and again, and a share learnt from short gaps must not hold deltas that come
+        // slower (the timer ends their wait).
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut published = Vec::new();
+        for i in 0..300 {
+            buffer.publish(&text(&i.to_string()));
+            published.push(Instant::now());
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let gap = if i / 20 % 2 == 0 { x % 4 } else { 8 + x % 5 };
+            for _ in 0..=gap {
+                settle().await;
+                read(&mut theirs, &mut got);
+                tokio::time::advance(Duration::from_millis(1)).await;
+            }
+        }
+        for _ in 0..40 {
+            settle().await;
+            read(&mut theirs, &mut got);
+            tokio::time::advance(Duration::from_millis(1)).await;
+        }
+        // The slack is half the spacing (at most 6 ms here); the reads are 1 ms apart, and a
+        // timer fires on the millisecond after its deadline.
+        let bound = window + Duration::from_millis(6 + 2);
+        for got in &got {
+            assert_eq!(got.iter().map(|(i, _)| *i).collect::<Vec<_>>(), (0..300).collect::<Vec<_>>());
+            for (i, at) in got {
+                assert!(*at - published[*i] <= bound, "delta {i} waited {:?}", *at - published[*i]);
+            }
+        }
+        let writes: u64 = sinks.iter().map(|(_, _, _, metrics)| metrics.round_writes.load(Relaxed)).sum();
+        assert!(writes < 7 * 300 * 3 / 4, "deltas share writes: {writes}");
     }
 }
