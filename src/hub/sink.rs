@@ -601,19 +601,37 @@ mod tests {
         assert_eq!(metrics.round_writes.load(Relaxed), 0);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn evenly_spaced_deltas_write_one_phase_of_the_sinks_each_with_a_full_share() {
-        // A 15 ms window and deltas 5 ms apart: a share of 3 deltas per write.
-        let window = Duration::from_millis(15);
-        let hub = Hub::new(1 << 20, FlushWindow { per_reader: window, max: window });
+    /// The window of [`parked_sinks`].
+    const WINDOW: Duration = Duration::from_millis(15);
+
+    /// A turn whose deltas are paced under a 15 ms window (one cursor, kept, reads it), with `n`
+    /// sinks parked at its start, and the other ends of their sockets to read them from.
+    #[allow(clippy::type_complexity)]
+    fn parked_sinks(
+        n: usize,
+    ) -> (
+        Arc<Hub>,
+        Arc<TurnBuffer>,
+        crate::hub::Cursor,
+        Vec<(Arc<Sink>, UnixStream, UnixStream, Arc<Metrics>)>,
+        Vec<UnixStream>,
+    ) {
+        let hub = Hub::new(1 << 20, FlushWindow { per_reader: WINDOW, max: WINDOW });
         let buffer = hub.begin_turn("c", "t");
-        let (_reading, _) = hub.subscribe("c", None);
-        let sinks: Vec<_> = (0..6).map(|_| sink()).collect();
+        let (reading, _) = hub.subscribe("c", None);
+        let sinks: Vec<_> = (0..n).map(|_| sink()).collect();
         for (sink, ..) in &sinks {
             buffer.attach(sink);
             sink.park(&buffer, 0);
         }
-        let mut theirs: Vec<UnixStream> = sinks.iter().map(|(_, _, theirs, _)| theirs.try_clone().unwrap()).collect();
+        let theirs = sinks.iter().map(|(_, _, theirs, _)| theirs.try_clone().unwrap()).collect();
+        (hub, buffer, reading, sinks, theirs)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn evenly_spaced_deltas_write_one_phase_of_the_sinks_each_with_a_full_share() {
+        // Deltas 5 ms apart under a 15 ms window: a share of 3 deltas per write.
+        let (hub, buffer, _reading, sinks, mut theirs) = parked_sinks(6);
         let start = AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() });
         buffer.publish(&start);
         let mut got: Vec<Vec<u8>> = theirs.iter_mut().map(read_now).collect();
@@ -667,16 +685,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn with_irregular_spacing_every_delta_arrives_once_in_order_within_the_window_and_half_a_spacing() {
-        let window = Duration::from_millis(15);
-        let hub = Hub::new(1 << 20, FlushWindow { per_reader: window, max: window });
-        let buffer = hub.begin_turn("c", "t");
-        let (_reading, _) = hub.subscribe("c", None);
-        let sinks: Vec<_> = (0..7).map(|_| sink()).collect();
-        for (sink, ..) in &sinks {
-            buffer.attach(sink);
-            sink.park(&buffer, 0);
-        }
-        let mut theirs: Vec<UnixStream> = sinks.iter().map(|(_, _, theirs, _)| theirs.try_clone().unwrap()).collect();
+        let (_hub, buffer, _reading, sinks, mut theirs) = parked_sinks(7);
+        let window = WINDOW;
         // Per sink, the deltas it got and when.
         let mut got: Vec<Vec<(usize, Instant)>> = vec![Vec::new(); sinks.len()];
         let read = |theirs: &mut [UnixStream], got: &mut [Vec<(usize, Instant)>]| {
