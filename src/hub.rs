@@ -753,9 +753,11 @@ impl Hub {
         self.channels.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Opens the replay buffer of a new turn. The caller guarantees one turn at a time per
-    /// conversation.
-    pub fn begin_turn(&self, conversation_id: &str, turn_id: &str) -> Arc<TurnBuffer> {
+    /// Opens the replay buffer of a new turn with its `opening` events already in it, so that
+    /// the watchers waiting for the turn wake once and take them in one write (many turns
+    /// starting at once would otherwise cost a wake-up and a write per event per watcher). The
+    /// caller guarantees one turn at a time per conversation.
+    pub fn begin_turn(&self, conversation_id: &str, turn_id: &str, opening: &[AgentEvent]) -> Arc<TurnBuffer> {
         let mut channels = self.lock();
         let channel = channels.entry(Arc::from(conversation_id)).or_default();
         let buffer = Arc::new(TurnBuffer {
@@ -771,6 +773,9 @@ impl Hub {
             next: Arc::default(),
             sinks: Mutex::default(),
         });
+        for event in opening {
+            buffer.append(event, false);
+        }
         let slot = std::mem::replace(&mut channel.next, buffer.next.clone());
         let _ = slot.turn.set(buffer.clone());
         slot.filled.notify_waiters();
@@ -868,7 +873,7 @@ impl Hub {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::{TurnSealedEvent, TurnStartEvent};
+    use crate::wire::{TurnInputEvent, TurnSealedEvent, TurnStartEvent};
 
     pub(super) fn text(d: &str) -> AgentEvent {
         AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id: "c".into(), turn_id: "t".into(), delta: d.into() })
@@ -901,7 +906,7 @@ mod tests {
     #[tokio::test]
     async fn coalescing_keeps_the_text_and_loses_only_positions_inside_a_run() {
         let hub = Hub::new(2_000, FlushWindow::default());
-        let buffer = hub.begin_turn("c", "t");
+        let buffer = hub.begin_turn("c", "t", &[]);
         buffer.publish(&AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() }));
         let (mut early, _) = hub.subscribe("c", None);
         assert_eq!(frames(&mut early).await.len(), 1);
@@ -959,7 +964,7 @@ mod tests {
     async fn with_many_watchers_deltas_wait_for_the_round_and_other_events_go_at_once() {
         let flush = FlushWindow { per_reader: Duration::from_micros(10), ..FlushWindow::default() };
         let hub = Hub::new(1 << 20, flush);
-        let buffer = hub.begin_turn("c", "t");
+        let buffer = hub.begin_turn("c", "t", &[]);
         // 300 watchers of the turn in flight: a 3 ms window.
         let mut cursors: Vec<Cursor> = (0..300).map(|_| hub.subscribe("c", None).0).collect();
         assert_eq!(buffer.window(), Duration::from_millis(3));
@@ -1004,7 +1009,7 @@ mod tests {
     async fn evenly_spaced_deltas_go_out_as_soon_as_a_window_has_gathered_its_share() {
         // 4,000 watchers of the turn in flight: a 40 ms window; deltas 20 ms apart.
         let hub = Hub::new(1 << 20, FlushWindow::default());
-        let buffer = hub.begin_turn("c", "t");
+        let buffer = hub.begin_turn("c", "t", &[]);
         let mut cursors: Vec<Cursor> = (0..4_000).map(|_| hub.subscribe("c", None).0).collect();
         assert_eq!(buffer.window(), Duration::from_millis(40));
         let mut watcher = cursors.pop().unwrap();
@@ -1043,12 +1048,38 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_turn_opens_with_its_first_events_in_place_and_a_waiting_watcher_takes_them_in_one_batch() {
+        let hub = Hub::new(1 << 20, FlushWindow::default());
+        let (mut waiting, _) = hub.subscribe("c", None);
+        let read = tokio::spawn(async move { waiting.next_batch(usize::MAX).await });
+        tokio::task::yield_now().await;
+        assert!(!finished(&read).await, "no turn yet");
+        let opening = [
+            AgentEvent::UserMessage(TurnInputEvent {
+                conversation_id: "c".into(),
+                turn_id: "t".into(),
+                text: "hi".into(),
+            }),
+            AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() }),
+        ];
+        let buffer = hub.begin_turn("c", "t", &opening);
+        assert_eq!(buffer.published(), 2);
+        match read.await.unwrap() {
+            Delivery::Frames(f) => {
+                assert_eq!(f.len(), 2, "one wake-up, one batch");
+                assert!(f[1].sse.starts_with(b"id: t:1\n"), "{:?}", String::from_utf8_lossy(&f[1].sse));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
     async fn a_watcher_behind_finds_later_turns_even_after_they_sealed() {
         let hub = Hub::new(1 << 20, FlushWindow::default());
         let (mut watcher, resync) = hub.subscribe("c", None);
         assert!(!resync);
         for turn in ["t1", "t2"] {
-            let buffer = hub.begin_turn("c", turn);
+            let buffer = hub.begin_turn("c", turn, &[]);
             buffer.publish(&text("x"));
             hub.seal_turn(buffer, &sealed());
         }
@@ -1065,7 +1096,7 @@ mod tests {
     #[tokio::test]
     async fn resume_inside_the_turn_in_flight_or_resync() {
         let hub = Hub::new(1 << 20, FlushWindow::default());
-        let buffer = hub.begin_turn("c", "t:x");
+        let buffer = hub.begin_turn("c", "t:x", &[]);
         for i in 0..5 {
             buffer.publish(&text(&i.to_string()));
         }

@@ -401,7 +401,7 @@ mod tests {
     /// parked sinks; the cursor must be kept.
     fn paced(cap: usize) -> (Arc<Hub>, Arc<TurnBuffer>, crate::hub::Cursor) {
         let hub = Hub::new(cap, FlushWindow { per_reader: Duration::from_millis(1), max: Duration::from_millis(1) });
-        let buffer = hub.begin_turn("c", "t");
+        let buffer = hub.begin_turn("c", "t", &[]);
         let (reading, _) = hub.subscribe("c", None);
         assert!(buffer.paced());
         (hub, buffer, reading)
@@ -588,7 +588,7 @@ mod tests {
     #[tokio::test]
     async fn with_the_window_closed_a_round_hands_parked_sinks_back_instead_of_writing() {
         let hub = Hub::new(1 << 20, FlushWindow { per_reader: Duration::ZERO, max: Duration::ZERO });
-        let buffer = hub.begin_turn("c", "t");
+        let buffer = hub.begin_turn("c", "t", &[]);
         assert!(!buffer.paced());
         let (sink, _ours, mut theirs, metrics) = sink();
         buffer.attach(&sink);
@@ -617,7 +617,7 @@ mod tests {
         Vec<UnixStream>,
     ) {
         let hub = Hub::new(1 << 20, FlushWindow { per_reader: WINDOW, max: WINDOW });
-        let buffer = hub.begin_turn("c", "t");
+        let buffer = hub.begin_turn("c", "t", &[]);
         let (reading, _) = hub.subscribe("c", None);
         let sinks: Vec<_> = (0..n).map(|_| sink()).collect();
         for (sink, ..) in &sinks {

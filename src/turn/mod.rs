@@ -195,15 +195,16 @@ impl Turns {
             })
             .await?;
 
-        let buffer = self.hub.begin_turn(&req.conversation_id, &turn_id);
         let ids = (req.conversation_id.clone(), turn_id.clone());
-        buffer.publish(&AgentEvent::UserMessage(TurnInputEvent {
-            conversation_id: ids.0.clone(),
-            turn_id: ids.1.clone(),
-            text: req.message.clone(),
-        }));
-        buffer
-            .publish(&AgentEvent::TurnStart(TurnStartEvent { conversation_id: ids.0.clone(), turn_id: ids.1.clone() }));
+        let opening = [
+            AgentEvent::UserMessage(TurnInputEvent {
+                conversation_id: ids.0.clone(),
+                turn_id: ids.1.clone(),
+                text: req.message.clone(),
+            }),
+            AgentEvent::TurnStart(TurnStartEvent { conversation_id: ids.0.clone(), turn_id: ids.1.clone() }),
+        ];
+        let buffer = self.hub.begin_turn(&req.conversation_id, &turn_id, &opening);
 
         let cancel = CancellationToken::new();
         let inbox = Arc::new(Inbox::default());
