@@ -651,6 +651,8 @@ struct Seen {
     stamped: u64,
     out_of_order: u64,
     latencies: Vec<u64>,
+    /// The send times of the first stamped events (as many as `watch` was asked to keep).
+    early: Vec<u64>,
     sealed: bool,
 }
 
@@ -663,12 +665,15 @@ fn stamp_of(data: &[u8]) -> Option<(u64, u64)> {
 
 /// Reads a subscription until the end of the workload and checks its order: SSE ids without
 /// gaps, stamped deltas in index order without gaps, `turn-sealed` at the end.
-async fn watch(server: Server, mut feed: Feed, events: usize) -> Seen {
+async fn watch(server: Server, mut feed: Feed, events: usize, keep: usize) -> Seen {
     // Sized and touched now, before the workload's clock starts: grown as events arrive, the
-    // list would be copied a dozen times and fault its pages in while latencies are measured.
-    let mut latencies = Vec::with_capacity(events);
-    latencies.spare_capacity_mut().fill(std::mem::MaybeUninit::new(0));
-    let mut seen = Seen { latencies, ..Seen::default() };
+    // lists would be copied a dozen times and fault their pages in while latencies are measured.
+    let touched = |n: usize| {
+        let mut v = Vec::with_capacity(n);
+        v.spare_capacity_mut().fill(std::mem::MaybeUninit::new(0));
+        v
+    };
+    let mut seen = Seen { latencies: touched(events), early: touched(keep.min(events)), ..Seen::default() };
     let mut last_index: Option<u64> = None;
     let transport = feed.transport;
     while let Some(range) = feed.next_message().await {
@@ -694,6 +699,9 @@ async fn watch(server: Server, mut feed: Feed, events: usize) -> Seen {
                     }
                     seen.stamped += 1;
                     seen.latencies.push(now.saturating_sub(stamp));
+                    if seen.early.len() < keep {
+                        seen.early.push(stamp);
+                    }
                 }
                 if find(data, b"\"type\":\"turn-sealed\"").is_some() {
                     seen.sealed = true;
@@ -755,6 +763,8 @@ struct Tally {
     out_of_order: u64,
     incomplete: u64,
     latencies: Vec<u64>,
+    /// Send time and latency of the events each watcher kept the send time of (see `watch`).
+    early: Vec<(u64, u64)>,
     /// With a split asked for (`head` > 0): the latencies of each watcher's first `head`
     /// events, and of the rest.
     split: Option<(usize, Vec<u64>, Vec<u64>)>,
@@ -776,9 +786,35 @@ impl Tally {
                 first.extend_from_slice(&seen.latencies[..at]);
                 rest.extend_from_slice(&seen.latencies[at..]);
             }
+            tally.early.extend(seen.early.iter().copied().zip(seen.latencies.iter().copied()));
             tally.latencies.extend(seen.latencies);
         }
         tally
+    }
+
+    /// p50 and p99 of the kept events by when they were sent: 100 ms slices of the second from
+    /// `from` (micros since the epoch) on.
+    fn by_send_time(&self, from: u64) -> Vec<Value> {
+        let mut slices: Vec<Vec<u64>> = vec![Vec::new(); 10];
+        for (sent, latency) in &self.early {
+            if let Some(slice) = slices.get_mut((sent.saturating_sub(from) / 100_000) as usize) {
+                slice.push(*latency);
+            }
+        }
+        slices
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(i, v)| {
+                v.sort_unstable();
+                json!({
+                    "sent_from_ms": i * 100,
+                    "deliveries": v.len(),
+                    "latency_p50_ms": percentile(v, 0.5) as f64 / 1000.0,
+                    "latency_p99_ms": percentile(v, 0.99) as f64 / 1000.0,
+                })
+            })
+            .collect()
     }
 
     /// The p99 of every watcher's first `head` events and of the rest (see `split`).
@@ -834,7 +870,7 @@ async fn fanout(
     for i in 0..watchers {
         subscriptions.push(subscribe(server, transport.nth(i), base, &channel).await);
     }
-    let tasks: Vec<_> = subscriptions.into_iter().map(|feed| tokio::spawn(watch(server, feed, events))).collect();
+    let tasks: Vec<_> = subscriptions.into_iter().map(|feed| tokio::spawn(watch(server, feed, events, 0))).collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let before = Usage::read(pids);
     let started = Instant::now();
@@ -888,13 +924,14 @@ async fn scale(
         for w in 0..watchers {
             let feed =
                 subscribe(Server::Gateway, transport.nth(c * watchers + w), base, &format!("{prefix}-{c}")).await;
-            tasks.push(tokio::spawn(watch(Server::Gateway, feed, events)));
+            tasks.push(tokio::spawn(watch(Server::Gateway, feed, events, rate as usize)));
         }
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = Usage::read(pids);
     let client_before = cpu_micros(&[std::process::id()]);
     let started = Instant::now();
+    let started_micros = now_micros();
     // Each start is its own request at its own instant: awaited one after another, the starts
     // queue behind the streams already running and spread over seconds instead of one interval,
     // so the conversations would not all stream at once.
@@ -935,6 +972,8 @@ async fn scale(
         "latency_p99_ms": tally.p(0.99),
         "latency_p99_first_second_ms": p99_first_second,
         "latency_p99_after_first_second_ms": p99_after,
+        // The first second again, by when each event was sent (from the first turn's request).
+        "first_second_by_send_time": tally.by_send_time(started_micros),
         "server_cores": cpu as f64 / 1e6 / elapsed,
         "server_cpu_us_per_delivery": cpu as f64 / tally.delivered.max(1) as f64,
         "out_of_order": tally.out_of_order,
@@ -960,7 +999,7 @@ async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Va
         let mut tasks = Vec::with_capacity(watchers);
         for _ in 0..watchers {
             let feed = subscribe(Server::Gateway, Transport::Sse, base, &channel).await;
-            tasks.push(tokio::spawn(watch(Server::Gateway, feed, events)));
+            tasks.push(tokio::spawn(watch(Server::Gateway, feed, events, 0)));
         }
         // The stalled watcher: asks for the stream, then never reads a byte.
         let stalled = if with_stalled {
