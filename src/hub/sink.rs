@@ -8,7 +8,8 @@
 //! deltas are paced (with the window closed every event is a round, and woken tasks batch a
 //! burst better than a write per event would): it hands its
 //! position to a [`Sink`] attached to the turn's buffer, and each round writes the new frames to
-//! every parked sink with one non-blocking `write`, building each distinct chunk once per round.
+//! every parked sink it is for (all of them, or one phase of them, see `TurnBuffer::wake`) with
+//! one non-blocking `write`, building each distinct chunk once per round.
 //!
 //! The stream's task stays the owner of everything else. A round hands the sink back (unparks it
 //! and wakes the task) whenever it cannot simply write and move on: the socket did not take the
