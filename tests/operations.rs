@@ -222,9 +222,21 @@ async fn an_oversized_websocket_frame_closes_the_socket() {
     ws.next().await.unwrap();
     let big = json!({"type": "chat.send", "message": "x".repeat(64 * 1024)}).to_string();
     let _ = ws.socket.send(tokio_tungstenite::tungstenite::Message::text(big)).await;
+    assert_eq!(ws.close_code().await, Some(1009), "closed as too big");
     assert_eq!(ws.next().await, None, "the socket is closed");
     // The gateway is fine.
     assert_eq!(server.get("/health").await.0, 200);
+}
+
+#[tokio::test]
+async fn a_graceful_stop_closes_websockets_as_going_away() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    let mut ws = server.ws().await;
+    assert_eq!(ws.next().await.unwrap()["type"], "catalog");
+    ws.send(json!({"type": "chat.subscribe", "conversationId": "away"})).await;
+    let (_, code) = tokio::join!(server.stop(), ws.close_code());
+    assert_eq!(code, Some(1001));
 }
 
 #[tokio::test]

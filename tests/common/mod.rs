@@ -394,6 +394,19 @@ impl WsClient {
         }
     }
 
+    /// The code of the close frame the server sends, skipping every other message; None when
+    /// the connection ends without one.
+    pub async fn close_code(&mut self) -> Option<u16> {
+        use tokio_tungstenite::tungstenite::Message;
+        loop {
+            match self.socket.next().await? {
+                Ok(Message::Close(frame)) => return frame.map(|f| u16::from(f.code)),
+                Err(_) => return None,
+                Ok(_) => {}
+            }
+        }
+    }
+
     /// The `event`s of `chat.delta` messages for one conversation until its `turn-sealed`;
     /// other messages are returned apart.
     pub async fn deltas_until_sealed(&mut self, conversation_id: &str) -> (Vec<Value>, Vec<Value>) {
