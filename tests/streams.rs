@@ -591,3 +591,51 @@ async fn the_same_idempotency_key_starts_one_turn_even_across_a_restart() {
         assert_eq!(status, 400, "{bad:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_flush_flags_decide_whether_the_rounds_write_to_parked_watchers() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = write_script(
+        dir.path(),
+        json!({"rules": [{"match": "slow", "pace": 200, "steps": [{"text": "word ".repeat(60)}]}]}),
+    );
+    // Two watchers: 1,000 us each is a 2 ms window, open; 0 us, or a longest window of 0 ms,
+    // closes it, and then no watcher parks.
+    let runs: [&[&str]; 3] = [
+        &["--flush-us-per-watcher", "1000"],
+        &["--flush-us-per-watcher", "0"],
+        &["--flush-us-per-watcher", "1000", "--flush-max-ms", "0"],
+    ];
+    let mut writes = Vec::new();
+    for (i, flags) in runs.into_iter().enumerate() {
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--database".into(),
+            dir.path().join(format!("flush{i}.db")).into(),
+            "--scripted-script".into(),
+            script.clone().into(),
+        ];
+        args.extend(flags.iter().map(Into::into));
+        let gateway = ChildGateway::spawn(&args);
+        let base = format!("http://{}", gateway.addr);
+        let client = reqwest::Client::new();
+        let mut watchers = Vec::new();
+        for _ in 0..2 {
+            let r = client.get(format!("{base}/conversations/f/events?until=sealed")).send().await.unwrap();
+            watchers.push(SseStream::new(r));
+        }
+        let r = client.post(format!("{base}/conversations/f/messages")).json(&json!({"message": "slow"})).send().await;
+        assert_eq!(r.unwrap().status(), 202);
+        for watcher in &mut watchers {
+            let mut deltas = 0;
+            while let Some(m) = watcher.next().await {
+                deltas += usize::from(m.json()["type"] == "text-delta");
+            }
+            assert_eq!(deltas, 60, "{flags:?}");
+        }
+        let text = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+        writes.push(metric(&text, "dispatch_round_writes_total"));
+        assert!(gateway.terminate().success());
+    }
+    assert!(writes[0] > 0.0, "an open window: the rounds wrote to parked watchers ({writes:?})");
+    assert_eq!(writes[1..], [0.0, 0.0], "a closed window: nobody parked");
+}
