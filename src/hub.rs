@@ -209,10 +209,10 @@ impl Pacing {
     }
 
     /// How many deltas a window of `window` usually gathers (at least two; unbounded while
-    /// the deltas come all at once): the deltas one write per watcher carries. Staggered
-    /// phases keep their share while the window holds between a quarter of a spacing less and
-    /// a quarter more than the next share (relaying them out costs a round of everyone); the
-    /// first delta of a share still waits less than the window.
+    /// the deltas come all at once): the deltas one write per watcher carries. Phases laid out
+    /// for a share of k keep it while the window is between k - 1/4 and k + 5/4 spacings (laying
+    /// them out again costs a round of everyone); the first delta of a share then still waits
+    /// less than the window.
     fn share(&mut self, window: Duration) -> u32 {
         self.share = match self.spacing {
             Some(spacing) if !spacing.is_zero() => {
@@ -758,8 +758,8 @@ impl Hub {
     /// starting at once would otherwise cost a wake-up and a write per event per watcher). The
     /// caller guarantees one turn at a time per conversation.
     pub fn begin_turn(&self, conversation_id: &str, turn_id: &str, opening: &[AgentEvent]) -> Arc<TurnBuffer> {
-        let mut channels = self.lock();
-        let channel = channels.entry(Arc::from(conversation_id)).or_default();
+        // Built and filled before the hub's lock is taken: nobody can see it until the slot
+        // and the channel point at it.
         let buffer = Arc::new(TurnBuffer {
             conversation_id: Arc::from(conversation_id),
             turn_id: Arc::from(turn_id),
@@ -776,6 +776,8 @@ impl Hub {
         for event in opening {
             buffer.append(event, false);
         }
+        let mut channels = self.lock();
+        let channel = channels.entry(Arc::from(conversation_id)).or_default();
         let slot = std::mem::replace(&mut channel.next, buffer.next.clone());
         let _ = slot.turn.set(buffer.clone());
         slot.filled.notify_waiters();
