@@ -712,8 +712,8 @@ async fn watch(server: Server, mut feed: Feed, events: usize, keep: usize) -> Se
                     if seen.early.len() < keep {
                         seen.early.push(stamp);
                     }
-                }
-                if find(data, b"\"type\":\"turn-sealed\"").is_some() {
+                } else if find(data, b"\"type\":\"turn-sealed\"").is_some() {
+                    // (A stamped delta is not the seal: most events skip this search.)
                     seen.sealed = true;
                     break;
                 }
