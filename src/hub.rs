@@ -753,6 +753,12 @@ impl Hub {
         self.channels.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The flush window now (zero when rounds write every event at once): how long a round may
+    /// hold what a watcher is due, with this many watchers reading in-flight turns.
+    pub fn window(&self) -> Duration {
+        self.flush.for_readers(self.readers.load(Relaxed))
+    }
+
     /// Opens the replay buffer of a new turn with its `opening` events already in it, so that
     /// the watchers waiting for the turn wake once and take them in one write (many turns
     /// starting at once would otherwise cost a wake-up and a write per event per watcher). The

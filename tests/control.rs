@@ -338,3 +338,87 @@ async fn websocket_frames_on_the_wire() {
     assert!(body["error"].as_str().unwrap().contains("Sec-WebSocket-Version"), "{body}");
     assert_eq!(server.get("/health").await.0, 200);
 }
+
+/// The JSON messages of the server frames in `bytes` (whole frames only).
+fn frames_in(mut bytes: &[u8]) -> Vec<Value> {
+    let mut messages = Vec::new();
+    while bytes.len() >= 2 {
+        let (len, header) = match bytes[1] & 0x7f {
+            126 => (u16::from_be_bytes([bytes[2], bytes[3]]) as usize, 4),
+            127 => (u64::from_be_bytes(bytes[2..10].try_into().unwrap()) as usize, 10),
+            n => (n as usize, 2),
+        };
+        messages.push(serde_json::from_slice(&bytes[header..header + len]).unwrap());
+        bytes = &bytes[header + len..];
+    }
+    messages
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_changes_wait_out_the_flush_window_and_go_out_together() {
+    use tokio::io::AsyncReadExt;
+    let dir = tempfile::tempdir().unwrap();
+    // One watcher of a turn in flight opens a window of two seconds.
+    let server = server(dir.path(), |c| {
+        c.flush_us_per_watcher = 2_000_000;
+        c.flush_max_ms = 2_000;
+    })
+    .await;
+    let (_, mut observer) = handshake(&server, "13").await;
+    assert_eq!(next_json(&mut observer).await["type"], "catalog");
+    let mut watcher = server.sse("held", "").await;
+    let (status, body) = server.post("/conversations/held/messages", json!({"message": "stall"})).await;
+    assert_eq!(status, 202, "{body}");
+    // The watcher reads the turn (the window opens), and the observer hears it start.
+    while watcher.next().await.unwrap().json()["type"] != "turn-start" {}
+    let (_, payload) = server_frame(&mut observer).await;
+    let m: Value = serde_json::from_slice(&payload).unwrap();
+    assert_eq!((m["conversationId"].as_str(), m["status"].as_str()), (Some("held"), Some("active")), "{m}");
+
+    // Three turns start within the window: their status changes reach the observer in one
+    // write, in the order they happened. (Written as they come, the first would wake the read
+    // already waiting for it, alone.)
+    let reader = tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        let n = observer.read(&mut buf).await.unwrap();
+        buf.truncate(n);
+        (observer, buf)
+    });
+    for id in ["s1", "s2", "s3"] {
+        let (status, body) = server.post(&format!("/conversations/{id}/messages"), json!({"message": "stall"})).await;
+        assert_eq!(status, 202, "{body}");
+    }
+    let (mut observer, buf) = tokio::time::timeout(std::time::Duration::from_secs(10), reader).await.unwrap().unwrap();
+    let statuses: Vec<(String, String)> = frames_in(&buf)
+        .iter()
+        .map(|m| {
+            assert_eq!(m["type"], "conversation.statusChanged", "{m}");
+            (m["conversationId"].as_str().unwrap().to_owned(), m["status"].as_str().unwrap().to_owned())
+        })
+        .collect();
+    let active = |id: &str| (id.to_owned(), "active".to_owned());
+    assert_eq!(statuses, vec![active("s1"), active("s2"), active("s3")]);
+
+    // The stops end every turn, and the observer hears each go idle (held or not, none is lost).
+    drop(watcher);
+    for id in ["held", "s1", "s2", "s3"] {
+        server.post(&format!("/conversations/{id}/stop"), json!({})).await;
+    }
+    let mut idle = Vec::new();
+    while idle.len() < 4 {
+        let m =
+            tokio::time::timeout(std::time::Duration::from_secs(10), next_json_or_status(&mut observer)).await.unwrap();
+        if m["status"] == "idle" {
+            idle.push(m["conversationId"].as_str().unwrap().to_owned());
+        }
+    }
+    idle.sort();
+    assert_eq!(idle, ["held", "s1", "s2", "s3"]);
+}
+
+/// The next text frame's JSON, status changes included.
+async fn next_json_or_status(socket: &mut tokio::net::TcpStream) -> Value {
+    let (first, payload) = server_frame(socket).await;
+    assert_eq!(first, 0x81, "a final text frame");
+    serde_json::from_slice(&payload).unwrap()
+}

@@ -13,6 +13,12 @@
 //! message over `--max-body-bytes` is answered with a close frame of code 1002, 1007 or 1009 and
 //! the connection ends. A session still open at shutdown gets what its cursors hold, then a
 //! close frame of code 1001.
+//!
+//! Every session hears every conversation's status changes (spec 3.4), so when many turns start
+//! or end together, writing each change as it comes would cost a wake-up and a write per change
+//! per session. While deltas are paced (the hub's flush window is open), a session holds a
+//! status change for one window and writes it with every other change that came meanwhile, or
+//! sooner with anything else it writes; with the window closed it writes each change at once.
 
 use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice};
@@ -190,6 +196,8 @@ enum Woke {
     Handed,
     Readable,
     Status(Result<StatusChange, RecvError>),
+    /// The status changes held since the first of them are due.
+    StatusesDue,
     Ping,
     Drained,
 }
@@ -201,6 +209,9 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
     let mut session = Session::local(state.clone());
     session.send(catalog()).await;
     let mut statuses = state.turns.status_changes();
+    // Status changes held for one flush window, and when that window ends.
+    let mut held: Vec<StatusChange> = Vec::new();
+    let mut held_until: Option<Pin<Box<tokio::time::Sleep>>> = None;
     let mut ping = state.keepalive().map(|p| tokio::time::interval_at(tokio::time::Instant::now() + p, p));
     let mut drained = Cancelled::new(&state.drained);
     let mut parking = Parking::new(stream, Framed::Ws, state.metrics.clone());
@@ -215,11 +226,17 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                 Ok(false) | Err(_) => break None,
             },
             Some(Woke::Status(Ok(change))) => {
-                // With any others already sent: many conversations start at once.
-                session.push(Message::Text(change.message)).await;
-                while let Ok(change) = statuses.try_recv() {
-                    session.push(Message::Text(change.message)).await;
+                held.push(change);
+                let window = state.hub.window();
+                if window.is_zero() {
+                    release(&mut session, &mut held, &mut statuses).await;
+                } else if held_until.is_none() {
+                    held_until = Some(Box::pin(tokio::time::sleep(window)));
                 }
+            }
+            Some(Woke::StatusesDue) => {
+                held_until = None;
+                release(&mut session, &mut held, &mut statuses).await;
             }
             Some(Woke::Status(Err(RecvError::Lagged(missed)))) => {
                 tracing::debug!(missed, "status changes lagged on a WebSocket");
@@ -255,7 +272,11 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
         if let Some(code) = closing {
             break code;
         }
-        // Everything there is to write, in one write.
+        // Everything there is to write, in one write; held status changes go with it.
+        if !held.is_empty() && !session.outbox().is_empty() {
+            held_until = None;
+            release(&mut session, &mut held, &mut statuses).await;
+        }
         for message in session.outbox().drain(..) {
             put_message(&mut out, message);
         }
@@ -276,15 +297,15 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                 parking.attach(&buffer);
                 parking.sink.park(&buffer, next);
                 let handed = parking.sink.handed_back();
-                let status = statuses.recv();
+                let status = next_status(&mut statuses, &mut held_until);
                 tokio::pin!(handed, status);
                 let woke = poll_fn(|cx| {
                     if handed.as_mut().poll(cx).is_ready() {
                         Poll::Ready(Woke::Handed)
                     } else if stream.poll_read_ready(cx).is_ready() {
                         Poll::Ready(Woke::Readable)
-                    } else if let Poll::Ready(change) = status.as_mut().poll(cx) {
-                        Poll::Ready(Woke::Status(change))
+                    } else if let Poll::Ready(woke) = status.as_mut().poll(cx) {
+                        Poll::Ready(woke)
                     } else if ping.as_mut().is_some_and(|t| t.poll_tick(cx).is_ready()) {
                         Poll::Ready(Woke::Ping)
                     } else if Pin::new(&mut drained).poll(cx).is_ready() {
@@ -311,7 +332,7 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                         Err(_) => return,
                     },
                     (i, d) = next_delivery(&mut session) => Woke::Delivery(i, d),
-                    change = statuses.recv() => Woke::Status(change),
+                    woke = next_status(&mut statuses, &mut held_until) => woke,
                     _ = tick(ping.as_mut()) => Woke::Ping,
                     _ = &mut drained => Woke::Drained,
                 }
@@ -319,12 +340,42 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
         });
     };
     drop(parking);
-    // Whatever was gathered, then the close frame (best effort: the client may be gone).
+    // Whatever was gathered and held, then the close frame (best effort: the client may be gone).
+    release(&mut session, &mut held, &mut statuses).await;
     for message in session.outbox().drain(..) {
         put_message(&mut out, message);
     }
     put_close(&mut out, end);
     let _ = write_all(stream, &mut [IoSlice::new(&out)], drain).await;
+}
+
+/// The next status change, or (while some are held) the end of their window: no wake-up per
+/// change meanwhile, the channel keeps them.
+async fn next_status(
+    statuses: &mut tokio::sync::broadcast::Receiver<StatusChange>,
+    held_until: &mut Option<Pin<Box<tokio::time::Sleep>>>,
+) -> Woke {
+    match held_until {
+        Some(until) => {
+            until.as_mut().await;
+            Woke::StatusesDue
+        }
+        None => Woke::Status(statuses.recv().await),
+    }
+}
+
+/// Queues the held status changes and every one the channel has, in the order they came.
+async fn release(
+    session: &mut Session,
+    held: &mut Vec<StatusChange>,
+    statuses: &mut tokio::sync::broadcast::Receiver<StatusChange>,
+) {
+    for change in held.drain(..) {
+        session.push(Message::Text(change.message)).await;
+    }
+    while let Ok(change) = statuses.try_recv() {
+        session.push(Message::Text(change.message)).await;
+    }
 }
 
 /// The turn and position of the session's one subscription, when the rounds may write it: a
