@@ -366,8 +366,13 @@ impl Transport {
 /// Messages are SSE blocks (ended by a blank line), NDJSON lines, or WebSocket text payloads
 /// (stored with a `\n` after each, so they read like NDJSON lines).
 struct Feed {
-    transport: Transport,
     stream: tokio::net::TcpStream,
+    dec: Decoder,
+}
+
+/// A feed's bytes: what was read, what is decoded, where the next message starts.
+struct Decoder {
+    transport: Transport,
     /// Raw bytes read but not yet decoded.
     raw: Vec<u8>,
     /// The decoded messages; read from `at`.
@@ -428,9 +433,8 @@ impl Feed {
         // The pages the first reads land in, faulted in now rather than when events arrive.
         prefault(&mut raw);
         prefault(&mut body);
-        let mut feed = Feed {
+        let mut dec = Decoder {
             transport,
-            stream,
             raw,
             body,
             at: 0,
@@ -440,8 +444,74 @@ impl Feed {
             reply: Vec::new(),
             read_at: 0,
         };
-        feed.decode();
-        Ok(feed)
+        dec.decode();
+        Ok(Feed { stream, dec })
+    }
+
+    /// The next message, or None at the end of the stream.
+    async fn next_message(&mut self) -> Option<std::ops::Range<usize>> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        loop {
+            if let Some(message) = self.dec.message() {
+                return Some(message);
+            }
+            if self.dec.ended {
+                return None;
+            }
+            if !self.dec.reply.is_empty() {
+                let reply = std::mem::take(&mut self.dec.reply);
+                if self.stream.write_all(&reply).await.is_err() {
+                    return None;
+                }
+            }
+            match self.stream.read_buf(self.dec.room()).await {
+                Ok(0) | Err(_) => return None,
+                Ok(_) => self.dec.arrived(now_micros()),
+            }
+        }
+    }
+}
+
+impl Decoder {
+    /// The next whole message in the body, if there is one.
+    fn message(&mut self) -> Option<std::ops::Range<usize>> {
+        let delimiter: &[u8] = if self.transport == Transport::Sse { b"\n\n" } else { b"\n" };
+        loop {
+            let end = find(&self.body[self.at..], delimiter)?;
+            let message = self.at..self.at + end;
+            self.at += end + delimiter.len();
+            if !message.is_empty() {
+                return Some(message);
+            }
+            // (an NDJSON keep-alive)
+        }
+    }
+
+    /// The buffer the next read goes to (the body itself when there is nothing to decode),
+    /// with room in it; what was taken from the body is dropped first.
+    fn room(&mut self) -> &mut Vec<u8> {
+        if self.at == self.body.len() {
+            self.body.clear();
+            self.at = 0;
+        } else if self.at > (1 << 20) {
+            self.body.drain(..self.at);
+            self.at = 0;
+        }
+        let buf = if self.reads_into_body() { &mut self.body } else { &mut self.raw };
+        make_room(buf);
+        buf
+    }
+
+    fn reads_into_body(&self) -> bool {
+        !self.chunked && self.transport != Transport::Ws
+    }
+
+    /// A read into `room()` returned at `now` (unix microseconds).
+    fn arrived(&mut self, now: u64) {
+        self.read_at = now;
+        if !self.reads_into_body() {
+            self.decode();
+        }
     }
 
     /// Moves what can be decoded from `raw` to `body`.
@@ -516,55 +586,6 @@ impl Feed {
             i += header + len;
         }
         self.raw.drain(..i);
-    }
-
-    /// The next message, or None at the end of the stream.
-    async fn next_message(&mut self) -> Option<std::ops::Range<usize>> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let delimiter: &[u8] = if self.transport == Transport::Sse { b"\n\n" } else { b"\n" };
-        loop {
-            if let Some(end) = find(&self.body[self.at..], delimiter) {
-                let message = self.at..self.at + end;
-                self.at += end + delimiter.len();
-                if message.is_empty() {
-                    continue; // an NDJSON keep-alive
-                }
-                return Some(message);
-            }
-            if self.ended {
-                return None;
-            }
-            if !self.reply.is_empty() {
-                let reply = std::mem::take(&mut self.reply);
-                if self.stream.write_all(&reply).await.is_err() {
-                    return None;
-                }
-            }
-            if self.at == self.body.len() {
-                self.body.clear();
-                self.at = 0;
-            } else if self.at > (1 << 20) {
-                self.body.drain(..self.at);
-                self.at = 0;
-            }
-            if !self.chunked && self.transport != Transport::Ws {
-                // Not chunked: read straight into the body.
-                make_room(&mut self.body);
-                match self.stream.read_buf(&mut self.body).await {
-                    Ok(0) | Err(_) => return None,
-                    Ok(_) => {
-                        self.read_at = now_micros();
-                        continue;
-                    }
-                }
-            }
-            make_room(&mut self.raw);
-            match self.stream.read_buf(&mut self.raw).await {
-                Ok(0) | Err(_) => return None,
-                Ok(_) => self.read_at = now_micros(),
-            }
-            self.decode();
-        }
     }
 }
 
@@ -673,35 +694,47 @@ fn stamp_of(data: &[u8]) -> Option<(u64, u64)> {
     Some((number(parts.next()?)?, number(parts.next()?)?))
 }
 
-/// Reads a subscription until the end of the workload and checks its order: SSE ids without
-/// gaps, stamped deltas in index order without gaps, `turn-sealed` at the end.
-async fn watch(server: Server, mut feed: Feed, events: usize, keep: usize) -> Seen {
-    // Sized and touched now, before the workload's clock starts: grown as events arrive, the
-    // lists would be copied a dozen times and fault their pages in while latencies are measured.
-    let touched = |n: usize| {
-        let mut v = Vec::with_capacity(n);
-        v.spare_capacity_mut().fill(std::mem::MaybeUninit::new(0));
-        v
-    };
-    let mut seen = Seen { latencies: touched(events), early: touched(keep.min(events)), ..Seen::default() };
-    let mut last_index: Option<u64> = None;
-    let transport = feed.transport;
-    while let Some(range) = feed.next_message().await {
-        let now = feed.read_at;
-        let message = &feed.body[range];
-        let (id, data) = if transport == Transport::Sse { fields(message) } else { (None, message) };
-        if data.is_empty() || (transport == Transport::Ws && find(data, b"\"type\":\"chat.delta\"").is_none()) {
-            continue; // a comment, a keep-alive, or a WebSocket message other than an event
+/// The checks of one subscription, message by message: SSE ids without gaps, stamped deltas in
+/// index order without gaps, `turn-sealed` (or Nchan's last message) at the end.
+struct Watcher {
+    server: Server,
+    transport: Transport,
+    events: usize,
+    keep: usize,
+    seen: Seen,
+    last_index: Option<u64>,
+}
+
+impl Watcher {
+    fn new(server: Server, transport: Transport, events: usize, keep: usize) -> Watcher {
+        // Sized and touched now, before the workload's clock starts: grown as events arrive,
+        // the lists would be copied a dozen times and fault their pages in while latencies are
+        // measured.
+        let touched = |n: usize| {
+            let mut v = Vec::with_capacity(n);
+            v.spare_capacity_mut().fill(std::mem::MaybeUninit::new(0));
+            v
+        };
+        let seen = Seen { latencies: touched(events), early: touched(keep.min(events)), ..Seen::default() };
+        Watcher { server, transport, events, keep, seen, last_index: None }
+    }
+
+    /// Takes one message, read at `now` (unix microseconds); true once the stream is complete.
+    fn take(&mut self, message: &[u8], now: u64) -> bool {
+        let seen = &mut self.seen;
+        let (id, data) = if self.transport == Transport::Sse { fields(message) } else { (None, message) };
+        if data.is_empty() || (self.transport == Transport::Ws && find(data, b"\"type\":\"chat.delta\"").is_none()) {
+            return false; // a comment, a keep-alive, or a WebSocket message other than an event
         }
         seen.delivered += 1;
-        match server {
+        match self.server {
             Server::Gateway => {
                 // SSE ids are <turnId>:<n>, n from 0 without gaps.
-                if transport == Transport::Sse {
-                    if id != Some(last_index.map_or(0, |l| l + 1)) {
+                if self.transport == Transport::Sse {
+                    if id != Some(self.last_index.map_or(0, |l| l + 1)) {
                         seen.out_of_order += 1;
                     }
-                    last_index = id;
+                    self.last_index = id;
                 }
                 if let Some((stamp, index)) = stamp_of(data) {
                     if index != seen.stamped {
@@ -709,13 +742,12 @@ async fn watch(server: Server, mut feed: Feed, events: usize, keep: usize) -> Se
                     }
                     seen.stamped += 1;
                     seen.latencies.push(now.saturating_sub(stamp));
-                    if seen.early.len() < keep {
+                    if seen.early.len() < self.keep {
                         seen.early.push(stamp);
                     }
                 } else if find(data, b"\"type\":\"turn-sealed\"").is_some() {
                     // (A stamped delta is not the seal: most events skip this search.)
                     seen.sealed = true;
-                    break;
                 }
             }
             Server::Nchan => {
@@ -723,22 +755,138 @@ async fn watch(server: Server, mut feed: Feed, events: usize, keep: usize) -> Se
                 let mut parts = data.splitn(3, |b| *b == b':');
                 let seq = parts.next().and_then(number);
                 let stamp = parts.next().and_then(number);
-                if seq != Some(last_index.map_or(0, |l| l + 1)) {
+                if seq != Some(self.last_index.map_or(0, |l| l + 1)) {
                     seen.out_of_order += 1;
                 }
-                last_index = seq;
+                self.last_index = seq;
                 if let Some(stamp) = stamp {
                     seen.stamped += 1;
                     seen.latencies.push(now.saturating_sub(stamp));
                 }
-                if seq == Some(events as u64 - 1) {
+                if seq == Some(self.events as u64 - 1) {
                     seen.sealed = true;
-                    break;
                 }
             }
         }
+        seen.sealed
     }
-    seen
+}
+
+/// Reads many subscriptions until the end of the workload, on as many threads as there are
+/// cores, each one epoll loop over its share of the sockets (edge-triggered; a read that
+/// returns less than it had room for emptied the socket, so it is not followed by another).
+/// The load generator shares the cores with the server, and an async task per subscription
+/// cost it about a microsecond more per read (waking, scheduling and polling the task) than
+/// the read itself takes in user space; every microsecond it spends is one the server waits
+/// for a core, and shows up in the latencies it measures.
+fn watch_all(server: Server, feeds: Vec<Feed>, events: usize, keep: usize) -> tokio::task::JoinHandle<Vec<Seen>> {
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(feeds.len()).max(1);
+    let mut shares: Vec<Vec<(std::net::TcpStream, Decoder, Watcher)>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, feed) in feeds.into_iter().enumerate() {
+        let watcher = Watcher::new(server, feed.dec.transport, events, keep);
+        let stream = feed.stream.into_std().expect("the socket leaves the runtime");
+        shares[i % threads].push((stream, feed.dec, watcher));
+    }
+    let handles: Vec<_> = shares.into_iter().map(|share| std::thread::spawn(move || epoll_watch(share))).collect();
+    tokio::task::spawn_blocking(move || handles.into_iter().flat_map(|h| h.join().expect("a reader thread")).collect())
+}
+
+/// One thread's loop of [`watch_all`].
+fn epoll_watch(mut share: Vec<(std::net::TcpStream, Decoder, Watcher)>) -> Vec<Seen> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain epoll calls on descriptors this thread owns; `events` outlives each wait.
+    let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    assert!(epoll >= 0, "epoll_create1: {}", std::io::Error::last_os_error());
+    for (i, (stream, _, _)) in share.iter().enumerate() {
+        let mut event =
+            libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLET) as u32, u64: i as u64 };
+        let r = unsafe { libc::epoll_ctl(epoll, libc::EPOLL_CTL_ADD, stream.as_raw_fd(), &mut event) };
+        assert_eq!(r, 0, "epoll_ctl: {}", std::io::Error::last_os_error());
+    }
+    let mut open: Vec<bool> = vec![true; share.len()];
+    let mut left = share.len();
+    // Serves one socket; at its end, shuts it down as the async reader's drop would (the
+    // server sees the watcher go).
+    let turn = |i: usize, share: &mut [(std::net::TcpStream, Decoder, Watcher)], open: &mut [bool]| -> bool {
+        if open[i] && !serve(&mut share[i]) {
+            open[i] = false;
+            unsafe { libc::shutdown(share[i].0.as_raw_fd(), libc::SHUT_RDWR) };
+            return true;
+        }
+        false
+    };
+    // What was read with the response head, and anything already waiting.
+    for i in 0..share.len() {
+        left -= usize::from(turn(i, &mut share, &mut open));
+    }
+    let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+    while left > 0 {
+        let n = unsafe { libc::epoll_wait(epoll, events.as_mut_ptr(), events.len() as i32, 1000) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            assert_eq!(e.kind(), std::io::ErrorKind::Interrupted, "epoll_wait: {e}");
+            continue;
+        }
+        for event in &events[..n as usize] {
+            left -= usize::from(turn(event.u64 as usize, &mut share, &mut open));
+        }
+    }
+    unsafe { libc::close(epoll) };
+    share.into_iter().map(|(_, _, watcher)| watcher.seen).collect()
+}
+
+/// Takes everything a socket has: decodes, checks each message, answers pings. False once the
+/// stream is complete or gone.
+fn serve((stream, dec, watcher): &mut (std::net::TcpStream, Decoder, Watcher)) -> bool {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    loop {
+        while let Some(range) = dec.message() {
+            if watcher.take(&dec.body[range], dec.read_at) {
+                return false;
+            }
+        }
+        if dec.ended {
+            return false;
+        }
+        if !dec.reply.is_empty() {
+            // Pongs, a few bytes each: the socket's buffer takes them.
+            let reply = std::mem::take(&mut dec.reply);
+            if stream.write_all(&reply).is_err() {
+                return false;
+            }
+        }
+        let buf = dec.room();
+        let spare = buf.spare_capacity_mut();
+        let room = spare.len();
+        // SAFETY: `recv` writes at most `room` bytes into the spare capacity, and the length
+        // grows by what it wrote.
+        let read = unsafe { libc::recv(stream.as_raw_fd(), spare.as_mut_ptr().cast(), room, 0) };
+        let read = if read >= 0 {
+            unsafe { buf.set_len(buf.len() + read as usize) };
+            Ok(read as usize)
+        } else {
+            Err(std::io::Error::last_os_error())
+        };
+        match read {
+            Ok(0) => return false,
+            Ok(n) => {
+                dec.arrived(now_micros());
+                if n < room {
+                    // The socket is empty: what the read brought, then wait for the next edge.
+                    while let Some(range) = dec.message() {
+                        if watcher.take(&dec.body[range], dec.read_at) {
+                            return false;
+                        }
+                    }
+                    return !dec.ended;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
 }
 
 /// Publishes `events` messages of about 120 bytes to an Nchan channel at `rate` per second.
@@ -781,10 +929,9 @@ struct Tally {
 }
 
 impl Tally {
-    async fn collect(tasks: Vec<tokio::task::JoinHandle<Seen>>, events: usize, head: usize) -> Tally {
+    async fn collect(watching: tokio::task::JoinHandle<Vec<Seen>>, events: usize, head: usize) -> Tally {
         let mut tally = Tally { split: (head > 0).then(|| (head, Vec::new(), Vec::new())), ..Tally::default() };
-        for t in tasks {
-            let seen = t.await.unwrap();
+        for seen in watching.await.expect("the readers end") {
             tally.watchers += 1;
             tally.delivered += seen.delivered;
             tally.out_of_order += seen.out_of_order;
@@ -842,14 +989,14 @@ impl Tally {
     /// server used since `before`, both read before the latencies are sorted (20 million of
     /// them take a while).
     async fn finish(
-        tasks: Vec<tokio::task::JoinHandle<Seen>>,
+        watching: tokio::task::JoinHandle<Vec<Seen>>,
         events: usize,
         head: usize,
         started: Instant,
         before: Usage,
         pids: &[u32],
     ) -> (Tally, f64, Usage) {
-        let mut tally = Tally::collect(tasks, events, head).await;
+        let mut tally = Tally::collect(watching, events, head).await;
         let elapsed = started.elapsed().as_secs_f64();
         let used = Usage::read(pids).since(before);
         tally.latencies.sort_unstable();
@@ -880,7 +1027,7 @@ async fn fanout(
     for i in 0..watchers {
         subscriptions.push(subscribe(server, transport.nth(i), base, &channel).await);
     }
-    let tasks: Vec<_> = subscriptions.into_iter().map(|feed| tokio::spawn(watch(server, feed, events, 0))).collect();
+    let watching = watch_all(server, subscriptions, events, 0);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let before = Usage::read(pids);
     let started = Instant::now();
@@ -888,7 +1035,7 @@ async fn fanout(
         Server::Gateway => start_turn(&client, base, &channel, &format!("fanout-{events}-{rate}")).await,
         Server::Nchan => publish_nchan(&client, base, &channel, events, rate).await,
     }
-    let (tally, elapsed, used) = Tally::finish(tasks, events, 0, started, before, pids).await;
+    let (tally, elapsed, used) = Tally::finish(watching, events, 0, started, before, pids).await;
     let cpu = used.cpu_us();
     let mut result = json!({
         "transport": format!("{transport:?}").to_lowercase(),
@@ -929,14 +1076,15 @@ async fn scale(
 ) -> Value {
     let client = reqwest::Client::new();
     let prefix = format!("scale{}", now_micros());
-    let mut tasks = Vec::with_capacity(conversations * watchers);
+    let mut feeds = Vec::with_capacity(conversations * watchers);
     for c in 0..conversations {
         for w in 0..watchers {
-            let feed =
-                subscribe(Server::Gateway, transport.nth(c * watchers + w), base, &format!("{prefix}-{c}")).await;
-            tasks.push(tokio::spawn(watch(Server::Gateway, feed, events, rate as usize)));
+            feeds.push(
+                subscribe(Server::Gateway, transport.nth(c * watchers + w), base, &format!("{prefix}-{c}")).await,
+            );
         }
     }
+    let watching = watch_all(Server::Gateway, feeds, events, rate as usize);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = Usage::read(pids);
     let client_before = cpu_micros(&[std::process::id()]);
@@ -963,7 +1111,7 @@ async fn scale(
         starts_took = starts_took.max(start.await.expect("a turn starts"));
     }
     // The first second of each turn apart: the turns' starts fall in it.
-    let (mut tally, elapsed, used) = Tally::finish(tasks, events, rate as usize, started, before, pids).await;
+    let (mut tally, elapsed, used) = Tally::finish(watching, events, rate as usize, started, before, pids).await;
     let (p99_first_second, p99_after) = tally.split_p99();
     let client_cpu = cpu_micros(&[std::process::id()]) - client_before;
     let cpu = used.cpu_us();
@@ -1006,11 +1154,11 @@ async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Va
     let mut runs = Vec::new();
     for with_stalled in (0..12).map(|i| matches!(i % 4, 1 | 2)) {
         let channel = format!("stalled{}", now_micros());
-        let mut tasks = Vec::with_capacity(watchers);
+        let mut feeds = Vec::with_capacity(watchers);
         for _ in 0..watchers {
-            let feed = subscribe(Server::Gateway, Transport::Sse, base, &channel).await;
-            tasks.push(tokio::spawn(watch(Server::Gateway, feed, events, 0)));
+            feeds.push(subscribe(Server::Gateway, Transport::Sse, base, &channel).await);
         }
+        let watching = watch_all(Server::Gateway, feeds, events, 0);
         // The stalled watcher: asks for the stream, then never reads a byte.
         let stalled = if with_stalled {
             let host = base.strip_prefix("http://").unwrap_or(base);
@@ -1035,7 +1183,7 @@ async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Va
         };
         let started = Instant::now();
         start_turn(&client, base, &channel, &format!("fanout-{events}-0")).await;
-        let tally = Tally::collect(tasks, events, 0).await;
+        let tally = Tally::collect(watching, events, 0).await;
         let elapsed = started.elapsed().as_secs_f64();
         sampler.abort();
         // The turn has sealed: what the hub still holds is what the stalled watcher keeps alive.
@@ -1157,8 +1305,8 @@ async fn proxy_via(base: &str, model: &str, round: usize, chunks: usize, latenci
     assert_eq!(r.status(), 202, "starting the proxied turn");
     let (mut expected, mut bad, mut sealed) = (0u64, 0u64, false);
     while let Some(range) = feed.next_message().await {
-        let now = feed.read_at;
-        let (_, data) = fields(&feed.body[range]);
+        let now = feed.dec.read_at;
+        let (_, data) = fields(&feed.dec.body[range]);
         if let Some((stamp, index)) = stamp_of(data) {
             bad += u64::from(index != expected);
             expected += 1;
@@ -1261,7 +1409,7 @@ async fn latejoin(server: Server, transport: Transport, base: &str, events: usiz
     let mut count = 0;
     while count < events {
         let Some(range) = early.next_message().await else { break };
-        if is_event(server, fields(&early.body[range]).1) {
+        if is_event(server, fields(&early.dec.body[range]).1) {
             count += 1;
         }
     }
@@ -1280,7 +1428,7 @@ async fn latejoin(server: Server, transport: Transport, base: &str, events: usiz
     let mut got = 0;
     while got < events {
         let Some(range) = late.next_message().await else { break };
-        let message = &late.body[range];
+        let message = &late.dec.body[range];
         let data = if transport == Transport::Sse { fields(message).1 } else { message };
         if is_event(server, data) {
             got += 1;
