@@ -1147,12 +1147,14 @@ async fn scale(
 async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Value {
     use tokio::io::AsyncWriteExt;
     let client = reqwest::Client::new();
-    // Six runs of each, medians compared: one run is a few seconds, and single runs differ by
-    // 15% here with nothing changed. The order is alone, beside, beside, alone, ...: the
-    // machine's speed drifts during a run, and in this order a steady drift slows both sides
-    // alike (in alternating pairs, the side that always runs second would take all of it).
+    // Twelve runs of each, medians compared: one run is a second or two, and single runs
+    // differ by 10-20% here with nothing changed (with six of each, the ratio of the medians
+    // still moved by +-5% between runs of the workload). The order is alone, beside, beside,
+    // alone, ...: the machine's speed drifts during a run, and in this order a steady drift
+    // slows both sides alike (in alternating pairs, the side that always runs second would
+    // take all of it).
     let mut runs = Vec::new();
-    for with_stalled in (0..12).map(|i| matches!(i % 4, 1 | 2)) {
+    for with_stalled in (0..24).map(|i| matches!(i % 4, 1 | 2)) {
         let channel = format!("stalled{}", now_micros());
         let mut feeds = Vec::with_capacity(watchers);
         for _ in 0..watchers {
