@@ -753,8 +753,8 @@ impl Hub {
         self.channels.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The flush window now (zero when rounds write every event at once): how long a round may
-    /// hold what a watcher is due, with this many watchers reading in-flight turns.
+    /// The flush window for as many watchers as read in-flight turns now: how long a round may
+    /// hold what a watcher is due (zero: rounds write every event at once).
     pub fn window(&self) -> Duration {
         self.flush.for_readers(self.readers.load(Relaxed))
     }

@@ -29,7 +29,7 @@ use std::time::Duration;
 use axum::extract::ws::Message;
 use bytes::BytesMut;
 use tokio::net::TcpStream;
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
 use super::Cancelled;
 use super::direct::{Parking, write_all};
@@ -373,8 +373,13 @@ async fn release(
     for change in held.drain(..) {
         session.push(Message::Text(change.message)).await;
     }
-    while let Ok(change) = statuses.try_recv() {
-        session.push(Message::Text(change.message)).await;
+    loop {
+        match statuses.try_recv() {
+            Ok(change) => session.push(Message::Text(change.message)).await,
+            // Over the channel's capacity within one window: the oldest are gone, the rest follow.
+            Err(TryRecvError::Lagged(missed)) => tracing::debug!(missed, "status changes lagged on a WebSocket"),
+            Err(_) => break,
+        }
     }
 }
 
