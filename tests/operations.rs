@@ -23,6 +23,26 @@ async fn the_served_document_is_the_one_in_the_repository() {
     );
     let doc: Value = serde_json::from_str(&served).unwrap();
     assert_eq!(doc["openapi"], "3.1.0");
+    // OpenAPI 3.1 requires a description on every response; the key check's 401 is on every
+    // route but the public ones, a storage failure's 500 on every route that reads or writes.
+    for (path, operations) in doc["paths"].as_object().unwrap() {
+        for (method, operation) in operations.as_object().unwrap() {
+            let responses = operation["responses"].as_object().unwrap();
+            for (status, response) in responses {
+                assert!(response["description"].is_string(), "{method} {path} {status}: no description");
+            }
+            let public = ["/health", "/ready", "/openapi.json"].contains(&path.as_str());
+            assert_eq!(responses.contains_key("401"), !public, "{method} {path}: 401");
+        }
+    }
+    for (method, path) in [("delete", "/conversations/{id}"), ("get", "/conversations/{id}/metrics"), ("post", "/chat")]
+    {
+        let error = &doc["paths"][path][method]["responses"]["500"];
+        assert_eq!(
+            error["content"]["application/json"]["schema"]["$ref"], "#/components/schemas/ErrorBody",
+            "{method} {path}"
+        );
+    }
     let events = &doc["components"]["schemas"]["AgentEvent"];
     assert_eq!(events["discriminator"]["propertyName"], "type");
     assert_eq!(events["oneOf"].as_array().unwrap().len(), 13);

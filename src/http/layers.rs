@@ -15,7 +15,7 @@ use super::AppState;
 use super::error::{ApiError, InternalDetail};
 
 /// Routes anyone may call, keys or not.
-const PUBLIC: &[&str] = &["/health", "/ready", "/openapi.json"];
+pub(super) const PUBLIC: &[&str] = &["/health", "/ready", "/openapi.json"];
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 

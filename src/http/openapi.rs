@@ -11,6 +11,16 @@ const UNIONS: &[&str] = &["AgentEvent", "Chunk"];
 
 /// Makes the generated document say exactly what goes over the wire.
 pub fn refine(mut doc: Value) -> Value {
+    if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {
+        for (path, operations) in paths.iter_mut() {
+            let Some(operations) = operations.as_object_mut() else { continue };
+            for operation in operations.values_mut() {
+                if let Some(responses) = operation.get_mut("responses").and_then(Value::as_object_mut) {
+                    complete_responses(path, responses);
+                }
+            }
+        }
+    }
     let Some(schemas) = doc.pointer_mut("/components/schemas").and_then(Value::as_object_mut) else {
         return doc;
     };
@@ -21,6 +31,50 @@ pub fn refine(mut doc: Value) -> Value {
         drop_null_from_optionals(name, schema);
     }
     doc
+}
+
+/// Adds what every operation of its kind can answer besides what its handler declares, and the
+/// description OpenAPI 3.1 requires of every response (the status's reason phrase where the
+/// handler gave none):
+/// - 401 on every route but the public ones: with `--api-keys` set, a request without a valid key
+///   is refused before it reaches the handler;
+/// - 500 on every route whose handler answers errors with an `ErrorBody` (but `/ws`, which
+///   answers its errors on the socket once upgraded, and the public ones: `/ready` reports a
+///   failing database as 503): a storage failure that no other status describes; the details
+///   go to the gateway's log, not to the client.
+fn complete_responses(path: &str, responses: &mut Map<String, Value>) {
+    let error = |description: &str| {
+        json!({
+            "description": description,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}},
+        })
+    };
+    let answers_errors = responses.values().any(|r| {
+        r.pointer("/content/application~1json/schema/$ref").and_then(Value::as_str)
+            == Some("#/components/schemas/ErrorBody")
+    });
+    let public = super::layers::PUBLIC.contains(&path);
+    if !public {
+        responses.entry("401").or_insert_with(|| error("Missing or wrong API key (only when keys are configured)"));
+    }
+    if answers_errors && !public && path != "/ws" {
+        responses
+            .entry("500")
+            .or_insert_with(|| error("Internal error (storage failed); the details are in the gateway's log"));
+    }
+    for (status, response) in responses.iter_mut() {
+        if let Some(response) = response.as_object_mut()
+            && !response.contains_key("description")
+        {
+            let reason = status
+                .parse::<u16>()
+                .ok()
+                .and_then(|s| axum::http::StatusCode::from_u16(s).ok())
+                .and_then(|s| s.canonical_reason())
+                .unwrap_or("Response");
+            response.insert("description".into(), json!(reason));
+        }
+    }
 }
 
 /// `oneOf: [{allOf: [{$ref: X}, {properties: {type: {enum: [t]}}}]}]` becomes
