@@ -371,8 +371,7 @@ async fn status_changes_wait_out_the_flush_window_and_go_out_together() {
     assert_eq!(status, 202, "{body}");
     // The watcher reads the turn (the window opens), and the observer hears it start.
     while watcher.next().await.unwrap().json()["type"] != "turn-start" {}
-    let (_, payload) = server_frame(&mut observer).await;
-    let m: Value = serde_json::from_slice(&payload).unwrap();
+    let m = frame_json(&mut observer).await;
     assert_eq!((m["conversationId"].as_str(), m["status"].as_str()), (Some("held"), Some("active")), "{m}");
 
     // Three turns start within the window: their status changes reach the observer in one
@@ -406,8 +405,7 @@ async fn status_changes_wait_out_the_flush_window_and_go_out_together() {
     }
     let mut idle = Vec::new();
     while idle.len() < 4 {
-        let m =
-            tokio::time::timeout(std::time::Duration::from_secs(10), next_json_or_status(&mut observer)).await.unwrap();
+        let m = tokio::time::timeout(std::time::Duration::from_secs(10), frame_json(&mut observer)).await.unwrap();
         if m["status"] == "idle" {
             idle.push(m["conversationId"].as_str().unwrap().to_owned());
         }
@@ -416,9 +414,7 @@ async fn status_changes_wait_out_the_flush_window_and_go_out_together() {
     assert_eq!(idle, ["held", "s1", "s2", "s3"]);
 }
 
-/// The next text frame's JSON, status changes included.
-async fn next_json_or_status(socket: &mut tokio::net::TcpStream) -> Value {
-    let (first, payload) = server_frame(socket).await;
-    assert_eq!(first, 0x81, "a final text frame");
-    serde_json::from_slice(&payload).unwrap()
+/// The next frame's JSON, status changes included.
+async fn frame_json(socket: &mut tokio::net::TcpStream) -> Value {
+    serde_json::from_slice(&server_frame(socket).await.1).unwrap()
 }

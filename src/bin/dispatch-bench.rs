@@ -840,6 +840,9 @@ fn epoll_watch(mut share: Vec<(std::net::TcpStream, Decoder, Watcher)>) -> Vec<S
 fn serve((stream, dec, watcher): &mut (std::net::TcpStream, Decoder, Watcher)) -> bool {
     use std::io::Write;
     use std::os::fd::AsRawFd;
+    // Set by a read that returned less than it had room for: the socket is empty, so after
+    // what it brought (and the pongs it asks for) the loop waits for the next edge.
+    let mut emptied = false;
     loop {
         while let Some(range) = dec.message() {
             if watcher.take(&dec.body[range], dec.read_at) {
@@ -856,37 +859,27 @@ fn serve((stream, dec, watcher): &mut (std::net::TcpStream, Decoder, Watcher)) -
                 return false;
             }
         }
+        if emptied {
+            return true;
+        }
         let buf = dec.room();
         let spare = buf.spare_capacity_mut();
         let room = spare.len();
         // SAFETY: `recv` writes at most `room` bytes into the spare capacity, and the length
         // grows by what it wrote.
         let read = unsafe { libc::recv(stream.as_raw_fd(), spare.as_mut_ptr().cast(), room, 0) };
-        let read = if read >= 0 {
-            unsafe { buf.set_len(buf.len() + read as usize) };
-            Ok(read as usize)
-        } else {
-            Err(std::io::Error::last_os_error())
-        };
         match read {
-            Ok(0) => return false,
-            Ok(n) => {
+            0 => return false,
+            n if n > 0 => {
+                unsafe { buf.set_len(buf.len() + n as usize) };
                 dec.arrived(now_micros());
-                if n < room {
-                    // The socket is empty: what the read brought (and the pongs it asks for),
-                    // then wait for the next edge.
-                    while let Some(range) = dec.message() {
-                        if watcher.take(&dec.body[range], dec.read_at) {
-                            return false;
-                        }
-                    }
-                    let reply = std::mem::take(&mut dec.reply);
-                    return !dec.ended && stream.write_all(&reply).is_ok();
-                }
+                emptied = (n as usize) < room;
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return false,
+            _ => match std::io::Error::last_os_error().kind() {
+                std::io::ErrorKind::WouldBlock => return true,
+                std::io::ErrorKind::Interrupted => {}
+                _ => return false,
+            },
         }
     }
 }
