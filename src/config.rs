@@ -104,6 +104,24 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
 
+    /// Conversations one WebSocket session may subscribe to at once; past it `chat.error`.
+    #[arg(long, env = "DISPATCH_MAX_WS_SUBSCRIPTIONS", default_value_t = 256)]
+    pub max_ws_subscriptions: usize,
+
+    /// Seconds a WebSocket frame, or a fragmented message, may take to arrive complete once
+    /// its first byte has; past it the session is closed (1008).
+    #[arg(long, env = "DISPATCH_WS_MESSAGE_TIMEOUT_SECS", default_value_t = 10)]
+    pub ws_message_timeout_secs: u64,
+
+    /// Messages that may wait for a running turn's next step (`/queue`, `chat.queue`); past
+    /// it, 409.
+    #[arg(long, env = "DISPATCH_MAX_QUEUED_MESSAGES", default_value_t = 32)]
+    pub max_queued_messages: usize,
+
+    /// Bytes of text that may wait for a running turn's next step; past it, 413.
+    #[arg(long, env = "DISPATCH_MAX_QUEUED_BYTES", default_value_t = 256 * 1024)]
+    pub max_queued_bytes: usize,
+
     /// Origins allowed by CORS, comma-separated; `*` (the default) allows any.
     #[arg(long, env = "DISPATCH_CORS_ORIGINS", value_delimiter = ',', default_value = "*")]
     pub cors_origins: Vec<String>,
@@ -365,6 +383,20 @@ fn line_of(text: &str, key: &str) -> usize {
 }
 
 impl Config {
+    /// Checks what the parser cannot: an empty API key (`--api-keys "k,"`) would let requests
+    /// without a key in, so it stops the start.
+    pub fn check(&self) -> Result<(), String> {
+        if self.api_keys.iter().any(|k| k.trim().is_empty()) {
+            return Err("api_keys: an empty key is not a key (a stray comma?); list only non-empty keys, or none to turn auth off".into());
+        }
+        Ok(())
+    }
+
+    /// Whether a browser page from `origin` may use the gateway (CORS, WebSocket handshakes).
+    pub fn allows_origin(&self, origin: &[u8]) -> bool {
+        self.cors_origins.iter().any(|o| o == "*" || o.as_bytes() == origin)
+    }
+
     /// The defaults, as if started with no flags and no environment (for tests and embedding).
     pub fn defaults() -> Config {
         Config {
@@ -389,6 +421,10 @@ impl Config {
             request_timeout_secs: 30,
             shutdown_timeout_secs: 10,
             api_keys: Vec::new(),
+            max_ws_subscriptions: 256,
+            ws_message_timeout_secs: 10,
+            max_queued_messages: 32,
+            max_queued_bytes: 256 * 1024,
             cors_origins: vec!["*".to_owned()],
             ws_listen: None,
             print_openapi: false,

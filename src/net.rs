@@ -1,5 +1,6 @@
-//! Serving connections: HTTP/1.1 with upgrades, a header-read timeout against slow clients,
-//! and sockets that close themselves when their peer stops reading.
+//! Serving connections: HTTP/1.1 with upgrades (and nothing else: a cleartext HTTP/2 preface
+//! is an HTTP/1.1 parse error), a header-read timeout against slow clients, and sockets that
+//! close themselves when their peer stops reading.
 //!
 //! A watcher whose socket takes no bytes for the drain timeout while the gateway has bytes for
 //! it is cut off: its write fails, the server drops the connection and with it the watcher's
@@ -12,8 +13,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -70,9 +70,12 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
             let inner = GuardedStream { inner: stream, drain_timeout: limits.drain_timeout, stalled: None };
             let io = TokioIo::new(Rewind { prefix, read: 0, inner });
             let service = TowerToHyperService::new(router);
-            let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
-            builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.header_read_timeout).keep_alive(true);
-            let connection = builder.serve_connection_with_upgrades(io, service);
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
+                .keep_alive(true)
+                .serve_connection(io, service)
+                .with_upgrades();
             tokio::pin!(connection);
             let mut stopping = false;
             loop {
@@ -96,6 +99,21 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
     drop(listener);
     drop(connection_alive);
     all_closed.closed().await;
+}
+
+/// Serves a WebSocket session on a connection hyper was serving, once hyper has written the
+/// `101` and handed the socket back (with what it had read past the upgrade request).
+pub async fn serve_upgraded(upgrade: hyper::upgrade::OnUpgrade, session: crate::http::ws::OwnedSession) {
+    let Ok(upgraded) = upgrade.await else { return };
+    let Ok(parts) = upgraded.downcast::<TokioIo<Rewind>>() else {
+        tracing::error!("an upgraded connection is not one of the gateway's sockets");
+        return;
+    };
+    let Rewind { mut prefix, read, inner } = parts.io.into_inner();
+    prefix.drain(..read);
+    prefix.extend_from_slice(&parts.read_buf);
+    let drain = inner.drain_timeout;
+    websocket::serve(&inner.inner, session, prefix, drain).await;
 }
 
 /// Resolves when a token is cancelled, for futures polled on every wake of a busy task (a

@@ -36,6 +36,7 @@ pub struct Gateway {
 
 impl Gateway {
     pub async fn build(config: Config) -> Result<Gateway, StartupError> {
+        config.check().map_err(StartupError::Config)?;
         let registry = registry(&config).map_err(StartupError::Config)?;
         let metrics = Arc::new(Metrics::default());
         let limits = StoreOptions {
@@ -69,8 +70,14 @@ impl Gateway {
     /// Binds the configured address.
     pub async fn bind(&self) -> Result<TcpListener, StartupError> {
         let addr = self.state.config.listen;
-        if !addr.ip().is_loopback() && self.state.config.api_keys.is_empty() {
-            tracing::warn!(%addr, "listening beyond loopback with no API keys: anyone who can reach this port can use the gateway");
+        let open = self.state.config.api_keys.is_empty();
+        if open {
+            tracing::info!("auth is off: no API keys are configured");
+        }
+        for addr in std::iter::once(addr).chain(self.state.config.ws_listen) {
+            if open && !addr.ip().is_loopback() {
+                tracing::warn!(%addr, "listening beyond loopback with no API keys: anyone who can reach this port can use the gateway");
+            }
         }
         TcpListener::bind(addr).await.map_err(|source| StartupError::Listen { addr: addr.to_string(), source })
     }

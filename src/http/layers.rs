@@ -78,12 +78,18 @@ fn cors(origins: &[String]) -> CorsLayer {
         .max_age(Duration::from_secs(600))
 }
 
-/// Equal-length comparison whose time does not depend on where the inputs differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
+/// Whether `presented` is one of `keys`, in a time that depends on neither where the inputs
+/// differ nor their lengths: both sides are hashed to 32 bytes, then compared in constant time,
+/// against every key (no early exit at a match).
+fn key_matches(keys: &[String], presented: &[u8]) -> bool {
+    use sha2::Digest;
+    use subtle::ConstantTimeEq;
+    let presented = sha2::Sha256::digest(presented);
+    let mut found = subtle::Choice::from(0);
+    for key in keys {
+        found |= sha2::Sha256::digest(key.as_bytes()).ct_eq(&presented);
     }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    bool::from(found)
 }
 
 /// The key a request presents: `Authorization: Bearer <key>`, else `?access_token=<key>` (for
@@ -100,12 +106,14 @@ fn presented_key(req: &Request) -> Option<String> {
 
 async fn authenticate(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let keys = &state.config.api_keys;
-    if keys.is_empty() || PUBLIC.contains(&req.uri().path()) {
+    // A public path is public as the plain route it names: an upgrade of it is a WebSocket
+    // session (on `--ws-listen` every path upgrades), and needs a key like any other.
+    let public = PUBLIC.contains(&req.uri().path()) && !req.headers().contains_key(header::UPGRADE);
+    if keys.is_empty() || public {
         return next.run(req).await;
     }
-    let presented = presented_key(&req).unwrap_or_default();
-    // Compare against every key, without stopping at the first match.
-    let valid = keys.iter().fold(false, |ok, key| constant_time_eq(key.as_bytes(), presented.as_bytes()) | ok);
+    // No key is never a key (an empty one is refused at start too).
+    let valid = presented_key(&req).is_some_and(|key| !key.is_empty() && key_matches(keys, key.as_bytes()));
     if valid {
         return next.run(req).await;
     }
@@ -132,13 +140,16 @@ async fn timeout(State(state): State<AppState>, req: Request, next: Next) -> Res
 
 #[cfg(test)]
 mod tests {
-    use super::constant_time_eq;
+    use super::key_matches;
 
     #[test]
     fn keys_compare_exactly() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secreT"));
-        assert!(!constant_time_eq(b"secret", b"secret2"));
-        assert!(!constant_time_eq(b"", b"x"));
+        let keys = ["secret".to_owned(), "other".to_owned()];
+        assert!(key_matches(&keys, b"secret"));
+        assert!(key_matches(&keys, b"other"));
+        assert!(!key_matches(&keys, b"secreT"));
+        assert!(!key_matches(&keys, b"secret2"));
+        assert!(!key_matches(&keys, b""));
+        assert!(!key_matches(&[], b"secret"));
     }
 }

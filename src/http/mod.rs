@@ -11,6 +11,7 @@ mod models;
 mod openapi;
 mod ops;
 pub(crate) mod stream;
+mod subscriptions;
 mod throughput;
 pub mod ws;
 

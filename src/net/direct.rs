@@ -8,9 +8,8 @@
 //! its whole life, which is most of what an idle watcher costs), and a batch goes from the hub
 //! to the socket without being queued a second time.
 //!
-//! A WebSocket upgrade (any path: the router decides) goes through the router too, marked
-//! [`DirectUpgrade`]; its `101` carries the session, which `net::websocket` then serves on the
-//! socket itself.
+//! A WebSocket upgrade (any path: the router decides) goes through the router too; its `101`
+//! carries the session ([`TakeSession`]), which `net::websocket` then serves on the socket.
 //!
 //! Any other request, and everything after it on the same connection, is served by hyper,
 //! which is handed the bytes read so far.
@@ -34,7 +33,7 @@ use tower::ServiceExt;
 
 use super::{Cancelled, ConnectionLimits, stalled_error};
 use crate::http::stream::{BATCH, TakeWatch, Watch, tick};
-use crate::http::ws::{DirectUpgrade, TakeSession, has_token};
+use crate::http::ws::{TakeSession, has_token};
 use crate::hub::{Cursor, Delivery, Framed, Sink, TurnBuffer, Unparked, chunk_size};
 use crate::metrics::Metrics;
 
@@ -175,9 +174,6 @@ fn parse(bytes: &[u8]) -> Parsed {
             close |= has_token(value.as_bytes(), b"close");
         }
         request.headers_mut().append(name, value);
-    }
-    if websocket {
-        request.extensions_mut().insert(DirectUpgrade);
     }
     Parsed::Complete(request, close, length)
 }
@@ -503,13 +499,13 @@ mod tests {
         assert!(!taken("POST /conversations/a/events HTTP/1.1\r\nhost: x\r\n\r\n"));
         assert!(!taken("GET /conversations/a HTTP/1.1\r\nhost: x\r\n\r\n"));
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\nupgrade: h2c\r\n\r\n"));
-        // A WebSocket upgrade, on any path (the router answers it), is taken and marked.
+        // A WebSocket upgrade, on any path (the router answers it), is taken.
         for path in ["/ws", "/", "/conversations/a/events"] {
             match parse(format!("GET {path} HTTP/1.1\r\nupgrade: WebSocket\r\nconnection: upgrade\r\n\r\n").as_bytes())
             {
                 Parsed::Complete(request, close, _) => {
                     assert!(!close);
-                    assert!(request.extensions().get::<DirectUpgrade>().is_some());
+                    assert_eq!(request.uri().path(), path);
                 }
                 _ => panic!("a WebSocket upgrade of {path} is taken"),
             }

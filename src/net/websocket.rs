@@ -1,5 +1,6 @@
-//! WebSocket sessions the gateway serves itself (RFC 6455, server side), on connections whose
-//! first request is the upgrade (see `net::direct`; the ops are [`Session`]'s).
+//! WebSocket sessions (RFC 6455, server side): every session the gateway serves, whether its
+//! upgrade was the connection's first request (`net::direct`) or followed others (hyper hands
+//! the socket back). The ops are [`Session`]'s.
 //!
 //! One loop per session reads the client's frames, handles their ops, and writes everything the
 //! session sends: replies, status changes, and the `chat.delta`s of its subscriptions, each
@@ -9,9 +10,10 @@
 //! takes the sink back first, so the frames on the socket never interleave.
 //!
 //! Frames from the client must be masked; fragmented messages are joined, pings answered,
-//! a close answered with a close. A protocol error, a text message that is not UTF-8, or a
-//! message over `--max-body-bytes` is answered with a close frame of code 1002, 1007 or 1009 and
-//! the connection ends. A session still open at shutdown gets what its cursors hold, then a
+//! a close answered with a close (an invalid close code with 1002). A protocol error, a text
+//! message that is not UTF-8, or a message over `--max-body-bytes` is answered with a close
+//! frame of code 1002, 1007 or 1009 and the connection ends; so is a frame or fragmented
+//! message that does not arrive complete within `--ws-message-timeout-secs` (1008). A session still open at shutdown gets what its cursors hold, then a
 //! close frame of code 1001.
 //!
 //! Every session hears every conversation's status changes (spec 3.4), so when many turns start
@@ -24,6 +26,7 @@ use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::task::Poll;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::ws::Message;
@@ -33,7 +36,7 @@ use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
 use super::Cancelled;
 use super::direct::{Parking, write_all};
-use crate::http::stream::{BATCH, tick};
+use crate::http::stream::tick;
 use crate::http::ws::{OwnedSession, Session, catalog};
 use crate::hub::{Delivery, Framed, WS_CLOSE, WS_PING, WS_PONG, WS_TEXT, put_ws_frame};
 use crate::turn::StatusChange;
@@ -42,7 +45,9 @@ use crate::turn::StatusChange;
 const GOING_AWAY: u16 = 1001;
 const PROTOCOL_ERROR: u16 = 1002;
 const INVALID_PAYLOAD: u16 = 1007;
+const POLICY: u16 = 1008;
 const TOO_BIG: u16 = 1009;
+const INTERNAL: u16 = 1011;
 
 /// Most bytes one read of the client's socket takes.
 const READ: usize = 16 * 1024;
@@ -100,14 +105,21 @@ impl Frames {
             if control && (!fin || len > 125) {
                 return Err(PROTOCOL_ERROR);
             }
-            let so_far = self.partial.as_ref().map_or(0, |(_, p)| p.len()) as u64;
-            if so_far + len > self.max as u64 {
+            // A 64-bit length has its top bit clear (RFC 6455 5.2).
+            if len >> 63 != 0 {
+                return Err(PROTOCOL_ERROR);
+            }
+            // Control frames may come between fragments and count on their own.
+            let so_far = if control { 0 } else { self.partial.as_ref().map_or(0, |(_, p)| p.len()) as u64 };
+            if so_far.checked_add(len).is_none_or(|total| total > self.max as u64) {
                 return Err(TOO_BIG);
             }
+            // Within `max`, which is a usize: these cannot overflow.
             let len = len as usize;
             let end = header + 4 + len;
             if b.len() < end {
-                self.buf.reserve(end - b.len());
+                // Read as the bytes come, not reserved from the header: a client that announces
+                // a large frame and sends little holds only what it sent.
                 return Ok(None);
             }
             let mask = [b[header], b[header + 1], b[header + 2], b[header + 3]];
@@ -143,13 +155,21 @@ impl Frames {
                     0 => Ok(Some(Incoming::Close(None))),
                     1 => Err(PROTOCOL_ERROR),
                     _ if std::str::from_utf8(&payload[2..]).is_err() => Err(INVALID_PAYLOAD),
-                    _ => Ok(Some(Incoming::Close(Some(u16::from_be_bytes([payload[0], payload[1]]))))),
+                    _ => match u16::from_be_bytes([payload[0], payload[1]]) {
+                        code if valid_close_code(code) => Ok(Some(Incoming::Close(Some(code)))),
+                        _ => Err(PROTOCOL_ERROR),
+                    },
                 },
                 0x9 => Ok(Some(Incoming::Ping(payload))),
                 0xA => Ok(Some(Incoming::Pong)),
                 _ => Err(PROTOCOL_ERROR),
             };
         }
+    }
+
+    /// Whether part of a frame, or of a fragmented message, has arrived and its rest has not.
+    fn incomplete(&self) -> bool {
+        self.at < self.buf.len() || self.partial.is_some()
     }
 
     /// Reads what the socket has (at most [`READ`] bytes): false once the client is gone. Read
@@ -172,6 +192,13 @@ impl Frames {
     }
 }
 
+/// Whether a peer may send `code` in a close frame (RFC 6455 7.4): the defined codes but those
+/// reserved for "no code" (1005), "abnormal" (1006) and TLS (1015); 3000-4999 for libraries and
+/// applications.
+fn valid_close_code(code: u16) -> bool {
+    matches!(code, 1000..=1003 | 1007..=1014 | 3000..=4999)
+}
+
 /// A close frame with `code`.
 fn put_close(out: &mut BytesMut, code: Option<u16>) {
     let payload = code.map(u16::to_be_bytes);
@@ -190,8 +217,8 @@ fn put_message(out: &mut BytesMut, message: Message) {
 
 /// What the session woke up for.
 enum Woke {
-    /// One subscription's delivery (its index).
-    Delivery(usize, Delivery),
+    /// A waiting subscription's delivery.
+    Delivery(Arc<str>, Delivery),
     /// A round handed the parked subscription back.
     Handed,
     Readable,
@@ -200,14 +227,19 @@ enum Woke {
     StatusesDue,
     Ping,
     Drained,
+    /// A frame or fragmented message did not arrive complete in time.
+    Incomplete,
 }
 
 /// Serves the session until it ends; `read` holds what the client sent after its upgrade.
 pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain: Duration) {
     let OwnedSession { state, permit: _permit } = owned;
     let mut frames = Frames::new(read, state.config.max_body_bytes);
-    let mut session = Session::local(state.clone());
-    session.send(catalog()).await;
+    let message_timeout = Duration::from_secs(state.config.ws_message_timeout_secs.max(1));
+    // Armed while a frame or message is incomplete; the client must finish it by then.
+    let mut incomplete_until: Option<Pin<Box<tokio::time::Sleep>>> = None;
+    let mut session = Session::new(state.clone());
+    session.send(catalog());
     let mut statuses = state.turns.status_changes();
     // Status changes held for one flush window, and when that window ends.
     let mut held: Vec<StatusChange> = Vec::new();
@@ -220,7 +252,11 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
     let mut woke = None;
     let end = loop {
         match woke.take() {
-            Some(Woke::Delivery(i, delivery)) => deliver(&mut session, &mut out, i, delivery).await,
+            Some(Woke::Delivery(id, delivery)) => {
+                if !deliver(&mut session, &mut out, &id, delivery).await {
+                    break Some(INTERNAL);
+                }
+            }
             Some(Woke::Readable) => match frames.read(stream) {
                 Ok(true) => {}
                 Ok(false) | Err(_) => break None,
@@ -229,21 +265,22 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                 held.push(change);
                 let window = state.hub.window();
                 if window.is_zero() {
-                    release(&mut session, &mut held, &mut statuses).await;
+                    release(&mut session, &mut held, &mut statuses);
                 } else if held_until.is_none() {
                     held_until = Some(Box::pin(tokio::time::sleep(window)));
                 }
             }
             Some(Woke::StatusesDue) => {
                 held_until = None;
-                release(&mut session, &mut held, &mut statuses).await;
+                release(&mut session, &mut held, &mut statuses);
             }
             Some(Woke::Status(Err(RecvError::Lagged(missed)))) => {
                 tracing::debug!(missed, "status changes lagged on a WebSocket");
             }
             Some(Woke::Status(Err(RecvError::Closed))) => draining = true,
-            Some(Woke::Ping) => session.push(Message::Ping(Default::default())).await,
+            Some(Woke::Ping) => session.push(Message::Ping(Default::default())),
             Some(Woke::Drained) => draining = true,
+            Some(Woke::Incomplete) => break Some(POLICY),
             Some(Woke::Handed) | None => {}
         }
         // The ops read so far.
@@ -253,9 +290,9 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                 Ok(Some(Incoming::Text(t))) => session.handle(&t).await,
                 Ok(Some(Incoming::Binary(b))) => match std::str::from_utf8(&b) {
                     Ok(t) => session.handle(t).await,
-                    Err(_) => session.send(serde_json::json!({"type": "error", "message": "Invalid JSON"})).await,
+                    Err(_) => session.send(serde_json::json!({"type": "error", "message": "Invalid JSON"})),
                 },
-                Ok(Some(Incoming::Ping(p))) => session.push(Message::Pong(p.into())).await,
+                Ok(Some(Incoming::Ping(p))) => session.push(Message::Pong(p.into())),
                 Ok(Some(Incoming::Pong)) => {}
                 // Answered with the same code (none for none).
                 Ok(Some(Incoming::Close(code))) => {
@@ -272,15 +309,23 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
         if let Some(code) = closing {
             break code;
         }
+        // The deadline runs from the first byte of an incomplete frame to its last.
+        match (frames.incomplete(), incomplete_until.is_some()) {
+            (true, false) => incomplete_until = Some(Box::pin(tokio::time::sleep(message_timeout))),
+            (false, true) => incomplete_until = None,
+            _ => {}
+        }
         // Everything there is to write, in one write; held status changes go with it.
         if !held.is_empty() && !session.outbox().is_empty() {
             held_until = None;
-            release(&mut session, &mut held, &mut statuses).await;
+            release(&mut session, &mut held, &mut statuses);
         }
         for message in session.outbox().drain(..) {
             put_message(&mut out, message);
         }
-        gather(&mut session, &mut out, draining).await;
+        if !gather(&mut session, &mut out, draining).await {
+            break Some(INTERNAL);
+        }
         if !out.is_empty() {
             if write_all(stream, &mut [IoSlice::new(&out)], drain).await.is_err() {
                 return;
@@ -292,7 +337,7 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
         if draining {
             break Some(GOING_AWAY);
         }
-        woke = Some(match parked(&mut session) {
+        woke = Some(match session.subscriptions().parkable() {
             Some((buffer, next)) => {
                 parking.attach(&buffer);
                 parking.sink.park(&buffer, next);
@@ -310,18 +355,23 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                         Poll::Ready(Woke::Ping)
                     } else if Pin::new(&mut drained).poll(cx).is_ready() {
                         Poll::Ready(Woke::Drained)
+                    } else if incomplete_until.as_mut().is_some_and(|t| t.as_mut().poll(cx).is_ready()) {
+                        Poll::Ready(Woke::Incomplete)
                     } else {
                         Poll::Pending
                     }
                 })
                 .await;
-                let (_, cursor) = &mut session.cursors()[0];
+                let cursor = session.subscriptions().single().expect("the parked subscription is at hand");
                 if parking.take_back(cursor, drain).await.is_err() {
                     return;
                 }
                 woke
             }
-            None => {
+            None => match session.subscriptions().try_next(false) {
+                // What came since the gather; otherwise every subscription now waits.
+                Some((id, delivery)) => Woke::Delivery(id, delivery),
+                None => {
                 parking.detach();
                 // The client first: its ops are few and cheap, and a busy turn must not keep
                 // them (an unsubscribe, a close) waiting.
@@ -331,22 +381,32 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                         Ok(()) => Woke::Readable,
                         Err(_) => return,
                     },
-                    (i, d) = next_delivery(&mut session) => Woke::Delivery(i, d),
+                    _ = until(incomplete_until.as_mut()) => Woke::Incomplete,
+                    (id, d) = session.subscriptions().next() => Woke::Delivery(id, d),
                     woke = next_status(&mut statuses, &mut held_until) => woke,
                     _ = tick(ping.as_mut()) => Woke::Ping,
                     _ = &mut drained => Woke::Drained,
                 }
-            }
+                }
+            },
         });
     };
     drop(parking);
     // Whatever was gathered and held, then the close frame (best effort: the client may be gone).
-    release(&mut session, &mut held, &mut statuses).await;
+    release(&mut session, &mut held, &mut statuses);
     for message in session.outbox().drain(..) {
         put_message(&mut out, message);
     }
     put_close(&mut out, end);
     let _ = write_all(stream, &mut [IoSlice::new(&out)], drain).await;
+}
+
+/// Resolves when the deadline passes; never, without one.
+async fn until(deadline: Option<&mut Pin<Box<tokio::time::Sleep>>>) {
+    match deadline {
+        Some(sleep) => sleep.as_mut().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// The next status change, or (while some are held) the end of their window: no wake-up per
@@ -365,17 +425,17 @@ async fn next_status(
 }
 
 /// Queues the held status changes and every one the channel has, in the order they came.
-async fn release(
+fn release(
     session: &mut Session,
     held: &mut Vec<StatusChange>,
     statuses: &mut tokio::sync::broadcast::Receiver<StatusChange>,
 ) {
     for change in held.drain(..) {
-        session.push(Message::Text(change.message)).await;
+        session.push(Message::Text(change.message));
     }
     loop {
         match statuses.try_recv() {
-            Ok(change) => session.push(Message::Text(change.message)).await,
+            Ok(change) => session.push(Message::Text(change.message)),
             // Over the channel's capacity within one window: the oldest are gone, the rest follow.
             Err(TryRecvError::Lagged(missed)) => tracing::debug!(missed, "status changes lagged on a WebSocket"),
             Err(_) => break,
@@ -383,41 +443,23 @@ async fn release(
     }
 }
 
-/// The turn and position of the session's one subscription, when the rounds may write it: a
-/// session with several subscriptions writes them all itself (one lock per socket would be
-/// needed otherwise), and so does one whose turn is not paced.
-fn parked(session: &mut Session) -> Option<(std::sync::Arc<crate::hub::TurnBuffer>, u32)> {
-    match session.cursors().as_slice() {
-        [(_, cursor)] => cursor.reading().filter(|(buffer, _)| buffer.paced()).map(|(b, next)| (b.clone(), next)),
-        _ => None,
-    }
-}
-
-/// The next delivery of any subscription (never, with none).
-async fn next_delivery(session: &mut Session) -> (usize, Delivery) {
-    let cursors = session.cursors();
-    if cursors.is_empty() {
-        return std::future::pending().await;
-    }
-    let waits = cursors.iter_mut().map(|(_, cursor)| Box::pin(cursor.next_batch(BATCH)));
-    let (delivery, i, _) = futures_util::future::select_all(waits).await;
-    (i, delivery)
-}
-
-/// Adds what every subscription has ready to `out` (at shutdown, ends those with nothing).
-async fn gather(session: &mut Session, out: &mut BytesMut, draining: bool) {
-    let mut i = 0;
-    while i < session.cursors().len() && out.len() < GATHER {
-        match session.cursors()[i].1.try_batch(BATCH) {
-            Some(delivery) => deliver(session, out, i, delivery).await,
-            None if draining => drop(session.cursors().remove(i)),
-            None => i += 1,
+/// Adds what the subscriptions have ready to `out`, up to [`GATHER`] bytes (at shutdown, then
+/// drops them all). False when a resync could not be built (the session must end).
+async fn gather(session: &mut Session, out: &mut BytesMut, draining: bool) -> bool {
+    while out.len() < GATHER {
+        let Some((id, delivery)) = session.subscriptions().try_next(!draining) else { break };
+        if !deliver(session, out, &id, delivery).await {
+            return false;
         }
     }
+    if draining {
+        session.subscriptions().clear();
+    }
+    true
 }
 
-/// Adds one subscription's delivery to `out`.
-async fn deliver(session: &mut Session, out: &mut BytesMut, i: usize, delivery: Delivery) {
+/// Adds one subscription's delivery to `out`; false when its resync could not be built.
+async fn deliver(session: &mut Session, out: &mut BytesMut, id: &str, delivery: Delivery) -> bool {
     match delivery {
         Delivery::Frames(frames) => {
             session.metrics().events_delivered.fetch_add(frames.len() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -425,13 +467,13 @@ async fn deliver(session: &mut Session, out: &mut BytesMut, i: usize, delivery: 
                 Framed::Ws.put(out, frame);
             }
         }
-        Delivery::Lost => {
-            let id = session.cursors()[i].0.clone();
-            let message = session.resync(&id).await;
-            put_message(out, message);
-        }
-        Delivery::End => drop(session.cursors().remove(i)),
+        Delivery::Lost => match session.resync(id).await {
+            Some(message) => put_message(out, message),
+            None => return false,
+        },
+        Delivery::End => {}
     }
+    true
 }
 
 /// A client's frame: `first` is the frame's first byte (FIN, RSV and opcode), the payload is
