@@ -20,6 +20,9 @@ async fn main() -> anyhow::Result<()> {
         LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
         LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
     }
+    // Installed before anything is announced: a SIGTERM right after "listening" must stop the
+    // gateway gracefully, not kill it with the signal's default action.
+    let shutdown = shutdown_signal()?;
     let gateway = Gateway::build(config).await?;
     let listener = gateway.bind().await?;
     let ws_listener = gateway.bind_ws().await?;
@@ -27,28 +30,28 @@ async fn main() -> anyhow::Result<()> {
     if let Some(ws) = &ws_listener {
         tracing::info!(addr = %ws.local_addr()?, "WebSocket listener (any path)");
     }
-    gateway.serve(listener, ws_listener, shutdown_signal()).await?;
+    gateway.serve(listener, ws_listener, shutdown).await?;
     Ok(())
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+/// Listens for SIGINT and SIGTERM from now on; the future resolves on the first of them.
+#[cfg(unix)]
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
-    }
+    })
+}
+
+/// Resolves on Ctrl-C.
+#[cfg(not(unix))]
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
 }

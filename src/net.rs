@@ -73,6 +73,8 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout)
+                .max_buf_size(direct::MAX_REQUEST_HEAD)
+                .max_headers(direct::MAX_HEADERS)
                 .keep_alive(true)
                 .serve_connection(io, service)
                 .with_upgrades();

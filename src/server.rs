@@ -49,7 +49,9 @@ impl Gateway {
             max: Duration::from_millis(config.flush_max_ms),
         };
         let hub = Hub::new(config.turn_buffer_bytes, flush);
-        let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone());
+        let queue_limits =
+            crate::runtime::QueueLimits { messages: config.max_queued_messages, bytes: config.max_queued_bytes };
+        let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), queue_limits);
         Ok(Gateway {
             state: AppState::new(Shared {
                 config: Arc::new(config),

@@ -234,7 +234,8 @@ pub async fn close(
     responses(
         (status = 200, body = QueueResponse),
         (status = 400, body = ErrorBody),
-        (status = 413, body = ErrorBody),
+        (status = 409, description = "As many messages wait as `--max-queued-messages` allows", body = ErrorBody),
+        (status = 413, description = "The body is too large, or the waiting text would pass `--max-queued-bytes`", body = ErrorBody),
         (status = 503, body = ErrorBody),
     )
 )]

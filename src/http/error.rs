@@ -29,6 +29,12 @@ pub enum ApiError {
     Conflict(String),
     #[error("request body is larger than {0} bytes")]
     TooLarge(usize),
+    /// 413 for what would pass a limit other than the body's.
+    #[error("{0}")]
+    LimitExceeded(String),
+    /// 408: the request's body did not arrive in time.
+    #[error("{0}")]
+    SlowBody(String),
     #[error("{0}")]
     Unavailable(String),
     /// The detail is logged, never sent.
@@ -48,7 +54,8 @@ impl ApiError {
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
-            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::TooLarge(_) | ApiError::LimitExceeded(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::SlowBody(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -86,6 +93,12 @@ impl From<StartError> for ApiError {
             StartError::UnknownModel(m) => ApiError::BadRequest(format!("unknown model {m:?}; GET /models lists them")),
             StartError::Busy => ApiError::Conflict(StartError::Busy.to_string()),
             StartError::ShuttingDown => ApiError::Unavailable(StartError::ShuttingDown.to_string()),
+            StartError::QueueFull(full @ crate::runtime::QueueFull::Messages(_)) => {
+                ApiError::Conflict(StartError::QueueFull(full).to_string())
+            }
+            StartError::QueueFull(full @ crate::runtime::QueueFull::Bytes(_)) => {
+                ApiError::LimitExceeded(StartError::QueueFull(full).to_string())
+            }
             StartError::Store(e) => e.into(),
         }
     }

@@ -122,16 +122,38 @@ async fn authenticate(State(state): State<AppState>, req: Request, next: Next) -
     response
 }
 
+/// Whether reading a body failed because it passed the size limit.
+fn is_length_limit(error: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = source {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
 /// Streaming routes run as long as their stream; `/last` has its own bound.
 fn is_streaming(path: &str) -> bool {
     path == "/chat" || path == "/ws" || path.ends_with("/events") || path.ends_with("/last")
 }
 
 async fn timeout(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    if is_streaming(req.uri().path()) || req.headers().contains_key(header::UPGRADE) {
-        return next.run(req).await;
-    }
     let limit = Duration::from_secs(state.config.request_timeout_secs.max(1));
+    if is_streaming(req.uri().path()) || req.headers().contains_key(header::UPGRADE) {
+        // The streamed response is exempt from the timeout; the request's body is not: it is
+        // read whole (within the body limit) before the handler runs.
+        let (parts, body) = req.into_parts();
+        let max = state.config.max_body_bytes;
+        let bytes = match tokio::time::timeout(limit, axum::body::to_bytes(body, max)).await {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(e)) if is_length_limit(&e) => return ApiError::TooLarge(max).into_response(),
+            Ok(Err(_)) => return ApiError::bad("the request body could not be read").into_response(),
+            Err(_) => return ApiError::SlowBody("the request body did not arrive in time".into()).into_response(),
+        };
+        return next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await;
+    }
     match tokio::time::timeout(limit, next.run(req)).await {
         Ok(response) => response,
         Err(_) => ApiError::Unavailable("the request timed out".into()).into_response(),

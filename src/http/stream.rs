@@ -100,7 +100,8 @@ impl Watch {
             }
             Delivery::Lost if self.framing == Framing::Sse => {
                 self.metrics.lag_recoveries.fetch_add(1, Relaxed);
-                Some((resync_message(&self.store, &self.conversation_id).await, false))
+                // Unreadable log: the stream ends and the client comes back with its cursor.
+                resync_message(&self.store, &self.conversation_id).await.ok().map(|m| (m, false))
             }
             Delivery::Lost => {
                 self.metrics.subscriber_drops.fetch_add(1, Relaxed);
@@ -110,12 +111,13 @@ impl Watch {
         }
     }
 
-    /// The `event: resync` message, when the stream must open with one (once).
-    pub async fn resync(&mut self) -> Option<Bytes> {
+    /// The `event: resync` message, when the stream must open with one (once); an error when
+    /// the log cannot be read (the stream must end: the client comes back with its cursor).
+    pub async fn resync(&mut self) -> Result<Option<Bytes>, Unreadable> {
         if !std::mem::take(&mut self.resync_first) {
-            return None;
+            return Ok(None);
         }
-        Some(resync_message(&self.store, &self.conversation_id).await)
+        resync_message(&self.store, &self.conversation_id).await.map(Some)
     }
 
     /// The keep-alive ticker (the first tick one period from now).
@@ -128,11 +130,18 @@ impl Watch {
     }
 }
 
+/// The log could not be read for a `resync`: never send a made-up `latestSeq`.
+#[derive(Debug)]
+pub struct Unreadable;
+
 /// The SSE message that tells a watcher to refetch history past its cursor.
-pub async fn resync_message(store: &Store, conversation_id: &str) -> Bytes {
-    let latest = store.latest_seq(conversation_id).await.unwrap_or(0);
+pub async fn resync_message(store: &Store, conversation_id: &str) -> Result<Bytes, Unreadable> {
+    let latest = store.latest_seq(conversation_id).await.map_err(|e| {
+        tracing::error!(conversation_id, error = %e, "cannot read the log for a resync; ending the stream");
+        Unreadable
+    })?;
     let data = serde_json::json!({"conversationId": conversation_id, "latestSeq": latest});
-    Bytes::from(format!("event: resync\ndata: {data}\n\n"))
+    Ok(Bytes::from(format!("event: resync\ndata: {data}\n\n")))
 }
 
 /// The body of a watcher: ends when the cursor ends, after `turn-sealed` with `until_sealed`,
@@ -145,8 +154,10 @@ pub fn watch_body(watch: Watch) -> impl Stream<Item = Result<Bytes, Infallible>>
         if st.done {
             return None;
         }
-        if let Some(message) = st.watch.resync().await {
-            return Some((Ok(message), st));
+        match st.watch.resync().await {
+            Ok(Some(message)) => return Some((Ok(message), st)),
+            Ok(None) => {}
+            Err(Unreadable) => return None,
         }
         let delivery = loop {
             tokio::select! {

@@ -134,7 +134,13 @@ impl Subscriptions {
 
     /// A cursor back from waiting or reading: at hand again with what it got, unless it was
     /// unsubscribed meanwhile or has ended.
-    fn back(&mut self, id: Arc<str>, generation: u64, cursor: Cursor, got: Option<Delivery>) -> Option<(Arc<str>, Delivery)> {
+    fn back(
+        &mut self,
+        id: Arc<str>,
+        generation: u64,
+        cursor: Cursor,
+        got: Option<Delivery>,
+    ) -> Option<(Arc<str>, Delivery)> {
         if !self.current(&id, generation) {
             return None;
         }
@@ -171,10 +177,11 @@ impl Subscriptions {
         if self.entries.len() != 1 {
             return None;
         }
-        let (id, generation, cursor) = self.at_hand.last_mut()?;
-        if !self.entries.get(&**id).is_some_and(|e| e.generation == *generation) {
+        let (id, generation, _) = self.at_hand.last()?;
+        if !self.current(id, *generation) {
             return None;
         }
+        let (_, _, cursor) = self.at_hand.last()?;
         let (buffer, next) = cursor.reading().filter(|(buffer, _)| buffer.paced())?;
         Some((buffer.clone(), next))
     }

@@ -175,9 +175,9 @@ impl Session {
     pub async fn resync(&mut self, conversation_id: &str) -> Option<Message> {
         self.state.metrics.lag_recoveries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match self.state.store.latest_seq(conversation_id).await {
-            Ok(latest_seq) => Some(text(
-                json!({"type": "chat.resync", "conversationId": conversation_id, "latestSeq": latest_seq}),
-            )),
+            Ok(latest_seq) => {
+                Some(text(json!({"type": "chat.resync", "conversationId": conversation_id, "latestSeq": latest_seq})))
+            }
             Err(e) => {
                 tracing::error!(conversation_id, error = %e, "cannot read the log for a resync; closing the session");
                 None
@@ -269,7 +269,9 @@ impl Session {
         let cap = self.subscriptions.cap();
         self.chat_error(
             Some(conversation_id),
-            format!("this connection already follows {cap} conversations (max-ws-subscriptions); unsubscribe from one first"),
+            format!(
+                "this connection already follows {cap} conversations (max-ws-subscriptions); unsubscribe from one first"
+            ),
         );
         false
     }

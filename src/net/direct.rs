@@ -37,12 +37,15 @@ use crate::http::ws::{TakeSession, has_token};
 use crate::hub::{Cursor, Delivery, Framed, Sink, TurnBuffer, Unparked, chunk_size};
 use crate::metrics::Metrics;
 
-/// A request head longer than this is left to hyper (which answers oversized heads itself);
-/// also the most a client may send while its stream is open (kept for its next request).
+/// The most a client may send while its stream is open (kept for its next request).
 const MAX_HEAD: usize = 16 * 1024;
 
-/// Most header lines parsed here; a request with more is left to hyper.
-const MAX_HEADERS: usize = 64;
+/// The longest request head the gateway reads (431 past it); hyper, which serves what follows
+/// on a connection, is held to the same.
+pub(super) const MAX_REQUEST_HEAD: usize = 64 * 1024;
+
+/// Most header lines a request may have (431 past it), as hyper's own limit.
+pub(super) const MAX_HEADERS: usize = 100;
 
 /// How the connection goes on after this module is done with it.
 pub enum Next {
@@ -61,6 +64,13 @@ pub async fn serve(stream: &TcpStream, router: &Router, limits: &ConnectionLimit
             Head::Direct(request, close) => (request, close),
             Head::Other => return Next::Hyper(pending),
             Head::Closed => return Next::Closed,
+            Head::Refused(status, why) => {
+                // A head the gateway cannot read is answered here, as every error, with a
+                // `{"error"}` body (hyper would answer with an empty one), then the connection
+                // closes: where the next request would start is unknown.
+                let _ = refuse(stream, status, why, limits.drain_timeout).await;
+                return Next::Closed;
+            }
         };
         let response = match router.clone().oneshot(request).await {
             Ok(response) => response,
@@ -82,6 +92,21 @@ enum Head {
     Other,
     /// The client went away, sent nothing in time, or the server is stopping.
     Closed,
+    /// A head that cannot be served: too long, too many headers, or not HTTP.
+    Refused(StatusCode, &'static str),
+}
+
+/// Answers a request head that cannot be served and ends the connection.
+async fn refuse(stream: &TcpStream, status: StatusCode, why: &str, drain: Duration) -> io::Result<()> {
+    let body = serde_json::json!({ "error": why }).to_string();
+    let head = format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\ndate: {}\r\n\r\n",
+        status.as_str(),
+        status.canonical_reason().unwrap_or(""),
+        body.len(),
+        httpdate::fmt_http_date(SystemTime::now()),
+    );
+    write_all(stream, &mut [IoSlice::new(head.as_bytes()), IoSlice::new(body.as_bytes())], drain).await
 }
 
 /// Reads until `pending` holds a complete request head and parses it.
@@ -98,8 +123,20 @@ async fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, timeout: Duration,
                     }
                     return Head::Direct(request, close);
                 }
-                Parsed::Partial if pending.len() < MAX_HEAD => {}
-                Parsed::Partial | Parsed::Other => return Head::Other,
+                Parsed::Partial if pending.len() < MAX_REQUEST_HEAD => {}
+                Parsed::Partial => {
+                    return Head::Refused(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "the request head is too large");
+                }
+                Parsed::TooManyHeaders => {
+                    return Head::Refused(
+                        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                        "the request has too many headers",
+                    );
+                }
+                Parsed::Malformed => {
+                    return Head::Refused(StatusCode::BAD_REQUEST, "the request head is not valid HTTP/1.1");
+                }
+                Parsed::Other => return Head::Other,
             }
         }
         if pending.capacity() - pending.len() < 512 {
@@ -125,7 +162,10 @@ enum Parsed {
     /// A live-stream request, whether to close after it, and the length of its head.
     Complete(Request<Body>, bool, usize),
     Partial,
+    /// A well-formed request that hyper serves.
     Other,
+    Malformed,
+    TooManyHeaders,
 }
 
 fn parse(bytes: &[u8]) -> Parsed {
@@ -134,7 +174,8 @@ fn parse(bytes: &[u8]) -> Parsed {
     let length = match head.parse(bytes) {
         Ok(httparse::Status::Complete(length)) => length,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
-        Err(_) => return Parsed::Other,
+        Err(httparse::Error::TooManyHeaders) => return Parsed::TooManyHeaders,
+        Err(_) => return Parsed::Malformed,
     };
     if head.method != Some("GET") || head.version != Some(1) {
         return Parsed::Other;
@@ -364,8 +405,11 @@ async fn watch_stream(
     let mut drained = Cancelled::new(&watch.drained);
     // Something went out since the last tick (no keep-alive is due then).
     let mut sent = false;
-    if let Some(message) = watch.resync().await {
-        write_chunk(stream, &message, drain).await?;
+    match watch.resync().await {
+        Ok(Some(message)) => write_chunk(stream, &message, drain).await?,
+        Ok(None) => {}
+        // The log cannot be read: end the stream (the client comes back with its cursor).
+        Err(_) => return Ok(false),
     }
     loop {
         let woke = match watch.cursor.try_batch(BATCH) {

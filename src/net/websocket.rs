@@ -25,8 +25,8 @@
 use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice};
 use std::pin::Pin;
-use std::task::Poll;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use axum::extract::ws::Message;
@@ -114,9 +114,9 @@ impl Frames {
             if so_far.checked_add(len).is_none_or(|total| total > self.max as u64) {
                 return Err(TOO_BIG);
             }
-            // Within `max`, which is a usize: these cannot overflow.
+            // Within `max`, so within a usize; the frame's end is checked all the same.
             let len = len as usize;
-            let end = header + 4 + len;
+            let Some(end) = (header + 4usize).checked_add(len) else { return Err(TOO_BIG) };
             if b.len() < end {
                 // Read as the bytes come, not reserved from the header: a client that announces
                 // a large frame and sends little holds only what it sent.
@@ -372,21 +372,21 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                 // What came since the gather; otherwise every subscription now waits.
                 Some((id, delivery)) => Woke::Delivery(id, delivery),
                 None => {
-                parking.detach();
-                // The client first: its ops are few and cheap, and a busy turn must not keep
-                // them (an unsubscribe, a close) waiting.
-                tokio::select! {
-                    biased;
-                    r = stream.readable() => match r {
-                        Ok(()) => Woke::Readable,
-                        Err(_) => return,
-                    },
-                    _ = until(incomplete_until.as_mut()) => Woke::Incomplete,
-                    (id, d) = session.subscriptions().next() => Woke::Delivery(id, d),
-                    woke = next_status(&mut statuses, &mut held_until) => woke,
-                    _ = tick(ping.as_mut()) => Woke::Ping,
-                    _ = &mut drained => Woke::Drained,
-                }
+                    parking.detach();
+                    // The client first: its ops are few and cheap, and a busy turn must not keep
+                    // them (an unsubscribe, a close) waiting.
+                    tokio::select! {
+                        biased;
+                        r = stream.readable() => match r {
+                            Ok(()) => Woke::Readable,
+                            Err(_) => return,
+                        },
+                        _ = until(incomplete_until.as_mut()) => Woke::Incomplete,
+                        (id, d) = session.subscriptions().next() => Woke::Delivery(id, d),
+                        woke = next_status(&mut statuses, &mut held_until) => woke,
+                        _ = tick(ping.as_mut()) => Woke::Ping,
+                        _ = &mut drained => Woke::Drained,
+                    }
                 }
             },
         });
@@ -585,6 +585,83 @@ mod tests {
             (client(0x81, &[b'a'; 101])[..4].to_vec(), TOO_BIG),
         ] {
             assert_eq!(all(bytes.clone(), 100).last(), Some(&Err(code)), "{bytes:02x?}");
+        }
+    }
+
+    /// Decodes `bytes` fed in pieces cut at `cuts`, as reads would deliver them.
+    fn in_pieces(bytes: &[u8], cuts: &[usize], max: usize) -> Vec<Result<Incoming, u16>> {
+        let mut frames = Frames::new(Vec::new(), max);
+        let mut got = Vec::new();
+        let mut at = 0;
+        let mut ends: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+        ends.sort_unstable();
+        ends.push(bytes.len());
+        for end in ends {
+            frames.buf.extend_from_slice(&bytes[at..end.max(at)]);
+            at = end.max(at);
+            loop {
+                match frames.next() {
+                    Ok(Some(m)) => got.push(Ok(m)),
+                    Ok(None) => break,
+                    Err(code) => {
+                        got.push(Err(code));
+                        return got;
+                    }
+                }
+            }
+        }
+        got
+    }
+
+    fn arbitrary_frames() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
+        use proptest::prelude::*;
+        // Mostly well-formed client frames (any opcode, FIN, length), some raw noise between.
+        let one = (any::<u8>(), proptest::collection::vec(any::<u8>(), 0..300), any::<bool>(), any::<[u8; 8]>())
+            .prop_map(|(first, payload, noise, raw)| if noise { raw.to_vec() } else { client(first, &payload) });
+        proptest::collection::vec(one, 0..8).prop_map(|frames| frames.concat())
+    }
+
+    proptest::proptest! {
+        /// Whatever arrives, the decoder never panics, and how the bytes are split across reads
+        /// changes nothing it decides.
+        #[test]
+        fn any_bytes_decode_the_same_however_they_are_split(
+            bytes in arbitrary_frames(),
+            cuts in proptest::collection::vec(proptest::prelude::any::<usize>(), 0..6),
+            max in 0usize..400,
+        ) {
+            let whole = all(bytes.clone(), max);
+            proptest::prop_assert_eq!(in_pieces(&bytes, &cuts, max), whole);
+        }
+
+        /// Pure noise, including 64-bit lengths of any value, never panics either.
+        #[test]
+        fn noise_never_panics(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64), max in proptest::prelude::any::<usize>()) {
+            let _ = all(bytes, max);
+        }
+    }
+
+    #[test]
+    fn lengths_that_would_wrap_are_refused() {
+        let mut bytes = client(0x01, b"a");
+        bytes.extend_from_slice(&[0x80, 0x80 | 127]);
+        bytes.extend_from_slice(&(u64::MAX - 1).to_be_bytes());
+        assert_eq!(all(bytes, usize::MAX).last(), Some(&Err(PROTOCOL_ERROR)));
+        let mut bytes = client(0x01, b"a");
+        bytes.extend_from_slice(&[0x80, 0x80 | 127]);
+        bytes.extend_from_slice(&(u64::MAX >> 1).to_be_bytes());
+        assert_eq!(all(bytes.clone(), 1000).last(), Some(&Err(TOO_BIG)));
+        // With no limit to speak of, such a frame just waits for its (never coming) bytes.
+        assert_eq!(all(bytes, usize::MAX), vec![]);
+    }
+
+    #[test]
+    fn close_codes_a_peer_may_not_send_are_protocol_errors() {
+        for code in [0u16, 999, 1004, 1005, 1006, 1015, 1016, 2999, 5000, 65535] {
+            assert_eq!(all(client(0x88, &code.to_be_bytes()), 100), vec![Err(PROTOCOL_ERROR)], "{code}");
+        }
+        for code in [1000u16, 1001, 1002, 1003, 1007, 1011, 3000, 4999] {
+            assert_eq!(all(client(0x88, &code.to_be_bytes()), 100), vec![Ok(Incoming::Close(Some(code)))]);
         }
     }
 

@@ -107,18 +107,40 @@ pub struct Inbox {
     messages: std::sync::Mutex<Vec<QueuedMessage>>,
 }
 
+/// Why a message could not be queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueFull {
+    /// As many messages wait as may.
+    Messages(usize),
+    /// The waiting text would pass this many bytes.
+    Bytes(usize),
+}
+
+/// How much may wait in an inbox.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueLimits {
+    pub messages: usize,
+    pub bytes: usize,
+}
+
 impl Inbox {
-    pub fn push(&self, message: QueuedMessage) {
-        self.lock().push(message);
+    /// Queues `message` within `limits`; what waits then (bounded by the limits).
+    pub fn push(&self, message: QueuedMessage, limits: QueueLimits) -> Result<Vec<QueuedMessage>, QueueFull> {
+        let mut queue = self.lock();
+        if queue.len() >= limits.messages {
+            return Err(QueueFull::Messages(limits.messages));
+        }
+        let bytes: usize = queue.iter().map(|m| m.text.len()).sum();
+        if bytes + message.text.len() > limits.bytes {
+            return Err(QueueFull::Bytes(limits.bytes));
+        }
+        queue.push(message);
+        Ok(queue.clone())
     }
 
     /// Takes every queued message, oldest first.
     pub fn drain(&self) -> Vec<QueuedMessage> {
         std::mem::take(&mut *self.lock())
-    }
-
-    pub fn snapshot(&self) -> Vec<QueuedMessage> {
-        self.lock().clone()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<QueuedMessage>> {

@@ -23,7 +23,7 @@ use tracing::Instrument;
 
 use crate::hub::{Hub, TurnBuffer};
 use crate::metrics::Metrics;
-use crate::runtime::{Inbox, QueuedMessage, Registry, TurnRequest};
+use crate::runtime::{Inbox, QueueFull, QueueLimits, QueuedMessage, Registry, TurnRequest};
 use crate::store::{BeginTurn, IdempotencyRecord, Store, StoreError, now_ms};
 use crate::wire::{AgentEvent, TurnInputEvent, TurnStartEvent};
 
@@ -53,8 +53,17 @@ pub enum StartError {
     Busy,
     #[error("the gateway is shutting down")]
     ShuttingDown,
+    #[error("{}", queue_full(*.0))]
+    QueueFull(QueueFull),
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+fn queue_full(full: QueueFull) -> String {
+    match full {
+        QueueFull::Messages(n) => format!("{n} messages already wait for this turn's next step (max-queued-messages)"),
+        QueueFull::Bytes(n) => format!("the waiting messages would pass {n} bytes (max-queued-bytes)"),
+    }
 }
 
 /// A conversation went active, idle or closed: the `conversation.statusChanged` message every
@@ -93,6 +102,7 @@ pub struct Turns {
     /// Set at shutdown: no new turn starts.
     closing: CancellationToken,
     metrics: Arc<Metrics>,
+    queue_limits: QueueLimits,
 }
 
 /// Frees a reserved slot unless the reservation was turned into a running turn.
@@ -111,7 +121,13 @@ impl Drop for Reservation<'_> {
 }
 
 impl Turns {
-    pub fn new(store: Store, hub: Arc<Hub>, registry: Arc<Registry>, metrics: Arc<Metrics>) -> Arc<Turns> {
+    pub fn new(
+        store: Store,
+        hub: Arc<Hub>,
+        registry: Arc<Registry>,
+        metrics: Arc<Metrics>,
+        queue_limits: QueueLimits,
+    ) -> Arc<Turns> {
         let (statuses, _) = broadcast::channel(1024);
         Arc::new(Turns {
             store,
@@ -121,6 +137,7 @@ impl Turns {
             statuses,
             closing: CancellationToken::new(),
             metrics,
+            queue_limits,
         })
     }
 
@@ -213,29 +230,41 @@ impl Turns {
         self.announce(&req.conversation_id, "active");
         self.metrics.turns_started.fetch_add(1, Relaxed);
 
-        let history = if runtime.needs_history() {
-            self.store.history_chunks(&req.conversation_id).await.unwrap_or_else(|e| {
-                tracing::error!(error = %e, "could not read the history for the runtime");
+        // What the runtime is owed: the conversation so far and its agent session. A read that
+        // fails ends the turn (`storage`): a runtime must never go on with a made-up history,
+        // nor start a fresh session where a resume was due.
+        let context = async {
+            let history = if runtime.needs_history() {
+                self.store.history_chunks(&req.conversation_id).await?
+            } else {
                 Vec::new()
-            })
-        } else {
-            Vec::new()
-        };
-        let session_id = self.store.session_id(&req.conversation_id).await.unwrap_or_default();
-        let request = TurnRequest {
-            conversation_id: req.conversation_id.clone(),
-            turn_id: turn_id.clone(),
-            model: native_model.to_owned(),
-            prompt: req.message,
-            cwd: req.cwd,
-            reasoning_effort: req.reasoning_effort,
-            history,
-            session_id,
-            inbox,
-        };
+            };
+            Ok::<_, StoreError>((history, self.store.session_id(&req.conversation_id).await?))
+        }
+        .await;
         let span = tracing::info_span!("turn", conversation = %ids.0, turn = %ids.1, model = %model);
-        let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, request.inbox.clone());
-        tokio::spawn(run.drive(runtime, request).instrument(span));
+        let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone());
+        match context {
+            Ok((history, session_id)) => {
+                let request = TurnRequest {
+                    conversation_id: req.conversation_id.clone(),
+                    turn_id: turn_id.clone(),
+                    model: native_model.to_owned(),
+                    prompt: req.message,
+                    cwd: req.cwd,
+                    reasoning_effort: req.reasoning_effort,
+                    history,
+                    session_id,
+                    inbox,
+                };
+                tokio::spawn(run.drive(runtime, request).instrument(span));
+            }
+            Err(e) => {
+                tracing::error!(conversation = %ids.0, error = %e, "cannot read the conversation for the runtime");
+                let message = format!("the conversation could not be read for the runtime: {e}");
+                tokio::spawn(run.refuse(message).instrument(span));
+            }
+        }
         Ok(Started { conversation_id: ids.0, turn_id: ids.1, buffer })
     }
 
@@ -267,8 +296,8 @@ impl Turns {
     pub async fn queue(self: &Arc<Self>, conversation_id: &str, text: String) -> Result<Queued, StartError> {
         let message = QueuedMessage { id: uuid::Uuid::now_v7().to_string(), text, queued_at: now_ms() };
         if let Some(Slot::Running { inbox, .. }) = self.lock().get(conversation_id) {
-            inbox.push(message);
-            return Ok(Queued { started_turn: false, queue: inbox.snapshot() });
+            let queue = inbox.push(message, self.queue_limits).map_err(StartError::QueueFull)?;
+            return Ok(Queued { started_turn: false, queue });
         }
         let req = StartTurn {
             conversation_id: conversation_id.to_owned(),

@@ -132,6 +132,12 @@ impl TurnRun {
         Box::pin(self.run(runtime, request))
     }
 
+    /// Ends the turn before its runtime is asked: what the runtime needed could not be read.
+    /// Boxed like [`TurnRun::drive`].
+    pub(super) fn refuse(self, message: String) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        Box::pin(async move { self.finish(End::Failed { message, code: Some("storage".into()) }).await })
+    }
+
     async fn run(mut self, runtime: Arc<dyn Runtime>, request: TurnRequest) {
         let runtime_cancel = self.cancel.child_token();
         let mut attempt = 0;

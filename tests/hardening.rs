@@ -1,0 +1,497 @@
+//! The gateway as an attacker meets it, on raw sockets: keys on every upgrade, empty keys,
+//! foreign origins, subscription and queue caps, frames that never finish, h2c, slow bodies,
+//! hostile WebSocket lengths and close codes, the WebSocket after a kept-alive request, error
+//! bodies on every hand-written path, and failed reads that must end a turn or a stream.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use dispatch_gateway::{Config, Gateway};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
+
+/// A raw HTTP/1.1 response: status, lowercased head, and the bytes after the head.
+struct Raw {
+    status: u16,
+    head: String,
+    rest: Vec<u8>,
+}
+
+/// Sends `request` and reads one response head (and whatever followed it in the same reads).
+async fn exchange(socket: &mut TcpStream, request: &[u8]) -> Raw {
+    socket.write_all(request).await.unwrap();
+    read_response(socket).await
+}
+
+async fn read_response(socket: &mut TcpStream) -> Raw {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let end = loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end + 4;
+        }
+        let n = tokio::time::timeout(Duration::from_secs(10), socket.read(&mut chunk))
+            .await
+            .expect("a response in time")
+            .unwrap();
+        assert!(n > 0, "the connection closed before a response: {:?}", String::from_utf8_lossy(&buf));
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+    assert!(head.starts_with("http/1.1 ") || head.starts_with("http/1.0 "), "{head}");
+    Raw { status: head[9..12].parse().unwrap(), head, rest: buf[end..].to_vec() }
+}
+
+/// The JSON body of a response with a content-length.
+async fn json_body(socket: &mut TcpStream, raw: &Raw) -> Value {
+    let length: usize = raw
+        .head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .unwrap_or_else(|| panic!("a content-length: {}", raw.head))
+        .trim()
+        .parse()
+        .unwrap();
+    let mut body = raw.rest.clone();
+    while body.len() < length {
+        let mut chunk = [0u8; 4096];
+        let n = socket.read(&mut chunk).await.unwrap();
+        assert!(n > 0);
+        body.extend_from_slice(&chunk[..n]);
+    }
+    assert!(raw.head.contains("content-type: application/json"), "{}", raw.head);
+    serde_json::from_slice(&body[..length]).unwrap()
+}
+
+fn upgrade(path: &str, extra: &str) -> Vec<u8> {
+    format!(
+        "GET {path} HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-version: 13\r\nsec-websocket-key: {KEY}\r\n{extra}\r\n"
+    )
+    .into_bytes()
+}
+
+/// A client frame with `first` byte (FIN, opcode) and a masked payload.
+fn frame(first: u8, payload: &[u8]) -> Vec<u8> {
+    let mask = [1u8, 2, 3, 4];
+    let mut f = vec![first];
+    match payload.len() {
+        n if n < 126 => f.push(0x80 | n as u8),
+        n if n < 65536 => {
+            f.push(0x80 | 126);
+            f.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            f.push(0x80 | 127);
+            f.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    f.extend_from_slice(&mask);
+    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
+}
+
+/// Reads server frames until a close frame; its code (None: closed without one, or none in it).
+async fn close_code(socket: &mut TcpStream, mut buf: Vec<u8>) -> Option<u16> {
+    loop {
+        // Server frames are unmasked: [first, len(, ext)] payload.
+        while buf.len() >= 2 {
+            let (len, at) = match buf[1] & 0x7f {
+                126 if buf.len() >= 4 => (u16::from_be_bytes([buf[2], buf[3]]) as usize, 4),
+                127 if buf.len() >= 10 => (u64::from_be_bytes(buf[2..10].try_into().unwrap()) as usize, 10),
+                126 | 127 => break,
+                n => (n as usize, 2),
+            };
+            if buf.len() < at + len {
+                break;
+            }
+            if buf[0] & 0x0f == 0x8 {
+                return (len >= 2).then(|| u16::from_be_bytes([buf[at], buf[at + 1]]));
+            }
+            buf.drain(..at + len);
+        }
+        let mut chunk = [0u8; 8192];
+        match tokio::time::timeout(Duration::from_secs(15), socket.read(&mut chunk))
+            .await
+            .expect("the server acts in time")
+        {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// Opens a raw WebSocket on `addr` and returns the socket and what followed the 101.
+async fn raw_ws(addr: std::net::SocketAddr, path: &str, extra: &str) -> (TcpStream, Vec<u8>) {
+    let mut socket = TcpStream::connect(addr).await.unwrap();
+    let raw = exchange(&mut socket, &upgrade(path, extra)).await;
+    assert_eq!(raw.status, 101, "{}", raw.head);
+    (socket, raw.rest)
+}
+
+#[tokio::test]
+async fn every_upgrade_needs_a_key_on_either_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.api_keys = vec!["k1".into()];
+    config.ws_listen = Some("127.0.0.1:0".parse().unwrap());
+    let server = TestServer::start(config).await;
+    let ws_addr = server.ws_addr.unwrap();
+    for addr in [server.addr, ws_addr] {
+        for path in ["/health", "/ready", "/openapi.json", "/openapi.json?x=1", "/ws", "/"] {
+            let mut socket = TcpStream::connect(addr).await.unwrap();
+            let raw = exchange(&mut socket, &upgrade(path, "")).await;
+            assert_eq!(raw.status, 401, "{path} on {addr} upgraded without a key");
+            assert!(json_body(&mut socket, &raw).await["error"].is_string());
+        }
+    }
+    // With the key it opens, on a public path of the WebSocket listener too.
+    let (mut socket, _) = raw_ws(ws_addr, "/health?access_token=k1", "").await;
+    drop(socket.write_all(&frame(0x88, &[0x03, 0xe8])).await);
+    // The plain public routes stay public.
+    assert_eq!(server.client.get(server.url("/health")).send().await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn an_empty_key_is_refused_at_start_and_no_key_means_auth_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("k.db").display().to_string();
+    let args = |keys: &str| -> Vec<std::ffi::OsString> {
+        ["dispatch-gateway", "--database", &db, "--api-keys", keys].iter().map(Into::into).collect()
+    };
+    for keys in ["k,", ",", ",k"] {
+        let config = Config::load_from(args(keys), Vec::new()).unwrap();
+        let error = Gateway::build(config).await.err().expect("an empty key stops the start");
+        assert!(error.to_string().contains("empty key"), "{error}");
+    }
+    let base: Vec<std::ffi::OsString> = ["dispatch-gateway", "--database", &db].iter().map(Into::into).collect();
+    for value in ["", ","] {
+        let env = vec![("DISPATCH_API_KEYS".to_owned(), value.to_owned())];
+        match Config::load_from(base.clone(), env) {
+            Ok(config) if config.api_keys.is_empty() => {}
+            Ok(config) => {
+                assert!(Gateway::build(config).await.is_err(), "DISPATCH_API_KEYS={value:?} let an empty key in")
+            }
+            Err(_) => {}
+        }
+    }
+    // No keys at all: the log says auth is off.
+    let child = ChildGateway::spawn(&["--database".into(), dir.path().join("c.db").into()]);
+    let said =
+        child.logs.lock().unwrap().iter().any(|l| l["fields"]["message"] == "auth is off: no API keys are configured");
+    assert!(said, "the start logs that auth is off");
+    assert!(child.terminate().success());
+}
+
+#[tokio::test]
+async fn a_foreign_origin_gets_no_websocket() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.cors_origins = vec!["http://good.example".into()];
+    let server = TestServer::start(config).await;
+    let mut socket = TcpStream::connect(server.addr).await.unwrap();
+    let raw = exchange(&mut socket, &upgrade("/ws", "origin: http://evil.example\r\n")).await;
+    assert_eq!(raw.status, 403);
+    assert!(json_body(&mut socket, &raw).await["error"].as_str().unwrap().contains("origin"));
+    raw_ws(server.addr, "/ws", "origin: http://good.example\r\n").await;
+    // No Origin: not a browser, allowed.
+    raw_ws(server.addr, "/ws", "").await;
+}
+
+#[tokio::test]
+async fn a_session_follows_at_most_its_cap_of_conversations() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_ws_subscriptions = 3;
+    let server = TestServer::start(config).await;
+    let mut ws = server.ws().await;
+    assert_eq!(ws.next().await.unwrap()["type"], "catalog");
+    for id in ["c1", "c2", "c3", "c3", "c4"] {
+        ws.send(json!({"type": "chat.subscribe", "conversationId": id})).await;
+    }
+    let error = ws.next().await.unwrap();
+    assert_eq!(error["type"], "chat.error", "{error}");
+    assert_eq!(error["conversationId"], "c4");
+    assert!(error["message"].as_str().unwrap().contains('3'), "{error}");
+    // A send to a fourth conversation is refused before its turn starts.
+    ws.send(json!({"type": "chat.send", "conversationId": "c5", "message": "hi"})).await;
+    assert_eq!(ws.next().await.unwrap()["type"], "chat.error");
+    assert_eq!(server.get("/conversations/c5/status").await.0, 404, "no turn started");
+    // Unsubscribing makes room; turns in two followed conversations arrive whole, each.
+    ws.send(json!({"type": "chat.unsubscribe", "conversationId": "c1"})).await;
+    ws.send(json!({"type": "chat.send", "conversationId": "c4", "message": "four"})).await;
+    let (events, other) = ws.deltas_until_sealed("c4").await;
+    assert_eq!(events.first().unwrap()["type"], "user-message");
+    assert!(other.iter().all(|m| m["type"] != "chat.error"), "{other:?}");
+    let expected = server.chat("c2", "two").await;
+    let (events, _) = ws.deltas_until_sealed("c2").await;
+    assert_eq!(events, expected, "the followed conversation's turn, as a chat stream saw it");
+    // c1 was left: its turn reaches the socket no more.
+    server.chat("c1", "one").await;
+    server.chat("c3", "three").await;
+    let (events, other) = ws.deltas_until_sealed("c3").await;
+    assert_eq!(events.last().unwrap()["type"], "turn-sealed");
+    let c1: Vec<_> = other.iter().filter(|m| m["type"] == "chat.delta").collect();
+    assert!(c1.is_empty(), "deltas of an unsubscribed conversation: {c1:?}");
+}
+
+#[tokio::test]
+async fn the_queue_is_capped_by_count_and_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_queued_messages = 3;
+    config.max_queued_bytes = 1000;
+    config.scripted_script = Some(write_script(
+        dir.path(),
+        json!({"rules": [{"match": "slow", "steps": [{"text": "waiting", "stallMs": 3000}]}]}),
+    ));
+    let server = TestServer::start(config).await;
+    let (status, _) = server.post("/conversations/q/messages", json!({"message": "slow"})).await;
+    assert_eq!(status, 202);
+    for n in 1..=3 {
+        let (status, body) = server.post("/conversations/q/queue", json!({"text": format!("m{n}")})).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["queue"].as_array().unwrap().len(), n);
+    }
+    let (status, body) = server.post("/conversations/q/queue", json!({"text": "m4"})).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("max-queued-messages"));
+    server.post("/conversations/q/stop", json!({})).await;
+    server.get("/conversations/q/last").await;
+
+    let (status, _) = server.post("/conversations/b/messages", json!({"message": "slow"})).await;
+    assert_eq!(status, 202);
+    let (status, _) = server.post("/conversations/b/queue", json!({"text": "x".repeat(600)})).await;
+    assert_eq!(status, 200);
+    let (status, body) = server.post("/conversations/b/queue", json!({"text": "y".repeat(600)})).await;
+    assert_eq!(status, 413, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("max-queued-bytes"));
+    // Over the WebSocket the same cap answers chat.error.
+    let mut ws = server.ws().await;
+    ws.next().await.unwrap();
+    ws.send(json!({"type": "chat.queue", "conversationId": "b", "text": "z".repeat(600)})).await;
+    let error = loop {
+        let m = ws.next().await.unwrap();
+        if m["type"] == "chat.error" {
+            break m;
+        }
+    };
+    assert!(error["message"].as_str().unwrap().contains("max-queued-bytes"), "{error}");
+    server.post("/conversations/b/stop", json!({})).await;
+}
+
+#[tokio::test]
+async fn a_frame_or_message_that_never_finishes_is_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.ws_message_timeout_secs = 1;
+    let server = TestServer::start(config).await;
+    // A frame announcing 60,000 bytes, of which 10 come.
+    let (mut socket, rest) = raw_ws(server.addr, "/ws", "").await;
+    let announced = frame(0x81, &vec![b'a'; 60_000]);
+    socket.write_all(&announced[..18]).await.unwrap();
+    assert_eq!(close_code(&mut socket, rest).await, Some(1008));
+    // A fragmented message whose last fragment never comes (pings meanwhile do not help).
+    let (mut socket, rest) = raw_ws(server.addr, "/ws", "").await;
+    socket.write_all(&frame(0x01, b"{\"type\":")).await.unwrap();
+    for _ in 0..3 {
+        let _ = socket.write_all(&frame(0x89, b"p")).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(close_code(&mut socket, rest).await, Some(1008));
+    // Whole messages sent slowly, one by one, are fine.
+    let (mut socket, mut rest) = raw_ws(server.addr, "/ws", "").await;
+    for _ in 0..3 {
+        socket.write_all(&frame(0x89, b"p")).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+    socket.write_all(&frame(0x88, &[0x03, 0xe8])).await.unwrap();
+    let mut chunk = [0u8; 4096];
+    let n = socket.read(&mut chunk).await.unwrap();
+    rest.extend_from_slice(&chunk[..n]);
+    assert_eq!(close_code(&mut socket, rest).await, Some(1000));
+}
+
+#[tokio::test]
+async fn cleartext_http2_is_not_spoken() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    let mut socket = TcpStream::connect(server.addr).await.unwrap();
+    let raw = exchange(&mut socket, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0").await;
+    assert_eq!(raw.status, 400);
+    assert!(json_body(&mut socket, &raw).await["error"].is_string());
+    assert!(closed_by_peer(&mut socket, Duration::from_secs(5)).await);
+    // After a request served as HTTP/1.1, the preface is not HTTP/2 either.
+    let mut socket = TcpStream::connect(server.addr).await.unwrap();
+    let raw = exchange(&mut socket, b"POST /conversations HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}").await;
+    assert_eq!(raw.status, 201);
+    socket.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
+    let mut seen = raw.rest;
+    let mut chunk = [0u8; 4096];
+    while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut chunk)).await {
+        if n == 0 {
+            break;
+        }
+        seen.extend_from_slice(&chunk[..n]);
+    }
+    let seen = String::from_utf8_lossy(&seen);
+    assert!(!seen.contains("HTTP/2"), "{seen}");
+    // An `Upgrade: h2c` request is served as HTTP/1.1, not switched.
+    let mut socket = TcpStream::connect(server.addr).await.unwrap();
+    let raw = exchange(
+        &mut socket,
+        b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQAAP__\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 200, "{}", raw.head);
+}
+
+#[tokio::test]
+async fn a_slow_body_is_cut_on_streaming_routes_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.request_timeout_secs = 1;
+    let server = TestServer::start(config).await;
+    for head in [
+        "POST /chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mess",
+        "GET /ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\ncontent-length: 50\r\n\r\nab",
+        "GET /conversations/s/events HTTP/1.1\r\nhost: x\r\ncontent-length: 50\r\n\r\nab",
+    ] {
+        let mut socket = TcpStream::connect(server.addr).await.unwrap();
+        let raw = exchange(&mut socket, head.as_bytes()).await;
+        assert_eq!(raw.status, 408, "{head:?}: {}", raw.head);
+        assert!(json_body(&mut socket, &raw).await["error"].as_str().unwrap().contains("in time"));
+    }
+}
+
+#[tokio::test]
+async fn hostile_lengths_and_close_codes_get_protocol_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    // A fragment, then a continuation declaring a length near 2^64 (the old sum wrapped).
+    let mut huge = frame(0x01, b"a");
+    huge.extend_from_slice(&[0x80, 0x80 | 127]);
+    huge.extend_from_slice(&(u64::MAX - 1).to_be_bytes());
+    huge.extend_from_slice(&[0, 0, 0, 0]);
+    // A length with the top bit set, alone, and one just under the limit's wrap.
+    let mut top = vec![0x81, 0x80 | 127];
+    top.extend_from_slice(&(1u64 << 63).to_be_bytes());
+    top.extend_from_slice(&[0, 0, 0, 0]);
+    let mut big = vec![0x81, 0x80 | 127];
+    big.extend_from_slice(&(u64::MAX >> 1).to_be_bytes());
+    big.extend_from_slice(&[0, 0, 0, 0]);
+    for (bytes, expected) in [(huge, [1002, 1009]), (top, [1002, 1002]), (big, [1009, 1009])] {
+        let (mut socket, rest) = raw_ws(server.addr, "/ws", "").await;
+        socket.write_all(&bytes).await.unwrap();
+        let code = close_code(&mut socket, rest).await;
+        assert!(code.is_some_and(|c| expected.contains(&c)), "{code:?} for {bytes:02x?}");
+    }
+    for code in [0u16, 999, 1004, 1005, 1006, 1015, 1016, 2999, 5000] {
+        let (mut socket, rest) = raw_ws(server.addr, "/ws", "").await;
+        socket.write_all(&frame(0x88, &code.to_be_bytes())).await.unwrap();
+        assert_eq!(close_code(&mut socket, rest).await, Some(1002), "close code {code}");
+    }
+    for code in [1000u16, 1001, 3000, 4999] {
+        let (mut socket, rest) = raw_ws(server.addr, "/ws", "").await;
+        socket.write_all(&frame(0x88, &code.to_be_bytes())).await.unwrap();
+        assert_eq!(close_code(&mut socket, rest).await, Some(code), "close code {code} is echoed");
+    }
+    assert_eq!(server.get("/health").await.0, 200, "the gateway is up");
+}
+
+#[tokio::test]
+async fn a_websocket_after_a_kept_alive_request_closes_errors_with_their_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_body_bytes = 1024;
+    let server = TestServer::start(config).await;
+    let not_utf8 = frame(0x81, &[0xc3, 0x28]);
+    let unmasked = vec![0x81, 0x02, b'h', b'i'];
+    let too_big = frame(0x81, &[b'a'; 2000]);
+    for (bytes, code) in [(not_utf8, 1007), (unmasked, 1002), (too_big, 1009)] {
+        let mut socket = TcpStream::connect(server.addr).await.unwrap();
+        let raw = exchange(&mut socket, b"GET /models HTTP/1.1\r\nhost: x\r\n\r\n").await;
+        assert_eq!(raw.status, 200);
+        let body = json_body(&mut socket, &raw).await;
+        assert!(body["models"].is_array());
+        let raw = exchange(&mut socket, &upgrade("/ws", "")).await;
+        assert_eq!(raw.status, 101, "{}", raw.head);
+        // The same session as any: it opens with the catalog and answers ops.
+        socket.write_all(&frame(0x81, br#"{"type":"chat.subscribe","conversationId":"k"}"#)).await.unwrap();
+        socket.write_all(&bytes).await.unwrap();
+        let mut rest = raw.rest;
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(&rest).contains("catalog") {
+            let n = socket.read(&mut chunk).await.unwrap();
+            assert!(n > 0);
+            rest.extend_from_slice(&chunk[..n]);
+        }
+        assert_eq!(close_code(&mut socket, rest).await, Some(code));
+    }
+}
+
+#[tokio::test]
+async fn hand_written_paths_answer_errors_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    let many: String = (0..150).map(|i| format!("x-h{i}: v\r\n")).collect();
+    let cases: Vec<(Vec<u8>, u16)> = vec![
+        (b"GET /ws HTTP/1.1\r\nhost: x\r\n\r\n".to_vec(), 400),
+        (b"GET /ws HTTP/1.0\r\nupgrade: websocket\r\nconnection: upgrade\r\nsec-websocket-version: 13\r\nsec-websocket-key: a\r\n\r\n".to_vec(), 426),
+        (b"GET / HTTP/1.1\r\nho st: x\r\n\r\n".to_vec(), 400),
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03".to_vec(), 400),
+        (format!("GET /health HTTP/1.1\r\nhost: x\r\nx-pad: {}\r\n\r\n", "p".repeat(70 * 1024)).into_bytes(), 431),
+        (format!("GET /health HTTP/1.1\r\nhost: x\r\n{many}\r\n").into_bytes(), 431),
+    ];
+    for (request, status) in cases {
+        let mut socket = TcpStream::connect(server.addr).await.unwrap();
+        let raw = exchange(&mut socket, &request).await;
+        assert_eq!(raw.status, status, "{:?}", String::from_utf8_lossy(&request[..request.len().min(80)]));
+        assert!(json_body(&mut socket, &raw).await["error"].is_string());
+    }
+    // Version 8 is told the version the gateway speaks.
+    let mut socket = TcpStream::connect(server.addr).await.unwrap();
+    let v8 =
+        String::from_utf8(upgrade("/ws", "")).unwrap().replace("sec-websocket-version: 13", "sec-websocket-version: 8");
+    let raw = exchange(&mut socket, v8.as_bytes()).await;
+    assert_eq!(raw.status, 400);
+    assert!(raw.head.contains("sec-websocket-version: 13"), "{}", raw.head);
+    assert!(json_body(&mut socket, &raw).await["error"].is_string());
+}
+
+/// Writes a value the store cannot decode into a column, from a connection of its own.
+async fn spoil(db: &std::path::Path, sql: &str) {
+    use sqlx::Connection;
+    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display())).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(sql.to_owned())).execute(&mut conn).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_failed_read_ends_the_turn_or_the_stream_instead_of_making_up_a_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    let db = dir.path().join("gateway.db");
+    server.chat("s", "first").await;
+    // The session id cannot be read: the turn ends `storage` instead of starting fresh.
+    spoil(&db, "UPDATE conversations SET session_id = x'00ff' WHERE id = 's'").await;
+    let events = server.chat("s", "second").await;
+    let error = events.iter().find(|e| e["type"] == "error").expect("an error event");
+    assert_eq!(error["code"], "storage", "{error}");
+    let n = events.len();
+    assert_eq!(events[n - 2]["type"], "done");
+    assert_eq!(events[n - 2]["reason"], "error");
+    assert_eq!(events[n - 1]["type"], "turn-sealed");
+    assert!(!types(&events).contains(&"text-delta"), "the runtime was not asked: {events:?}");
+
+    // A resync whose latestSeq cannot be read ends the SSE stream instead of saying 0.
+    server.chat("r", "first").await;
+    spoil(&db, "UPDATE conversations SET last_seq = x'00' WHERE id = 'r'").await;
+    let response = server.events("r", "?lastEventId=gone:3", &[]).await;
+    assert_eq!(response.status(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(10), response.text()).await.expect("the stream ends");
+    assert!(!body.unwrap_or_default().contains("resync"), "a resync with a made-up latestSeq");
+}
