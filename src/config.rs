@@ -99,6 +99,12 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_SHUTDOWN_TIMEOUT_SECS", default_value_t = 10)]
     pub shutdown_timeout_secs: u64,
 
+    /// Milliseconds the gateway goes on serving reads after the last running turn has sealed at
+    /// shutdown (within the shutdown timeout), so clients can read the history and metrics of
+    /// what just ended; `/ready` and new turns are 503 meanwhile.
+    #[arg(long, env = "DISPATCH_SHUTDOWN_GRACE_MS", default_value_t = 1000)]
+    pub shutdown_grace_ms: u64,
+
     /// API keys, comma-separated. When set, every route but /health, /ready and /openapi.json
     /// needs `Authorization: Bearer <key>` (or `?access_token=<key>`).
     #[arg(long, env = "DISPATCH_API_KEYS", value_delimiter = ',', hide_env_values = true)]
@@ -420,6 +426,7 @@ impl Config {
             max_streams: 10_000,
             request_timeout_secs: 30,
             shutdown_timeout_secs: 10,
+            shutdown_grace_ms: 1000,
             api_keys: Vec::new(),
             max_ws_subscriptions: 256,
             ws_message_timeout_secs: 10,

@@ -121,6 +121,10 @@ impl Gateway {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         turns.shutdown_runtimes().await;
+        // The clients of the turns that just sealed read their history and metrics next: keep
+        // serving (reads; new turns and /ready are 503) for the grace, then close.
+        let grace = Duration::from_millis(self.state.config.shutdown_grace_ms);
+        tokio::time::sleep_until((tokio::time::Instant::now() + grace).min(deadline)).await;
         drained.cancel();
         let listeners = async {
             let _ = main_task.await;

@@ -489,7 +489,7 @@ async fn a_failed_read_ends_the_turn_or_the_stream_instead_of_making_up_a_value(
 
     // A resync whose latestSeq cannot be read ends the SSE stream instead of saying 0.
     server.chat("r", "first").await;
-    spoil(&db, "UPDATE conversations SET last_seq = x'00' WHERE id = 'r'").await;
+    spoil(&db, "UPDATE conversations SET sealed_seq = x'00' WHERE id = 'r'").await;
     let response = server.events("r", "?lastEventId=gone:3", &[]).await;
     assert_eq!(response.status(), 200);
     let body = tokio::time::timeout(Duration::from_secs(10), response.text()).await.expect("the stream ends");

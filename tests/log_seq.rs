@@ -73,6 +73,7 @@ async fn a_turn_cut_off_by_a_crash_gets_one_interrupted_marker() {
                 conversation_id: "cut",
                 turn_id: "turn-1",
                 model: "demo/scripted",
+                sticky_model: None,
                 user_text: "hello",
                 default_title: "hello",
                 idempotency: None,

@@ -1610,8 +1610,8 @@ async fn seed(database: &str, conversation: &str, chunks: u64) -> Value {
     let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{database}")).await.expect("opens the database");
     let mut tx = conn.begin().await.unwrap();
     sqlx::query(
-        "INSERT INTO conversations (id, title, status, created_at, last_activity_at, last_seq, last_message_id)
-         VALUES (?1, 'bench', 'idle', 0, 0, ?2, ?2)",
+        "INSERT INTO conversations (id, title, status, created_at, last_activity_at, last_seq, last_message_id, sealed_seq)
+         VALUES (?1, 'bench', 'idle', 0, 0, ?2, ?2, ?2)",
     )
     .bind(conversation)
     .bind(chunks as i64)

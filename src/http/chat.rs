@@ -40,7 +40,13 @@ impl ChatRequest {
             message: body.message("message")?,
             model: body.optional_str("model")?.map(str::to_owned),
             cwd: body.optional_str("cwd")?.map(str::to_owned),
-            reasoning_effort: body.optional_str("reasoningEffort")?.map(str::to_owned),
+            reasoning_effort: match body.optional_str("reasoningEffort")? {
+                Some(effort) => {
+                    super::settings::check_effort(effort)?;
+                    Some(effort.to_owned())
+                }
+                None => None,
+            },
         })
     }
 }

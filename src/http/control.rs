@@ -1,4 +1,4 @@
-//! Turn control: start without a stream, stop, close, steer, status, last answer, sticky model.
+//! Turn control: start without a stream, stop, close, steer, status, last answer.
 
 use std::time::Duration;
 
@@ -15,7 +15,6 @@ use super::error::{ApiError, ErrorBody};
 use super::extract::{ConversationId, JsonObject, QueryParams};
 use crate::hub::Delivery;
 use crate::runtime::QueuedMessage;
-use crate::store::now_ms;
 use crate::turn::{StartError, StartTurn};
 
 /// `/last` waits this long by default, and at most `MAX_LAST_WAIT_MS`.
@@ -80,22 +79,6 @@ pub struct LastResponse {
     pub content: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub turn_id: Option<String>,
-}
-
-/// Documents the body of `PUT /conversations/:id/model`.
-#[derive(Debug, ToSchema)]
-#[allow(dead_code)]
-pub struct ModelRequest {
-    /// `<credential>/<model>`, or null to clear.
-    pub model: Option<String>,
-}
-
-#[derive(Debug, Serialize, ToSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct ModelResponse {
-    pub conversation_id: String,
-    /// Null when the conversation has no sticky model.
-    pub model: Option<String>,
 }
 
 /// FNV-1a: a stable hash of the request body, to tell a retry from a different request.
@@ -307,47 +290,4 @@ pub async fn last(
     }
     let last = state.store.last_text(&id).await?;
     Ok(Json(LastResponse { conversation_id: id, content: last.content, turn_id: last.turn_id }))
-}
-
-/// The conversation's sticky model.
-#[utoipa::path(
-    get,
-    path = "/conversations/{id}/model",
-    tag = "control",
-    params(("id" = String, Path, description = "Conversation id")),
-    responses((status = 200, body = ModelResponse), (status = 400, body = ErrorBody))
-)]
-pub async fn get_model(
-    State(state): State<AppState>,
-    ConversationId(id): ConversationId,
-) -> Result<Json<ModelResponse>, ApiError> {
-    let model = state.store.conversation_model(&id).await?;
-    Ok(Json(ModelResponse { conversation_id: id, model }))
-}
-
-/// Sets or clears the sticky model (the conversation is created when new).
-#[utoipa::path(
-    put,
-    path = "/conversations/{id}/model",
-    tag = "control",
-    params(("id" = String, Path, description = "Conversation id")),
-    request_body = ModelRequest,
-    responses((status = 200, body = ModelResponse), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody))
-)]
-pub async fn put_model(
-    State(state): State<AppState>,
-    ConversationId(id): ConversationId,
-    body: JsonObject,
-) -> Result<Json<ModelResponse>, ApiError> {
-    if !body.0.contains_key("model") {
-        return Err(ApiError::bad("`model` is required (a model name, or null to clear)"));
-    }
-    let model = body.optional_str("model")?;
-    if let Some(m) = model
-        && !state.turns.registry().contains(m)
-    {
-        return Err(StartError::UnknownModel(m.to_owned()).into());
-    }
-    state.store.set_model(&id, model, now_ms()).await?;
-    Ok(Json(ModelResponse { conversation_id: id, model: model.map(str::to_owned) }))
 }

@@ -149,8 +149,9 @@ pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<J
         ("sinceSeq" = Option<u64>, Query, description = "Only chunks with seq > sinceSeq (integer >= 0, default 0)"),
         ("beforeSeq" = Option<u64>, Query, description = "Only chunks with seq < beforeSeq (integer > 0)"),
         ("limit" = Option<u64>, Query, description = "Keep the newest `limit` of the selection (integer > 0)"),
+        ("include" = Option<String>, Query, description = "`inflight`: also the running turn's committed chunks (its user message, its finished steps). Without it a read shows sealed turns only: the running turn is the live stream's, never both"),
     ),
-    responses((status = 200, body = HistoryResponse), (status = 400, body = ErrorBody))
+    responses((status = 200, description = "The sealed turns' chunks in the window (and the running turn's with `include=inflight`); `latestSeq` is the seq of the last one returned, or `sinceSeq`", body = HistoryResponse), (status = 400, body = ErrorBody))
 )]
 pub async fn history(
     State(state): State<AppState>,
@@ -161,6 +162,11 @@ pub async fn history(
         since_seq: query.integer("sinceSeq", 0)?.unwrap_or(0),
         before_seq: query.integer("beforeSeq", 1)?,
         limit: query.integer("limit", 1)?,
+        inflight: match query.get("include") {
+            None => false,
+            Some("inflight") => true,
+            Some(other) => return Err(ApiError::bad(format!("`include` takes inflight, got {other:?}"))),
+        },
     };
     // Stored chunks pass through unparsed: the body is assembled around the page's JSON.
     let page = state.store.history(&id, window).await?;

@@ -62,6 +62,11 @@ impl ApiError {
     }
 }
 
+/// Marks a 5xx answer that is the expected state of things (`/ready` while draining): logged at
+/// info, not as a failure.
+#[derive(Debug, Clone, Copy)]
+pub struct Expected;
+
 /// What went wrong inside a request answered 500, carried on the response to the request's log
 /// line (`layers::trace`), never sent.
 #[derive(Debug, Clone)]

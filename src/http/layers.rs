@@ -50,7 +50,9 @@ async fn trace(req: Request, next: Next) -> Response {
     .await;
     let latency_ms = started.elapsed().as_secs_f64() * 1000.0;
     let status = response.status().as_u16();
-    if response.status().is_server_error() {
+    if response.status().is_server_error() && response.extensions().get::<super::error::Expected>().is_some() {
+        tracing::info!(id, method = %method, path = uri.path(), status, latency_ms, "answered while draining");
+    } else if response.status().is_server_error() {
         let error = response.extensions().get::<InternalDetail>().map_or("", |d| d.0.as_str());
         tracing::error!(id, method = %method, path = uri.path(), status, latency_ms, error, "request failed");
     } else {

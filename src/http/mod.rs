@@ -10,6 +10,7 @@ mod layers;
 mod models;
 mod openapi;
 mod ops;
+mod settings;
 pub(crate) mod stream;
 mod subscriptions;
 mod throughput;
@@ -111,7 +112,10 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(control::queue))
         .routes(routes!(control::status))
         .routes(routes!(control::last))
-        .routes(routes!(control::get_model, control::put_model))
+        .routes(routes!(settings::get_model, settings::put_model))
+        .routes(routes!(settings::get_cwd, settings::put_cwd))
+        .routes(routes!(settings::get_reasoning_effort, settings::put_reasoning_effort))
+        .routes(routes!(settings::lsp))
         .routes(routes!(throughput::throughput))
         .routes(routes!(ws::ws))
         .routes(routes!(openapi_json))

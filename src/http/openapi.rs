@@ -4,7 +4,15 @@
 use serde_json::{Map, Value, json};
 
 /// Fields that are really sent as `null`; every other optional field is omitted when absent.
-const NULLABLE: &[(&str, &str)] = &[("ModelResponse", "model")];
+const NULLABLE: &[(&str, &str)] = &[
+    ("ModelRequest", "model"),
+    ("ModelResponse", "model"),
+    ("CwdRequest", "cwd"),
+    ("CwdResponse", "cwd"),
+    ("ReasoningEffortRequest", "reasoningEffort"),
+    ("ReasoningEffortResponse", "reasoningEffort"),
+    ("LspResponse", "cwd"),
+];
 
 /// Tagged unions: each becomes a `oneOf` of references with a `discriminator` on `type`.
 const UNIONS: &[&str] = &["AgentEvent", "Chunk"];

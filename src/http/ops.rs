@@ -20,9 +20,12 @@ pub struct Ready {
     (status = 200, body = Ready),
     (status = 503, description = "Shutting down, or the database does not answer", body = ErrorBody),
 ))]
-pub async fn ready(State(state): State<AppState>) -> Result<Json<Ready>, ApiError> {
+pub async fn ready(State(state): State<AppState>) -> Result<Response, ApiError> {
     if state.turns.is_closing() {
-        return Err(ApiError::Unavailable("shutting down".into()));
+        // What a draining gateway is meant to say: not a failure worth an error line.
+        let mut response = ApiError::Unavailable("shutting down".into()).into_response();
+        response.extensions_mut().insert(super::error::Expected);
+        return Ok(response);
     }
     if let Some(why) = state.store.write_fault() {
         return Err(ApiError::Unavailable(format!("the database cannot take writes: {why}")));
@@ -30,7 +33,7 @@ pub async fn ready(State(state): State<AppState>) -> Result<Json<Ready>, ApiErro
     if !state.store.ping().await {
         return Err(ApiError::Unavailable("the database does not answer".into()));
     }
-    Ok(Json(Ready { ready: true }))
+    Ok(Json(Ready { ready: true }).into_response())
 }
 
 /// Prometheus text exposition of the gateway's counters.

@@ -15,6 +15,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+
+use super::DEFAULT_REASONING_EFFORT;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 use tokio_util::sync::CancellationToken;
@@ -151,7 +153,7 @@ impl Inner {
                 "model": req.model,
                 "sessionId": req.session_id,
                 "cwd": req.cwd,
-                "reasoningEffort": req.reasoning_effort,
+                "reasoningEffort": req.reasoning_effort.as_deref().unwrap_or(DEFAULT_REASONING_EFFORT),
             }),
             Dialect::ClaudeStreamJson => json!({
                 "type": "user",

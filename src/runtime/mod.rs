@@ -107,6 +107,12 @@ pub struct Inbox {
     messages: std::sync::Mutex<Vec<QueuedMessage>>,
 }
 
+/// The reasoning efforts a turn may ask for (the reference backend's).
+pub const REASONING_EFFORTS: &[&str] = &["low", "medium", "high", "xhigh", "max"];
+
+/// The effort an agent program is told when neither the request nor the conversation sets one.
+pub const DEFAULT_REASONING_EFFORT: &str = "high";
+
 /// Why a message could not be queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QueueFull {

@@ -163,6 +163,12 @@ impl Pacer {
         Pacer { interval, next: Instant::now() }
     }
 
+    /// Paces from now on: after a stall (or a step's tool calls) the next delta comes one
+    /// interval later, not at once with every delta the stall held up.
+    fn restart(&mut self) {
+        self.next = Instant::now();
+    }
+
     async fn tick(&mut self, cancel: &CancellationToken) -> Result<(), Stop> {
         if let Some(interval) = self.interval {
             self.next += interval;
@@ -229,6 +235,7 @@ async fn play(
             }
         }
         send(&sink, RawEvent::StepStart).await?;
+        pacer.restart();
         let mut output = 0;
         if !noted.is_empty() {
             let ack = format!("Noted: {}. ", noted.join("; "));

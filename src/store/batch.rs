@@ -28,6 +28,7 @@ pub(super) enum Write {
         conversation_id: String,
         turn_id: String,
         model: String,
+        sticky_model: Option<String>,
         user_text: String,
         default_title: String,
         /// Key, body hash, response.
@@ -83,11 +84,21 @@ impl Write {
     async fn run_in(&self, conn: &mut SqliteConnection) -> StoreResult<Written> {
         let mut script = Script::default();
         match self {
-            Write::Begin { conversation_id, turn_id, model, user_text, default_title, idempotency, now } => {
+            Write::Begin {
+                conversation_id,
+                turn_id,
+                model,
+                sticky_model,
+                user_text,
+                default_title,
+                idempotency,
+                now,
+            } => {
                 let begin = BeginTurn {
                     conversation_id,
                     turn_id,
                     model,
+                    sticky_model: sticky_model.as_deref(),
                     user_text,
                     default_title,
                     idempotency: idempotency.as_ref().map(|(key, body_hash, response)| IdempotencyRecord {

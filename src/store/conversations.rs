@@ -148,31 +148,73 @@ impl Store {
         Ok(r.rows_affected() > 0)
     }
 
-    /// Sets (or clears) the sticky model, creating the conversation when missing.
-    pub async fn set_model(&self, id: &str, model: Option<&str>, now: i64) -> StoreResult<()> {
-        let result = self.write_set_model(id, model, now).await;
+    /// Sets (or clears) one of the conversation's settings, creating the conversation when
+    /// missing.
+    pub async fn set_setting(&self, id: &str, setting: Setting, value: Option<&str>, now: i64) -> StoreResult<()> {
+        let result = self.write_set_setting(id, setting, value, now).await;
         self.noted(result)
     }
 
-    async fn write_set_model(&self, id: &str, model: Option<&str>, now: i64) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO conversations (id, model, created_at, last_activity_at) VALUES (?1, ?2, ?3, ?3)
-             ON CONFLICT (id) DO UPDATE SET model = ?2",
-        )
-        .bind(id)
-        .bind(model)
-        .bind(now)
-        .execute(&self.writer)
-        .await?;
+    async fn write_set_setting(&self, id: &str, setting: Setting, value: Option<&str>, now: i64) -> StoreResult<()> {
+        let column = setting.column();
+        let sql = format!(
+            "INSERT INTO conversations (id, {column}, created_at, last_activity_at) VALUES (?1, ?2, ?3, ?3)
+             ON CONFLICT (id) DO UPDATE SET {column} = ?2"
+        );
+        sqlx::query(sqlx::AssertSqlSafe(sql)).bind(id).bind(value).bind(now).execute(&self.writer).await?;
         Ok(())
     }
 
-    /// The conversation's sticky model, if it exists and has one.
-    pub async fn conversation_model(&self, id: &str) -> StoreResult<Option<String>> {
-        let model: Option<Option<String>> = sqlx::query_scalar("SELECT model FROM conversations WHERE id = ?")
-            .bind(id)
-            .fetch_optional(&self.reader)
-            .await?;
-        Ok(model.flatten())
+    /// One of the conversation's settings (`None` for an unknown conversation, or one without
+    /// it set).
+    pub async fn setting(&self, id: &str, setting: Setting) -> StoreResult<Option<String>> {
+        Ok(self.settings(id).await?.get(setting).map(str::to_owned))
+    }
+
+    /// Every setting of the conversation (all `None` for an unknown one).
+    pub async fn settings(&self, id: &str) -> StoreResult<Settings> {
+        let row: Option<(Option<String>, Option<String>, Option<String>)> =
+            sqlx::query_as("SELECT model, cwd, reasoning_effort FROM conversations WHERE id = ?")
+                .bind(id)
+                .fetch_optional(&self.reader)
+                .await?;
+        let (model, cwd, reasoning_effort) = row.unwrap_or_default();
+        Ok(Settings { model, cwd, reasoning_effort })
+    }
+}
+
+/// A per-conversation setting a turn falls back to when its request names none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setting {
+    Model,
+    Cwd,
+    ReasoningEffort,
+}
+
+impl Setting {
+    fn column(self) -> &'static str {
+        match self {
+            Setting::Model => "model",
+            Setting::Cwd => "cwd",
+            Setting::ReasoningEffort => "reasoning_effort",
+        }
+    }
+}
+
+/// A conversation's settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Settings {
+    pub model: Option<String>,
+    pub cwd: Option<String>,
+    pub reasoning_effort: Option<String>,
+}
+
+impl Settings {
+    pub fn get(&self, setting: Setting) -> Option<&str> {
+        match setting {
+            Setting::Model => self.model.as_deref(),
+            Setting::Cwd => self.cwd.as_deref(),
+            Setting::ReasoningEffort => self.reasoning_effort.as_deref(),
+        }
     }
 }

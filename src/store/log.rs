@@ -25,12 +25,14 @@ pub struct HistoryPage {
     pub last_seq: Option<u64>,
 }
 
-/// `sinceSeq < seq < beforeSeq`, newest `limit` of that, ascending.
+/// `sinceSeq < seq < beforeSeq`, newest `limit` of that, ascending; of the sealed turns only,
+/// unless `inflight` asks for the running turn's committed chunks too.
 #[derive(Debug, Clone, Copy)]
 pub struct HistoryWindow {
     pub since_seq: u64,
     pub before_seq: Option<u64>,
     pub limit: Option<u64>,
+    pub inflight: bool,
 }
 
 impl Store {
@@ -54,7 +56,7 @@ impl Store {
     pub async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<HistoryPage> {
         let since = i64::try_from(w.since_seq).unwrap_or(i64::MAX);
         let before = w.before_seq.map_or(i64::MAX, |b| i64::try_from(b).unwrap_or(i64::MAX));
-        let sql = window_sql(w.limit);
+        let sql = window_sql(w.limit, w.inflight);
         let conversation_id = conversation_id.to_owned();
         let read = move |c: &rusqlite::Connection| read_window(c, &sql, &conversation_id, since, before);
         if w.limit.is_some_and(|l| l <= INLINE_WINDOW_LIMIT) {
@@ -64,9 +66,9 @@ impl Store {
         }
     }
 
-    /// The conversation's highest seq (0 for none or unknown).
+    /// The highest seq a history read shows now: the last sealed turn's (0 for none or unknown).
     pub async fn latest_seq(&self, conversation_id: &str) -> StoreResult<u64> {
-        let seq: Option<i64> = sqlx::query_scalar("SELECT last_seq FROM conversations WHERE id = ?")
+        let seq: Option<i64> = sqlx::query_scalar("SELECT sealed_seq FROM conversations WHERE id = ?")
             .bind(conversation_id)
             .fetch_optional(&self.reader)
             .await?;
@@ -75,7 +77,9 @@ impl Store {
 }
 
 /// The statement of a history window (parameters: conversation id, sinceSeq, beforeSeq):
-/// its rows' seq, role and chunk in ascending seq order.
+/// its rows' seq, role and chunk in ascending seq order. Without `inflight`, beforeSeq is
+/// lowered to just past the conversation's sealed horizon (an unknown conversation has none:
+/// no rows).
 ///
 /// The newest `limit` chunks of the selection are those above the (limit+1)th newest one: that
 /// bound is found by walking the index back `limit` entries, so the window itself is one
@@ -83,16 +87,17 @@ impl Store {
 /// OFFSET are written into the statement, not bound: SQLite plans with a bound LIMIT's value
 /// and then recompiles the statement at every execution (one cached statement per distinct
 /// limit instead).
-fn window_sql(limit: Option<u64>) -> String {
+fn window_sql(limit: Option<u64>, inflight: bool) -> String {
+    let upper = if inflight { "?3" } else { "min(?3, (SELECT sealed_seq + 1 FROM conversations WHERE id = ?1))" };
     let floor = match limit.map(|l| l.min(i64::MAX as u64)) {
         Some(limit) => format!(
-            "max(?2, coalesce((SELECT seq FROM chunks WHERE conversation_id = ?1 AND seq < ?3
+            "max(?2, coalesce((SELECT seq FROM chunks WHERE conversation_id = ?1 AND seq < {upper}
                                ORDER BY seq DESC LIMIT 1 OFFSET {limit}), 0))"
         ),
         None => "?2".to_owned(),
     };
     format!(
-        "SELECT seq, role, chunk FROM chunks WHERE conversation_id = ?1 AND seq < ?3 AND seq > {floor} ORDER BY seq"
+        "SELECT seq, role, chunk FROM chunks WHERE conversation_id = ?1 AND seq < {upper} AND seq > {floor} ORDER BY seq"
     )
 }
 
@@ -268,7 +273,8 @@ mod tests {
         // An empty append answers the current seq; an unknown conversation is an error.
         assert_eq!(store.append_chunks("c", "t", &[]).await.unwrap(), total);
         assert!(store.append_chunks("missing", "t", &[chunk(0, true)]).await.is_err());
-        assert_eq!(store.latest_seq("c").await.unwrap(), total);
+        // Appends alone seal nothing: what a history read (and a resync) shows is unmoved.
+        assert_eq!(store.latest_seq("c").await.unwrap(), 0);
     }
 
     #[tokio::test]
@@ -314,7 +320,7 @@ mod tests {
         let item =
             |seq: u64| format!(r#"{{"seq":{seq},"role":"assistant","chunk":{{"type":"text","text":"c{}"}}}}"#, seq - 1);
         let expected = |seqs: std::ops::RangeInclusive<u64>| seqs.map(item).collect::<Vec<_>>().join(",");
-        let window = |since_seq, before_seq, limit| HistoryWindow { since_seq, before_seq, limit };
+        let window = |since_seq, before_seq, limit| HistoryWindow { since_seq, before_seq, limit, inflight: true };
         let last = total as u64;
         // Inline (limit <= INLINE_WINDOW_LIMIT) and blocking (larger or no limit) reads.
         let cases = [
@@ -357,8 +363,8 @@ mod tests {
     async fn a_history_window_is_read_in_key_order_without_a_sort() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("plan.db"), Arc::new(Metrics::default())).await.unwrap();
-        for limit in [None, Some(100)] {
-            let sql = format!("EXPLAIN QUERY PLAN {}", window_sql(limit));
+        for (limit, inflight) in [(None, true), (Some(100), true), (None, false), (Some(100), false)] {
+            let sql = format!("EXPLAIN QUERY PLAN {}", window_sql(limit, inflight));
             let plan: Vec<(i64, i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .bind("c")
                 .bind(0i64)

@@ -22,7 +22,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Sqlite, SqlitePool, Transaction};
 
 use crate::metrics::Metrics;
-pub use conversations::{ConversationFilter, NewConversation};
+pub use conversations::{ConversationFilter, NewConversation, Setting, Settings};
 pub use log::{HistoryPage, HistoryWindow, NewChunk};
 pub use reads::{LastText, ModelThroughput};
 pub use turns::{BeginTurn, IdempotencyRecord, SealTurn, user_chunk};

@@ -21,6 +21,8 @@ pub struct BeginTurn<'a> {
     pub conversation_id: &'a str,
     pub turn_id: &'a str,
     pub model: &'a str,
+    /// The model the request named: it becomes the conversation's sticky model.
+    pub sticky_model: Option<&'a str>,
     pub user_text: &'a str,
     /// Title given to a conversation the turn creates, or one whose title is still empty.
     pub default_title: &'a str,
@@ -53,10 +55,11 @@ pub struct SealTurn<'a> {
 pub(super) fn begin_to(script: &mut Script, t: &BeginTurn<'_>) -> StoreResult<()> {
     script
         .sql(
-            "INSERT INTO conversations (id, title, status, created_at, last_activity_at, turn_count)
-             VALUES (?, ?, 'active', ?, ?, 1)
+            "INSERT INTO conversations (id, title, status, created_at, last_activity_at, turn_count, model)
+             VALUES (?, ?, 'active', ?, ?, 1, ?)
              ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
-                 turn_count = turn_count + 1, title = CASE WHEN title = '' THEN excluded.title ELSE title END;
+                 turn_count = turn_count + 1, title = CASE WHEN title = '' THEN excluded.title ELSE title END,
+                 model = coalesce(excluded.model, model);
              INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at)
              SELECT id, ?, turn_count, ?, ? FROM conversations WHERE id = ?;",
         )
@@ -64,6 +67,7 @@ pub(super) fn begin_to(script: &mut Script, t: &BeginTurn<'_>) -> StoreResult<()
         .bind(t.default_title)
         .bind(t.now)
         .bind(t.now)
+        .bind(t.sticky_model)
         .bind(t.turn_id)
         .bind(t.model)
         .bind(t.now)
@@ -108,7 +112,7 @@ pub(super) fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[New
         .sql(
             "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
              WHERE conversation_id = ? AND turn_id = ?;
-             UPDATE conversations SET last_activity_at = ?,
+             UPDATE conversations SET last_activity_at = ?, sealed_seq = last_seq,
                  status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
              WHERE id = ? RETURNING status;",
         )
@@ -141,6 +145,7 @@ impl Store {
             conversation_id: t.conversation_id.to_owned(),
             turn_id: t.turn_id.to_owned(),
             model: t.model.to_owned(),
+            sticky_model: t.sticky_model.map(str::to_owned),
             user_text: t.user_text.to_owned(),
             default_title: t.default_title.to_owned(),
             idempotency: t.idempotency.map(|r| (r.key.to_owned(), r.body_hash.to_owned(), r.response.to_owned())),
@@ -216,7 +221,10 @@ impl Store {
                 .sql("UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?;")
                 .bind(now)
                 .bind(turn.conversation_id.as_str())
-                .bind(turn.turn_id.as_str());
+                .bind(turn.turn_id.as_str())
+                // The cut turn, marker included, is history from now on.
+                .sql("UPDATE conversations SET sealed_seq = last_seq WHERE id = ?;")
+                .bind(turn.conversation_id.as_str());
             script.run(&mut tx).await?;
             self.commit(tx, started).await?;
         }
@@ -239,6 +247,7 @@ mod tests {
             conversation_id,
             turn_id,
             model: "demo/scripted",
+            sticky_model: None,
             user_text: "hi",
             default_title: "hi",
             idempotency: None,
@@ -277,7 +286,7 @@ mod tests {
         assert!(statuses.iter().all(|s| s.as_deref().ok() == Some("idle")), "{statuses:?}");
         assert_eq!(metrics.writes() - writes, 1, "one transaction for the 20 seals");
         for ((c, _), m) in ids.iter().zip(&turn_metrics) {
-            let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None };
+            let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: true };
             assert_eq!(store.history(c, all).await.unwrap().last_seq, Some(2), "{c}: the final chunk was written");
             assert_eq!(store.turn_metrics(c).await.unwrap(), vec![m.clone()]);
         }

@@ -181,14 +181,11 @@ impl Turns {
         if self.closing.is_cancelled() {
             return Err(StartError::ShuttingDown);
         }
-        let model = match &req.model {
-            Some(m) => m.clone(),
-            None => self
-                .store
-                .conversation_model(&req.conversation_id)
-                .await?
-                .unwrap_or_else(|| self.registry.default_model().to_owned()),
-        };
+        // The request's settings, else the conversation's, else the defaults.
+        let settings = self.store.settings(&req.conversation_id).await?;
+        let model = req.model.clone().or(settings.model).unwrap_or_else(|| self.registry.default_model().to_owned());
+        let cwd = req.cwd.clone().or(settings.cwd);
+        let reasoning_effort = req.reasoning_effort.clone().or(settings.reasoning_effort);
         let Some((runtime, native_model)) = self.registry.resolve(&model) else {
             return Err(StartError::UnknownModel(model));
         };
@@ -205,6 +202,7 @@ impl Turns {
                 conversation_id: &req.conversation_id,
                 turn_id: &turn_id,
                 model: &model,
+                sticky_model: req.model.as_deref(),
                 user_text: &req.message,
                 default_title: &default_title(&req.message),
                 idempotency,
@@ -251,8 +249,8 @@ impl Turns {
                     turn_id: turn_id.clone(),
                     model: native_model.to_owned(),
                     prompt: req.message,
-                    cwd: req.cwd,
-                    reasoning_effort: req.reasoning_effort,
+                    cwd,
+                    reasoning_effort,
                     history,
                     session_id,
                     inbox,

@@ -32,6 +32,8 @@ pub fn test_config(dir: &Path) -> Config {
     config.listen = "127.0.0.1:0".parse().unwrap();
     config.database = dir.join("gateway.db");
     config.scripted_pace = 0.0;
+    // Every test's stop would wait for it; the grace has a test of its own.
+    config.shutdown_grace_ms = 0;
     config
 }
 
