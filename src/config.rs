@@ -203,7 +203,48 @@ pub struct OpenAiCredential {
     #[serde(default = "default_idle_timeout")]
     pub idle_timeout_secs: u64,
     pub system_prompt: Option<String>,
+    /// The models' context in tokens: the oldest turns of a long conversation are left out
+    /// of a request so that it fits.
     pub context_window: Option<u64>,
+    /// Request parameters for every model of the credential.
+    #[serde(default)]
+    pub params: RequestParams,
+    /// Request parameters per model, over the credential's (field by field; `extra_body`
+    /// key by key).
+    #[serde(default)]
+    pub model_params: BTreeMap<String, RequestParams>,
+}
+
+/// Parameters an `openai` request carries (absent: not sent, the upstream's default).
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestParams {
+    pub max_tokens: Option<u64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub stop: Option<Vec<String>>,
+    /// Merged into the request body last (upstream-specific fields such as `top_k`).
+    pub extra_body: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Send `stream_options.include_usage` (default true; some APIs answer 422 to it).
+    pub include_usage: Option<bool>,
+}
+
+impl RequestParams {
+    /// These parameters with `over`'s laid on top.
+    pub fn overlaid(&self, over: &RequestParams) -> RequestParams {
+        let mut extra_body = self.extra_body.clone();
+        if let Some(more) = &over.extra_body {
+            extra_body.get_or_insert_with(Default::default).extend(more.clone());
+        }
+        RequestParams {
+            max_tokens: over.max_tokens.or(self.max_tokens),
+            temperature: over.temperature.or(self.temperature),
+            top_p: over.top_p.or(self.top_p),
+            stop: over.stop.clone().or_else(|| self.stop.clone()),
+            extra_body,
+            include_usage: over.include_usage.or(self.include_usage),
+        }
+    }
 }
 
 fn default_connect_timeout() -> u64 {

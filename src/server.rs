@@ -190,7 +190,13 @@ pub fn registry(config: &Config) -> Result<Registry, String> {
                     connect_timeout: Duration::from_secs(c.connect_timeout_secs.max(1)),
                     idle_timeout: Duration::from_secs(c.idle_timeout_secs.max(1)),
                     system_prompt: c.system_prompt.clone(),
+                    context_window: c.context_window,
+                    params: c.params.clone(),
+                    model_params: c.model_params.clone(),
                 };
+                if let Some(model) = c.model_params.keys().find(|m| !c.models.contains(m)) {
+                    return Err(format!("credentials.{name}.model_params.{model}: not one of `models`"));
+                }
                 let runtime = OpenAiRuntime::new(settings).map_err(|e| format!("credentials.{name}: {e}"))?;
                 (Arc::new(runtime), c.context_window)
             }

@@ -104,11 +104,7 @@ impl Inner {
         let mut command = tokio::process::Command::new(&s.program);
         command.args(&s.args);
         if s.dialect == Dialect::ClaudeStreamJson {
-            command.args(["--print", "--input-format", "stream-json", "--output-format", "stream-json", "--verbose"]);
-            command.args(["--model", &req.model]);
-            if let Some(session) = &req.session_id {
-                command.args(["--resume", session]);
-            }
+            command.args(claude_args(&req.model, req.session_id.as_deref(), s.unattended));
         }
         if let Some(session) = &req.session_id {
             command.env("DISPATCH_SESSION_ID", session);
@@ -549,4 +545,38 @@ fn ndjson_event(v: &Value) -> Option<RawEvent> {
         "session" => RawEvent::SessionId(s("id")?),
         _ => return None,
     })
+}
+
+/// The arguments the gateway adds for Claude Code's stream-json mode. Permission requests come
+/// over stdio only with `--permission-prompt-tool stdio` (else `unattended` would have nothing
+/// to answer); the session is resumed as one argument (`--resume=<id>`), so an id that starts
+/// with a dash is not read as a flag.
+fn claude_args(model: &str, session: Option<&str>, unattended: bool) -> Vec<String> {
+    let mut args: Vec<String> =
+        ["--print", "--input-format", "stream-json", "--output-format", "stream-json", "--verbose", "--model", model]
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+    if unattended {
+        args.extend(["--permission-prompt-tool".to_owned(), "stdio".to_owned()]);
+    }
+    if let Some(session) = session {
+        args.push(format!("--resume={session}"));
+    }
+    args
+}
+
+#[cfg(test)]
+mod tests {
+    use super::claude_args;
+
+    #[test]
+    fn claude_code_gets_its_permission_tool_when_unattended_and_its_session_as_one_argument() {
+        let args = claude_args("sonnet", Some("-odd-id"), true);
+        assert!(args.windows(2).any(|w| w == ["--permission-prompt-tool", "stdio"]), "{args:?}");
+        assert_eq!(args.last().unwrap(), "--resume=-odd-id");
+        let args = claude_args("sonnet", None, false);
+        assert!(!args.iter().any(|a| a.starts_with("--permission-prompt-tool") || a.starts_with("--resume")));
+        assert!(args.windows(2).any(|w| w == ["--model", "sonnet"]));
+    }
 }

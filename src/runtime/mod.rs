@@ -166,6 +166,10 @@ pub enum RuntimeError {
     /// gone before its input was written): safe to retry.
     #[error("{0}")]
     Failed(String),
+    /// Refused for now with a time to come back (a 429 with `Retry-After`): retried as
+    /// `Failed`, after that time.
+    #[error("{message}")]
+    Throttled { message: String, retry_after: std::time::Duration },
     /// May have crossed the runtime's boundary (a write that failed part-way, an untyped
     /// error): never retried automatically.
     #[error("{0}")]
@@ -183,7 +187,7 @@ impl RuntimeError {
     /// The `code` of the turn's `error` event.
     pub fn code(&self) -> &str {
         match self {
-            RuntimeError::Failed(_) => "unavailable",
+            RuntimeError::Failed(_) | RuntimeError::Throttled { .. } => "unavailable",
             RuntimeError::Ambiguous(_) => "ambiguous",
             RuntimeError::Turn { code, .. } => code,
         }

@@ -1,20 +1,31 @@
 //! The `openai` runtime: any OpenAI-compatible Chat Completions endpoint with streaming.
 //!
-//! One turn is one request (one step): the conversation rebuilt from the log goes up with
-//! `stream: true` and usage included; `delta.content` comes back as text,
-//! `delta.reasoning_content` / `delta.reasoning` as reasoning, tool calls as tool calls, the
-//! usage chunk as usage, `finish_reason` as `done.reason`. Cancelling drops the request, which
-//! closes its connection at once.
+//! One turn is one request (one step): the conversation rebuilt from the log (always a valid
+//! Chat Completions conversation, trimmed to the context window when one is configured) goes
+//! up with `stream: true`, usage asked for unless switched off, and the credential's (and the
+//! model's) parameters; `delta.content` comes back as text, `delta.refusal` as text too,
+//! `delta.reasoning_content` (else `delta.reasoning`) as reasoning, tool calls as tool calls,
+//! the usage chunk as usage, `finish_reason` as `done.reason`. Cancelling drops the request,
+//! which closes its connection at once.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
 
 use super::{EventSink, HistoryChunk, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
+use crate::config::RequestParams;
 use crate::wire::{Chunk, Role, Usage};
+
+/// The `code` of a turn the upstream refused because it does not fit the model's context;
+/// the rebuilt history leaves such a turn's message out, so it does not fail every later one.
+pub const CONTEXT_EXCEEDED: &str = "context_length";
+
+/// The longest `Retry-After` a 429 may ask for and still be retried within the turn.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct OpenAiSettings {
@@ -27,6 +38,12 @@ pub struct OpenAiSettings {
     /// A stream that sends nothing for this long fails.
     pub idle_timeout: Duration,
     pub system_prompt: Option<String>,
+    /// Tokens the models take; the oldest turns are left out so a request fits.
+    pub context_window: Option<u64>,
+    /// The credential's request parameters.
+    pub params: RequestParams,
+    /// Each model's, over the credential's.
+    pub model_params: BTreeMap<String, RequestParams>,
 }
 
 pub struct OpenAiRuntime {
@@ -49,9 +66,14 @@ impl OpenAiRuntime {
     }
 }
 
-/// The conversation as Chat Completions messages: a message per log message; thinking and
-/// errors stay home; each tool result is a `tool` message. A tool call no result answered is
-/// left out, since the API rejects a call without its result.
+/// The conversation as Chat Completions messages, always one a strict chat template takes
+/// (alternating user and assistant turns):
+/// - a message per log message; thinking and error chunks stay home, and each tool result is
+///   a `tool` message; a tool call no result answered is left out (the API rejects it);
+/// - an assistant message that had only reasoning is kept, with empty content;
+/// - the message of a turn the upstream refused as too long for the context is left out;
+/// - consecutive user messages (a turn that failed or was stopped before any answer, then the
+///   next one) are merged into one, and so are consecutive assistant messages.
 pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Value> {
     let answered: std::collections::HashSet<&str> = history
         .iter()
@@ -60,7 +82,7 @@ pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Va
             _ => None,
         })
         .collect();
-    let mut out = Vec::new();
+    let mut out: Vec<Value> = Vec::new();
     if let Some(system) = system_prompt {
         out.push(json!({"role": "system", "content": system}));
     }
@@ -78,10 +100,19 @@ pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Va
                 _ => None,
             })
             .collect();
+        let too_long =
+            group.iter().any(|c| matches!(&c.chunk, Chunk::Error(e) if e.code.as_deref() == Some(CONTEXT_EXCEEDED)));
+        if too_long {
+            // The unanswered user message before it is what did not fit.
+            if out.last().is_some_and(|m| m["role"] == "user") {
+                out.pop();
+            }
+            continue;
+        }
         match role {
             Role::User | Role::System => {
                 if !text.is_empty() {
-                    out.push(json!({"role": role.as_str(), "content": text}));
+                    push_merged(&mut out, json!({"role": role.as_str(), "content": text}));
                 }
             }
             Role::Assistant => {
@@ -96,15 +127,16 @@ pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Va
                         _ => None,
                     })
                     .collect();
-                if text.is_empty() && calls.is_empty() {
+                let thought = group.iter().any(|c| matches!(c.chunk, Chunk::Thinking(_)));
+                if text.is_empty() && calls.is_empty() && !thought {
                     continue;
                 }
-                let mut message =
-                    json!({"role": "assistant", "content": if text.is_empty() { Value::Null } else { json!(text) }});
+                let content = if text.is_empty() && !calls.is_empty() { Value::Null } else { json!(text) };
+                let mut message = json!({"role": "assistant", "content": content});
                 if !calls.is_empty() {
                     message["tool_calls"] = Value::Array(calls);
                 }
-                out.push(message);
+                push_merged(&mut out, message);
             }
             Role::Tool => {
                 for c in group {
@@ -116,6 +148,79 @@ pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Va
         }
     }
     out
+}
+
+/// Appends `message`, merged into the last one when both are user (or both assistant)
+/// messages: their texts joined by a blank line, their tool calls in order.
+fn push_merged(out: &mut Vec<Value>, message: Value) {
+    let Some(last) = out.last_mut().filter(|l| l["role"] == message["role"] && l["role"] != "system") else {
+        out.push(message);
+        return;
+    };
+    let texts: Vec<&str> = [&last["content"], &message["content"]]
+        .into_iter()
+        .filter_map(Value::as_str)
+        .filter(|t| !t.is_empty())
+        .collect();
+    let content = if texts.is_empty() && (last.get("tool_calls").is_some() || message.get("tool_calls").is_some()) {
+        Value::Null
+    } else {
+        json!(texts.join("\n\n"))
+    };
+    let mut calls: Vec<Value> = last.get("tool_calls").and_then(Value::as_array).cloned().unwrap_or_default();
+    calls.extend(message.get("tool_calls").and_then(Value::as_array).cloned().unwrap_or_default());
+    last["content"] = content;
+    if !calls.is_empty() {
+        last["tool_calls"] = Value::Array(calls);
+    }
+}
+
+/// A message's size in tokens, roughly: four bytes of text a token, and a few for the message.
+fn estimated_tokens(message: &Value) -> u64 {
+    let text =
+        message["content"].as_str().map_or(0, str::len) + message.get("tool_calls").map_or(0, |c| c.to_string().len());
+    (text as u64).div_ceil(4) + 4
+}
+
+/// Leaves out the oldest turns (a user message and what answered it) until the messages fit
+/// `budget` tokens; never the system prompt, nor the last user message (the new one) and what
+/// follows it. Returns how many messages were left out.
+pub fn trim_to_fit(messages: &mut Vec<Value>, budget: u64) -> usize {
+    let first = usize::from(messages.first().is_some_and(|m| m["role"] == "system"));
+    let Some(newest) = messages.iter().rposition(|m| m["role"] == "user") else { return 0 };
+    let mut total: u64 = messages.iter().map(estimated_tokens).sum();
+    let mut end = first;
+    // Whole turns from the oldest, while what remains is over budget.
+    while total > budget && end < newest {
+        let next_user =
+            messages[end + 1..newest].iter().position(|m| m["role"] == "user").map_or(newest, |p| end + 1 + p);
+        total -= messages[end..next_user].iter().map(estimated_tokens).sum::<u64>();
+        end = next_user;
+    }
+    messages.drain(first..end);
+    end - first
+}
+
+/// Whether an upstream's 400 says the request does not fit the model's context (OpenAI,
+/// vLLM, llama.cpp and LiteLLM each word it their way).
+fn context_exceeded(body: &str) -> bool {
+    let body = body.to_ascii_lowercase();
+    [
+        "context_length_exceeded",
+        "context length",
+        "context size",
+        "context window",
+        "exceed_context",
+        "contextwindowexceeded",
+    ]
+    .iter()
+    .any(|needle| body.contains(needle))
+}
+
+/// A `Retry-After` in seconds (the HTTP-date form is rare on these APIs and taken as absent).
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
+    let value = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    value.parse::<f64>().ok().filter(|s| s.is_finite() && *s >= 0.0).map(Duration::from_secs_f64)
 }
 
 /// `finish_reason` in the wire's words.
@@ -165,15 +270,20 @@ impl Gathered {
         let delta = choice.get("delta").cloned().unwrap_or(Value::Null);
         let send =
             |event| async { sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime")) };
-        for key in ["reasoning_content", "reasoning"] {
+        // Servers that send both say the same thing twice: one is taken.
+        let reasoning = ["reasoning_content", "reasoning"]
+            .iter()
+            .find_map(|key| delta.get(*key).and_then(Value::as_str).filter(|t| !t.is_empty()));
+        if let Some(text) = reasoning {
+            self.content = true;
+            send(RawEvent::ReasoningDelta(text.to_owned())).await?;
+        }
+        // A refusal is what the model answered: the user reads it as the reply.
+        for key in ["content", "refusal"] {
             if let Some(text) = delta.get(key).and_then(Value::as_str).filter(|t| !t.is_empty()) {
                 self.content = true;
-                send(RawEvent::ReasoningDelta(text.to_owned())).await?;
+                send(RawEvent::TextDelta(text.to_owned())).await?;
             }
-        }
-        if let Some(text) = delta.get("content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
-            self.content = true;
-            send(RawEvent::TextDelta(text.to_owned())).await?;
         }
         for call in delta.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
             self.content = true;
@@ -216,17 +326,54 @@ impl Gathered {
 }
 
 impl OpenAiRuntime {
-    fn request(&self, req: &TurnRequest) -> reqwest::RequestBuilder {
+    /// The request body: the rebuilt conversation, trimmed to the context window, and the
+    /// model's parameters.
+    pub fn body(&self, req: &TurnRequest) -> Value {
+        let params = match self.settings.model_params.get(&req.model) {
+            Some(model) => self.settings.params.overlaid(model),
+            None => self.settings.params.clone(),
+        };
+        let mut messages = messages(&req.history, self.settings.system_prompt.as_deref());
+        if let Some(window) = self.settings.context_window {
+            // Room for the answer: what `max_tokens` asks, else an eighth of the window.
+            let reserve = params.max_tokens.unwrap_or(window / 8).min(window / 2);
+            let left_out = trim_to_fit(&mut messages, window - reserve);
+            if left_out > 0 {
+                tracing::info!(
+                    left_out,
+                    window,
+                    "left the oldest messages out of the request to fit the context window"
+                );
+            }
+        }
         let mut body = Map::new();
         body.insert("model".into(), json!(req.model));
-        body.insert("messages".into(), Value::Array(messages(&req.history, self.settings.system_prompt.as_deref())));
+        body.insert("messages".into(), Value::Array(messages));
         body.insert("stream".into(), json!(true));
-        body.insert("stream_options".into(), json!({"include_usage": true}));
+        if params.include_usage.unwrap_or(true) {
+            body.insert("stream_options".into(), json!({"include_usage": true}));
+        }
         if let Some(effort) = &req.reasoning_effort {
             body.insert("reasoning_effort".into(), json!(effort));
         }
+        for (key, value) in [
+            ("max_tokens", params.max_tokens.map(|v| json!(v))),
+            ("temperature", params.temperature.map(|v| json!(v))),
+            ("top_p", params.top_p.map(|v| json!(v))),
+            ("stop", params.stop.as_ref().map(|v| json!(v))),
+        ] {
+            if let Some(value) = value {
+                body.insert(key.into(), value);
+            }
+        }
+        body.extend(params.extra_body.unwrap_or_default());
+        Value::Object(body)
+    }
+
+    fn request(&self, req: &TurnRequest) -> reqwest::RequestBuilder {
+        let body = self.body(req);
         let url = format!("{}/chat/completions", self.settings.base_url.trim_end_matches('/'));
-        let mut request = self.client.post(url).json(&Value::Object(body));
+        let mut request = self.client.post(url).json(&body);
         if let Some(key) = &self.settings.api_key {
             request = request.bearer_auth(key);
         }
@@ -240,8 +387,12 @@ impl OpenAiRuntime {
         let idle = self.settings.idle_timeout;
         sink.send(RawEvent::StepStart).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime"))?;
         let response = match tokio::time::timeout(idle, self.request(&req).send()).await {
-            Err(_) => return Err(RuntimeError::Failed("the upstream did not answer in time".into())),
-            Ok(Err(e)) if e.is_connect() || e.is_timeout() => {
+            // The request went out and no answer came: the upstream may be working on it.
+            Err(_) => {
+                return Err(RuntimeError::Ambiguous("the upstream took the request but did not answer in time".into()));
+            }
+            // Never connected (the connect timeout included): nothing reached the upstream.
+            Ok(Err(e)) if e.is_connect() => {
                 return Err(RuntimeError::Failed(format!("cannot reach the upstream: {e}")));
             }
             // The request may have been sent before the failure: it may have been taken.
@@ -250,48 +401,63 @@ impl OpenAiRuntime {
         };
         let status = response.status();
         if !status.is_success() {
+            let wait = retry_after(response.headers());
             let body = response.text().await.unwrap_or_default();
             let detail: String = body.chars().take(300).collect();
             let message = format!("the upstream answered {status}: {detail}");
-            return Err(if status.as_u16() == 429 || status.is_server_error() {
-                RuntimeError::Failed(message)
-            } else {
-                RuntimeError::turn(message, "upstream")
+            return Err(match status.as_u16() {
+                429 => match wait {
+                    Some(after) if after > MAX_RETRY_AFTER => RuntimeError::turn(
+                        format!("{message} (it asks to retry in {}s)", after.as_secs()),
+                        "rate_limited",
+                    ),
+                    Some(after) => RuntimeError::Throttled { message, retry_after: after },
+                    None => RuntimeError::Failed(message),
+                },
+                400 if context_exceeded(&body) => RuntimeError::turn(
+                    format!("the conversation does not fit the model's context: {detail}"),
+                    CONTEXT_EXCEEDED,
+                ),
+                _ if status.is_server_error() => RuntimeError::Failed(message),
+                _ => RuntimeError::turn(message, "upstream"),
             });
         }
         let mut gathered = Gathered::default();
-        let mut body = response.bytes_stream();
-        let mut buffer: Vec<u8> = Vec::new();
+        let mut events = response.bytes_stream().eventsource();
         // Before any content a broken stream is as good as never accepted.
         let broken = |gathered: &Gathered, message: String| {
             if gathered.content { RuntimeError::turn(message, "upstream") } else { RuntimeError::Failed(message) }
         };
         loop {
-            let next = match tokio::time::timeout(idle, body.next()).await {
+            let next = match tokio::time::timeout(idle, events.next()).await {
                 Err(_) => return Err(broken(&gathered, format!("the upstream sent nothing for {}s", idle.as_secs()))),
                 Ok(next) => next,
             };
-            match next {
+            let event = match next {
                 None => break,
-                Some(Err(e)) => return Err(broken(&gathered, format!("the upstream stream broke: {e}"))),
-                Some(Ok(bytes)) => buffer.extend_from_slice(&bytes),
-            }
-            while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = buffer.drain(..=end).collect();
-                let line = String::from_utf8_lossy(&line);
-                let Some(data) = line.trim_end().strip_prefix("data:") else { continue };
-                let data = data.trim_start();
-                if data == "[DONE]" {
-                    return gathered.finish(&sink).await;
+                Some(Err(eventsource_stream::EventStreamError::Transport(e))) => {
+                    tracing::debug!(error = %e, "the upstream stream ended abruptly");
+                    return Err(broken(&gathered, "the upstream closed the stream before the turn finished".into()));
                 }
-                match serde_json::from_str::<Value>(data) {
-                    Ok(value) => gathered.chunk(&sink, &value).await?,
-                    Err(e) => {
-                        return Err(RuntimeError::turn(
-                            format!("the upstream sent a line that is not JSON: {e}"),
-                            "upstream",
-                        ));
-                    }
+                Some(Err(e)) => {
+                    return Err(broken(&gathered, format!("the upstream's event stream is malformed: {e}")));
+                }
+                Some(Ok(event)) => event,
+            };
+            let data = event.data.trim();
+            if data.is_empty() {
+                continue;
+            }
+            if data == "[DONE]" {
+                return gathered.finish(&sink).await;
+            }
+            match serde_json::from_str::<Value>(data) {
+                Ok(value) => gathered.chunk(&sink, &value).await?,
+                Err(e) => {
+                    return Err(RuntimeError::turn(
+                        format!("the upstream sent an event that is not JSON: {e}"),
+                        "upstream",
+                    ));
                 }
             }
         }
@@ -299,7 +465,7 @@ impl OpenAiRuntime {
             // Some servers close without `[DONE]` after the last chunk.
             return gathered.finish(&sink).await;
         }
-        Err(broken(&gathered, "the upstream stream ended before the turn finished".into()))
+        Err(broken(&gathered, "the upstream closed the stream before the turn finished".into()))
     }
 }
 

@@ -104,7 +104,10 @@ pub(super) fn duplicate_key(e: StoreError) -> StoreError {
 /// (no row when the conversation does not exist).
 pub(super) fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<()> {
     let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-    let gen_total_ms: u64 = s.metrics.steps.iter().filter_map(|st| st.gen_total_ms).sum();
+    // Throughput is output over the time spent producing it: a step that reported no output
+    // (aborted before its first token, stalled, failed) adds no time either.
+    let gen_total_ms: u64 =
+        s.metrics.steps.iter().filter(|st| st.usage.output_tokens > 0).filter_map(|st| st.gen_total_ms).sum();
     if !final_chunks.is_empty() {
         append_to(script, s.conversation_id, s.turn_id, final_chunks, s.now)?;
     }

@@ -47,6 +47,9 @@ pub(super) struct TurnRun {
     inbox: Arc<Inbox>,
     /// Something of the runtime's output has been published: no more retries.
     published_content: bool,
+    /// The open step produced something (a delta, a tool call, usage): a failed turn whose
+    /// step produced nothing leaves no step behind.
+    step_content: bool,
     /// Chunks whose write failed: written with the next write that succeeds.
     unwritten: Vec<NewChunk>,
 }
@@ -118,6 +121,7 @@ impl TurnRun {
             call_steps: HashMap::new(),
             inbox,
             published_content: false,
+            step_content: false,
             unwritten: Vec::new(),
         }
     }
@@ -164,11 +168,18 @@ impl TurnRun {
             };
             // Only a failure that provably never reached the runtime is retried, and only while
             // nothing of the turn has reached a client.
-            if let RuntimeError::Failed(reason) = &failure
+            let retryable = match &failure {
+                RuntimeError::Failed(reason) => Some((reason, RETRY_BASE * 2u32.pow(attempt))),
+                // The upstream said when: no sooner than that.
+                RuntimeError::Throttled { message, retry_after } => {
+                    Some((message, (RETRY_BASE * 2u32.pow(attempt)).max(*retry_after)))
+                }
+                _ => None,
+            };
+            if let Some((reason, backoff)) = retryable
                 && !self.published_content
                 && attempt < MAX_RETRIES
             {
-                let backoff = RETRY_BASE * 2u32.pow(attempt);
                 attempt += 1;
                 self.turns.metrics.runtime_error("retried");
                 tracing::warn!(attempt, reason = %reason, backoff_ms = backoff.as_millis() as u64, "runtime unavailable; retrying");
@@ -196,6 +207,10 @@ impl TurnRun {
         if !matches!(event, RawEvent::StepStart | RawEvent::SessionId(_)) {
             self.published_content = true;
         }
+        self.step_content |= !matches!(
+            event,
+            RawEvent::StepStart | RawEvent::SessionId(_) | RawEvent::Error { .. } | RawEvent::Finish { .. }
+        );
         match event {
             RawEvent::StepStart => {
                 if self.step.is_some()
@@ -204,6 +219,7 @@ impl TurnRun {
                     return Some(end);
                 }
                 self.step = Some(self.new_step(now));
+                self.step_content = false;
             }
             RawEvent::TextDelta(delta) | RawEvent::ReasoningDelta(delta) if delta.is_empty() => {}
             RawEvent::TextDelta(delta) => {
@@ -388,6 +404,10 @@ impl TurnRun {
     /// Closes whatever is open, then `error`?, `done`, metrics, `turn-sealed`, in that order.
     async fn finish(mut self, mut end: End) {
         let now = Instant::now();
+        if matches!(end, End::Failed { .. }) && !self.step_content {
+            // A request the upstream never answered is no step of the model's.
+            self.step = None;
+        }
         if self.step.is_some()
             && let Err(failed) = self.close_step(now).await
             && !matches!(end, End::Failed { .. })

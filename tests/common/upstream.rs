@@ -21,6 +21,10 @@ pub enum Reply {
     Broken(Vec<Value>),
     /// 200 with these payloads, then nothing: the upstream waits for the client to leave.
     Stall(Vec<Value>),
+    /// This exact response text (head and body), then the connection closes.
+    Raw(String),
+    /// The request is read and never answered: not even a status line.
+    Silent,
 }
 
 #[derive(Debug, Clone)]
@@ -28,6 +32,8 @@ pub struct Recorded {
     pub body: Value,
     pub authorization: Option<String>,
     pub headers: Vec<(String, String)>,
+    /// When the request had arrived whole.
+    pub at: std::time::Instant,
 }
 
 #[derive(Default)]
@@ -115,7 +121,7 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
     }
     let body: Value = serde_json::from_slice(&buf[head_end..head_end + length]).unwrap_or(Value::Null);
     let authorization = headers.iter().find(|(k, _)| k == "authorization").map(|(_, v)| v.clone());
-    state.requests.lock().unwrap().push(Recorded { body, authorization, headers });
+    state.requests.lock().unwrap().push(Recorded { body, authorization, headers, at: std::time::Instant::now() });
     let reply = state.replies.lock().unwrap().pop_front().unwrap_or(Reply::Status(500));
     let stream_head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
     let data = |payloads: &[Value]| payloads.iter().map(|p| format!("data: {p}\n\n")).collect::<String>();
@@ -138,6 +144,17 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
             #[allow(deprecated)]
             let _ = socket.set_linger(Some(std::time::Duration::ZERO));
             return;
+        }
+        Reply::Raw(text) => {
+            let _ = socket.write_all(text.as_bytes()).await;
+        }
+        Reply::Silent => {
+            let mut sink = [0u8; 64];
+            while let Ok(n) = socket.read(&mut sink).await {
+                if n == 0 {
+                    break;
+                }
+            }
         }
         Reply::Stall(payloads) => {
             let _ = socket.write_all(format!("{stream_head}{}", data(&payloads)).as_bytes()).await;
