@@ -260,7 +260,7 @@ async fn a_recorded_claude_transcript_maps_to_the_exact_event_list() {
             {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.txt\nb.txt", "is_error": false}
         ]}}),
         json!({"type": "system", "subtype": "compact_boundary"}),
-        json!({"type": "stream_event", "event": {"type": "message_start"}}),
+        json!({"type": "stream_event", "event": {"type": "ping"}}),
         json!({"type": "assistant", "message": {"id": "m2", "role": "assistant", "content": [
             {"type": "text", "text": "Two files."}
         ], "usage": {"input_tokens": 130, "output_tokens": 5}}}),
@@ -308,23 +308,25 @@ for line in sys.stdin:
             json!({"type": "reasoning-delta", "delta": "List the files."}),
             json!({"type": "text-delta", "delta": "I'll look."}),
             json!({"type": "tool-call", "stepId": s0, "toolCallId": "toolu_1", "toolName": "Bash", "input": {"command": "ls"}}),
-            json!({"type": "usage", "stepId": s0, "usage": {"inputTokens": 100, "outputTokens": 20, "cacheReadTokens": 50, "cacheWriteTokens": 10}}),
+            json!({"type": "usage", "stepId": s0, "usage": {"inputTokens": 160, "outputTokens": 20, "cacheReadTokens": 50, "cacheWriteTokens": 10}}),
             json!({"type": "step-complete", "stepId": s0}),
             json!({"type": "tool-result", "stepId": s0, "toolCallId": "toolu_1", "toolName": "Bash", "content": "a.txt\nb.txt", "isError": false}),
             json!({"type": "text-delta", "delta": "Two files."}),
             json!({"type": "usage", "stepId": s1, "usage": {"inputTokens": 130, "outputTokens": 5}}),
             json!({"type": "step-complete", "stepId": s1}),
-            json!({"type": "done", "reason": "stop", "usage": {"inputTokens": 230, "outputTokens": 25, "cacheReadTokens": 50, "cacheWriteTokens": 10}, "contextSize": 135}),
+            json!({"type": "done", "reason": "stop", "usage": {"inputTokens": 290, "outputTokens": 25, "cacheReadTokens": 50, "cacheWriteTokens": 10}, "contextSize": 135}),
             json!({"type": "turn-sealed"}),
         ]
     );
-    // Launched in stream-json mode with its model; the session was stored for `--resume`.
+    // Launched in stream-json mode with its model and token streaming; the session was stored
+    // for `--resume`. (Input counts the cache: Anthropic's `input_tokens` leaves it out.)
     let launch = &starts(dir.path())[0];
     assert!(launch.contains("--input-format stream-json --output-format stream-json"), "{launch}");
     assert!(launch.contains("--model fake"), "{launch}");
+    assert!(launch.contains("--include-partial-messages"), "{launch}");
     let server = server.restart().await;
     turn(&server, "cc", "list files").await;
-    assert!(starts(dir.path())[1].contains("--resume claude-sess"), "{:?}", starts(dir.path()));
+    assert!(starts(dir.path())[1].contains("--resume=claude-sess"), "{:?}", starts(dir.path()));
 }
 
 fn alive(pid: &str) -> bool {
@@ -351,4 +353,43 @@ async fn an_idle_process_is_stopped_and_shutdown_stops_them_all() {
     assert!(alive(pids.last().unwrap()), "the new conversation's process runs");
     server.stop().await;
     assert!(pids.iter().all(|p| !alive(p)), "shutdown stops every agent process");
+}
+
+/// A Claude Code stand-in that runs a turn of its own between the gateway's: after the first
+/// answer it prints a background task's turn, whose result comes only once the next turn has
+/// been submitted; the third answer has a subagent's line in it.
+const SELF_STARTING: &str = r#"
+import json, sys
+n = 0
+def out(**v):
+    print(json.dumps(v), flush=True)
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg.get("type") != "user":
+        continue
+    n += 1
+    text = msg["message"]["content"][0]["text"]
+    if n == 2:
+        out(type="result", subtype="success", is_error=False, result="background done", origin={"kind": "task-notification"})
+    if n == 3:
+        out(type="assistant", parent_tool_use_id="toolu_x", message={"id": "sub", "content": [{"type": "text", "text": "subagent chatter"}]})
+    out(type="assistant", message={"id": f"m{n}", "content": [{"type": "text", "text": "answer to " + text}], "usage": {"input_tokens": 5, "output_tokens": 2}})
+    out(type="result", subtype="success", is_error=False, result="answer to " + text, session_id="s")
+    if n == 1:
+        out(type="assistant", message={"id": "bg", "content": [{"type": "text", "text": "background done"}]})
+"#;
+
+#[tokio::test]
+async fn a_turn_the_agent_starts_itself_is_not_answered_as_the_users() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "self_starting.py", SELF_STARTING);
+    let server = gateway(dir.path(), &script, Dialect::ClaudeStreamJson).await;
+    let text = |events: &[Value]| -> String {
+        events.iter().filter(|e| e["type"] == "text-delta").map(|e| e["delta"].as_str().unwrap()).collect()
+    };
+    assert_eq!(text(&turn(&server, "bg", "one").await), "answer to one");
+    // The background turn's line is printed by now; its result comes with the next turn.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(text(&turn(&server, "bg", "two").await), "answer to two");
+    assert_eq!(text(&turn(&server, "bg", "three").await), "answer to three", "subagent lines stay out");
 }

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use super::DEFAULT_REASONING_EFFORT;
+use super::claude::{ClaudeMapper, Mapped};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 use tokio_util::sync::CancellationToken;
@@ -24,7 +25,7 @@ use tokio_util::task::TaskTracker;
 
 use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
 use crate::config::{CommandCredential, Dialect};
-use crate::wire::{OutputStream, Usage};
+use crate::wire::OutputStream;
 
 /// How long an interrupted agent has to finish its turn before it is killed.
 const INTERRUPT_GRACE: Duration = Duration::from_secs(3);
@@ -206,6 +207,21 @@ impl Inner {
             slot.last_death = Some(Instant::now());
             return Err(RuntimeError::Failed("the agent process exited before the turn was written".into()));
         }
+        // Claude Code may run turns of its own between ours (a background task's completion):
+        // what it printed meanwhile is not this turn's, and a turn of its own still running
+        // ends with a result that is not this turn's either.
+        let mut foreign_open = false;
+        if self.settings.dialect == Dialect::ClaudeStreamJson {
+            use futures_util::FutureExt;
+            let mut dropped = 0;
+            while let Some(Ok(Some(line))) = agent.stdout.next_line().now_or_never() {
+                foreign_open = foreign_turn_line(&line, foreign_open);
+                dropped += 1;
+            }
+            if dropped > 0 {
+                tracing::info!(dropped, "dropped the lines of a turn the agent started itself");
+            }
+        }
         let line = self.user_line(&req);
         let mut written = 0;
         while written < line.len() {
@@ -261,6 +277,10 @@ impl Inner {
                 }
             };
             if line.trim().is_empty() {
+                continue;
+            }
+            if foreign_open {
+                foreign_open = foreign_turn_line(&line, true);
                 continue;
             }
             let value: Value = match serde_json::from_str(&line) {
@@ -374,25 +394,18 @@ impl Runtime for CommandRuntime {
     }
 }
 
-/// What one line of the agent becomes.
-#[derive(Default)]
-struct Mapped {
-    events: Vec<RawEvent>,
-    /// Lines to write back (answers to the agent's own control requests).
-    replies: Vec<Value>,
-}
-
 /// Maps agent lines to raw events, keeping what a dialect needs across lines.
-pub struct Mapper {
-    dialect: Dialect,
-    unattended: bool,
-    /// Tool names by call id (claude reports results by id only).
-    tools: HashMap<String, String>,
+pub enum Mapper {
+    Ndjson,
+    Claude(ClaudeMapper),
 }
 
 impl Mapper {
     pub fn new(dialect: Dialect, unattended: bool) -> Mapper {
-        Mapper { dialect, unattended, tools: HashMap::new() }
+        match dialect {
+            Dialect::Ndjson => Mapper::Ndjson,
+            Dialect::ClaudeStreamJson => Mapper::Claude(ClaudeMapper::new(unattended)),
+        }
     }
 
     /// The raw events one line stands for (used directly by tests of recorded transcripts).
@@ -401,117 +414,23 @@ impl Mapper {
     }
 
     fn map(&mut self, v: &Value) -> Mapped {
-        match self.dialect {
-            Dialect::Ndjson => Mapped { events: ndjson_event(v).into_iter().collect(), replies: Vec::new() },
-            Dialect::ClaudeStreamJson => self.claude(v),
+        match self {
+            Mapper::Ndjson => Mapped { events: ndjson_event(v).into_iter().collect(), replies: Vec::new() },
+            Mapper::Claude(claude) => claude.map(v),
         }
-    }
-
-    fn claude(&mut self, v: &Value) -> Mapped {
-        let mut out = Mapped::default();
-        let str_of = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
-        match v.get("type").and_then(Value::as_str) {
-            Some("system") if v.get("subtype").and_then(Value::as_str) == Some("init") => {
-                if let Some(id) = str_of(v, "session_id") {
-                    out.events.push(RawEvent::SessionId(id));
-                }
-            }
-            Some("assistant") => {
-                let message = v.get("message").cloned().unwrap_or(Value::Null);
-                out.events.push(RawEvent::StepStart);
-                for block in message.get("content").and_then(Value::as_array).into_iter().flatten() {
-                    match block.get("type").and_then(Value::as_str) {
-                        Some("text") => {
-                            if let Some(t) = str_of(block, "text").filter(|t| !t.is_empty()) {
-                                out.events.push(RawEvent::TextDelta(t));
-                            }
-                        }
-                        Some("thinking") => {
-                            if let Some(t) = str_of(block, "thinking").filter(|t| !t.is_empty()) {
-                                out.events.push(RawEvent::ReasoningDelta(t));
-                            }
-                        }
-                        Some("tool_use") => {
-                            let id = str_of(block, "id").unwrap_or_default();
-                            let name = str_of(block, "name").unwrap_or_default();
-                            self.tools.insert(id.clone(), name.clone());
-                            let input = block.get("input").cloned().unwrap_or(Value::Null);
-                            out.events.push(RawEvent::ToolCall { id, name, input });
-                        }
-                        _ => {}
-                    }
-                }
-                if let Some(u) = message.get("usage").and_then(claude_usage) {
-                    out.events.push(RawEvent::Usage(u));
-                }
-                out.events.push(RawEvent::StepEnd);
-            }
-            Some("user") => {
-                let content = v.pointer("/message/content").and_then(Value::as_array);
-                for block in content.into_iter().flatten() {
-                    if block.get("type").and_then(Value::as_str) != Some("tool_result") {
-                        continue;
-                    }
-                    let id = str_of(block, "tool_use_id").unwrap_or_default();
-                    let name = self.tools.get(&id).cloned().unwrap_or_default();
-                    let content = match block.get("content") {
-                        Some(Value::String(s)) => s.clone(),
-                        Some(Value::Array(parts)) => parts
-                            .iter()
-                            .filter_map(|p| p.get("text").and_then(Value::as_str))
-                            .collect::<Vec<_>>()
-                            .join(""),
-                        Some(other) => other.to_string(),
-                        None => String::new(),
-                    };
-                    let is_error = block.get("is_error").and_then(Value::as_bool).unwrap_or(false);
-                    out.events.push(RawEvent::ToolResult { id, name, content, is_error, duration_ms: None });
-                }
-            }
-            Some("result") => {
-                if let Some(id) = str_of(v, "session_id") {
-                    out.events.push(RawEvent::SessionId(id));
-                }
-                let subtype = str_of(v, "subtype").unwrap_or_default();
-                let is_error = v.get("is_error").and_then(Value::as_bool).unwrap_or(false);
-                let terminal = str_of(v, "terminal_reason").unwrap_or_default();
-                out.events.push(if terminal.starts_with("aborted") {
-                    RawEvent::Finish { reason: "aborted".into() }
-                } else if is_error || subtype != "success" {
-                    let message = str_of(v, "result")
-                        .filter(|r| !r.is_empty())
-                        .unwrap_or_else(|| format!("the agent failed: {subtype}"));
-                    RawEvent::Error { message, code: Some(if subtype.is_empty() { "agent".into() } else { subtype }) }
-                } else {
-                    RawEvent::Finish { reason: "stop".into() }
-                });
-            }
-            Some("control_request") => {
-                let request_id = str_of(v, "request_id").unwrap_or_default();
-                let request = v.get("request").cloned().unwrap_or(Value::Null);
-                if request.get("subtype").and_then(Value::as_str) == Some("can_use_tool") {
-                    let response = if self.unattended {
-                        json!({"behavior": "allow", "updatedInput": request.get("input").cloned().unwrap_or(json!({}))})
-                    } else {
-                        json!({"behavior": "deny", "message": "tool use needs an operator; this gateway runs unattended only when configured to"})
-                    };
-                    out.replies.push(json!({"type": "control_response", "response": {"subtype": "success", "request_id": request_id, "response": response}}));
-                }
-            }
-            _ => {}
-        }
-        out
     }
 }
 
-fn claude_usage(u: &Value) -> Option<Usage> {
-    let n = |k: &str| u.get(k).and_then(Value::as_u64);
-    Some(Usage {
-        input_tokens: n("input_tokens")?,
-        output_tokens: n("output_tokens").unwrap_or(0),
-        cache_read_tokens: n("cache_read_input_tokens"),
-        cache_write_tokens: n("cache_creation_input_tokens"),
-    })
+/// Whether a turn the agent started itself is still open after `line`: its `result` closes
+/// it, any other line of a turn opens it.
+fn foreign_turn_line(line: &str, open: bool) -> bool {
+    let kind =
+        serde_json::from_str::<Value>(line).ok().and_then(|v| v.get("type").and_then(Value::as_str).map(str::to_owned));
+    match kind.as_deref() {
+        Some("result") => false,
+        Some("assistant" | "user" | "stream_event") => true,
+        _ => open,
+    }
 }
 
 /// The gateway's own dialect: one raw event per line (unknown types are skipped).
@@ -552,11 +471,21 @@ fn ndjson_event(v: &Value) -> Option<RawEvent> {
 /// to answer); the session is resumed as one argument (`--resume=<id>`), so an id that starts
 /// with a dash is not read as a flag.
 fn claude_args(model: &str, session: Option<&str>, unattended: bool) -> Vec<String> {
-    let mut args: Vec<String> =
-        ["--print", "--input-format", "stream-json", "--output-format", "stream-json", "--verbose", "--model", model]
-            .into_iter()
-            .map(str::to_owned)
-            .collect();
+    // Partial messages: the CLI streams tokens (`stream_event` lines) instead of whole blocks.
+    let mut args: Vec<String> = [
+        "--print",
+        "--input-format",
+        "stream-json",
+        "--output-format",
+        "stream-json",
+        "--verbose",
+        "--include-partial-messages",
+        "--model",
+        model,
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect();
     if unattended {
         args.extend(["--permission-prompt-tool".to_owned(), "stdio".to_owned()]);
     }

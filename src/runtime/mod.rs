@@ -3,6 +3,7 @@
 //! A runtime knows nothing of turn ids, step ids, metrics, the log or watchers; it sends
 //! [`RawEvent`]s into a sink and the turn (`crate::turn`) makes the wire out of them.
 
+mod claude;
 pub mod command;
 pub mod openai;
 pub mod scripted;

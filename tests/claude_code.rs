@@ -1,0 +1,144 @@
+//! The real Claude Code CLI (npm `@anthropic-ai/claude-code`) behind the `command` runtime,
+//! offline: its API base URL points at a mock of the Anthropic Messages API on loopback
+//! (`tests/fixtures/mock_anthropic.py`). The CLI is found as `$DISPATCH_TEST_CLAUDE`, else
+//! `claude` on the PATH; without it the test says so and passes, unless
+//! `DISPATCH_REQUIRE_CLAUDE` is set (as `.ci/run` does, after installing it).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::BufRead;
+use std::path::PathBuf;
+
+use common::*;
+use dispatch_gateway::config::{CommandCredential, Credential, Dialect};
+use serde_json::{Value, json};
+
+fn claude_binary() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("DISPATCH_TEST_CLAUDE") {
+        return Some(PathBuf::from(path));
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|dir| dir.join("claude")).find(|p| p.is_file())
+}
+
+/// The mock API, on an ephemeral port; killed when dropped.
+struct MockApi {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl MockApi {
+    fn start(dir: &std::path::Path) -> MockApi {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mock_anthropic.py");
+        let mut child = std::process::Command::new("python3")
+            .arg(script)
+            .current_dir(dir)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3 runs the mock API");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        MockApi { child, port: line.trim().parse().expect("the mock prints its port") }
+    }
+}
+
+impl Drop for MockApi {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn text_of(events: &[Value]) -> String {
+    events.iter().filter(|e| e["type"] == "text-delta").map(|e| e["delta"].as_str().unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_reports_errors() {
+    let Some(claude) = claude_binary() else {
+        assert!(std::env::var_os("DISPATCH_REQUIRE_CLAUDE").is_none(), "the Claude Code CLI is required but not found");
+        eprintln!("skipped: the Claude Code CLI is not installed (npm install @anthropic-ai/claude-code)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let api = MockApi::start(dir.path());
+    let home = dir.path().join("home");
+    let work = dir.path().join("work");
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::create_dir_all(&work).unwrap();
+    let mut env = BTreeMap::new();
+    for (k, v) in [
+        ("ANTHROPIC_BASE_URL", format!("http://127.0.0.1:{}", api.port)),
+        ("ANTHROPIC_API_KEY", "sk-ant-test".to_owned()),
+        ("HOME", home.display().to_string()),
+        ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".to_owned()),
+        ("DISABLE_AUTOUPDATER", "1".to_owned()),
+    ] {
+        env.insert(k.to_owned(), v);
+    }
+    let mut config = test_config(dir.path());
+    config.credentials.insert(
+        "claude".into(),
+        Credential::Command(CommandCredential {
+            program: claude.display().to_string(),
+            args: Vec::new(),
+            dialect: Dialect::ClaudeStreamJson,
+            models: vec!["sonnet".into()],
+            cwd: Some(work.clone()),
+            env,
+            idle_timeout_secs: 600,
+            unattended: true,
+        }),
+    );
+    let server = TestServer::start(config).await;
+
+    // Tokens stream one by one; the thinking comes first; one model call is one step.
+    let events = server.chat("cc", "please think about rust").await;
+    let reasoning: String =
+        events.iter().filter(|e| e["type"] == "reasoning-delta").map(|e| e["delta"].as_str().unwrap()).collect();
+    assert_eq!(reasoning, "Let me think.", "{events:?}");
+    assert_eq!(text_of(&events), "Answer to: please think about rust ");
+    let deltas = events.iter().filter(|e| e["type"] == "text-delta").count();
+    assert_eq!(deltas, 6, "word by word, as the API streamed them: {events:?}");
+    assert_eq!(events.iter().filter(|e| e["type"] == "step-complete").count(), 1, "{events:?}");
+    let done = events.iter().find(|e| e["type"] == "done").unwrap();
+    assert_eq!(done["reason"], "stop");
+    // message_start: 12 input, 100 cache reads, 20 cache writes; message_delta: 9 output.
+    assert_eq!(done["usage"]["inputTokens"], 132, "{done}");
+    assert_eq!(done["usage"]["outputTokens"], 9, "{done}");
+    assert_eq!(done["usage"]["cacheReadTokens"], 100);
+    assert_eq!(done["contextSize"], 141, "the whole context, cache included");
+
+    // The same process takes the next turn.
+    let events = server.chat("cc", "hello again").await;
+    assert_eq!(text_of(&events), "Answer to: hello again ");
+
+    // An API error ends the turn with its reason.
+    let events = server.chat("cc", "please fail").await;
+    let error = events.iter().find(|e| e["type"] == "error").expect("an error event");
+    assert!(error["message"].as_str().unwrap().contains("mock refused the request"), "{error}");
+    assert_eq!(events[events.len() - 2]["reason"], "error");
+
+    // A stop mid-stream keeps the text streamed so far.
+    let mut stream = server.chat_stream(json!({"conversationId": "cc", "message": "slow story please"})).await;
+    let mut seen = 0;
+    while let Some(event) = stream.next_event().await {
+        if event["type"] == "text-delta" {
+            seen += 1;
+            if seen == 2 {
+                server.post("/conversations/cc/stop", json!({})).await;
+            }
+        }
+        if event["type"] == "done" {
+            assert_eq!(event["reason"], "aborted");
+        }
+    }
+    let history = server.history("cc").await;
+    let last_text = history.iter().rev().find(|c| c["role"] == "assistant" && c["chunk"]["type"] == "text").unwrap();
+    assert!(last_text["chunk"]["text"].as_str().unwrap().starts_with("Answer to:"), "{last_text}");
+    // And the conversation goes on after the interrupt.
+    let events = server.chat("cc", "after the stop").await;
+    assert_eq!(text_of(&events), "Answer to: after the stop ");
+    server.stop().await;
+}
