@@ -14,14 +14,6 @@ use common::*;
 use dispatch_gateway::config::{CommandCredential, Credential, Dialect};
 use serde_json::{Value, json};
 
-fn claude_binary() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("DISPATCH_TEST_CLAUDE") {
-        return Some(PathBuf::from(path));
-    }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|dir| dir.join("claude")).find(|p| p.is_file())
-}
-
 /// The mock API, on an ephemeral port; killed when dropped.
 struct MockApi {
     child: std::process::Child,
@@ -56,7 +48,7 @@ fn text_of(events: &[Value]) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_reports_errors() {
-    let Some(claude) = claude_binary() else {
+    let Some(claude) = installed("DISPATCH_TEST_CLAUDE", "claude") else {
         assert!(std::env::var_os("DISPATCH_REQUIRE_CLAUDE").is_none(), "the Claude Code CLI is required but not found");
         eprintln!("skipped: the Claude Code CLI is not installed (npm install @anthropic-ai/claude-code)");
         return;

@@ -77,22 +77,7 @@ fn upgrade(path: &str, extra: &str) -> Vec<u8> {
 
 /// A client frame with `first` byte (FIN, opcode) and a masked payload.
 fn frame(first: u8, payload: &[u8]) -> Vec<u8> {
-    let mask = [1u8, 2, 3, 4];
-    let mut f = vec![first];
-    match payload.len() {
-        n if n < 126 => f.push(0x80 | n as u8),
-        n if n < 65536 => {
-            f.push(0x80 | 126);
-            f.extend_from_slice(&(n as u16).to_be_bytes());
-        }
-        n => {
-            f.push(0x80 | 127);
-            f.extend_from_slice(&(n as u64).to_be_bytes());
-        }
-    }
-    f.extend_from_slice(&mask);
-    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-    f
+    dispatch_gateway::net::websocket::client_frame(first, payload, [1, 2, 3, 4])
 }
 
 /// Reads server frames until a close frame; its code (None: closed without one, or none in it).

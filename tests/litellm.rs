@@ -6,7 +6,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use common::*;
 use dispatch_gateway::config::{Credential, OpenAiCredential};
@@ -26,14 +25,6 @@ general_settings:
   master_key: sk-test-master
 "#;
 
-fn litellm_binary() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("DISPATCH_TEST_LITELLM") {
-        return Some(PathBuf::from(path));
-    }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|dir| dir.join("litellm")).find(|p| p.is_file())
-}
-
 /// The proxy, killed when dropped.
 struct Proxy(std::process::Child);
 
@@ -46,7 +37,7 @@ impl Drop for Proxy {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_litellm_proxy_streams_turns_and_its_errors_are_retried_then_reported() {
-    let Some(litellm) = litellm_binary() else {
+    let Some(litellm) = installed("DISPATCH_TEST_LITELLM", "litellm") else {
         assert!(std::env::var_os("DISPATCH_REQUIRE_LITELLM").is_none(), "the LiteLLM proxy is required but not found");
         eprintln!("skipped: the LiteLLM proxy is not installed (pip install 'litellm[proxy]')");
         return;

@@ -523,3 +523,12 @@ where
     }
     false
 }
+
+/// A program the tests drive for real: `$env_var`, else `name` on the PATH.
+pub fn installed(env_var: &str, name: &str) -> Option<std::path::PathBuf> {
+    if let Some(path) = std::env::var_os(env_var) {
+        return Some(std::path::PathBuf::from(path));
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|dir| dir.join(name)).find(|p| p.is_file())
+}
