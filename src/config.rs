@@ -431,8 +431,12 @@ fn line_of(text: &str, key: &str) -> usize {
 
 impl Config {
     /// Checks what the parser cannot: an empty API key (`--api-keys "k,"`) would let requests
-    /// without a key in, so it stops the start.
-    pub fn check(&self) -> Result<(), String> {
+    /// without a key in, so it stops the start. An empty value as a whole
+    /// (`DISPATCH_API_KEYS=`, as compose files pass an unset variable) is no keys: auth off.
+    pub fn check(&mut self) -> Result<(), String> {
+        if self.api_keys.len() == 1 && self.api_keys[0].trim().is_empty() {
+            self.api_keys.clear();
+        }
         if self.api_keys.iter().any(|k| k.trim().is_empty()) {
             return Err("api_keys: an empty key is not a key (a stray comma?); list only non-empty keys, or none to turn auth off".into());
         }

@@ -35,7 +35,7 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    pub async fn build(config: Config) -> Result<Gateway, StartupError> {
+    pub async fn build(mut config: Config) -> Result<Gateway, StartupError> {
         config.check().map_err(StartupError::Config)?;
         let registry = registry(&config).map_err(StartupError::Config)?;
         let metrics = Arc::new(Metrics::default());
