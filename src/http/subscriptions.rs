@@ -56,14 +56,6 @@ impl Subscriptions {
         self.cap
     }
 
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
     /// Follows a conversation from its in-flight turn's first event (idempotent); false when
     /// the cap is reached.
     pub fn add(&mut self, conversation_id: &str) -> bool {
