@@ -502,3 +502,32 @@ async fn throughput_counts_only_the_time_of_steps_that_produced_tokens() {
     assert_eq!(model["totalOutputTokens"], 5);
     assert_eq!(model["totalGenMs"].as_u64().unwrap(), counted, "only the step with output counts: {throughput}");
 }
+
+#[tokio::test]
+async fn the_trimming_estimate_is_calibrated_by_the_last_context_size() {
+    set_key();
+    // The upstream counts about three times the estimate (four bytes a token): 400 + 40 bytes
+    // estimated as 118 tokens were 360.
+    let upstream = FakeUpstream::start(vec![
+        Reply::Stream(vec![delta(json!({"content": "a".repeat(40)})), finish("stop"), usage(300, 60)]),
+        Reply::Stream(vec![delta(json!({"content": "ok"})), finish("stop")]),
+    ])
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let server = gateway_with(dir.path(), &upstream, |c| {
+        c.context_window = Some(1000);
+        c.params.max_tokens = Some(100);
+    })
+    .await;
+    turn(&server, "cal", &"q".repeat(400)).await;
+    let (_, metrics) = server.get("/conversations/cal/metrics").await;
+    assert_eq!(metrics["turns"][0]["contextSize"], 360);
+    // 118 + 304 estimated tokens fit 900 as they are, but not at three real tokens each.
+    let new = "n".repeat(1200);
+    turn(&server, "cal", &new).await;
+    assert_eq!(
+        upstream.requests()[1].body["messages"],
+        json!([{"role": "user", "content": new}]),
+        "the first turn was left out"
+    );
+}

@@ -79,6 +79,9 @@ pub struct TurnRequest {
     pub history: Vec<HistoryChunk>,
     /// The runtime's native session of this conversation, to resume.
     pub session_id: Option<String>,
+    /// The `contextSize` of the conversation's last sealed turn, when it reported one: how
+    /// many tokens its upstream counted, for runtimes that estimate a request's size.
+    pub last_context_size: Option<u64>,
     /// Steering messages queued while the turn runs; a runtime that can take them drains it at
     /// each step boundary and reports each as [`RawEvent::UserInput`].
     pub inbox: Arc<Inbox>,

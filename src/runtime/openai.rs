@@ -182,6 +182,20 @@ fn estimated_tokens(message: &Value) -> u64 {
     (text as u64).div_ceil(4) + 4
 }
 
+/// How many real tokens one estimated token was in this conversation: the last turn's
+/// `contextSize` (what the upstream counted for everything before the new message) over the
+/// estimate of those same messages. 1 when unknown; bounded, so one odd report cannot make
+/// the trimming keep everything or nothing.
+fn tokens_per_estimate(messages: &[Value], last_context_size: Option<u64>) -> f64 {
+    let Some(counted) = last_context_size.filter(|c| *c > 0) else { return 1.0 };
+    let Some(newest) = messages.iter().rposition(|m| m["role"] == "user") else { return 1.0 };
+    let estimated: u64 = messages[..newest].iter().map(estimated_tokens).sum();
+    if estimated == 0 {
+        return 1.0;
+    }
+    (counted as f64 / estimated as f64).clamp(0.25, 8.0)
+}
+
 /// Leaves out the oldest turns (a user message and what answered it) until the messages fit
 /// `budget` tokens; never the system prompt, nor the last user message (the new one) and what
 /// follows it. Returns how many messages were left out.
@@ -337,7 +351,8 @@ impl OpenAiRuntime {
         if let Some(window) = self.settings.context_window {
             // Room for the answer: what `max_tokens` asks, else an eighth of the window.
             let reserve = params.max_tokens.unwrap_or(window / 8).min(window / 2);
-            let left_out = trim_to_fit(&mut messages, window - reserve);
+            let budget = (window - reserve) as f64 / tokens_per_estimate(&messages, req.last_context_size);
+            let left_out = trim_to_fit(&mut messages, budget as u64);
             if left_out > 0 {
                 tracing::info!(
                     left_out,

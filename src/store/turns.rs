@@ -194,6 +194,21 @@ impl Store {
             .collect()
     }
 
+    /// The `contextSize` of the conversation's last sealed turn (`None`: no turn, or none
+    /// reported one).
+    pub async fn last_context_size(&self, conversation_id: &str) -> StoreResult<Option<u64>> {
+        let metrics: Option<String> = sqlx::query_scalar(
+            "SELECT metrics FROM turns WHERE conversation_id = ? AND metrics IS NOT NULL ORDER BY ordinal DESC LIMIT 1",
+        )
+        .bind(conversation_id)
+        .fetch_optional(&self.reader)
+        .await?;
+        let Some(json) = metrics else { return Ok(None) };
+        let metrics: TurnMetrics =
+            serde_json::from_str(&json).map_err(|e| StoreError::Corrupt(format!("turn metrics: {e}")))?;
+        Ok(metrics.context_size)
+    }
+
     /// Spec 1.5: each turn with a user message but neither metrics nor a marker gets one
     /// `interrupted` error chunk, and its conversation goes idle. Returns how many were repaired.
     pub async fn recover_interrupted(&self, now: i64) -> StoreResult<usize> {
