@@ -104,6 +104,7 @@ pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<R
     }
     let meta =
         state.store.create_conversation(NewConversation { id: &id, title: &title, model, now: now_ms() }).await?;
+    state.turns.created(&id);
     Ok((StatusCode::CREATED, Json(meta)).into_response())
 }
 

@@ -15,7 +15,13 @@ use super::AppState;
 use super::error::{ApiError, InternalDetail};
 
 /// Routes anyone may call, keys or not.
-pub(super) const PUBLIC: &[&str] = &["/health", "/ready", "/openapi.json"];
+const PUBLIC: &[&str] = &["/health", "/ready", "/openapi.json", "/"];
+
+/// Whether anyone may call `path`, keys or not: the probes, the API's description, and the
+/// console's page and modules (which hold no data: the page asks for a key when the API does).
+pub(super) fn is_public(path: &str) -> bool {
+    PUBLIC.contains(&path) || path.starts_with(super::console::ASSETS)
+}
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -110,7 +116,7 @@ async fn authenticate(State(state): State<AppState>, req: Request, next: Next) -
     let keys = &state.config.api_keys;
     // A public path is public as the plain route it names: an upgrade of it is a WebSocket
     // session (on `--ws-listen` every path upgrades), and needs a key like any other.
-    let public = PUBLIC.contains(&req.uri().path()) && !req.headers().contains_key(header::UPGRADE);
+    let public = is_public(req.uri().path()) && !req.headers().contains_key(header::UPGRADE);
     if keys.is_empty() || public {
         return next.run(req).await;
     }

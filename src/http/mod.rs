@@ -1,6 +1,7 @@
 //! The HTTP API: one module per resource, merged into one router.
 
 mod chat;
+mod console;
 mod control;
 mod conversations;
 pub mod error;
@@ -91,6 +92,7 @@ impl AppState {
         (name = "streams", description = "Live streams: SSE, NDJSON, WebSocket"),
         (name = "control", description = "Start, stop, steer and inspect turns"),
         (name = "operations", description = "Health and operations"),
+        (name = "console", description = "The web console's page and modules"),
     )
 )]
 struct ApiDoc;
@@ -121,6 +123,8 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(openapi_json))
         .routes(routes!(ops::ready))
         .routes(routes!(ops::metrics))
+        .routes(routes!(console::page))
+        .routes(routes!(console::asset))
 }
 
 /// The OpenAPI document of the API, as pretty JSON (what `openapi/openapi.json` holds).

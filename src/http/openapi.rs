@@ -61,7 +61,7 @@ fn complete_responses(path: &str, responses: &mut Map<String, Value>) {
         r.pointer("/content/application~1json/schema/$ref").and_then(Value::as_str)
             == Some("#/components/schemas/ErrorBody")
     });
-    let public = super::layers::PUBLIC.contains(&path);
+    let public = super::layers::is_public(path);
     if !public {
         responses.entry("401").or_insert_with(|| error("Missing or wrong API key (only when keys are configured)"));
     }

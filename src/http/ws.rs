@@ -48,8 +48,10 @@ pub async fn ws(State(state): State<AppState>, mut request: Request) -> Result<R
         }
     };
     // A browser page says where it comes from; a page of another site must not get a session
-    // (cross-site WebSocket hijacking). Clients that are not browsers send no `Origin`.
+    // (cross-site WebSocket hijacking). Clients that are not browsers send no `Origin`, and the
+    // gateway's own console is of the same origin as the socket.
     if let Some(origin) = request.headers().get(header::ORIGIN)
+        && !same_origin(origin.as_bytes(), request.headers().get(header::HOST))
         && !state.config.allows_origin(origin.as_bytes())
     {
         return Err(ApiError::Forbidden("this origin is not allowed to open a WebSocket".into()));
@@ -117,6 +119,12 @@ fn accept_key(headers: &HeaderMap) -> Result<header::HeaderValue, Handshake> {
         .ok_or(Handshake::Bad("`Sec-WebSocket-Key` is required"))?;
     let accept = tungstenite::handshake::derive_accept_key(key.as_bytes());
     Ok(header::HeaderValue::from_str(&accept).expect("base64 is a valid header value"))
+}
+
+/// Whether `origin` (`scheme://host[:port]`) names the host the request was sent to.
+fn same_origin(origin: &[u8], host: Option<&header::HeaderValue>) -> bool {
+    let authority = origin.strip_prefix(b"http://").or_else(|| origin.strip_prefix(b"https://"));
+    matches!((authority, host), (Some(authority), Some(host)) if authority.eq_ignore_ascii_case(host.as_bytes()))
 }
 
 /// Whether a comma-separated header value lists `token` (any case).

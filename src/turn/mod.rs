@@ -280,6 +280,12 @@ impl Turns {
         }
     }
 
+    /// A conversation was created without a turn: watchers of the list learn of it as of any
+    /// conversation that goes idle.
+    pub fn created(&self, conversation_id: &str) {
+        self.announce(conversation_id, "idle");
+    }
+
     /// Stops the running turn and marks the conversation closed (idempotent; an unknown id is
     /// fine). Returns whether a turn was aborted.
     pub async fn close(&self, conversation_id: &str) -> Result<bool, StoreError> {

@@ -1,0 +1,239 @@
+// One conversation: its sealed history, then the turn in flight over SSE, a composer, a stop
+// button, its title, and its metrics as plots.
+//
+// The stream is opened first, with a cursor of no turn, so the gateway answers with `resync`
+// and the horizon (`latestSeq`) of the sealed history at that moment; the history is read up
+// to exactly that seq, and the stream replays the turn in flight from its start. History and
+// live turn meet without overlap or gap, on the first load, on a reload, and after a drop
+// (EventSource resumes by `Last-Event-ID`; a cursor whose turn has sealed meanwhile gets
+// `resync` again). docs/console.md has the whole of it.
+
+import { get, post, put, withToken, conversationPath, ApiError } from "./api.js";
+import { h } from "./dom.js";
+import { Turn, turnsFromChunks, applyEvent } from "./transcript.js";
+import { TurnPlots } from "./metrics.js";
+
+/** At most this many of the newest chunks are shown on open. */
+const WINDOW = 2000;
+/** A cursor that names no turn in flight: the stream opens with `resync`. */
+const NO_CURSOR = "none:0";
+
+export class ConversationView {
+  constructor(id, feed) {
+    this.id = id;
+    this.feed = feed;
+    this.path = conversationPath(id);
+    // The sealed history shown ends at seq `horizon`; `sealedLive` turns were watched live and
+    // sealed since (they follow the horizon in order).
+    this.horizon = 0;
+    this.sealedLive = 0;
+    this.opened = false;
+    this.live = null;
+    this.lastEventId = "";
+    this.work = Promise.resolve();
+
+    this.title = h("input", { type: "text", "aria-label": "Title", placeholder: "untitled", maxlength: 500 });
+    this.status = h("span", { class: "status", "aria-label": "Status" });
+    this.stream = h("span", { class: "stream-state", role: "status", "aria-label": "Stream" });
+    this.alert = h("p", { class: "alert", role: "alert" });
+    this.note = h("p", { class: "muted" });
+    this.history = h("div", { class: "history" });
+    this.liveArea = h("div", { class: "live-area" });
+    this.message = h("textarea", { "aria-label": "Message", rows: 3, placeholder: "Write a message; Enter sends, Shift+Enter breaks the line" });
+    this.model = h("select", { "aria-label": "Model" }, h("option", { value: "" }, "conversation's model"));
+    this.sendButton = h("button", { type: "submit", class: "primary" }, "Send");
+    this.stopButton = h("button", { type: "button", disabled: true, onclick: () => this.stop() }, "Stop");
+    this.plots = new TurnPlots(id);
+
+    this.message.addEventListener("keydown", (event) => {
+      if (event.key === "Enter" && !event.shiftKey) {
+        event.preventDefault();
+        this.send();
+      }
+    });
+    const form = h("form", { class: "composer", "aria-label": "Composer" }, this.message, h("div", { class: "composer-tools" }, this.model, this.sendButton, this.stopButton));
+    form.addEventListener("submit", (event) => {
+      event.preventDefault();
+      this.send();
+    });
+    const titleForm = h("form", { class: "title-form" }, this.title, h("button", { type: "submit" }, "Save title"));
+    titleForm.addEventListener("submit", (event) => {
+      event.preventDefault();
+      this.saveTitle();
+    });
+
+    this.element = h(
+      "section",
+      { class: "detail", "aria-label": "Conversation" },
+      h("a", { href: "#/", class: "back" }, "← Conversations"),
+      h("header", { class: "detail-head" }, titleForm, this.status, this.stream),
+      h("p", { class: "muted id" }, "id ", h("code", {}, id)),
+      this.alert,
+      h("section", { class: "transcript", "aria-label": "Transcript" }, this.note, this.history, this.liveArea),
+      form,
+      this.plots.element,
+    );
+    this.unsubscribe = feed.subscribe((change) => {
+      if (change && change.conversationId === id) this.setStatus(change.status);
+    });
+    this.load();
+  }
+
+  async load() {
+    this.connect();
+    await this.readMeta();
+  }
+
+  /** The title, status and model choices. */
+  async readMeta() {
+    try {
+      const [list, models, sticky] = await Promise.all([
+        get(`/conversations?q=${encodeURIComponent(this.id)}&limit=50`),
+        get("/models"),
+        get(`${this.path}/model`),
+      ]);
+      const meta = list.conversations.find((c) => c.id === this.id);
+      if (meta) this.title.value = meta.title;
+      // The stream knows better while it shows a turn in flight.
+      if (!this.live) this.setStatus(meta ? meta.status : "new");
+      const chosen = this.model.value;
+      this.model.replaceChildren(this.model.firstChild, ...models.models.map((m) => h("option", { value: m }, m)));
+      this.model.value = sticky.model || chosen;
+    } catch (e) {
+      this.fail(e);
+    }
+  }
+
+  connect() {
+    const cursor = this.lastEventId || NO_CURSOR;
+    const source = new EventSource(withToken(`${this.path}/events?lastEventId=${encodeURIComponent(cursor)}`));
+    this.source = source;
+    this.showStream("connecting");
+    source.onopen = () => this.showStream("live");
+    source.onmessage = (message) => this.queue(() => this.onEvent(message));
+    source.addEventListener("resync", (message) => this.queue(() => this.onResync(JSON.parse(message.data))));
+    source.onerror = () => {
+      // EventSource retries by itself (sending `Last-Event-ID`) unless the answer was not a
+      // stream; then a new one starts from the last id seen.
+      if (source.readyState !== EventSource.CLOSED) return this.showStream("reconnecting");
+      this.showStream("offline");
+      this.retry = setTimeout(() => this.connect(), 2000);
+    };
+  }
+
+  /** Events are handled one after another, a history read included. */
+  queue(step) {
+    this.work = this.work.then(step).catch((e) => this.fail(e));
+  }
+
+  async onResync({ latestSeq }) {
+    // The turn in flight is replayed from its start after this message.
+    if (this.live) {
+      this.live.element.remove();
+      this.live = null;
+    }
+    // The plots are read once the stream says where the sealed history ends, and again when
+    // it grew.
+    const grew = latestSeq > this.horizon || !this.opened;
+    this.opened = true;
+    if (latestSeq > this.horizon) {
+      const query = new URLSearchParams({ beforeSeq: String(latestSeq + 1) });
+      if (this.horizon > 0) query.set("sinceSeq", String(this.horizon));
+      else query.set("limit", String(WINDOW));
+      const window = await get(`${this.path}?${query}`);
+      if (this.horizon === 0 && window.chunks.length && window.chunks[0].seq > 1) {
+        this.note.textContent = `Showing the newest ${window.chunks.length} chunks; older ones are in the history API.`;
+      }
+      const turns = turnsFromChunks(window.chunks).slice(this.sealedLive);
+      this.history.append(...turns.map((t) => t.element));
+      this.horizon = latestSeq;
+      this.sealedLive = 0;
+    }
+    if (grew) this.plots.refresh();
+  }
+
+  onEvent(message) {
+    this.lastEventId = message.lastEventId;
+    const event = JSON.parse(message.data);
+    if (event.type === "user-message") {
+      this.live = new Turn(event.text, { live: true });
+      this.live.element.dataset.turnId = event.turnId;
+      this.liveArea.append(this.live.element);
+      this.setStatus("active");
+      return;
+    }
+    if (!this.live) return;
+    if (event.type === "turn-sealed") {
+      this.live.sealed();
+      this.history.append(this.live.element);
+      this.live = null;
+      this.sealedLive += 1;
+      this.setStatus("idle");
+      this.plots.refresh();
+      // A first turn names the conversation after its prompt.
+      if (!this.title.value && document.activeElement !== this.title) this.readMeta();
+      return;
+    }
+    applyEvent(this.live, event);
+    this.live.element.scrollIntoView({ block: "end", behavior: "instant" });
+  }
+
+  async send() {
+    const message = this.message.value.trim();
+    if (!message) return;
+    const body = { message };
+    if (this.model.value) body.model = this.model.value;
+    this.sendButton.disabled = true;
+    try {
+      await post(`${this.path}/messages`, body);
+      this.message.value = "";
+      this.alert.textContent = "";
+    } catch (e) {
+      this.fail(e.status === 409 ? new Error("A turn is already running in this conversation; wait for it or stop it.") : e);
+    } finally {
+      this.sendButton.disabled = false;
+    }
+  }
+
+  async stop() {
+    try {
+      const answer = await post(`${this.path}/stop`);
+      if (!answer.abortedTurn) this.alert.textContent = "No turn was running.";
+    } catch (e) {
+      this.fail(e);
+    }
+  }
+
+  async saveTitle() {
+    try {
+      const answer = await put(`${this.path}/title`, { title: this.title.value });
+      this.title.value = answer.title;
+      this.alert.textContent = "";
+      this.feed.touch();
+    } catch (e) {
+      this.fail(e.status === 404 ? new Error("The conversation starts with its first message; give it a title after that.") : e);
+    }
+  }
+
+  setStatus(status) {
+    this.status.textContent = status;
+    this.status.dataset.status = status;
+    this.stopButton.disabled = status !== "active";
+  }
+
+  showStream(state) {
+    this.stream.dataset.state = state;
+    this.stream.textContent = `stream ${state}`;
+  }
+
+  fail(error) {
+    if (error instanceof ApiError && error.status === 401) return;
+    this.alert.textContent = error.message;
+  }
+
+  destroy() {
+    this.source?.close();
+    clearTimeout(this.retry);
+    this.unsubscribe();
+  }
+}

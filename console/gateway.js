@@ -1,0 +1,67 @@
+// The gateway itself, from `/metrics` (Prometheus text) and `/ready`, read every two seconds
+// while shown.
+
+import { get, ApiError } from "./api.js";
+import { h, bytes, num } from "./dom.js";
+
+/** `name{labels} value` lines into {"name{labels}": value}. */
+export function parsePrometheus(text) {
+  const values = {};
+  for (const line of text.split("\n")) {
+    if (!line || line.startsWith("#")) continue;
+    const space = line.lastIndexOf(" ");
+    values[line.slice(0, space)] = Number(line.slice(space + 1));
+  }
+  return values;
+}
+
+export class GatewayView {
+  constructor() {
+    this.ready = h("p", { class: "ready", role: "status", "aria-label": "Database state" });
+    this.cards = h("dl", { class: "cards" });
+    this.element = h("section", { class: "page", "aria-label": "Gateway" }, h("h1", {}, "Gateway"), this.ready, this.cards);
+    this.refresh();
+    this.timer = setInterval(() => this.refresh(), 2000);
+  }
+
+  async refresh() {
+    try {
+      await get("/ready");
+      this.ready.textContent = "Ready: the database answers and turns are accepted.";
+      this.ready.dataset.state = "ready";
+    } catch (e) {
+      this.ready.textContent = `Not ready: ${e.message}`;
+      this.ready.dataset.state = "unready";
+    }
+    let m;
+    try {
+      m = parsePrometheus(await get("/metrics"));
+    } catch (e) {
+      if (e instanceof ApiError && e.status !== 401) this.ready.textContent = e.message;
+      return;
+    }
+    const writes = m["dispatch_sqlite_write_seconds_count"] || 0;
+    const mean = writes ? (m["dispatch_sqlite_write_seconds_sum"] / writes) * 1000 : undefined;
+    const card = (label, value) => [h("dt", {}, label), h("dd", { "aria-label": label }, value)];
+    this.cards.replaceChildren(
+      ...card("SSE streams", num(m['dispatch_open_streams{transport="sse"}'])),
+      ...card("NDJSON streams", num(m['dispatch_open_streams{transport="ndjson"}'])),
+      ...card("WebSocket sessions", num(m['dispatch_open_streams{transport="websocket"}'])),
+      ...card("Turns running", num(m["dispatch_turns_running"])),
+      ...card("Replay buffers", bytes(m["dispatch_hub_buffer_bytes"] || 0)),
+      ...card("Conversations in the hub", num(m["dispatch_hub_channels"])),
+      ...card("Turns started", num(m["dispatch_turns_started_total"])),
+      ...card("Turns sealed", num(m["dispatch_turns_sealed_total"])),
+      ...card("Turns failed", num(m["dispatch_turns_failed_total"])),
+      ...card("Turns aborted", num(m["dispatch_turns_aborted_total"])),
+      ...card("Events emitted", num(m["dispatch_events_emitted_total"])),
+      ...card("Events delivered", num(m["dispatch_events_delivered_total"])),
+      ...card("Database writes", num(writes)),
+      ...card("Mean write", mean === undefined ? "–" : `${num(mean, 2)} ms`),
+    );
+  }
+
+  destroy() {
+    clearInterval(this.timer);
+  }
+}

@@ -1,0 +1,100 @@
+// The conversation list: newest activity first, searchable by id prefix and status, and live:
+// a status change anywhere (a new conversation, a turn starting or sealing) reads it again.
+
+import { get, ApiError } from "./api.js";
+import { h, when } from "./dom.js";
+
+export class ConversationList {
+  constructor(feed, onNew) {
+    this.selected = null;
+    this.search = h("input", { type: "search", placeholder: "id prefix", "aria-label": "Search by id prefix" });
+    this.status = h(
+      "select",
+      { "aria-label": "Status filter" },
+      h("option", { value: "" }, "any status"),
+      ["active", "idle", "closed"].map((s) => h("option", { value: s }, s)),
+    );
+    this.items = h("ul", { class: "conversations", "aria-label": "Conversations" });
+    this.message = h("p", { class: "muted", role: "status" });
+    this.search.addEventListener("input", () => this.schedule());
+    this.status.addEventListener("change", () => this.refresh());
+    this.element = h(
+      "section",
+      { class: "list", "aria-label": "Conversation list" },
+      h(
+        "div",
+        { class: "list-tools" },
+        h("button", { type: "button", class: "primary", onclick: onNew }, "New conversation"),
+        this.search,
+        this.status,
+      ),
+      this.message,
+      this.items,
+    );
+    this.unsubscribe = feed.subscribe((change) => {
+      if (change) this.mark(change);
+      this.schedule();
+    });
+    this.refresh();
+  }
+
+  /** Reads the list again soon, once for a burst of changes. */
+  schedule() {
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => this.refresh(), 150);
+  }
+
+  /** Shows a change at once, before the list is read again. */
+  mark({ conversationId, status }) {
+    const badge = this.items.querySelector(`li[data-id="${CSS.escape(conversationId)}"] .status`);
+    if (badge) {
+      badge.textContent = status;
+      badge.dataset.status = status;
+    }
+  }
+
+  async refresh() {
+    const query = new URLSearchParams({ limit: "200" });
+    if (this.search.value.trim()) query.set("q", this.search.value.trim());
+    if (this.status.value) query.set("status", this.status.value);
+    let list;
+    try {
+      list = (await get(`/conversations?${query}`)).conversations;
+    } catch (e) {
+      if (e instanceof ApiError && e.status !== 401) this.message.textContent = e.message;
+      return;
+    }
+    this.message.textContent = list.length ? "" : "No conversations yet.";
+    this.items.replaceChildren(...list.map((c) => this.row(c)));
+  }
+
+  row(c) {
+    return h(
+      "li",
+      { dataset: { id: c.id }, class: c.id === this.selected ? "selected" : "" },
+      h(
+        "a",
+        { href: `#/c/${encodeURIComponent(c.id)}`, "aria-current": c.id === this.selected ? "page" : undefined },
+        h("span", { class: "title" }, c.title || c.id),
+        h("span", { class: "status", dataset: { status: c.status } }, c.status),
+        h("span", { class: "meta" }, c.model || "default model"),
+        h("time", { class: "meta", datetime: new Date(c.lastActivityAt).toISOString() }, when(c.lastActivityAt)),
+      ),
+    );
+  }
+
+  select(id) {
+    this.selected = id;
+    for (const li of this.items.children) {
+      const on = li.dataset.id === id;
+      li.classList.toggle("selected", on);
+      li.firstChild.toggleAttribute("aria-current", on);
+      if (on) li.firstChild.setAttribute("aria-current", "page");
+    }
+  }
+
+  destroy() {
+    this.unsubscribe();
+    clearTimeout(this.timer);
+  }
+}

@@ -1,0 +1,266 @@
+// Drives the console in Chromium against two real gateways that tests/console.rs started: one
+// open (reached through a TCP proxy this script can cut, for a real network drop) and one with
+// an API key. Every check fails the run with a message; screenshots go to $SHOTS.
+
+import assert from "node:assert/strict";
+import net from "node:net";
+import path from "node:path";
+import { createRequire } from "node:module";
+
+const require = createRequire(import.meta.url);
+const { chromium } = require(process.env.PLAYWRIGHT);
+const { OPEN_URL, LOCKED_URL, API_KEY, SHOTS, CHROMIUM } = process.env;
+const words = (n) => Array.from({ length: n }, (_, i) => `w${i + 1}`).join(" ");
+const shot = (name) => path.join(SHOTS, `${name}.png`);
+const step = (what) => console.log(`console: ${what}`);
+
+/** A TCP proxy in front of `target`: `cut()` drops every connection open now. */
+function proxy(target) {
+  const sockets = new Set();
+  let seen = "";
+  const server = net.createServer((client) => {
+    const upstream = net.connect(Number(target.port), target.hostname);
+    sockets.add(client);
+    sockets.add(upstream);
+    client.on("data", (data) => (seen += data.toString("latin1")));
+    client.pipe(upstream);
+    upstream.pipe(client);
+    const end = () => {
+      client.destroy();
+      upstream.destroy();
+      sockets.delete(client);
+      sockets.delete(upstream);
+    };
+    for (const s of [client, upstream]) {
+      s.on("error", end);
+      s.on("close", end);
+    }
+  });
+  return new Promise((resolve) =>
+    server.listen(0, "127.0.0.1", () =>
+      resolve({
+        url: `http://127.0.0.1:${server.address().port}`,
+        cut: () => [...sockets].forEach((s) => s.destroy()),
+        close: () => {
+          server.close();
+          [...sockets].forEach((s) => s.destroy());
+        },
+        requests: () => seen,
+      }),
+    ),
+  );
+}
+
+async function api(base, method, route, body) {
+  const r = await fetch(base + route, {
+    method,
+    headers: body ? { "content-type": "application/json" } : {},
+    body: body ? JSON.stringify(body) : undefined,
+  });
+  return { status: r.status, body: await r.json().catch(() => null) };
+}
+
+const browser = await chromium.launch({
+  executablePath: CHROMIUM,
+  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+});
+const pageErrors = [];
+async function open(url, options = {}) {
+  const context = await browser.newContext({ viewport: { width: 1280, height: 900 }, colorScheme: "light", ...options });
+  const page = await context.newPage();
+  page.setDefaultTimeout(20_000);
+  page.on("pageerror", (e) => pageErrors.push(String(e)));
+  page.on("console", (m) => m.type() === "error" && console.log(`page: ${m.text()}`));
+  await page.goto(url);
+  return page;
+}
+
+/** The text of the live reply in the turn `turn` (a locator of an article). */
+const replyText = (turn) => turn.locator(".reply .text").allTextContents().then((t) => t.join(""));
+
+const px = await proxy(new URL(OPEN_URL));
+try {
+  const page = await open(`${px.url}/`);
+
+  // The list, and its live updates.
+  await page.getByRole("link", { name: /Five hundred turns/ }).waitFor();
+  assert.equal((await api(OPEN_URL, "POST", "/conversations", { id: "made-elsewhere", title: "Made elsewhere" })).status, 201);
+  await page.getByRole("link", { name: /Made elsewhere/ }).waitFor({ timeout: 10_000 });
+  assert.equal((await api(OPEN_URL, "POST", "/conversations/watched-elsewhere/messages", { message: "paced elsewhere" })).status, 202);
+  await page.locator('li[data-id="watched-elsewhere"] .status[data-status="active"]').waitFor({ timeout: 10_000 });
+  await page.screenshot({ path: shot("list") });
+  await page.locator('li[data-id="watched-elsewhere"] .status[data-status="idle"]').waitFor({ timeout: 20_000 });
+  step("the list shows new conversations and status changes without a reload");
+
+  // Send, and watch the stream.
+  await page.getByRole("button", { name: "New conversation" }).click();
+  await page.waitForURL(/#\/c\//);
+  const conversationId = decodeURIComponent(new URL(page.url()).hash.slice(4));
+  const send = async (text) => {
+    await page.getByRole("textbox", { name: "Message" }).fill(text);
+    await page.getByRole("button", { name: "Send" }).click();
+  };
+  await send("paced hello");
+  const first = page.locator('article.turn[data-live="true"]').last();
+  await first.locator(".reply .text").filter({ hasText: "w12 " }).waitFor();
+  await page.screenshot({ path: shot("streaming") });
+  await page.locator('article.turn[data-live="true"][data-sealed="true"]').waitFor();
+  assert.equal(await replyText(first), words(60), "the streamed reply, whole and once");
+  assert.match(await first.locator(".done").textContent(), /done · stop/);
+  step("a sent message streams into the transcript");
+
+  // Reload in the middle of a turn: the history, then the replay, which continues.
+  await send("paced reload");
+  await page.locator('article.turn[data-live="true"][data-sealed="false"] .reply .text').filter({ hasText: "w8 " }).waitFor();
+  await page.reload();
+  const replayed = page.locator('article.turn[data-live="true"]');
+  await replayed.locator(".reply .text").first().waitFor();
+  assert.equal(await page.locator('article.turn[data-live="false"]').count(), 1, "the sealed turn comes from history");
+  await page.locator('article.turn[data-live="true"][data-sealed="true"]').waitFor();
+  assert.equal(await replyText(replayed), words(60), "the replayed turn, whole and once");
+  assert.equal(await page.locator(".user", { hasText: "paced reload" }).count(), 1, "the prompt shows once");
+  assert.equal(await replyText(page.locator('article.turn[data-live="false"]')), words(60));
+  step("a reload mid-turn shows the history, then the replay continues");
+
+  // A network drop in the middle of a turn: EventSource resumes by Last-Event-ID.
+  await send("dropped turn");
+  const dropped = page.locator('article.turn[data-live="true"][data-sealed="false"]');
+  await dropped.locator(".reply .text").filter({ hasText: "w10 " }).waitFor();
+  await page.screenshot({ path: shot("live-turn") });
+  await dropped.evaluate((el) => (el.dataset.marker = "kept"));
+  const before = px.requests().length;
+  px.cut();
+  await page.locator('article[data-marker="kept"][data-sealed="true"]').waitFor({ timeout: 30_000 });
+  assert.equal(await replyText(page.locator('article[data-marker="kept"]')), words(80), "no duplicate, no gap across the drop");
+  const after = px.requests().slice(before);
+  assert.match(after, /GET \/conversations\/[^ ]+\/events[^\n]*\r\n(?:[^\r\n]+\r\n)*last-event-id: [^\r\n]+:\d+\r\n/i, "the reconnect carries Last-Event-ID");
+  step("a dropped connection resumes where it was");
+
+  // A tool-call turn: one group per step, each call with its result.
+  await send("tools please");
+  const tools = page.locator('article.turn[data-sealed="true"]').last().locator(".tools");
+  await page.locator('article.turn[data-live="true"][data-sealed="true"] .tools').last().waitFor();
+  const checkTools = async (turn, where) => {
+    const group = turn.locator(".tools");
+    assert.equal(await group.count(), 1, `${where}: one group for the step's calls`);
+    assert.match(await group.getAttribute("data-step-id"), /#0$/, where);
+    assert.deepEqual(await group.locator(".tool .tool-result").allTextContents(), ["alpha", "no such file"], where);
+    assert.equal(await group.locator(".tool.failed").count(), 1, `${where}: the failed call is marked`);
+    assert.equal(await turn.locator("details.reasoning").count(), 1, `${where}: reasoning is folded`);
+    assert.equal(await turn.locator("details.reasoning[open]").count(), 0, where);
+  };
+  await checkTools(page.locator('article.turn[data-live="true"]').last(), "live");
+  await tools.last().scrollIntoViewIfNeeded();
+  await page.screenshot({ path: shot("tool-calls") });
+  step("a tool-call turn is grouped by step");
+
+  // Stop a turn.
+  await send("endless please");
+  await page.locator('article.turn[data-sealed="false"] .reply .text').filter({ hasText: "token token" }).waitFor();
+  await page.getByRole("button", { name: "Stop" }).click();
+  await page.locator('.done[data-reason="aborted"]').waitFor();
+  assert.match(await page.locator('.done[data-reason="aborted"]').textContent(), /done · aborted/);
+  await page.screenshot({ path: shot("aborted") });
+  step("Stop ends the turn with done{aborted}");
+
+  // The title, editable; and the history renders tool calls as the live stream did.
+  await page.getByRole("textbox", { name: "Title" }).fill("Console test");
+  await page.getByRole("button", { name: "Save title" }).click();
+  await page.getByRole("link", { name: /Console test/ }).waitFor();
+  await page.reload();
+  await page.locator("article.turn .tools").first().waitFor();
+  const historyTurns = page.locator('article.turn[data-live="false"]');
+  assert.equal(await historyTurns.count(), 5, "five sealed turns from history");
+  await checkTools(historyTurns.nth(3), "history");
+  assert.equal(await replyText(historyTurns.nth(2)), words(80));
+  step("the title is saved and the history renders as the stream did");
+
+  // Plots: as many points as sealed turns, with 5 and with 500.
+  const points = async (title) => page.locator("figure.plot", { hasText: title }).locator("circle.point").count();
+  await page.locator("figure.plot", { hasText: "Context size" }).locator("circle.point").first().waitFor();
+  const five = (await api(OPEN_URL, "GET", `/conversations/${conversationId}/metrics`)).body.turns;
+  assert.equal(five.length, 5);
+  // The stopped turn may have ended before its step reported usage: then it has no context size.
+  assert.equal(await points("Context size"), five.filter((t) => t.contextSize !== undefined).length);
+  assert.equal(await points("Time to first token"), five.filter((t) => t.steps[0]?.ttftMs !== undefined).length);
+  await page.locator("section.metrics").screenshot({ path: shot("plots") });
+  await page.locator("figure.plot", { hasText: "Steps of turn 5" }).waitFor();
+  await page.locator("figure.plot", { hasText: "Context size" }).locator('circle.point[data-x="3"]').click();
+  await page.locator("figure.plot", { hasText: "Steps of turn 3" }).waitFor();
+  await page.goto(`${px.url}/#/c/many-turns`);
+  const ttft = page.locator("figure.plot", { hasText: "Time to first token" });
+  await page.locator("figure.plot", { hasText: "Context size" }).locator("circle.point").nth(499).waitFor({ state: "attached" });
+  const manyTurns = (await api(OPEN_URL, "GET", "/conversations/many-turns/metrics")).body.turns;
+  assert.equal(manyTurns.length, 500);
+  // A point for every sealed turn; a turn without the value (no first token, or a generation
+  // under a millisecond) has none there.
+  assert.equal(await points("Context size"), 500);
+  assert.equal(await points("Time to first token"), manyTurns.filter((t) => t.steps[0]?.ttftMs !== undefined).length);
+  const generating = manyTurns.filter((t) => t.steps.some((s) => s.genTotalMs > 0)).length;
+  assert.equal(await points("Output tokens per second"), generating);
+  // The pointer over the plot shows the nearest turn's value (moved until it does: a plot is
+  // redrawn when its width settles).
+  let readout = "";
+  for (let i = 0; i < 50 && !/^turn \d+: /.test(readout); i++) {
+    const svg = ttft.locator("svg");
+    await svg.scrollIntoViewIfNeeded();
+    const box = await svg.boundingBox();
+    await page.mouse.move(box.x + box.width - 20 - (i % 2), box.y + box.height / 2);
+    readout = await ttft.locator(".readout").textContent();
+  }
+  assert.match(readout, /^turn \d+: /, "a hover value");
+  await page.locator("section.metrics").screenshot({ path: shot("plots-500") });
+  step("plots have a point per sealed turn, with 5 and with 500, and hover values");
+
+  // Throughput and the gateway's own state.
+  await page.getByRole("link", { name: "Throughput", exact: true }).click();
+  const row = page.getByRole("table", { name: "Throughput per model" }).locator("tbody tr").first();
+  await row.waitFor();
+  assert.match(await row.locator("td").first().textContent(), /scripted/);
+  await page.screenshot({ path: shot("throughput") });
+  await page.getByRole("link", { name: "Gateway", exact: true }).click();
+  await page.getByRole("status", { name: "Database state" }).filter({ hasText: "Ready" }).waitFor();
+  assert.ok(Number(await page.getByLabel("WebSocket sessions", { exact: true }).textContent()) >= 1, "the console's own feed");
+  assert.ok(Number((await page.getByLabel("Turns sealed", { exact: true }).textContent()).replace(/,/g, "")) >= 505);
+  await page.screenshot({ path: shot("gateway") });
+  step("throughput per model and the gateway's state");
+
+  // 390 pixels wide, and the dark theme.
+  const narrow = await open(`${px.url}/#/c/${encodeURIComponent(conversationId)}`, { viewport: { width: 390, height: 844 } });
+  await narrow.locator("article.turn").first().waitFor();
+  assert.ok(await narrow.getByRole("link", { name: "← Conversations" }).isVisible());
+  assert.ok((await narrow.evaluate(() => document.documentElement.scrollWidth)) <= 390, "no sideways scrolling at 390 px");
+  await narrow.screenshot({ path: shot("narrow") });
+  const dark = await open(`${px.url}/#/c/${encodeURIComponent(conversationId)}`, { colorScheme: "dark" });
+  await dark.locator("article.turn").first().waitFor();
+  const background = await dark.evaluate(() => getComputedStyle(document.body).backgroundColor);
+  const [r, g, b] = background.match(/\d+/g).map(Number);
+  assert.ok(r + g + b < 150, `a dark background, got ${background}`);
+  await dark.screenshot({ path: shot("dark") });
+  step("usable at 390 px, dark with the system");
+
+  // Auth: the key is asked for once, a wrong one is said to be wrong.
+  const locked = await open(`${LOCKED_URL}/`);
+  const dialog = locked.getByRole("dialog", { name: "API key" });
+  await dialog.filter({ hasText: "needs an API key" }).waitFor();
+  await locked.screenshot({ path: shot("key-prompt") });
+  await locked.getByRole("textbox", { name: "Key" }).fill("not-the-key");
+  await locked.getByRole("button", { name: "Use this key" }).click();
+  await dialog.filter({ hasText: "refused that key" }).waitFor();
+  await locked.getByRole("textbox", { name: "Key" }).fill(API_KEY);
+  await locked.getByRole("button", { name: "Use this key" }).click();
+  await locked.getByRole("link", { name: /Behind a key/ }).click();
+  await locked.getByRole("textbox", { name: "Message" }).fill("hello behind the key");
+  await locked.getByRole("button", { name: "Send" }).click();
+  await locked.locator('article.turn[data-live="true"][data-sealed="true"] .done').waitFor();
+  await locked.reload();
+  await locked.locator('article.turn[data-live="false"]').waitFor();
+  assert.equal(await dialog.isVisible(), false, "the key is kept for the session");
+  step("with keys on: asked once, refused clearly, then working (stream included)");
+
+  assert.deepEqual(pageErrors, [], "no script errors on any page");
+  console.log("console: all checks passed");
+} finally {
+  await browser.close();
+  px.close();
+}
