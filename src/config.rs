@@ -74,7 +74,7 @@ pub struct Config {
     /// Microseconds of flush window per watcher reading a turn in flight: deltas published
     /// within the window of the last round of wake-ups share the next one (and one write per
     /// watcher). Larger saves CPU under fan-out, smaller cuts latency; 0 sends every delta at
-    /// once. See "Pacing" in the README.
+    /// once. See "Pacing" in docs/streaming.md.
     #[arg(long, env = "DISPATCH_FLUSH_US_PER_WATCHER", default_value_t = 16)]
     pub flush_us_per_watcher: u64,
 
@@ -302,15 +302,51 @@ struct FileConfig {
 /// The environment prefix of credential keys: `DISPATCH_CREDENTIALS__OPENAI__BASE_URL`.
 const CREDENTIAL_ENV: &str = "DISPATCH_CREDENTIALS__";
 
+/// Why a configuration stops the start. Each message names what is at fault: the flag, the
+/// file and line, the credential, the variable.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Flags or `DISPATCH_*` variables that do not parse (the parser's own message).
+    #[error("{0}")]
+    Arguments(String),
+    /// The configuration file: unreadable, not TOML, an unknown key, a value of the wrong type.
+    #[error("{}: {message}", path.display())]
+    File { path: PathBuf, message: String },
+    /// A `DISPATCH_CREDENTIALS__*` variable whose name is not `<NAME>__<KEY>`.
+    #[error("{0}: expected {CREDENTIAL_ENV}<NAME>__<KEY>")]
+    CredentialVariable(String),
+    /// One credential, from the file or its variables: what is wrong with it.
+    #[error("credentials.{name}: {message}")]
+    Credential { name: String, message: String },
+    /// `--api-keys "k,"`: an empty entry would let requests without a key in.
+    #[error("api_keys: an empty key is not a key (a stray comma?); list only non-empty keys, or none to turn auth off")]
+    EmptyApiKey,
+    #[error("no credential lists a model")]
+    NoModel,
+    #[error("default_model {0:?} is not a configured model")]
+    UnknownDefaultModel(String),
+}
+
+impl ConfigError {
+    fn file(path: &Path, message: impl std::fmt::Display) -> ConfigError {
+        ConfigError::File { path: path.to_owned(), message: message.to_string() }
+    }
+
+    /// What is wrong with credential `name`.
+    pub fn credential(name: &str, message: impl std::fmt::Display) -> ConfigError {
+        ConfigError::Credential { name: name.to_owned(), message: message.to_string() }
+    }
+}
+
 impl Config {
     /// Reads flags, environment and the configuration file. A bad file is an error naming the
     /// key and its line.
-    pub fn load() -> Result<Config, String> {
+    pub fn load() -> Result<Config, ConfigError> {
         Self::load_from(std::env::args_os().collect(), std::env::vars().collect())
     }
 
     /// [`Config::load`] with the arguments and environment given (for tests).
-    pub fn load_from(args: Vec<std::ffi::OsString>, env: Vec<(String, String)>) -> Result<Config, String> {
+    pub fn load_from(args: Vec<std::ffi::OsString>, env: Vec<(String, String)>) -> Result<Config, ConfigError> {
         let matches = match Config::command().try_get_matches_from(&args) {
             Ok(m) => m,
             Err(e)
@@ -318,9 +354,9 @@ impl Config {
             {
                 e.exit()
             }
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(ConfigError::Arguments(e.to_string())),
         };
-        let config = Config::from_arg_matches(&matches).map_err(|e| e.to_string())?;
+        let config = Config::from_arg_matches(&matches).map_err(|e| ConfigError::Arguments(e.to_string()))?;
         let path = match &config.config {
             Some(path) => Some(path.clone()),
             None => Some(PathBuf::from("dispatch-gateway.toml")).filter(|p| p.exists()),
@@ -332,14 +368,15 @@ impl Config {
             config.credentials = credentials_from(toml::Table::new(), &credential_env, None)?;
             return Ok(config);
         };
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| ConfigError::file(&path, format!("cannot be read: {e}")))?;
         let file: FileConfig = toml::from_str(&text).map_err(|e| {
             // Errors inside a tagged table point at the table; name the key's own line too.
             let message = e.to_string();
             let key = message.split("unknown field `").nth(1).and_then(|rest| rest.split('`').next());
             match key.map(|k| (k, line_of(&text, k))) {
-                Some((k, line)) if line > 0 => format!("{}: {message}(`{k}` is on line {line})", path.display()),
-                _ => format!("{}: {message}", path.display()),
+                Some((k, line)) if line > 0 => ConfigError::file(&path, format!("{message}(`{k}` is on line {line})")),
+                _ => ConfigError::file(&path, message),
             }
         })?;
 
@@ -352,7 +389,7 @@ impl Config {
             let at = line_of(&text, key);
             let Some(arg) = command.get_arguments().find(|a| a.get_id() == key.as_str() && a.get_long().is_some())
             else {
-                return Err(format!("{}: line {at}: unknown key `{key}`", path.display()));
+                return Err(ConfigError::file(&path, format!("line {at}: unknown key `{key}`")));
             };
             if matches!(matches.value_source(key), Some(ValueSource::CommandLine | ValueSource::EnvVariable)) {
                 continue;
@@ -367,7 +404,9 @@ impl Config {
                     .map(|v| v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string()))
                     .collect::<Vec<_>>()
                     .join(","),
-                other => return Err(format!("{}: line {at}: `{key}` cannot be {}", path.display(), other.type_str())),
+                other => {
+                    return Err(ConfigError::file(&path, format!("line {at}: `{key}` cannot be {}", other.type_str())));
+                }
             };
             argv.push(format!("--{}", arg.get_long().unwrap_or(key)).into());
             argv.push(text_value.into());
@@ -377,8 +416,8 @@ impl Config {
             .args_override_self(true)
             .try_get_matches_from(&argv)
             .and_then(|m| Config::from_arg_matches(&m))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        let raw: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+            .map_err(|e| ConfigError::file(&path, e))?;
+        let raw: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::file(&path, e))?;
         let table = raw.get("credentials").and_then(|c| c.as_table()).cloned().unwrap_or_default();
         config.credentials = if credential_env.is_empty() {
             file.credentials
@@ -395,11 +434,11 @@ fn credentials_from(
     mut table: toml::Table,
     env: &[(String, String)],
     path: Option<&Path>,
-) -> Result<BTreeMap<String, Credential>, String> {
+) -> Result<BTreeMap<String, Credential>, ConfigError> {
     for (name, value) in env {
         let rest = &name[CREDENTIAL_ENV.len()..];
         let Some((credential, key)) = rest.split_once("__") else {
-            return Err(format!("{name}: expected {CREDENTIAL_ENV}<NAME>__<KEY>"));
+            return Err(ConfigError::CredentialVariable(name.clone()));
         };
         let (credential, key) = (credential.to_lowercase(), key.to_lowercase());
         // A value that reads as TOML (a number, a list, a table) is taken as such.
@@ -407,15 +446,17 @@ fn credentials_from(
             .ok()
             .and_then(|mut t| t.remove("v"))
             .unwrap_or_else(|| toml::Value::String(value.clone()));
-        let entry = table.entry(credential).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        let Some(entry) = entry.as_table_mut() else { return Err(format!("{name}: not a table")) };
+        let entry = table.entry(credential.clone()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let Some(entry) = entry.as_table_mut() else { return Err(ConfigError::credential(&credential, "not a table")) };
         entry.insert(key, parsed);
     }
     let mut out = BTreeMap::new();
     for (name, value) in table {
         let credential: Credential = value.try_into().map_err(|e| match path {
-            Some(p) => format!("{}: credentials.{name} (with {CREDENTIAL_ENV}* variables): {e}", p.display()),
-            None => format!("credentials.{name} (from {CREDENTIAL_ENV}* variables): {e}"),
+            Some(p) => {
+                ConfigError::credential(&name, format!("{e} (in {} with {CREDENTIAL_ENV}* variables)", p.display()))
+            }
+            None => ConfigError::credential(&name, format!("{e} (from {CREDENTIAL_ENV}* variables)")),
         })?;
         out.insert(name, credential);
     }
@@ -433,12 +474,12 @@ impl Config {
     /// Checks what the parser cannot: an empty API key (`--api-keys "k,"`) would let requests
     /// without a key in, so it stops the start. An empty value as a whole
     /// (`DISPATCH_API_KEYS=`, as compose files pass an unset variable) is no keys: auth off.
-    pub fn check(&mut self) -> Result<(), String> {
+    pub fn check(&mut self) -> Result<(), ConfigError> {
         if self.api_keys.len() == 1 && self.api_keys[0].trim().is_empty() {
             self.api_keys.clear();
         }
         if self.api_keys.iter().any(|k| k.trim().is_empty()) {
-            return Err("api_keys: an empty key is not a key (a stray comma?); list only non-empty keys, or none to turn auth off".into());
+            return Err(ConfigError::EmptyApiKey);
         }
         Ok(())
     }

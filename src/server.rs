@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
-use crate::config::Config;
-use crate::config::{Credential, ScriptedCredential};
+use crate::config::{Config, ConfigError, Credential, ScriptedCredential};
 use crate::http::{AppState, Shared, router, ws_router};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
@@ -23,8 +22,8 @@ use crate::turn::Turns;
 pub enum StartupError {
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("{0}")]
-    Config(String),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: String, source: std::io::Error },
 }
@@ -36,8 +35,8 @@ pub struct Gateway {
 
 impl Gateway {
     pub async fn build(mut config: Config) -> Result<Gateway, StartupError> {
-        config.check().map_err(StartupError::Config)?;
-        let registry = registry(&config).map_err(StartupError::Config)?;
+        config.check()?;
+        let registry = registry(&config)?;
         let metrics = Arc::new(Metrics::default());
         let limits = StoreOptions {
             busy_timeout: Duration::from_millis(config.sqlite_busy_timeout_ms),
@@ -143,7 +142,7 @@ impl Gateway {
 
 /// The models the configuration names, each with its runtime; with no credentials configured,
 /// the `demo` scripted credential from the `--scripted-*` flags.
-pub fn registry(config: &Config) -> Result<Registry, String> {
+pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
     let mut credentials = config.credentials.clone();
     if credentials.is_empty() {
         credentials.insert(
@@ -157,19 +156,19 @@ pub fn registry(config: &Config) -> Result<Registry, String> {
         );
     }
     let first = credentials.iter().find_map(|(name, c)| c.models().first().map(|m| format!("{name}/{m}")));
-    let default_model = config.default_model.clone().or(first).ok_or("no credential lists a model")?;
+    let default_model = config.default_model.clone().or(first).ok_or(ConfigError::NoModel)?;
     let mut registry = Registry::new(default_model.clone());
     for (name, credential) in &credentials {
         if name.is_empty() || name.contains('/') {
-            return Err(format!("credentials.{name}: a credential name has no '/'"));
+            return Err(ConfigError::credential(name, "a credential name has no '/'"));
         }
         if credential.models().is_empty() {
-            return Err(format!("credentials.{name}: `models` lists no model"));
+            return Err(ConfigError::credential(name, "`models` lists no model"));
         }
         let (runtime, context_window): (Arc<dyn Runtime>, Option<u64>) = match credential {
             Credential::Scripted(c) => {
                 let script = match &c.script {
-                    Some(path) => Script::load(path).map_err(|e| format!("credentials.{name}: {e}"))?,
+                    Some(path) => Script::load(path).map_err(|e| ConfigError::credential(name, e))?,
                     None => Script::default(),
                 };
                 let pace = c.pace.unwrap_or(config.scripted_pace);
@@ -179,7 +178,10 @@ pub fn registry(config: &Config) -> Result<Registry, String> {
             Credential::Openai(c) => {
                 let api_key = match &c.api_key_env {
                     Some(var) => Some(std::env::var(var).map_err(|_| {
-                        format!("credentials.{name}: the environment variable {var} (api_key_env) is not set")
+                        ConfigError::credential(
+                            name,
+                            format!("the environment variable {var} (api_key_env) is not set"),
+                        )
                     })?),
                     None => None,
                 };
@@ -195,9 +197,9 @@ pub fn registry(config: &Config) -> Result<Registry, String> {
                     model_params: c.model_params.clone(),
                 };
                 if let Some(model) = c.model_params.keys().find(|m| !c.models.contains(m)) {
-                    return Err(format!("credentials.{name}.model_params.{model}: not one of `models`"));
+                    return Err(ConfigError::credential(name, format!("model_params.{model}: not one of `models`")));
                 }
-                let runtime = OpenAiRuntime::new(settings).map_err(|e| format!("credentials.{name}: {e}"))?;
+                let runtime = OpenAiRuntime::new(settings).map_err(|e| ConfigError::credential(name, e))?;
                 (Arc::new(runtime), c.context_window)
             }
             Credential::Command(c) => (Arc::new(CommandRuntime::new(name, c.clone())), None),
@@ -207,7 +209,7 @@ pub fn registry(config: &Config) -> Result<Registry, String> {
         }
     }
     if !registry.contains(&default_model) {
-        return Err(format!("default_model {default_model:?} is not a configured model"));
+        return Err(ConfigError::UnknownDefaultModel(default_model));
     }
     Ok(registry)
 }

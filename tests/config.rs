@@ -10,6 +10,7 @@ fn load(args: &[&str], env: &[(&str, &str)]) -> Result<Config, String> {
     let args: Vec<OsString> =
         std::iter::once("dispatch-gateway").chain(args.iter().copied()).map(OsString::from).collect();
     Config::load_from(args, env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())
+        .map_err(|e| e.to_string())
 }
 
 fn write(dir: &std::path::Path, text: &str) -> String {
@@ -29,7 +30,7 @@ fn the_example_file_is_valid_and_a_missing_key_variable_is_reported() {
         other => panic!("{other:?}"),
     }
     if std::env::var_os("OPENAI_API_KEY").is_none() {
-        let err = registry(&config).err().expect("the key variable is missing");
+        let err = registry(&config).err().map(|e| e.to_string()).expect("the key variable is missing");
         assert!(err.contains("OPENAI_API_KEY") && err.contains("credentials.openai"), "{err}");
     }
 }
@@ -104,6 +105,6 @@ fn a_bad_file_names_the_key_and_the_line() {
     let err = load(&["--config", "/no/such/file.toml"], &[]).err().unwrap();
     assert!(err.contains("/no/such/file.toml"), "{err}");
     let file = write(dir.path(), "default_model = \"nope/x\"\n");
-    let err = registry(&load(&["--config", &file], &[]).unwrap()).err().unwrap();
+    let err = registry(&load(&["--config", &file], &[]).unwrap()).err().unwrap().to_string();
     assert!(err.contains("nope/x"), "{err}");
 }
