@@ -222,7 +222,7 @@ async fn websocket_ops() {
 
 /// A masked client frame (a server that ignored the mask would read garbage).
 fn client_frame(first: u8, payload: &[u8]) -> Vec<u8> {
-    dispatch_gateway::net::websocket::client_frame(first, payload, [0x37, 0xfa, 0x21, 0x3d])
+    dispatch_testkit::client_frame(first, payload, [0x37, 0xfa, 0x21, 0x3d])
 }
 
 /// Sends a WebSocket handshake on a fresh connection; the response head, and the socket.
@@ -342,14 +342,9 @@ async fn websocket_frames_on_the_wire() {
 /// The JSON messages of the server frames in `bytes` (whole frames only).
 fn frames_in(mut bytes: &[u8]) -> Vec<Value> {
     let mut messages = Vec::new();
-    while bytes.len() >= 2 {
-        let (len, header) = match bytes[1] & 0x7f {
-            126 => (u16::from_be_bytes([bytes[2], bytes[3]]) as usize, 4),
-            127 => (u64::from_be_bytes(bytes[2..10].try_into().unwrap()) as usize, 10),
-            n => (n as usize, 2),
-        };
-        messages.push(serde_json::from_slice(&bytes[header..header + len]).unwrap());
-        bytes = &bytes[header + len..];
+    while let Some(frame) = dispatch_testkit::server_frame(bytes) {
+        messages.push(serde_json::from_slice(frame.payload).unwrap());
+        bytes = &bytes[frame.len..];
     }
     messages
 }

@@ -77,27 +77,18 @@ fn upgrade(path: &str, extra: &str) -> Vec<u8> {
 
 /// A client frame with `first` byte (FIN, opcode) and a masked payload.
 fn frame(first: u8, payload: &[u8]) -> Vec<u8> {
-    dispatch_gateway::net::websocket::client_frame(first, payload, [1, 2, 3, 4])
+    dispatch_testkit::client_frame(first, payload, [1, 2, 3, 4])
 }
 
 /// Reads server frames until a close frame; its code (None: closed without one, or none in it).
 async fn close_code(socket: &mut TcpStream, mut buf: Vec<u8>) -> Option<u16> {
     loop {
-        // Server frames are unmasked: [first, len(, ext)] payload.
-        while buf.len() >= 2 {
-            let (len, at) = match buf[1] & 0x7f {
-                126 if buf.len() >= 4 => (u16::from_be_bytes([buf[2], buf[3]]) as usize, 4),
-                127 if buf.len() >= 10 => (u64::from_be_bytes(buf[2..10].try_into().unwrap()) as usize, 10),
-                126 | 127 => break,
-                n => (n as usize, 2),
-            };
-            if buf.len() < at + len {
-                break;
+        while let Some(frame) = dispatch_testkit::server_frame(&buf) {
+            if frame.opcode() == 0x8 {
+                return frame.payload.get(..2).map(|code| u16::from_be_bytes([code[0], code[1]]));
             }
-            if buf[0] & 0x0f == 0x8 {
-                return (len >= 2).then(|| u16::from_be_bytes([buf[at], buf[at + 1]]));
-            }
-            buf.drain(..at + len);
+            let taken = frame.len;
+            buf.drain(..taken);
         }
         let mut chunk = [0u8; 8192];
         match tokio::time::timeout(Duration::from_secs(15), socket.read(&mut chunk))

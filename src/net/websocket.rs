@@ -16,7 +16,7 @@
 //! message that does not arrive complete within `--ws-message-timeout-secs` (1008). A session still open at shutdown gets what its cursors hold, then a
 //! close frame of code 1001.
 //!
-//! Every session hears every conversation's status changes (spec 3.4), so when many turns start
+//! Every session hears every conversation's status changes, so when many turns start
 //! or end together, writing each change as it comes would cost a wake-up and a write per change
 //! per session. While deltas are paced (the hub's flush window is open), a session holds a
 //! status change for one window and writes it with every other change that came meanwhile, or
@@ -493,40 +493,25 @@ async fn deliver(session: &mut Session, out: &mut BytesMut, id: &str, delivery: 
     true
 }
 
-/// A client's frame: `first` is the frame's first byte (FIN, RSV and opcode), the payload is
-/// masked with `mask`. For clients of the gateway: its load generator and tests.
-pub fn client_frame(first: u8, payload: &[u8], mask: [u8; 4]) -> Vec<u8> {
-    let mut frame = Vec::with_capacity(payload.len() + 14);
-    frame.push(first);
-    match payload.len() {
-        n if n < 126 => frame.push(0x80 | n as u8),
-        n if n < 65536 => {
-            frame.push(0x80 | 126);
-            frame.extend_from_slice(&(n as u16).to_be_bytes());
-        }
-        n => {
-            frame.push(0x80 | 127);
-            frame.extend_from_slice(&(n as u64).to_be_bytes());
-        }
-    }
-    frame.extend_from_slice(&mask);
-    frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-    frame
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn client(first: u8, payload: &[u8]) -> Vec<u8> {
-        client_frame(first, payload, [0x12, 0x34, 0x56, 0x78])
+        dispatch_testkit::client_frame(first, payload, [0x12, 0x34, 0x56, 0x78])
     }
 
+    /// What a session takes from `bytes`: messages up to a close (the session reads no further)
+    /// or a refusal.
     fn all(bytes: Vec<u8>, max: usize) -> Vec<Result<Incoming, u16>> {
         let mut frames = Frames::new(bytes, max);
         let mut got = Vec::new();
         loop {
             match frames.next() {
+                Ok(Some(m @ Incoming::Close(_))) => {
+                    got.push(Ok(m));
+                    return got;
+                }
                 Ok(Some(m)) => got.push(Ok(m)),
                 Ok(None) => return got,
                 Err(code) => {

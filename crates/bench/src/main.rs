@@ -558,32 +558,17 @@ impl Decoder {
     /// Server frames are never masked: opcode, length, payload.
     fn decode_frames(&mut self) {
         let mut i = 0;
-        loop {
-            let rest = &self.raw[i..];
-            if rest.len() < 2 {
-                break;
-            }
-            let opcode = rest[0] & 0x0f;
-            let (len, header) = match rest[1] & 0x7f {
-                126 if rest.len() >= 4 => (u16::from_be_bytes([rest[2], rest[3]]) as usize, 4),
-                127 if rest.len() >= 10 => (u64::from_be_bytes(rest[2..10].try_into().unwrap()) as usize, 10),
-                126 | 127 => break,
-                n => (n as usize, 2),
-            };
-            if rest.len() < header + len {
-                break;
-            }
-            let payload = &rest[header..header + len];
-            match opcode {
+        while let Some(frame) = dispatch_testkit::server_frame(&self.raw[i..]) {
+            match frame.opcode() {
                 0x0..=0x2 => {
-                    self.body.extend_from_slice(payload);
+                    self.body.extend_from_slice(frame.payload);
                     self.body.push(b'\n');
                 }
                 0x8 => self.ended = true,
-                0x9 => self.reply.extend_from_slice(&client_frame(0xA, payload)),
+                0x9 => self.reply.extend_from_slice(&client_frame(0xA, frame.payload)),
                 _ => {}
             }
-            i += header + len;
+            i += frame.len;
         }
         self.raw.drain(..i);
     }
@@ -608,7 +593,7 @@ fn prefault(buf: &mut Vec<u8>) {
 
 /// A masked client frame (the mask is zero: XOR with it leaves the payload as it is).
 fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
-    dispatch_gateway::net::websocket::client_frame(0x80 | opcode, payload, [0; 4])
+    dispatch_testkit::client_frame(0x80 | opcode, payload, [0; 4])
 }
 
 /// The number after the last ':' of an `id:` line, and the data line, of an event block.
