@@ -18,22 +18,19 @@ function show(...next) {
   views = next;
 }
 
+/** The views that take the whole page, by the start of their hash. */
+const PAGES = { "/throughput": () => new ThroughputView(), "/gateway": () => new GatewayView() };
+
 function route() {
   const hash = location.hash.slice(1) || "/";
+  const page = Object.keys(PAGES).find((p) => hash.startsWith(p));
+  const here = page ? page.slice(1) : "conversations";
   for (const link of document.querySelectorAll("nav a")) {
-    const here = link.dataset.view === (hash.startsWith("/throughput") ? "throughput" : hash.startsWith("/gateway") ? "gateway" : "conversations");
-    link.toggleAttribute("aria-current", here);
-    if (here) link.setAttribute("aria-current", "page");
+    if (link.dataset.view === here) link.setAttribute("aria-current", "page");
+    else link.removeAttribute("aria-current");
   }
-  if (hash.startsWith("/throughput")) {
-    const view = new ThroughputView();
-    show(view);
-    main.replaceChildren(view.element);
-    main.className = "single";
-    return;
-  }
-  if (hash.startsWith("/gateway")) {
-    const view = new GatewayView();
+  if (page) {
+    const view = PAGES[page]();
     show(view);
     main.replaceChildren(view.element);
     main.className = "single";

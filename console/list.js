@@ -88,8 +88,8 @@ export class ConversationList {
     for (const li of this.items.children) {
       const on = li.dataset.id === id;
       li.classList.toggle("selected", on);
-      li.firstChild.toggleAttribute("aria-current", on);
       if (on) li.firstChild.setAttribute("aria-current", "page");
+      else li.firstChild.removeAttribute("aria-current");
     }
   }
 

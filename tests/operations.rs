@@ -31,7 +31,7 @@ async fn the_served_document_is_the_one_in_the_repository() {
             for (status, response) in responses {
                 assert!(response["description"].is_string(), "{method} {path} {status}: no description");
             }
-            let public = ["/health", "/ready", "/openapi.json"].contains(&path.as_str());
+            let public = ["/health", "/ready", "/openapi.json", "/", "/console/{asset}"].contains(&path.as_str());
             assert_eq!(responses.contains_key("401"), !public, "{method} {path}: 401");
         }
     }
