@@ -1,4 +1,4 @@
-//! `GET /conversations/:id` windows, exactly as spec 2.3 says, and the rejected parameters.
+//! `GET /conversations/:id` windows, exactly as the history contract says, and the rejected parameters.
 
 mod common;
 

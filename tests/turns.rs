@@ -1,4 +1,4 @@
-//! Turns end to end: the event order of spec 1.2, the log of 1.4, the metrics of 1.3.
+//! Turns end to end: the event order of a turn, its log, its metrics.
 
 mod common;
 

@@ -140,7 +140,7 @@ pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<J
     Ok(Json(ConversationList { conversations: state.store.list_conversations(&filter).await? }))
 }
 
-/// A window of the conversation's log (spec 2.3). An unknown id is an empty log.
+/// A window of the conversation's log. An unknown id is an empty log.
 #[utoipa::path(
     get,
     path = "/conversations/{id}",

@@ -1,4 +1,4 @@
-//! Request parsing with the gateway's own error sentences (spec 2.1): JSON bodies, path ids,
+//! Request parsing with the gateway's own error sentences: JSON bodies, path ids,
 //! query parameters.
 
 use axum::extract::{FromRequest, FromRequestParts, Path, Request};

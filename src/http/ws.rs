@@ -1,4 +1,4 @@
-//! `GET /ws`: the WebSocket protocol of the reference backend's web client (spec 3.4).
+//! `GET /ws`: the WebSocket protocol of the reference backend's web client.
 //!
 //! One JSON object per text frame. Every session is served by `net::websocket`, whichever way
 //! its connection reached the upgrade: as its first request (`net::direct` takes the socket at

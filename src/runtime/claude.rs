@@ -1,4 +1,4 @@
-//! Claude Code's stream-json output as raw events (spec 7, as the real CLI behaves).
+//! Claude Code's stream-json output as raw events (as the real CLI behaves).
 //!
 //! - One model call (one `message.id`) is one step, however many `assistant` lines it takes
 //!   (the CLI writes one per content block, each repeating the usage snapshot of the

@@ -134,7 +134,7 @@ fn unwritable(e: &sqlx::Error) -> Option<String> {
 
 impl Store {
     /// Opens (creating when missing) the database file, applies the migrations, and repairs
-    /// turns a previous process left open (spec 1.5) before anything is served.
+    /// turns a previous process left open before anything is served.
     pub async fn open(path: &Path, metrics: Arc<Metrics>) -> StoreResult<Store> {
         Self::open_with(path, metrics, StoreOptions::default()).await
     }

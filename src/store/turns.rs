@@ -209,7 +209,7 @@ impl Store {
         Ok(metrics.context_size)
     }
 
-    /// Spec 1.5: each turn with a user message but neither metrics nor a marker gets one
+    /// Each turn with a user message but neither metrics nor a marker gets one
     /// `interrupted` error chunk, and its conversation goes idle. Returns how many were repaired.
     pub async fn recover_interrupted(&self, now: i64) -> StoreResult<usize> {
         #[derive(FromRow)]

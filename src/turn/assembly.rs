@@ -1,4 +1,4 @@
-//! Chunk assembly: how a turn's events become log chunks (spec 1.4). Pure, no I/O.
+//! Chunk assembly: how a turn's events become log chunks. Pure, no I/O.
 //!
 //! Consecutive text deltas of a step merge into one `text` chunk and consecutive reasoning
 //! deltas into one `thinking` chunk; alternation starts a new chunk. A step's assistant chunks

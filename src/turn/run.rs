@@ -1,4 +1,4 @@
-//! One running turn: raw runtime events in, wire events and log rows out (spec 1.2 to 1.4).
+//! One running turn: raw runtime events in, wire events and log rows out.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! Derived numbers of a turn (spec 1.3): step timing, step and turn usage, context size.
+//! Derived numbers of a turn: step timing, step and turn usage, context size.
 //! Pure: the caller passes the instants, taken from a monotonic clock.
 
 use std::time::{Duration, Instant};
