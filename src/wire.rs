@@ -168,6 +168,33 @@ pub struct TurnMetrics {
     pub context_size: Option<u64>,
 }
 
+/// Where a conversation is: a turn running (`active`), none (`idle`), or closed by `/close`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ConversationStatus {
+    Active,
+    Idle,
+    Closed,
+}
+
+impl ConversationStatus {
+    pub const ALL: [ConversationStatus; 3] =
+        [ConversationStatus::Active, ConversationStatus::Idle, ConversationStatus::Closed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConversationStatus::Active => "active",
+            ConversationStatus::Idle => "idle",
+            ConversationStatus::Closed => "closed",
+        }
+    }
+
+    /// The status a name spells (`active`, `idle`, `closed`).
+    pub fn parse(name: &str) -> Option<ConversationStatus> {
+        ConversationStatus::ALL.into_iter().find(|s| s.as_str() == name)
+    }
+}
+
 /// A conversation as listed and created over REST. Times are epoch milliseconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -176,8 +203,7 @@ pub struct ConversationMeta {
     pub created_at: i64,
     pub last_activity_at: i64,
     pub title: String,
-    /// One of `active`, `idle`, `closed`.
-    pub status: String,
+    pub status: ConversationStatus,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
 }

@@ -67,8 +67,7 @@ pub struct QueueResponse {
 pub struct StatusResponse {
     pub conversation_id: String,
     pub is_active: bool,
-    /// `active`, `idle` or `closed`.
-    pub status: String,
+    pub status: crate::wire::ConversationStatus,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -12,7 +12,7 @@ use super::error::{ApiError, ErrorBody};
 use super::extract::{ConversationId, JsonObject, QueryParams, check_id};
 use crate::store::{ConversationFilter, HistoryWindow, NewConversation, now_ms};
 use crate::turn::StartError;
-use crate::wire::{ConversationMeta, StoredChunk, TurnMetrics};
+use crate::wire::{ConversationMeta, ConversationStatus, StoredChunk, TurnMetrics};
 
 /// Longest title accepted, in characters.
 const MAX_TITLE_CHARS: usize = 512;
@@ -127,10 +127,9 @@ pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<J
     }
     let mut statuses = Vec::new();
     for s in query.get("status").unwrap_or("").split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        if !matches!(s, "active" | "idle" | "closed") {
-            return Err(ApiError::bad(format!("`status` takes active, idle or closed, got {s:?}")));
-        }
-        statuses.push(s.to_owned());
+        let status = ConversationStatus::parse(s)
+            .ok_or_else(|| ApiError::bad(format!("`status` takes active, idle or closed, got {s:?}")))?;
+        statuses.push(status);
     }
     let filter = ConversationFilter {
         id_prefix: query.get("q").filter(|q| !q.is_empty()).map(str::to_owned),

@@ -136,6 +136,17 @@ fn text(value: Value) -> Message {
     Message::Text(Utf8Bytes::from(value.to_string()))
 }
 
+/// `conversation.statusChanged`: encoded by the first session that writes the change, shared
+/// by every other.
+pub fn status_changed(change: &crate::turn::StatusChange) -> Message {
+    let bytes = change.encoded(|conversation_id, status| {
+        let message =
+            json!({"type": "conversation.statusChanged", "conversationId": conversation_id, "status": status});
+        bytes::Bytes::from(message.to_string())
+    });
+    Message::Text(Utf8Bytes::try_from(bytes).expect("JSON text is UTF-8"))
+}
+
 /// The message a session opens with.
 pub fn catalog() -> Value {
     json!({"type": "catalog", "catalog": []})

@@ -55,7 +55,7 @@ pub(super) enum Write {
 #[derive(Debug)]
 pub(super) enum Written {
     Seq(u64),
-    Status(String),
+    Status(crate::wire::ConversationStatus),
 }
 
 impl Written {
@@ -66,7 +66,7 @@ impl Written {
         }
     }
 
-    pub(super) fn status(self) -> StoreResult<String> {
+    pub(super) fn status(self) -> StoreResult<crate::wire::ConversationStatus> {
         match self {
             Written::Status(status) => Ok(status),
             Written::Seq(_) => Err(StoreError::Corrupt("a write answered with the wrong kind".into())),

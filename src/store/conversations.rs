@@ -3,7 +3,7 @@
 use sqlx::FromRow;
 
 use super::{Store, StoreError, StoreResult};
-use crate::wire::ConversationMeta;
+use crate::wire::{ConversationMeta, ConversationStatus};
 
 #[derive(FromRow)]
 pub(super) struct ConversationRow {
@@ -15,16 +15,18 @@ pub(super) struct ConversationRow {
     last_activity_at: i64,
 }
 
-impl From<ConversationRow> for ConversationMeta {
-    fn from(r: ConversationRow) -> Self {
-        ConversationMeta {
+impl TryFrom<ConversationRow> for ConversationMeta {
+    type Error = StoreError;
+
+    fn try_from(r: ConversationRow) -> StoreResult<Self> {
+        Ok(ConversationMeta {
+            status: super::status_of(&r.status)?,
             id: r.id,
             created_at: r.created_at,
             last_activity_at: r.last_activity_at,
             title: r.title,
-            status: r.status,
             model: r.model,
-        }
+        })
     }
 }
 
@@ -41,7 +43,7 @@ pub struct NewConversation<'a> {
 #[derive(Debug, Default)]
 pub struct ConversationFilter {
     pub id_prefix: Option<String>,
-    pub statuses: Vec<String>,
+    pub statuses: Vec<ConversationStatus>,
     pub limit: u32,
 }
 
@@ -71,7 +73,7 @@ impl Store {
             created_at: c.now,
             last_activity_at: c.now,
             title: c.title.to_owned(),
-            status: "idle".to_owned(),
+            status: ConversationStatus::Idle,
             model: c.model.map(str::to_owned),
         })
     }
@@ -80,7 +82,7 @@ impl Store {
         let sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE id = ?");
         let row: Option<ConversationRow> =
             sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(id).fetch_optional(&self.reader).await?;
-        Ok(row.map(Into::into))
+        row.map(TryInto::try_into).transpose()
     }
 
     /// Newest activity first.
@@ -102,10 +104,10 @@ impl Store {
             q = q.bind(prefix).bind(format!("{prefix}\u{7f}"));
         }
         for s in &f.statuses {
-            q = q.bind(s);
+            q = q.bind(s.as_str());
         }
         let rows = q.bind(i64::from(f.limit)).fetch_all(&self.reader).await?;
-        Ok(rows.into_iter().map(Into::into).collect())
+        rows.into_iter().map(TryInto::try_into).collect()
     }
 
     /// Returns false when the conversation does not exist.

@@ -24,7 +24,7 @@ use sqlx::{Sqlite, SqlitePool, Transaction};
 use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation, Setting, Settings};
 pub use log::{HistoryPage, HistoryWindow, NewChunk};
-pub use reads::{LastText, ModelThroughput};
+pub use reads::{HistoryChunk, LastText, ModelThroughput};
 pub use turns::{BeginTurn, IdempotencyRecord, SealTurn, user_chunk};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -250,4 +250,10 @@ impl Store {
 /// Wall-clock now in epoch milliseconds (for stored times only; durations use `Instant`).
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+/// A conversation's status as the database spells it (its CHECK allows only these three).
+fn status_of(name: &str) -> StoreResult<crate::wire::ConversationStatus> {
+    crate::wire::ConversationStatus::parse(name)
+        .ok_or_else(|| StoreError::Corrupt(format!("a conversation has the status {name:?}")))
 }

@@ -6,7 +6,7 @@ use sqlx::sqlite::SqliteRow;
 use super::log::{NewChunk, append_to};
 use super::script::Script;
 use super::{Store, StoreError, StoreResult};
-use crate::wire::{Chunk, ErrorChunk, Role, TextChunk, TurnMetrics};
+use crate::wire::{Chunk, ConversationStatus, ErrorChunk, Role, TextChunk, TurnMetrics};
 
 /// The user's text as the chunk that opens its own message.
 pub fn user_chunk(text: &str) -> NewChunk {
@@ -132,11 +132,11 @@ pub(super) fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[New
 }
 
 /// The status a seal script answered with.
-pub(super) fn sealed_status(rows: &[SqliteRow], conversation_id: &str) -> StoreResult<String> {
+pub(super) fn sealed_status(rows: &[SqliteRow], conversation_id: &str) -> StoreResult<ConversationStatus> {
     use sqlx::Row;
     let row =
         rows.last().ok_or_else(|| StoreError::Corrupt(format!("conversation {conversation_id} does not exist")))?;
-    Ok(row.try_get::<String, _>(0)?)
+    super::status_of(&row.try_get::<String, _>(0)?)
 }
 
 impl Store {
@@ -169,7 +169,7 @@ impl Store {
     /// Seals a turn: its chunks not yet written, its metrics, and the conversation back to
     /// idle (a closed one stays closed), in one transaction (shared with other writes queued
     /// with it). Returns the conversation's status.
-    pub async fn seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<String> {
+    pub async fn seal_turn(&self, s: SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<ConversationStatus> {
         let job = super::batch::Write::Seal {
             conversation_id: s.conversation_id.to_owned(),
             turn_id: s.turn_id.to_owned(),
@@ -301,7 +301,7 @@ mod tests {
             async move { store.seal_turn(seal, &[user_chunk("the end")]).await }
         });
         let statuses = futures_util::future::join_all(seals).await;
-        assert!(statuses.iter().all(|s| s.as_deref().ok() == Some("idle")), "{statuses:?}");
+        assert!(statuses.iter().all(|s| matches!(s, Ok(ConversationStatus::Idle))), "{statuses:?}");
         assert_eq!(metrics.writes() - writes, 1, "one transaction for the 20 seals");
         for ((c, _), m) in ids.iter().zip(&turn_metrics) {
             let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: true };

@@ -25,7 +25,7 @@ use crate::hub::{Hub, TurnBuffer};
 use crate::metrics::Metrics;
 use crate::runtime::{Inbox, QueueFull, QueueLimits, QueuedMessage, Registry, TurnRequest};
 use crate::store::{BeginTurn, IdempotencyRecord, Store, StoreError, now_ms};
-use crate::wire::{AgentEvent, TurnInputEvent, TurnStartEvent};
+use crate::wire::{AgentEvent, ConversationStatus, TurnInputEvent, TurnStartEvent};
 
 /// A request to start a turn, already validated for shape.
 #[derive(Debug, Clone)]
@@ -66,11 +66,39 @@ fn queue_full(full: QueueFull) -> String {
     }
 }
 
-/// A conversation went active, idle or closed: the `conversation.statusChanged` message every
-/// WebSocket gets, serialized once for all of them (a clone shares the bytes).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StatusChange {
-    pub message: axum::extract::ws::Utf8Bytes,
+/// A conversation went active, idle or closed. Every WebSocket session gets it; the first to
+/// write it encodes it for all of them (a clone shares the encoding).
+#[derive(Debug, Clone)]
+pub struct StatusChange(Arc<Change>);
+
+#[derive(Debug)]
+struct Change {
+    conversation_id: String,
+    status: ConversationStatus,
+    encoded: std::sync::OnceLock<bytes::Bytes>,
+}
+
+impl StatusChange {
+    fn new(conversation_id: &str, status: ConversationStatus) -> StatusChange {
+        StatusChange(Arc::new(Change {
+            conversation_id: conversation_id.to_owned(),
+            status,
+            encoded: std::sync::OnceLock::new(),
+        }))
+    }
+
+    pub fn conversation_id(&self) -> &str {
+        &self.0.conversation_id
+    }
+
+    pub fn status(&self) -> ConversationStatus {
+        self.0.status
+    }
+
+    /// The change as a transport encodes it: `encode` runs once for all the clones.
+    pub fn encoded(&self, encode: impl FnOnce(&str, ConversationStatus) -> bytes::Bytes) -> bytes::Bytes {
+        self.0.encoded.get_or_init(|| encode(&self.0.conversation_id, self.0.status)).clone()
+    }
 }
 
 /// What `/queue` did with a message.
@@ -150,9 +178,8 @@ impl Turns {
         self.statuses.subscribe()
     }
 
-    fn announce(&self, conversation_id: &str, status: &'static str) {
-        let message = serde_json::json!({"type": "conversation.statusChanged", "conversationId": conversation_id, "status": status});
-        let _ = self.statuses.send(StatusChange { message: message.to_string().into() });
+    fn announce(&self, conversation_id: &str, status: ConversationStatus) {
+        let _ = self.statuses.send(StatusChange::new(conversation_id, status));
     }
 
     /// Whether a turn is running (or starting) in this conversation.
@@ -225,7 +252,7 @@ impl Turns {
         let inbox = Arc::new(Inbox::default());
         self.lock().insert(req.conversation_id.clone(), Slot::Running { cancel: cancel.clone(), inbox: inbox.clone() });
         reservation.armed = false;
-        self.announce(&req.conversation_id, "active");
+        self.announce(&req.conversation_id, ConversationStatus::Active);
         self.metrics.turns_started.fetch_add(1, Relaxed);
 
         // What the runtime is owed: the conversation so far and its agent session. A read that
@@ -283,7 +310,7 @@ impl Turns {
     /// A conversation was created without a turn: watchers of the list learn of it as of any
     /// conversation that goes idle.
     pub fn created(&self, conversation_id: &str) {
-        self.announce(conversation_id, "idle");
+        self.announce(conversation_id, ConversationStatus::Idle);
     }
 
     /// Stops the running turn and marks the conversation closed (idempotent; an unknown id is
@@ -292,7 +319,7 @@ impl Turns {
         let existed = self.store.close_conversation(conversation_id).await?;
         let aborted = self.stop(conversation_id);
         if existed && !aborted {
-            self.announce(conversation_id, "closed");
+            self.announce(conversation_id, ConversationStatus::Closed);
         }
         Ok(aborted)
     }

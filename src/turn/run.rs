@@ -54,10 +54,6 @@ pub(super) struct TurnRun {
     unwritten: Vec<NewChunk>,
 }
 
-fn status_name(status: &str) -> &'static str {
-    if status == "closed" { "closed" } else { "idle" }
-}
-
 /// A turn whose seal the database refused: retried with backoff until it commits (or the
 /// gateway stops; then the next start marks the turn interrupted).
 struct PendingSeal {
@@ -89,7 +85,7 @@ impl PendingSeal {
                 Ok(status) => {
                     tracing::info!(conversation = %self.conversation_id, turn = %self.turn_id, "sealed the turn after the database recovered");
                     self.turns.release(&self.conversation_id);
-                    self.turns.announce(&self.conversation_id, status_name(&status));
+                    self.turns.announce(&self.conversation_id, status);
                     return;
                 }
                 Err(_) => wait = (wait * 2).min(std::time::Duration::from_secs(2)),
@@ -451,13 +447,13 @@ impl TurnRun {
             now: now_ms(),
         };
         let sealed_now = match self.store.seal_turn(seal, &rest).await {
-            Ok(status) => Some(status_name(&status)),
+            Ok(status) => Some(status),
             Err(e) => {
                 tracing::error!(error = %e, "could not seal the turn; retrying until the database takes it");
                 None
             }
         };
-        let status = sealed_now.unwrap_or("active");
+        let status = sealed_now.map_or("active", ConversationStatus::as_str);
         let metrics = &self.turns.metrics;
         metrics.turns_sealed.fetch_add(1, Relaxed);
         match &end {
@@ -478,7 +474,7 @@ impl TurnRun {
         // can land before its own.
         let (conversation_id, turn_id) = self.ids();
         let sealed = AgentEvent::TurnSealed(TurnSealedEvent { conversation_id, turn_id });
-        let Some(status) = sealed_now else {
+        let Some(sealed_status) = sealed_now else {
             self.turns.hold_for_sealing(&self.conversation_id);
             self.turns.hub().seal_turn(self.buffer, &sealed);
             let pending = PendingSeal {
@@ -495,7 +491,7 @@ impl TurnRun {
         };
         self.turns.release(&self.conversation_id);
         self.turns.hub().seal_turn(self.buffer, &sealed);
-        self.turns.announce(&self.conversation_id, status);
+        self.turns.announce(&self.conversation_id, sealed_status);
 
         // Steering that arrived too late for this turn becomes the next one, unless the turn
         // was stopped: a stop means stop.
@@ -503,7 +499,7 @@ impl TurnRun {
         if leftover.is_empty() {
             return;
         }
-        if matches!(end, End::Aborted) || status == "closed" {
+        if matches!(end, End::Aborted) || sealed_status == ConversationStatus::Closed {
             tracing::info!(conversation = %self.conversation_id, dropped = leftover.len(), "dropped queued messages of a stopped turn");
             return;
         }
