@@ -250,8 +250,8 @@ async fn the_pace_resumes_after_a_stall() {
     server.chat("p", "paced please").await;
     let (_, metrics) = server.get("/conversations/p/metrics").await;
     let second = &metrics["turns"][0]["steps"][1];
-    // Eight deltas at 200/s after the first step's stall: paced, not all at once.
-    assert!(second["ttftMs"].as_u64().unwrap() >= 1, "{second}");
+    // Eight deltas at 200/s after the first step's stall: paced, not all at once. The first
+    // may go at once; the seven after it are 5 ms apart at least (a sleep never ends early).
     assert!(second["decodeMs"].as_u64().unwrap() >= 7 * 4, "{second}");
 }
 

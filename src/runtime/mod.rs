@@ -87,13 +87,8 @@ pub struct TurnRequest {
     pub inbox: Arc<Inbox>,
 }
 
-/// A chunk of the log with the message it belongs to.
-#[derive(Debug, Clone)]
-pub struct HistoryChunk {
-    pub message_id: i64,
-    pub role: crate::wire::Role,
-    pub chunk: crate::wire::Chunk,
-}
+/// The conversation so far, as the store reads it for a turn.
+pub use crate::store::HistoryChunk;
 
 /// A message waiting to be delivered to a running turn (or to start the next one).
 #[derive(Debug, Clone, Serialize, ToSchema)]

@@ -3,8 +3,15 @@
 use sqlx::FromRow;
 
 use super::{Store, StoreError, StoreResult};
-use crate::runtime::HistoryChunk;
 use crate::wire::{Chunk, Role};
+
+/// A chunk of the log with the message it belongs to (what runtimes send upstream).
+#[derive(Debug, Clone)]
+pub struct HistoryChunk {
+    pub message_id: i64,
+    pub role: Role,
+    pub chunk: Chunk,
+}
 
 /// The last assistant text of a conversation's most recent finished turn.
 #[derive(Debug, Default)]
