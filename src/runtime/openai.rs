@@ -53,6 +53,9 @@ pub struct OpenAiRuntime {
 
 impl OpenAiRuntime {
     pub fn new(settings: OpenAiSettings) -> Result<OpenAiRuntime, String> {
+        // reqwest is built without a crypto provider of its own: ring is the process's (a
+        // provider installed before, as by a test's own client, stays).
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let client = reqwest::Client::builder()
             .connect_timeout(settings.connect_timeout)
             .build()

@@ -1,11 +1,11 @@
 //! Conversation rows: create, read, list, rename, delete.
 
-use sqlx::FromRow;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{FromRow, Row};
 
 use super::{Store, StoreError, StoreResult};
 use crate::wire::{ConversationMeta, ConversationStatus};
 
-#[derive(FromRow)]
 pub(super) struct ConversationRow {
     id: String,
     title: String,
@@ -13,6 +13,19 @@ pub(super) struct ConversationRow {
     model: Option<String>,
     created_at: i64,
     last_activity_at: i64,
+}
+
+impl FromRow<'_, SqliteRow> for ConversationRow {
+    fn from_row(row: &SqliteRow) -> sqlx::Result<Self> {
+        Ok(ConversationRow {
+            id: row.try_get("id")?,
+            title: row.try_get("title")?,
+            status: row.try_get("status")?,
+            model: row.try_get("model")?,
+            created_at: row.try_get("created_at")?,
+            last_activity_at: row.try_get("last_activity_at")?,
+        })
+    }
 }
 
 impl TryFrom<ConversationRow> for ConversationMeta {

@@ -27,7 +27,31 @@ pub use log::{HistoryPage, HistoryWindow, NewChunk};
 pub use reads::{HistoryChunk, LastText, ModelThroughput};
 pub use turns::{BeginTurn, IdempotencyRecord, SealTurn, user_chunk};
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// The schema's migrations, compiled in, oldest first: version, description (the file name's,
+/// as sqlx spells it) and SQL. Listed by hand rather than by sqlx's `migrate!`, whose proc
+/// macro builds a second SQLite for the build host (a first build's slowest minute); a test
+/// checks the list against the folder.
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "initial", include_str!("../../migrations/0001_initial.sql")),
+    (2, "idempotency", include_str!("../../migrations/0002_idempotency.sql")),
+    (3, "chunk checks", include_str!("../../migrations/0003_chunk_checks.sql")),
+    (4, "sealed seq", include_str!("../../migrations/0004_sealed_seq.sql")),
+    (5, "conversation settings", include_str!("../../migrations/0005_conversation_settings.sql")),
+];
+
+fn migrator() -> sqlx::migrate::Migrator {
+    use sqlx::SqlSafeStr;
+    use sqlx::migrate::{Migration, MigrationType, Migrator};
+    Migrator::with_migrations(
+        MIGRATIONS
+            .iter()
+            .map(|&(version, description, sql)| {
+                let sql = sqlx::AssertSqlSafe(sql).into_sql_str();
+                Migration::new(version, description.into(), MigrationType::Simple, sql, false)
+            })
+            .collect(),
+    )
+}
 
 /// WAL pages past which the writer checkpoints inside its own commit (about 40 MiB).
 const WRITER_CHECKPOINT_PAGES: u32 = 10_000;
@@ -166,7 +190,7 @@ impl Store {
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(writer_options)
             .await?;
-        MIGRATOR.run(&writer).await?;
+        migrator().run(&writer).await?;
         let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.clone().read_only(true)).await?;
         let checkpointer = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
         tokio::spawn(checkpoints(checkpointer.clone(), metrics.clone()));
@@ -256,4 +280,21 @@ pub fn now_ms() -> i64 {
 fn status_of(name: &str) -> StoreResult<crate::wire::ConversationStatus> {
     crate::wire::ConversationStatus::parse(name)
         .ok_or_else(|| StoreError::Corrupt(format!("a conversation has the status {name:?}")))
+}
+
+#[cfg(test)]
+mod tests {
+    /// The compiled-in list is the migrations folder, as sqlx reads a folder: the same
+    /// versions, descriptions and checksums (so databases made by earlier builds, whose
+    /// migrations came from the folder, open without a checksum mismatch).
+    #[tokio::test]
+    async fn the_compiled_in_migrations_are_the_folder() {
+        let folder =
+            sqlx::migrate::Migrator::new(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations")))
+                .await
+                .unwrap();
+        let listed = super::migrator();
+        let key = |m: &sqlx::migrate::Migration| (m.version, m.description.to_string(), m.checksum.to_vec());
+        assert_eq!(listed.iter().map(key).collect::<Vec<_>>(), folder.iter().map(key).collect::<Vec<_>>());
+    }
 }

@@ -1,6 +1,7 @@
 //! Reads that aggregate: the last assistant text of a conversation, throughput per model.
 
-use sqlx::FromRow;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{FromRow, Row};
 
 use super::{Store, StoreError, StoreResult};
 use crate::wire::{Chunk, Role};
@@ -21,12 +22,23 @@ pub struct LastText {
 }
 
 /// Output tokens and generation time of one model over a period.
-#[derive(Debug, FromRow)]
+#[derive(Debug)]
 pub struct ModelThroughput {
     pub model: String,
     pub output_tokens: i64,
     pub gen_ms: i64,
     pub turns: i64,
+}
+
+impl FromRow<'_, SqliteRow> for ModelThroughput {
+    fn from_row(row: &SqliteRow) -> sqlx::Result<Self> {
+        Ok(ModelThroughput {
+            model: row.try_get("model")?,
+            output_tokens: row.try_get("output_tokens")?,
+            gen_ms: row.try_get("gen_ms")?,
+            turns: row.try_get("turns")?,
+        })
+    }
 }
 
 impl Store {

@@ -1,6 +1,5 @@
 //! Turn rows: opened with the user's chunk, sealed with their metrics, repaired after a crash.
 
-use sqlx::FromRow;
 use sqlx::sqlite::SqliteRow;
 
 use super::log::{NewChunk, append_to};
@@ -212,18 +211,13 @@ impl Store {
     /// Each turn with a user message but neither metrics nor a marker gets one
     /// `interrupted` error chunk, and its conversation goes idle. Returns how many were repaired.
     pub async fn recover_interrupted(&self, now: i64) -> StoreResult<usize> {
-        #[derive(FromRow)]
-        struct Open {
-            conversation_id: String,
-            turn_id: String,
-        }
-        let open: Vec<Open> = sqlx::query_as(
+        let open: Vec<(String, String)> = sqlx::query_as(
             "SELECT conversation_id, turn_id FROM turns
              WHERE sealed_at IS NULL AND interrupted_at IS NULL ORDER BY conversation_id, ordinal",
         )
         .fetch_all(&self.writer)
         .await?;
-        for turn in &open {
+        for (conversation_id, turn_id) in &open {
             let (mut tx, started) = self.write_tx().await?;
             let marker = NewChunk {
                 role: Role::Assistant,
@@ -234,15 +228,15 @@ impl Store {
                 new_message: true,
             };
             let mut script = Script::default();
-            append_to(&mut script, &turn.conversation_id, &turn.turn_id, &[marker], now)?;
+            append_to(&mut script, conversation_id, turn_id, &[marker], now)?;
             script
                 .sql("UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?;")
                 .bind(now)
-                .bind(turn.conversation_id.as_str())
-                .bind(turn.turn_id.as_str())
+                .bind(conversation_id.as_str())
+                .bind(turn_id.as_str())
                 // The cut turn, marker included, is history from now on.
                 .sql("UPDATE conversations SET sealed_seq = last_seq WHERE id = ?;")
-                .bind(turn.conversation_id.as_str());
+                .bind(conversation_id.as_str());
             script.run(&mut tx).await?;
             self.commit(tx, started).await?;
         }
