@@ -76,8 +76,9 @@ export function linePlot({ title, xLabel, yLabel, points, selected, onSelect }) 
     const yMax = Math.max(0, ...shown.map((p) => p.y));
     const yTicks = ticks(0, yMax * 1.05 || 1);
     const yTop = yTicks[yTicks.length - 1];
-    const span = x1 - x0 || 1;
-    const pad = x1 === x0 ? 0.5 : 0;
+    // One turn sits in the middle of an axis one turn wide.
+    const span = x1 - x0;
+    const pad = span === 0 ? 0.5 : 0;
     const x = (v) => MARGIN.left + ((v - x0 + pad) / (span + 2 * pad)) * (width - MARGIN.left - MARGIN.right);
     const y = (v) => HEIGHT - MARGIN.bottom - (v / yTop) * (HEIGHT - MARGIN.top - MARGIN.bottom);
     const xTicks = ticks(x0, x1, Math.max(2, Math.floor(width / 80))).filter((t) => Number.isInteger(t) && t >= x0 && t <= x1);

@@ -187,6 +187,11 @@ try {
   await page.locator("figure.plot", { hasText: "Steps of turn 5" }).waitFor();
   await page.locator("figure.plot", { hasText: "Context size" }).locator('circle.point[data-x="3"]').click();
   await page.locator("figure.plot", { hasText: "Steps of turn 3" }).waitFor();
+  // One sealed turn: one point, still on its axes.
+  await page.goto(`${px.url}/#/c/watched-elsewhere`);
+  await page.locator("figure.plot", { hasText: "Context size" }).locator("circle.point").first().waitFor();
+  assert.equal(await points("Context size"), 1);
+  await page.locator("section.metrics").screenshot({ path: shot("plots-1") });
   await page.goto(`${px.url}/#/c/many-turns`);
   const ttft = page.locator("figure.plot", { hasText: "Time to first token" });
   await page.locator("figure.plot", { hasText: "Context size" }).locator("circle.point").nth(499).waitFor({ state: "attached" });
@@ -210,7 +215,7 @@ try {
   }
   assert.match(readout, /^turn \d+: /, "a hover value");
   await page.locator("section.metrics").screenshot({ path: shot("plots-500") });
-  step("plots have a point per sealed turn, with 5 and with 500, and hover values");
+  step("plots have a point per sealed turn, with 1, 5 and 500, and hover values");
 
   // Throughput and the gateway's own state.
   await page.getByRole("link", { name: "Throughput", exact: true }).click();
