@@ -87,14 +87,6 @@ impl StatusChange {
         }))
     }
 
-    pub fn conversation_id(&self) -> &str {
-        &self.0.conversation_id
-    }
-
-    pub fn status(&self) -> ConversationStatus {
-        self.0.status
-    }
-
     /// The change as a transport encodes it: `encode` runs once for all the clones.
     pub fn encoded(&self, encode: impl FnOnce(&str, ConversationStatus) -> bytes::Bytes) -> bytes::Bytes {
         self.0.encoded.get_or_init(|| encode(&self.0.conversation_id, self.0.status)).clone()
