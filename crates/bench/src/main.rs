@@ -1620,6 +1620,9 @@ async fn seed(database: &str, conversation: &str, chunks: u64) -> Value {
 
 #[tokio::main]
 async fn main() {
+    // Built beside the gateway, reqwest carries rustls without a crypto provider (the
+    // gateway's choice); the load generator speaks plain HTTP, but a client needs one.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     let result = match cli.workload {
         Workload::Fanout { server, transport, base, watchers, events, rate, pids } => {
