@@ -17,7 +17,6 @@ export class Turn {
     );
     this.current = null;
     this.tools = new Map();
-    this.groups = new Map();
   }
 
   /** Appends text (`text` or `reasoning`); a run of the same kind stays one part. */
@@ -41,11 +40,11 @@ export class Turn {
 
   addToolCall(stepId, toolCallId, toolName, input) {
     this.breakPart();
-    const key = stepId || `unstepped:${toolCallId}`;
-    let group = this.groups.get(key);
-    if (!group || group !== this.parts.lastElementChild) {
+    // Calls of one step that follow each other share a group; anything between them ends it.
+    const last = this.parts.lastElementChild;
+    let group = stepId && last?.classList.contains("tools") && last.dataset.stepId === stepId ? last : null;
+    if (!group) {
       group = h("div", { class: "tools", role: "group", dataset: { stepId: stepId || "" }, "aria-label": "Tool calls" });
-      this.groups.set(key, group);
       this.parts.append(group);
     }
     const output = h("pre", { class: "tool-output", hidden: true });

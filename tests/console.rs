@@ -45,7 +45,7 @@ async fn the_console_is_served_from_the_binary_and_only_its_assets_are_public() 
         assert_eq!(r.headers()["content-type"], media, "{name}");
         assert_eq!(r.headers()["x-content-type-options"], "nosniff");
         let text = r.text().await.unwrap();
-        assert_eq!(text, std::fs::read_to_string(entry_path(&name)).unwrap());
+        assert_eq!(text, std::fs::read_to_string(console_dir().join(&name)).unwrap());
         for import in text.lines().filter_map(|l| l.split(" from \"./").nth(1)) {
             let file = import.split('"').next().unwrap();
             assert!(console_dir().join(file).is_file(), "{name} imports {file}, which console/ lacks");
@@ -62,10 +62,6 @@ async fn the_console_is_served_from_the_binary_and_only_its_assets_are_public() 
     // The assets are public; what they show is not.
     let (status, _) = server.get("/conversations").await;
     assert_eq!(status, 401);
-}
-
-fn entry_path(name: &str) -> PathBuf {
-    console_dir().join(name)
 }
 
 /// A WebSocket handshake with `Origin`; the status it gets (101 when it opened).
