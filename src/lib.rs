@@ -9,6 +9,10 @@ pub mod config;
 pub mod http;
 /// Replay buffers and fan-out of turn events.
 pub mod hub;
+/// The bytes of the wire: SSE, NDJSON, WebSocket frames, HTTP chunks.
+pub mod encoding;
+/// Live streams between the routes that open them and the connections that serve them.
+pub mod live;
 /// Counters for `GET /metrics`.
 pub mod metrics;
 /// The listening socket: connections that stop draining are closed.

@@ -12,17 +12,26 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use std::convert::Infallible;
+use std::sync::Arc;
+
 use axum::Router;
+use axum::body::Body;
+use axum::http::StatusCode;
+use axum::response::Response;
+use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+
+use crate::live::{Cancelled, Handoff, Live, Session};
 
 mod direct;
-pub mod websocket;
+mod websocket;
 
 /// Limits every connection of a listener lives under.
 #[derive(Debug, Clone, Copy)]
@@ -57,19 +66,36 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
         let mut stopped = Cancelled::new(&stop);
         let alive = connection_alive.clone();
         tokio::spawn(async move {
-            // Live streams first (written by `direct`); hyper takes over at any other request.
-            let prefix = match direct::serve(&stream, &router, &limits, &mut stopped).await {
+            // Bodyless GETs first (written by `direct`); hyper takes over at any other request.
+            let stream = Arc::new(stream);
+            let next = direct::serve(&stream, &router, &limits, &mut stopped).await;
+            // The streams that lent the socket to the hub's rounds have let it go.
+            let Ok(mut stream) = Arc::try_unwrap(stream) else {
+                tracing::error!("a connection's socket is still lent out after its streams ended; closing it");
+                return;
+            };
+            let prefix = match next {
                 direct::Next::Hyper(prefix) => prefix,
                 direct::Next::Closed => {
-                    let mut stream = stream;
                     let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
                     drop(alive);
                     return;
                 }
             };
-            let inner = GuardedStream { inner: stream, drain_timeout: limits.drain_timeout, stalled: None };
+            let drain = limits.drain_timeout;
+            let inner = GuardedStream { inner: stream, drain_timeout: drain, stalled: None };
             let io = TokioIo::new(Rewind { prefix, read: 0, inner });
-            let service = TowerToHyperService::new(router);
+            let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+                let router = router.clone();
+                async move {
+                    let upgrade = request.extensions_mut().remove::<OnUpgrade>();
+                    let response = match router.oneshot(request.map(Body::new)).await {
+                        Ok(response) => response,
+                        Err(never) => match never {},
+                    };
+                    Ok::<_, Infallible>(hand_over(response, upgrade, drain))
+                }
+            });
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout)
@@ -103,9 +129,25 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
     all_closed.closed().await;
 }
 
+/// A response with a live stream, as hyper serves it: a watch becomes the body; a session is
+/// served on the socket once hyper has written the `101` and handed the socket back.
+fn hand_over(mut response: Response, upgrade: Option<OnUpgrade>, drain: Duration) -> Response {
+    match Handoff::take(response.extensions()) {
+        Some(Live::Watch(watch)) => *response.body_mut() = Body::from_stream(watch.into_body()),
+        Some(Live::Session(session)) => match upgrade {
+            Some(upgrade) if response.status() == StatusCode::SWITCHING_PROTOCOLS => {
+                tokio::spawn(serve_upgraded(upgrade, session, drain));
+            }
+            _ => tracing::error!("a WebSocket session was opened on a request hyper cannot upgrade"),
+        },
+        None => {}
+    }
+    response
+}
+
 /// Serves a WebSocket session on a connection hyper was serving, once hyper has written the
 /// `101` and handed the socket back (with what it had read past the upgrade request).
-pub async fn serve_upgraded(upgrade: hyper::upgrade::OnUpgrade, session: crate::http::ws::OwnedSession) {
+async fn serve_upgraded(upgrade: OnUpgrade, session: Session, drain: Duration) {
     let Ok(upgraded) = upgrade.await else { return };
     let Ok(parts) = upgraded.downcast::<TokioIo<Rewind>>() else {
         tracing::error!("an upgraded connection is not one of the gateway's sockets");
@@ -114,64 +156,7 @@ pub async fn serve_upgraded(upgrade: hyper::upgrade::OnUpgrade, session: crate::
     let Rewind { mut prefix, read, inner } = parts.io.into_inner();
     prefix.drain(..read);
     prefix.extend_from_slice(&parts.read_buf);
-    let drain = inner.drain_timeout;
-    websocket::serve(&inner.inner, session, prefix, drain).await;
-}
-
-/// Resolves when a token is cancelled, for futures polled on every wake of a busy task (a
-/// connection, a live stream): polling the token's own future takes a lock each time, so it is
-/// polled only after it has woken the task itself, which it does through a waker that raises a
-/// flag on the way. Every other poll is an atomic swap.
-pub struct Cancelled {
-    wait: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
-    flag: std::sync::Arc<FlagWaker>,
-    waker: std::task::Waker,
-    polled: bool,
-}
-
-/// Raises `fired`, then wakes the task last registered.
-struct FlagWaker {
-    fired: std::sync::atomic::AtomicBool,
-    task: futures_util::task::AtomicWaker,
-}
-
-impl std::task::Wake for FlagWaker {
-    fn wake(self: std::sync::Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &std::sync::Arc<Self>) {
-        self.fired.store(true, std::sync::atomic::Ordering::Release);
-        self.task.wake();
-    }
-}
-
-impl Cancelled {
-    pub fn new(token: &CancellationToken) -> Cancelled {
-        let flag = std::sync::Arc::new(FlagWaker { fired: false.into(), task: Default::default() });
-        let waker = std::task::Waker::from(flag.clone());
-        Cancelled { wait: Box::pin(token.clone().cancelled_owned()), flag, waker, polled: false }
-    }
-}
-
-impl Future for Cancelled {
-    type Output = ();
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let this = &mut *self;
-        this.flag.task.register(cx.waker());
-        if this.polled && !this.flag.fired.load(std::sync::atomic::Ordering::Acquire) {
-            return Poll::Pending;
-        }
-        this.polled = true;
-        this.flag.fired.store(false, std::sync::atomic::Ordering::Relaxed);
-        let ready = this.wait.as_mut().poll(&mut Context::from_waker(&this.waker));
-        if ready.is_ready() {
-            // Cancelled for good: every later poll is ready too.
-            this.flag.fired.store(true, std::sync::atomic::Ordering::Release);
-        }
-        ready
-    }
+    websocket::serve(&Arc::new(inner.inner), session, prefix, drain).await;
 }
 
 /// A stream that first yields bytes already read from it.

@@ -9,7 +9,8 @@ use utoipa::ToSchema;
 use super::AppState;
 use super::error::{ApiError, ErrorBody};
 use super::extract::JsonObject;
-use super::stream::{Framing, Watch, watch_response};
+use super::stream::{watch, watch_response};
+use crate::live::Format;
 use crate::turn::StartTurn;
 use crate::wire::AgentEvent;
 
@@ -71,22 +72,12 @@ impl ChatRequest {
 )]
 pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonObject) -> Result<Response, ApiError> {
     let start = ChatRequest::parse(&body)?;
-    let framing = if wants_sse(&headers) { Framing::Sse } else { Framing::Ndjson };
-    let permit = state.stream_permit(framing.transport())?;
+    let format = if wants_sse(&headers) { Format::Sse } else { Format::Ndjson };
+    let permit = state.stream_permit(format.transport())?;
     let started = state.turns.start(start).await?;
-    let watch = Watch {
-        cursor: state.hub.read_turn(&started.buffer),
-        framing,
-        until_sealed: true,
-        resync_first: false,
-        keepalive: state.keepalive(),
-        store: state.store.clone(),
-        drained: state.drained.clone(),
-        metrics: state.metrics.clone(),
-        permit,
-        conversation_id: started.conversation_id.clone(),
-    };
-    let mut response = watch_response(watch);
+    let cursor = state.hub.read_turn(&started.buffer);
+    let id = started.conversation_id.clone();
+    let mut response = watch_response(watch(&state, cursor, format, id, true, false, permit));
     if let Ok(id) = HeaderValue::from_str(&started.conversation_id) {
         response.headers_mut().insert("x-conversation-id", id);
     }

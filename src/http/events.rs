@@ -8,7 +8,8 @@ use axum::response::Response;
 use super::AppState;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ConversationId, QueryParams};
-use super::stream::{Framing, Watch, watch_response};
+use super::stream::{watch, watch_response};
+use crate::live::Format;
 use crate::hub::EventId;
 
 /// Follows a conversation: the in-flight turn's events replayed from its start (or right after
@@ -39,12 +40,12 @@ pub async fn events(
     headers: HeaderMap,
     query: QueryParams,
 ) -> Result<Response, ApiError> {
-    let framing = match query.get("format") {
-        Some("sse") => Framing::Sse,
-        Some("ndjson") => Framing::Ndjson,
+    let format = match query.get("format") {
+        Some("sse") => Format::Sse,
+        Some("ndjson") => Format::Ndjson,
         Some(other) => return Err(ApiError::bad(format!("`format` takes sse or ndjson, got {other:?}"))),
-        None if accepts_ndjson(&headers) => Framing::Ndjson,
-        None => Framing::Sse,
+        None if accepts_ndjson(&headers) => Format::Ndjson,
+        None => Format::Sse,
     };
     let until_sealed = match query.get("until") {
         None => false,
@@ -53,7 +54,7 @@ pub async fn events(
     };
     // NDJSON carries nothing but AgentEvents, so it has no ids and no resume.
     let resume =
-        if framing == Framing::Sse {
+        if format == Format::Sse {
             let header = headers.get("last-event-id").map(|v| v.to_str().unwrap_or("\u{0}"));
             match header.or(query.get("lastEventId")).filter(|s| !s.is_empty()) {
                 Some(raw) => Some(EventId::parse(raw).ok_or_else(|| {
@@ -64,21 +65,9 @@ pub async fn events(
         } else {
             None
         };
-    let permit = state.stream_permit(framing.transport())?;
+    let permit = state.stream_permit(format.transport())?;
     let (cursor, resync_first) = state.hub.subscribe(&id, resume.as_ref());
-    let watch = Watch {
-        cursor,
-        framing,
-        until_sealed,
-        resync_first,
-        keepalive: state.keepalive(),
-        store: state.store.clone(),
-        drained: state.drained.clone(),
-        metrics: state.metrics.clone(),
-        permit,
-        conversation_id: id,
-    };
-    Ok(watch_response(watch))
+    Ok(watch_response(watch(&state, cursor, format, id, until_sealed, resync_first, permit)))
 }
 
 fn accepts_ndjson(headers: &HeaderMap) -> bool {

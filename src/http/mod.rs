@@ -13,7 +13,6 @@ mod openapi;
 mod ops;
 mod settings;
 pub(crate) mod stream;
-mod subscriptions;
 mod throughput;
 pub mod ws;
 

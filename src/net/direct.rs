@@ -1,22 +1,20 @@
-//! Live streams written straight to their socket.
+//! HTTP/1.1 written by the gateway itself, for the requests live streams come in.
 //!
-//! A connection's request heads are read here first. `GET …/events` over HTTP/1.1 with no body
-//! and no upgrade (an SSE or NDJSON watcher) runs through the same router, middleware and
-//! handler as any request; only the response is written here: the head, then every batch the
-//! body yields as one chunk in one vectored write. Such a stream holds no per-connection read
-//! or write buffer while it is open (a generic HTTP/1.1 connection keeps several KiB of each for
-//! its whole life, which is most of what an idle watcher costs), and a batch goes from the hub
-//! to the socket without being queued a second time.
+//! A connection's request heads are read here first. A `GET` over HTTP/1.1 with no body (an
+//! SSE or NDJSON watcher, a WebSocket upgrade, and the reads a web client makes between them)
+//! runs through the same router, middleware and handler as any request; only the response is
+//! written here. A response that hands over a live stream ([`Handoff`]) is served on the socket
+//! next: a watch as chunks, each batch in one vectored write, a session by `net::websocket`.
+//! Such a stream holds no per-connection read or write buffer while it is open (a generic
+//! HTTP/1.1 connection keeps several KiB of each for its whole life, which is most of what an
+//! idle watcher costs), and a batch goes from the hub to the socket without being queued a
+//! second time.
 //!
-//! A WebSocket upgrade (any path: the router decides) goes through the router too; its `101`
-//! carries the session ([`TakeSession`]), which `net::websocket` then serves on the socket.
-//!
-//! Any other request, and everything after it on the same connection, is served by hyper,
-//! which is handed the bytes read so far.
+//! Any other request (one with a body, another method or version), and everything after it on
+//! the same connection, is served by hyper, which is handed the bytes read so far.
 
 use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice};
-use std::os::fd::AsRawFd;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
@@ -31,10 +29,10 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
-use super::{Cancelled, ConnectionLimits, stalled_error};
-use crate::http::stream::{BATCH, TakeWatch, Watch, tick};
-use crate::http::ws::{TakeSession, has_token};
-use crate::hub::{Cursor, Delivery, Framed, Sink, TurnBuffer, Unparked, chunk_size};
+use super::{ConnectionLimits, stalled_error};
+use crate::encoding::{CHUNK_END, LAST_CHUNK, chunk_size, has_token};
+use crate::hub::{BATCH, Cursor, Encoding, ParkedStream, Socket, TurnBuffer, Unparked};
+use crate::live::{Cancelled, Handoff, Live, Step, Wake, Watch};
 use crate::metrics::Metrics;
 
 /// The most a client may send while its stream is open (kept for its next request).
@@ -55,9 +53,9 @@ pub enum Next {
     Hyper(Vec<u8>),
 }
 
-/// Serves the connection's live-stream requests until one that is not, the end of the
-/// connection, or shutdown (between requests).
-pub async fn serve(stream: &TcpStream, router: &Router, limits: &ConnectionLimits, stopped: &mut Cancelled) -> Next {
+/// Serves the connection's requests until one that is hyper's, the end of the connection, or
+/// shutdown (between requests).
+pub async fn serve(stream: &Arc<TcpStream>, router: &Router, limits: &ConnectionLimits, stopped: &mut Cancelled) -> Next {
     let mut pending = Vec::new();
     loop {
         let (request, close) = match read_head(stream, &mut pending, limits.header_read_timeout, stopped).await {
@@ -86,7 +84,7 @@ pub async fn serve(stream: &TcpStream, router: &Router, limits: &ConnectionLimit
 // Built and moved once per request: not worth a box.
 #[allow(clippy::large_enum_variant)]
 enum Head {
-    /// A live-stream request, and whether the client asked to close after it.
+    /// A bodyless `GET`, and whether the client asked to close after it.
     Direct(Request<Body>, bool),
     /// Anything else (or something this module does not parse): hyper's.
     Other,
@@ -159,7 +157,7 @@ async fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, timeout: Duration,
 
 #[allow(clippy::large_enum_variant)]
 enum Parsed {
-    /// A live-stream request, whether to close after it, and the length of its head.
+    /// A bodyless `GET`, whether to close after it, and the length of its head.
     Complete(Request<Body>, bool, usize),
     Partial,
     /// A well-formed request that hyper serves.
@@ -181,15 +179,12 @@ fn parse(bytes: &[u8]) -> Parsed {
         return Parsed::Other;
     }
     let Some(uri) = head.path.and_then(|p| p.parse::<Uri>().ok()) else { return Parsed::Other };
-    let websocket = head.headers.iter().any(|h| h.name.eq_ignore_ascii_case("upgrade"))
-        && head
-            .headers
-            .iter()
-            .filter(|h| h.name.eq_ignore_ascii_case("upgrade"))
-            .all(|h| h.value.eq_ignore_ascii_case(b"websocket"));
-    if !websocket && !uri.path().ends_with("/events") {
-        return Parsed::Other;
-    }
+    // An upgrade to anything but WebSocket is hyper's (it refuses h2c).
+    let websocket = head
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("upgrade"))
+        .all(|h| h.value.eq_ignore_ascii_case(b"websocket"));
     let mut request = Request::new(Body::empty());
     *request.method_mut() = Method::GET;
     *request.uri_mut() = uri;
@@ -220,7 +215,7 @@ fn parse(bytes: &[u8]) -> Parsed {
 }
 
 /// What happened while a body was being waited for.
-enum Step {
+enum BodyStep {
     Frame(Option<Result<http_body::Frame<bytes::Bytes>, axum::Error>>),
     /// The client closed its side (or reset it, or sent more than a request head may hold).
     Gone,
@@ -228,7 +223,7 @@ enum Step {
 
 /// Writes `response`; whether the connection can carry another request.
 async fn respond(
-    stream: &TcpStream,
+    stream: &Arc<TcpStream>,
     response: Response<Body>,
     close: bool,
     pending: &mut Vec<u8>,
@@ -236,9 +231,12 @@ async fn respond(
 ) -> io::Result<bool> {
     let (parts, mut body) = response.into_parts();
     let status = parts.status;
-    let session = parts.extensions.get::<TakeSession>().filter(|_| status == StatusCode::SWITCHING_PROTOCOLS);
-    let bodyless = status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
-    let length = if parts.headers.contains_key(CONTENT_LENGTH) { None } else { body.size_hint().exact() };
+    let live = Handoff::take(&parts.extensions);
+    let upgrade = matches!(live, Some(Live::Session(_))) && status == StatusCode::SWITCHING_PROTOCOLS;
+    let watch = matches!(live, Some(Live::Watch(_)));
+    let bodyless =
+        !watch && (status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED);
+    let length = if watch || parts.headers.contains_key(CONTENT_LENGTH) { None } else { body.size_hint().exact() };
     let chunked = !bodyless && length.is_none() && !parts.headers.contains_key(CONTENT_LENGTH);
     let mut head = Vec::with_capacity(256);
     head.extend_from_slice(b"HTTP/1.1 ");
@@ -247,7 +245,7 @@ async fn respond(
     head.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     head.extend_from_slice(b"\r\n");
     for (name, value) in &parts.headers {
-        if name == TRANSFER_ENCODING || (name == CONNECTION && session.is_none()) {
+        if name == TRANSFER_ENCODING || (name == CONNECTION && !upgrade) {
             continue;
         }
         line(&mut head, name.as_str(), value.as_bytes());
@@ -260,42 +258,45 @@ async fn respond(
     } else if let Some(n) = length.filter(|_| !bodyless) {
         line(&mut head, "content-length", n.to_string().as_bytes());
     }
-    if close && session.is_none() {
+    if close && !upgrade {
         line(&mut head, "connection", b"close");
     }
     head.extend_from_slice(b"\r\n");
     write_all(stream, &mut [IoSlice::new(&head)], drain).await?;
     drop(head);
-    if let Some(session) = session.and_then(TakeSession::take) {
-        // Boxed: a session's state is several KiB, and every connection's task would otherwise
-        // be that large, idle watchers included.
-        Box::pin(super::websocket::serve(stream, session, std::mem::take(pending), drain)).await;
-        return Ok(false);
-    }
-    if bodyless {
-        return Ok(!close);
-    }
-    if chunked && let Some(watch) = parts.extensions.get::<TakeWatch>().and_then(TakeWatch::take) {
-        drop(body);
-        if !watch_stream(stream, watch, pending, drain).await? {
+    match live {
+        Some(Live::Session(session)) if upgrade => {
+            // Boxed: a session's state is several KiB, and every connection's task would
+            // otherwise be that large, idle watchers included.
+            Box::pin(super::websocket::serve(stream, session, std::mem::take(pending), drain)).await;
             return Ok(false);
         }
-        write_all(stream, &mut [IoSlice::new(b"0\r\n\r\n")], drain).await?;
+        Some(Live::Watch(watch)) => {
+            drop(body);
+            if !watch_stream(stream, watch, pending, drain).await? {
+                return Ok(false);
+            }
+            write_all(stream, &mut [IoSlice::new(LAST_CHUNK)], drain).await?;
+            return Ok(!close);
+        }
+        _ => {}
+    }
+    if bodyless {
         return Ok(!close);
     }
     loop {
         let step = poll_fn(|cx| {
             // The client side first: its end (or reset) ends the stream at once.
             if poll_gone(stream, pending, cx).is_ready() {
-                return Poll::Ready(Step::Gone);
+                return Poll::Ready(BodyStep::Gone);
             }
-            Pin::new(&mut body).poll_frame(cx).map(Step::Frame)
+            Pin::new(&mut body).poll_frame(cx).map(BodyStep::Frame)
         })
         .await;
         let data = match step {
-            Step::Gone | Step::Frame(Some(Err(_))) => return Ok(false),
-            Step::Frame(None) => break,
-            Step::Frame(Some(Ok(frame))) => match frame.into_data() {
+            BodyStep::Gone | BodyStep::Frame(Some(Err(_))) => return Ok(false),
+            BodyStep::Frame(None) => break,
+            BodyStep::Frame(Some(Ok(frame))) => match frame.into_data() {
                 Ok(data) if !data.is_empty() => data,
                 _ => continue,
             },
@@ -307,7 +308,7 @@ async fn respond(
         }
     }
     if chunked {
-        write_all(stream, &mut [IoSlice::new(b"0\r\n\r\n")], drain).await?;
+        write_all(stream, &mut [IoSlice::new(LAST_CHUNK)], drain).await?;
     }
     Ok(!close)
 }
@@ -326,29 +327,24 @@ fn poll_gone(stream: &TcpStream, pending: &mut Vec<u8>, cx: &mut std::task::Cont
     Poll::Pending
 }
 
-/// What a parked watcher woke up for.
-enum Woke {
-    Delivery(Delivery),
-    /// A round handed its sink back.
-    Handed,
-    Gone,
-    Tick,
-    Drained,
+impl Socket for TcpStream {
+    fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
+        TcpStream::try_write(self, bytes)
+    }
 }
 
-/// A watcher's sink, released from the rounds when its stream ends, however it ends. It
-/// borrows the socket whose descriptor the sink writes to, so the socket outlives it (and with
-/// it every write a round makes).
-pub(super) struct Parking<'a> {
-    pub(super) sink: Arc<Sink>,
+/// A stream's [`ParkedStream`], attached to the turn it reads, and released from the rounds when
+/// the stream ends, however it ends.
+pub(super) struct Parking {
+    pub(super) stream: Arc<ParkedStream>,
     attached: Option<Arc<TurnBuffer>>,
-    socket: &'a TcpStream,
+    socket: Arc<TcpStream>,
 }
 
-impl<'a> Parking<'a> {
-    pub(super) fn new(socket: &'a TcpStream, framed: Framed, metrics: Arc<Metrics>) -> Parking<'a> {
-        let sink = Sink::new(socket.as_raw_fd(), framed, metrics);
-        Parking { sink, attached: None, socket }
+impl Parking {
+    pub(super) fn new(socket: &Arc<TcpStream>, encoding: Encoding, metrics: Arc<Metrics>) -> Parking {
+        let stream = ParkedStream::new(socket.clone(), encoding, metrics);
+        Parking { stream, attached: None, socket: socket.clone() }
     }
 
     pub(super) fn attach(&mut self, buffer: &Arc<TurnBuffer>) {
@@ -356,18 +352,18 @@ impl<'a> Parking<'a> {
             return;
         }
         self.detach();
-        buffer.attach(&self.sink);
+        buffer.attach(&self.stream);
         self.attached = Some(buffer.clone());
     }
 
-    /// Takes the sink back from the rounds: moves `cursor` to where they left off and writes
+    /// Takes the stream back from the rounds: moves `cursor` to where they left off and writes
     /// what the socket did not take of their last write. What they did; an error when a write
     /// failed (the client is gone).
     pub(super) async fn take_back(&self, cursor: &mut Cursor, drain: Duration) -> io::Result<Unparked> {
-        let mut back = self.sink.unpark();
+        let mut back = self.stream.unpark();
         cursor.seek(back.next);
         if let Some(rest) = back.rest.take() {
-            write_all(self.socket, &mut [IoSlice::new(&rest)], drain).await?;
+            write_all(&self.socket, &mut [IoSlice::new(&rest)], drain).await?;
         }
         if back.failed {
             return Err(io::ErrorKind::BrokenPipe.into());
@@ -377,103 +373,86 @@ impl<'a> Parking<'a> {
 
     pub(super) fn detach(&mut self) {
         if let Some(buffer) = self.attached.take() {
-            buffer.detach(&self.sink);
+            buffer.detach(&self.stream);
         }
     }
 }
 
-impl Drop for Parking<'_> {
+impl Drop for Parking {
     fn drop(&mut self) {
-        // Under the sink's lock: once this returns no round writes to the socket.
-        self.sink.unpark();
+        // Once this returns no round writes to the socket, nor holds it.
+        self.stream.close();
         self.detach();
     }
 }
 
-/// A watcher's stream (SSE or NDJSON), written here instead of through its body: the same bytes
-/// as [`crate::http::stream::watch_body`], but while the watcher has read everything there is it
-/// parks its position in a [`Sink`] and the turn's rounds write to the socket themselves. True
-/// when the stream ended (the last chunk is due), false when the client is gone.
+/// A watcher's stream (SSE or NDJSON): the steps [`Watch`] decides, written as chunks. While the
+/// watcher has read everything there is and the turn is paced, it parks, and the turn's rounds
+/// write to the socket themselves. True when the stream ended (the last chunk is due), false
+/// when the client is gone.
 async fn watch_stream(
-    stream: &TcpStream,
+    stream: &Arc<TcpStream>,
     mut watch: Watch,
     pending: &mut Vec<u8>,
     drain: Duration,
 ) -> io::Result<bool> {
-    let mut parking = Parking::new(stream, watch.framing.framed(), watch.metrics.clone());
-    let mut ticker = watch.ticker();
-    let mut drained = Cancelled::new(&watch.drained);
-    // Something went out since the last tick (no keep-alive is due then).
-    let mut sent = false;
-    match watch.resync().await {
-        Ok(Some(message)) => write_chunk(stream, &message, drain).await?,
-        Ok(None) => {}
-        // The log cannot be read: end the stream (the client comes back with its cursor).
-        Err(_) => return Ok(false),
-    }
+    let mut parking = Parking::new(stream, watch.format.encoding(), watch.metrics.clone());
+    let mut step = watch.opening().await;
     loop {
-        let woke = match watch.cursor.try_batch(BATCH) {
-            Some(delivery) => Woke::Delivery(delivery),
-            None => match watch.cursor.reading().filter(|(buffer, _)| buffer.paced()) {
+        match step {
+            Step::Write(bytes) => write_chunk(stream, &bytes, drain).await?,
+            Step::Last(bytes) => {
+                write_chunk(stream, &bytes, drain).await?;
+                return Ok(true);
+            }
+            Step::End => return Ok(true),
+            Step::Idle => {}
+        }
+        let wake = match watch.cursor.try_batch(BATCH) {
+            Some(delivery) => Wake::Delivery(delivery),
+            None => match watch.cursor.position().filter(|(buffer, _)| buffer.paced()) {
                 Some((buffer, next)) => {
                     let buffer = buffer.clone();
                     parking.attach(&buffer);
-                    parking.sink.park(&buffer, next);
-                    let handed = parking.sink.handed_back();
+                    parking.stream.park(&buffer, next);
+                    let handed = parking.stream.handed_back();
                     tokio::pin!(handed);
+                    // `None`: a round handed the stream back; `Err`: the client is gone.
                     let woke = poll_fn(|cx| {
                         if handed.as_mut().poll(cx).is_ready() {
-                            Poll::Ready(Woke::Handed)
+                            Poll::Ready(None)
                         } else if poll_gone(stream, pending, cx).is_ready() {
-                            Poll::Ready(Woke::Gone)
-                        } else if ticker.as_mut().is_some_and(|t| t.poll_tick(cx).is_ready()) {
-                            Poll::Ready(Woke::Tick)
-                        } else if Pin::new(&mut drained).poll(cx).is_ready() {
-                            Poll::Ready(Woke::Drained)
+                            Poll::Ready(Some(Err(())))
                         } else {
-                            Poll::Pending
+                            watch.poll_timers(cx).map(|wake| Some(Ok(wake)))
                         }
                     })
                     .await;
                     let back = parking.take_back(&mut watch.cursor, drain).await?;
-                    sent |= back.sent;
-                    if back.sealed && watch.until_sealed {
+                    if watch.unparked(&back) {
                         return Ok(true);
                     }
-                    woke
+                    match woke {
+                        None => {
+                            step = Step::Idle;
+                            continue;
+                        }
+                        Some(Err(())) => return Ok(false),
+                        Some(Ok(wake)) => wake,
+                    }
                 }
                 None => {
                     // Between turns, or rounds are not paced: the cursor wakes this task.
                     parking.detach();
                     tokio::select! {
                         biased;
-                        d = watch.cursor.next_batch(BATCH) => Woke::Delivery(d),
-                        _ = poll_fn(|cx| poll_gone(stream, pending, cx)) => Woke::Gone,
-                        _ = tick(ticker.as_mut()) => Woke::Tick,
-                        _ = &mut drained => Woke::Drained,
+                        wake = watch.wake() => wake,
+                        _ = poll_fn(|cx| poll_gone(stream, pending, cx)) => return Ok(false),
                     }
                 }
             },
         };
-        let delivery = match woke {
-            Woke::Delivery(delivery) => delivery,
-            Woke::Handed => continue,
-            Woke::Gone => return Ok(false),
-            Woke::Tick => {
-                // A keep-alive after a whole period of silence (so within two periods).
-                if !std::mem::take(&mut sent) {
-                    write_chunk(stream, &watch.framing.keepalive(), drain).await?;
-                }
-                continue;
-            }
-            Woke::Drained => watch.cursor.try_batch(BATCH).unwrap_or(Delivery::End),
-        };
-        let Some((bytes, last)) = watch.outcome(delivery).await else { return Ok(true) };
-        write_chunk(stream, &bytes, drain).await?;
-        sent = true;
-        if last {
-            return Ok(true);
-        }
+        step = watch.step(wake).await;
     }
 }
 
@@ -481,7 +460,7 @@ async fn watch_stream(
 async fn write_chunk(stream: &TcpStream, data: &[u8], drain: Duration) -> io::Result<()> {
     let mut size = [0u8; 18];
     let size = chunk_size(&mut size, data.len());
-    write_all(stream, &mut [IoSlice::new(size), IoSlice::new(data), IoSlice::new(b"\r\n")], drain).await
+    write_all(stream, &mut [IoSlice::new(size), IoSlice::new(data), IoSlice::new(CHUNK_END)], drain).await
 }
 
 fn line(head: &mut Vec<u8>, name: &str, value: &[u8]) {
@@ -521,7 +500,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_task_stays_small() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let stream = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let stream = Arc::new(TcpStream::connect(listener.local_addr().unwrap()).await.unwrap());
         let limits =
             ConnectionLimits { drain_timeout: Duration::from_secs(1), header_read_timeout: Duration::from_secs(1) };
         let token = tokio_util::sync::CancellationToken::new();
@@ -536,12 +515,13 @@ mod tests {
     }
 
     #[test]
-    fn only_bodyless_http11_gets_of_events_are_taken() {
+    fn only_bodyless_http11_gets_are_taken() {
         let taken = |head: &str| matches!(parse(head.as_bytes()), Parsed::Complete(..));
         assert!(taken("GET /conversations/a/events?until=sealed HTTP/1.1\r\nhost: x\r\n\r\n"));
+        assert!(taken("GET /conversations/a HTTP/1.1\r\nhost: x\r\n\r\n"));
         assert!(!taken("GET /conversations/a/events HTTP/1.0\r\nhost: x\r\n\r\n"));
         assert!(!taken("POST /conversations/a/events HTTP/1.1\r\nhost: x\r\n\r\n"));
-        assert!(!taken("GET /conversations/a HTTP/1.1\r\nhost: x\r\n\r\n"));
+        assert!(!taken("HEAD /conversations/a HTTP/1.1\r\nhost: x\r\n\r\n"));
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\nupgrade: h2c\r\n\r\n"));
         // A WebSocket upgrade, on any path (the router answers it), is taken.
         for path in ["/ws", "/", "/conversations/a/events"] {

@@ -1,11 +1,11 @@
 //! WebSocket sessions (RFC 6455, server side): every session the gateway serves, whether its
 //! upgrade was the connection's first request (`net::direct`) or followed others (hyper hands
-//! the socket back). The ops are [`Session`]'s.
+//! the socket back). The ops are the routes' ([`crate::live::Ops`]).
 //!
 //! One loop per session reads the client's frames, handles their ops, and writes everything the
 //! session sends: replies, status changes, and the `chat.delta`s of its subscriptions, each
 //! gathered from the hub cursors into one write. A session with a single subscription whose turn
-//! is paced parks it in a [`crate::hub::Sink`] like an SSE watcher, and the turn's rounds write
+//! is paced parks it ([`crate::hub::ParkedStream`]) like an SSE watcher, and the turn's rounds write
 //! its `chat.delta` frames to the socket themselves; anything else the session has to write
 //! takes the sink back first, so the frames on the socket never interleave.
 //!
@@ -29,16 +29,14 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use axum::extract::ws::Message;
 use bytes::BytesMut;
 use tokio::net::TcpStream;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
-use super::Cancelled;
 use super::direct::{Parking, write_all};
-use crate::http::stream::tick;
-use crate::http::ws::{OwnedSession, Session, catalog};
-use crate::hub::{Delivery, Framed, WS_CLOSE, WS_PING, WS_PONG, WS_TEXT, put_ws_frame};
+use crate::encoding::{WS_CLOSE, put_ws_frame};
+use crate::hub::{Delivery, Encoding};
+use crate::live::{Cancelled, Session};
 use crate::turn::StatusChange;
 
 /// Close codes (RFC 6455, 7.4.1).
@@ -67,7 +65,7 @@ enum Incoming {
 }
 
 /// Decodes the client's frames from the bytes read so far.
-struct Frames {
+struct FrameDecoder {
     buf: Vec<u8>,
     /// Bytes of `buf` already decoded.
     at: usize,
@@ -80,9 +78,9 @@ struct Frames {
     valid: usize,
 }
 
-impl Frames {
-    fn new(read: Vec<u8>, max: usize) -> Frames {
-        Frames { buf: read, at: 0, max, partial: None, valid: 0 }
+impl FrameDecoder {
+    fn new(read: Vec<u8>, max: usize) -> FrameDecoder {
+        FrameDecoder { buf: read, at: 0, max, partial: None, valid: 0 }
     }
 
     /// The next whole message or control frame, `None` until more bytes arrive, or the close
@@ -222,16 +220,6 @@ fn put_close(out: &mut BytesMut, code: Option<u16>) {
     put_ws_frame(out, WS_CLOSE, payload.as_ref().map_or(&[][..], |p| &p[..]));
 }
 
-fn put_message(out: &mut BytesMut, message: Message) {
-    match message {
-        Message::Text(t) => put_ws_frame(out, WS_TEXT, t.as_bytes()),
-        Message::Binary(b) => put_ws_frame(out, 0x2, &b),
-        Message::Ping(p) => put_ws_frame(out, WS_PING, &p),
-        Message::Pong(p) => put_ws_frame(out, WS_PONG, &p),
-        Message::Close(frame) => put_close(out, frame.map(|f| f.code)),
-    }
-}
-
 /// What the session woke up for.
 enum Woke {
     /// A waiting subscription's delivery.
@@ -249,21 +237,18 @@ enum Woke {
 }
 
 /// Serves the session until it ends; `read` holds what the client sent after its upgrade.
-pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain: Duration) {
-    let OwnedSession { state, permit: _permit } = owned;
-    let mut frames = Frames::new(read, state.config.max_body_bytes);
-    let message_timeout = Duration::from_secs(state.config.ws_message_timeout_secs.max(1));
+pub async fn serve(stream: &Arc<TcpStream>, mut session: Session, read: Vec<u8>, drain: Duration) {
+    let mut frames = FrameDecoder::new(read, session.max_message);
+    let message_timeout = session.message_timeout;
     // Armed while a frame or message is incomplete; the client must finish it by then.
     let mut incomplete_until: Option<Pin<Box<tokio::time::Sleep>>> = None;
-    let mut session = Session::new(state.clone());
-    session.send(catalog());
-    let mut statuses = state.turns.status_changes();
+    let Some(mut statuses) = session.take_statuses() else { return };
     // Status changes held for one flush window, and when that window ends.
     let mut held: Vec<StatusChange> = Vec::new();
     let mut held_until: Option<Pin<Box<tokio::time::Sleep>>> = None;
-    let mut ping = state.keepalive().map(|p| tokio::time::interval_at(tokio::time::Instant::now() + p, p));
-    let mut drained = Cancelled::new(&state.drained);
-    let mut parking = Parking::new(stream, Framed::Ws, state.metrics.clone());
+    let mut ping = session.keepalive.map(|p| tokio::time::interval_at(tokio::time::Instant::now() + p, p));
+    let mut drained = Cancelled::new(&session.shutdown);
+    let mut parking = Parking::new(stream, Encoding::Ws, session.metrics.clone());
     let mut out = BytesMut::new();
     let mut draining = false;
     let mut woke = None;
@@ -280,7 +265,7 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
             },
             Some(Woke::Status(Ok(change))) => {
                 held.push(change);
-                let window = state.hub.window();
+                let window = session.window();
                 if window.is_zero() {
                     release(&mut session, &mut held, &mut statuses);
                 } else if held_until.is_none() {
@@ -295,7 +280,7 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                 tracing::debug!(missed, "status changes lagged on a WebSocket");
             }
             Some(Woke::Status(Err(RecvError::Closed))) => draining = true,
-            Some(Woke::Ping) => session.push(Message::Ping(Default::default())),
+            Some(Woke::Ping) => session.ping(),
             Some(Woke::Drained) => draining = true,
             Some(Woke::Incomplete) => break Some(POLICY),
             Some(Woke::Handed) | None => {}
@@ -307,9 +292,9 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
                 Ok(Some(Incoming::Text(t))) => session.handle(&t).await,
                 Ok(Some(Incoming::Binary(b))) => match std::str::from_utf8(&b) {
                     Ok(t) => session.handle(t).await,
-                    Err(_) => session.send(serde_json::json!({"type": "error", "message": "Invalid JSON"})),
+                    Err(_) => session.send(&serde_json::json!({"type": "error", "message": "Invalid JSON"})),
                 },
-                Ok(Some(Incoming::Ping(p))) => session.push(Message::Pong(p.into())),
+                Ok(Some(Incoming::Ping(p))) => session.pong(&p),
                 Ok(Some(Incoming::Pong)) => {}
                 // Answered with the same code (none for none).
                 Ok(Some(Incoming::Close(code))) => {
@@ -333,13 +318,11 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
             _ => {}
         }
         // Everything there is to write, in one write; held status changes go with it.
-        if !held.is_empty() && !session.outbox().is_empty() {
+        if !held.is_empty() && !session.out().is_empty() {
             held_until = None;
             release(&mut session, &mut held, &mut statuses);
         }
-        for message in session.outbox().drain(..) {
-            put_message(&mut out, message);
-        }
+        out.extend_from_slice(&session.out().split());
         if !gather(&mut session, &mut out, draining).await {
             break Some(INTERNAL);
         }
@@ -357,8 +340,8 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
         woke = Some(match session.subscriptions().parkable() {
             Some((buffer, next)) => {
                 parking.attach(&buffer);
-                parking.sink.park(&buffer, next);
-                let handed = parking.sink.handed_back();
+                parking.stream.park(&buffer, next);
+                let handed = parking.stream.handed_back();
                 let status = next_status(&mut statuses, &mut held_until);
                 tokio::pin!(handed, status);
                 let woke = poll_fn(|cx| {
@@ -411,11 +394,19 @@ pub async fn serve(stream: &TcpStream, owned: OwnedSession, read: Vec<u8>, drain
     drop(parking);
     // Whatever was gathered and held, then the close frame (best effort: the client may be gone).
     release(&mut session, &mut held, &mut statuses);
-    for message in session.outbox().drain(..) {
-        put_message(&mut out, message);
-    }
+    out.extend_from_slice(&session.out().split());
     put_close(&mut out, end);
     let _ = write_all(stream, &mut [IoSlice::new(&out)], drain).await;
+}
+
+/// The ticker's next tick; never, without one.
+async fn tick(ticker: Option<&mut tokio::time::Interval>) {
+    match ticker {
+        Some(t) => {
+            t.tick().await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 /// Resolves when the deadline passes; never, without one.
@@ -448,11 +439,11 @@ fn release(
     statuses: &mut tokio::sync::broadcast::Receiver<StatusChange>,
 ) {
     for change in held.drain(..) {
-        session.push(crate::http::ws::status_changed(&change));
+        session.status_changed(&change);
     }
     loop {
         match statuses.try_recv() {
-            Ok(change) => session.push(crate::http::ws::status_changed(&change)),
+            Ok(change) => session.status_changed(&change),
             // Over the channel's capacity within one window: the oldest are gone, the rest follow.
             Err(TryRecvError::Lagged(missed)) => tracing::debug!(missed, "status changes lagged on a WebSocket"),
             Err(_) => break,
@@ -478,16 +469,18 @@ async fn gather(session: &mut Session, out: &mut BytesMut, draining: bool) -> bo
 /// Adds one subscription's delivery to `out`; false when its resync could not be built.
 async fn deliver(session: &mut Session, out: &mut BytesMut, id: &str, delivery: Delivery) -> bool {
     match delivery {
-        Delivery::Frames(frames) => {
-            session.metrics().events_delivered.fetch_add(frames.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            for frame in &frames {
-                Framed::Ws.put(out, frame);
+        Delivery::Events(events) => {
+            session.metrics.events_delivered.fetch_add(events.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            for event in &events {
+                Encoding::Ws.put(out, event);
             }
         }
-        Delivery::Lost => match session.resync(id).await {
-            Some(message) => put_message(out, message),
-            None => return false,
-        },
+        Delivery::Lost => {
+            if !session.resync(id).await {
+                return false;
+            }
+            out.extend_from_slice(&session.out().split());
+        }
         Delivery::End => {}
     }
     true
@@ -504,7 +497,7 @@ mod tests {
     /// What a session takes from `bytes`: messages up to a close (the session reads no further)
     /// or a refusal.
     fn all(bytes: Vec<u8>, max: usize) -> Vec<Result<Incoming, u16>> {
-        let mut frames = Frames::new(bytes, max);
+        let mut frames = FrameDecoder::new(bytes, max);
         let mut got = Vec::new();
         loop {
             match frames.next() {
@@ -550,7 +543,7 @@ mod tests {
     fn a_frame_split_across_reads_waits_for_its_rest() {
         let whole = client(0x81, &vec![b'y'; 300]);
         for cut in [1, 2, 3, 5, 8, 100, whole.len() - 1] {
-            let mut frames = Frames::new(whole[..cut].to_vec(), 1000);
+            let mut frames = FrameDecoder::new(whole[..cut].to_vec(), 1000);
             assert_eq!(frames.next(), Ok(None), "cut at {cut}");
             frames.buf.extend_from_slice(&whole[cut..]);
             assert_eq!(frames.next(), Ok(Some(Incoming::Text("y".repeat(300)))), "cut at {cut}");
@@ -592,7 +585,7 @@ mod tests {
 
     /// Decodes `bytes` fed in pieces cut at `cuts`, as reads would deliver them.
     fn in_pieces(bytes: &[u8], cuts: &[usize], max: usize) -> Vec<Result<Incoming, u16>> {
-        let mut frames = Frames::new(Vec::new(), max);
+        let mut frames = FrameDecoder::new(Vec::new(), max);
         let mut got = Vec::new();
         let mut at = 0;
         let mut ends: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
@@ -752,14 +745,7 @@ mod tests {
     }
 
     #[test]
-    fn server_frames_have_the_shortest_length_encoding() {
-        for (len, header) in [(0, 2), (125, 2), (126, 4), (65535, 4), (65536, 10)] {
-            let mut out = BytesMut::new();
-            put_ws_frame(&mut out, WS_TEXT, &vec![b'a'; len]);
-            assert_eq!(out.len(), header + len);
-            assert_eq!(out[0], 0x81);
-            assert_eq!(crate::hub::ws_frame_len(len), header + len);
-        }
+    fn a_close_frame_carries_its_code() {
         let mut out = BytesMut::new();
         put_close(&mut out, Some(1001));
         assert_eq!(&out[..], &[0x88, 2, 0x03, 0xe9]);

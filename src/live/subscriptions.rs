@@ -16,8 +16,7 @@ use std::sync::Arc;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::oneshot;
 
-use super::stream::BATCH;
-use crate::hub::{Cursor, Delivery, Hub, TurnBuffer};
+use crate::hub::{BATCH, Cursor, Delivery, Hub, TurnBuffer};
 
 /// A waiting cursor's future: its conversation and generation, the cursor, and what it got
 /// (`None`: it was told to give the cursor back).
@@ -174,7 +173,7 @@ impl Subscriptions {
             return None;
         }
         let (_, _, cursor) = self.at_hand.last()?;
-        let (buffer, next) = cursor.reading().filter(|(buffer, _)| buffer.paced())?;
+        let (buffer, next) = cursor.position().filter(|(buffer, _)| buffer.paced())?;
         Some((buffer.clone(), next))
     }
 

@@ -1,60 +1,63 @@
-//! Parked watchers: live streams whose socket a turn's round writes to itself.
+//! Parked streams: live streams whose socket a turn's rounds write to themselves.
 //!
 //! A watcher that has read everything there is would otherwise wait for a round's wake-up, be
 //! scheduled, poll its way down to its cursor, write, and register to wait again: several
 //! microseconds of user-space work per write, which under a paced fan-out of thousands of
-//! streams costs about as much CPU as the writes themselves. So a stream written straight to
-//! its socket (an HTTP/1.1 chunked response, see `net::direct`) parks instead, while the turn's
-//! deltas are paced (with the window closed every event is a round, and woken tasks batch a
-//! burst better than a write per event would): it hands its
-//! position to a [`Sink`] attached to the turn's buffer, and each round writes the new frames to
-//! every parked sink it is for (all of them, or one phase of them, see `TurnBuffer::wake`) with
-//! one non-blocking `write`, building each distinct chunk once per round.
+//! streams costs about as much CPU as the writes themselves. So a stream whose transport writes
+//! its socket itself parks instead while the turn's deltas are paced: it hands its position to a
+//! [`ParkedStream`] attached to the turn's buffer, and each round writes the new events to every
+//! parked stream it is for with one non-blocking write through the transport's [`Socket`],
+//! building each distinct chunk once per round.
 //!
-//! The stream's task stays the owner of everything else. A round hands the sink back (unparks it
-//! and wakes the task) whenever it cannot simply write and move on: the socket did not take the
-//! whole chunk (the task writes the rest, with the drain timeout), a write failed, the batch was
-//! capped, the batch held `turn-sealed`, or the position was coalesced away. Every write while
-//! parked happens under the sink's lock and moves its position, so a round and the task never
-//! both write, and the bytes on the socket stay in order.
+//! The stream's task stays the owner of everything else. A round hands the stream back (unparks
+//! it and wakes the task) whenever it cannot simply write and move on: the socket did not take
+//! the whole chunk (the task writes the rest, with the drain timeout), a write failed, the batch
+//! was capped, the batch held `turn-sealed`, or the position was coalesced away. Every write
+//! while parked happens under the stream's lock and moves its position, so a round and the task
+//! never both write, and the bytes on the socket stay in order.
 
-use std::os::fd::RawFd;
+use std::io;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use tokio::sync::Notify;
 
-use super::{Frame, PHASES, TurnBuffer, start_of};
+use super::buffer::TurnBuffer;
+use super::cursor::{BATCH, start_of};
+use super::event::Encoding;
+use super::pacing::PHASES;
+use crate::encoding::{CHUNK_END, chunk_size};
 use crate::metrics::Metrics;
 
-/// Most frames a round writes to one sink at once (the rest is left to the stream's task).
-const BATCH: usize = 128;
-
-/// A round with more parked sinks than this shares them out among the runtime's workers.
+/// A round with more parked streams than this shares them out among the runtime's workers.
 const SHARED_PAST: usize = 64;
 
-/// Most sinks one part of a shared round writes to (a few milliseconds of writes), so that a
+/// Most streams one part of a shared round writes to (a few milliseconds of writes), so that a
 /// round of many thousands keeps no worker, and no turn, busy for long.
 const PART: usize = 512;
 
-/// A parked stream's socket and position.
-pub struct Sink {
-    /// The socket. Valid while the sink is parked: its owner unparks it (under the lock) before
-    /// it lets the socket go.
-    fd: RawFd,
-    framed: Framed,
+/// The transport's side of a parked stream: its socket, written without waiting.
+pub trait Socket: Send + Sync {
+    /// Writes as much of `bytes` as the socket takes now; `WouldBlock` when it takes nothing.
+    fn try_write(&self, bytes: &[u8]) -> io::Result<usize>;
+}
+
+/// A stream's socket and position, which rounds write to while the stream is parked.
+pub struct ParkedStream {
+    encoding: Encoding,
     metrics: Arc<Metrics>,
-    state: Mutex<SinkState>,
-    /// Tells the stream's task that the round handed the sink back.
+    state: Mutex<ParkedState>,
+    /// Tells the stream's task that the round handed the stream back.
     handed: Notify,
 }
 
-#[derive(Default)]
-struct SinkState {
+struct ParkedState {
+    /// The socket, until the stream lets it go ([`ParkedStream::close`]): no round writes after.
+    socket: Option<Arc<dyn Socket>>,
     parked: bool,
     /// The buffer it is parked on (its address: the owner holds it while parked), so that a
-    /// round of an earlier turn that still holds the sink in its copy of the list leaves it be.
+    /// round of an earlier turn that still holds the stream in its copy of the list leaves it be.
     on: usize,
     /// Index of the next event to write.
     next: u32,
@@ -65,84 +68,6 @@ struct SinkState {
     sealed: bool,
     /// Something was written since the task last looked.
     sent: bool,
-}
-
-/// Which of a frame's framings a sink writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Framed {
-    /// The NDJSON line.
-    Line,
-    /// The SSE message.
-    Sse,
-    /// The WebSocket `chat.delta` message, as a text frame.
-    Ws,
-}
-
-impl Framed {
-    /// The frame's length in this framing.
-    pub fn len(self, frame: &Frame) -> usize {
-        match self {
-            Framed::Line => frame.line.len(),
-            Framed::Sse => frame.sse.len(),
-            Framed::Ws => ws_frame_len(frame.ws().len()),
-        }
-    }
-
-    /// Appends the frame in this framing.
-    pub fn put(self, out: &mut BytesMut, frame: &Frame) {
-        match self {
-            Framed::Line => out.put_slice(&frame.line),
-            Framed::Sse => out.put_slice(&frame.sse),
-            Framed::Ws => put_ws_frame(out, WS_TEXT, frame.ws().as_bytes()),
-        }
-    }
-
-    /// The frame in this framing, shared where it is stored that way.
-    pub fn bytes(self, frame: &Frame) -> Bytes {
-        match self {
-            Framed::Line => frame.line.clone(),
-            Framed::Sse => frame.sse.clone(),
-            Framed::Ws => {
-                let mut out = BytesMut::with_capacity(self.len(frame));
-                self.put(&mut out, frame);
-                out.freeze()
-            }
-        }
-    }
-}
-
-/// The WebSocket opcodes a server sends.
-pub const WS_TEXT: u8 = 0x1;
-pub const WS_CLOSE: u8 = 0x8;
-pub const WS_PING: u8 = 0x9;
-pub const WS_PONG: u8 = 0xA;
-
-/// The length of an unmasked (server) WebSocket frame with a payload of `payload` bytes.
-pub fn ws_frame_len(payload: usize) -> usize {
-    payload
-        + match payload {
-            0..126 => 2,
-            126..65536 => 4,
-            _ => 10,
-        }
-}
-
-/// Appends one final, unmasked WebSocket frame (a server's frames are never masked).
-pub fn put_ws_frame(out: &mut BytesMut, opcode: u8, payload: &[u8]) {
-    out.reserve(ws_frame_len(payload.len()));
-    out.put_u8(0x80 | opcode);
-    match payload.len() {
-        n @ 0..126 => out.put_u8(n as u8),
-        n @ 126..65536 => {
-            out.put_u8(126);
-            out.put_u16(n as u16);
-        }
-        n => {
-            out.put_u8(127);
-            out.put_u64(n as u64);
-        }
-    }
-    out.put_slice(payload);
 }
 
 /// What a round did for the task while its sink was parked.
@@ -160,16 +85,16 @@ pub struct Unparked {
     pub sent: bool,
 }
 
-/// Chunks built in one round, shared by every sink at the same position.
+/// Chunks built in one round, shared by every stream at the same position.
 #[derive(Default)]
-pub struct Round {
-    chunks: Vec<(u32, Framed, Built)>,
+struct Chunks {
+    built: Vec<(u32, Encoding, Built)>,
 }
 
 #[derive(Clone)]
 struct Built {
     chunk: Bytes,
-    frames: usize,
+    events: usize,
     next: u32,
     sealed: bool,
     more: bool,
@@ -181,27 +106,37 @@ enum Ready {
     Chunk(Built),
 }
 
-impl Sink {
-    /// A sink for the socket `fd`.
-    pub fn new(fd: RawFd, framed: Framed, metrics: Arc<Metrics>) -> Arc<Sink> {
-        Arc::new(Sink { fd, framed, metrics, state: Mutex::default(), handed: Notify::new() })
+impl ParkedStream {
+    /// A stream that rounds may write to through `socket` while it is parked.
+    pub fn new(socket: Arc<dyn Socket>, encoding: Encoding, metrics: Arc<Metrics>) -> Arc<ParkedStream> {
+        let state = ParkedState {
+            socket: Some(socket),
+            parked: false,
+            on: 0,
+            next: 0,
+            rest: None,
+            failed: false,
+            sealed: false,
+            sent: false,
+        };
+        Arc::new(ParkedStream { encoding, metrics, state: Mutex::new(state), handed: Notify::new() })
     }
 
-    fn lock(&self) -> MutexGuard<'_, SinkState> {
+    fn lock(&self) -> MutexGuard<'_, ParkedState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Parks at event `next` of `buffer` (to which the sink must be attached), and writes
-    /// whatever was published before the sink was there for a round to see.
+    /// Parks at event `next` of `buffer` (to which the stream must be attached), and writes
+    /// whatever was published before the stream was there for a round to see.
     pub fn park(&self, buffer: &TurnBuffer, next: u32) {
         let mut st = self.lock();
         st.parked = true;
         st.on = std::ptr::from_ref(buffer) as usize;
         st.next = next;
-        self.pump_locked(&mut st, buffer, &mut Round::default());
+        self.pump_locked(&mut st, buffer, &mut Chunks::default());
     }
 
-    /// Takes the sink back from the rounds; what they did meanwhile.
+    /// Takes the stream back from the rounds; what they did meanwhile.
     pub fn unpark(&self) -> Unparked {
         let mut st = self.lock();
         st.parked = false;
@@ -214,12 +149,20 @@ impl Sink {
         }
     }
 
-    /// Resolves once a round has handed the sink back (or spuriously: unpark and look).
+    /// Takes the stream back for good and lets its socket go: once this returns, no round
+    /// writes to the socket, and the stream holds no reference to it.
+    pub fn close(&self) {
+        let mut st = self.lock();
+        st.parked = false;
+        st.socket = None;
+    }
+
+    /// Resolves once a round has handed the stream back (or spuriously: unpark and look).
     pub async fn handed_back(&self) {
         self.handed.notified().await;
     }
 
-    /// Hands the sink back to its task if it is parked.
+    /// Hands the stream back to its task if it is parked.
     fn release(&self) {
         let mut st = self.lock();
         if st.parked {
@@ -227,41 +170,39 @@ impl Sink {
         }
     }
 
-    /// A round's turn at this sink: writes the frames past its position, if it is parked.
-    pub(super) fn pump(&self, buffer: &TurnBuffer, round: &mut Round) {
+    /// A round's turn at this stream: writes the events past its position, if it is parked.
+    fn pump(&self, buffer: &TurnBuffer, chunks: &mut Chunks) {
         let mut st = self.lock();
-        self.pump_locked(&mut st, buffer, round);
+        self.pump_locked(&mut st, buffer, chunks);
     }
 
-    fn pump_locked(&self, st: &mut SinkState, buffer: &TurnBuffer, round: &mut Round) {
+    fn pump_locked(&self, st: &mut ParkedState, buffer: &TurnBuffer, chunks: &mut Chunks) {
         if !st.parked || st.on != std::ptr::from_ref(buffer) as usize {
             return;
         }
-        let built = match round.chunks.iter().find(|(next, framed, _)| *next == st.next && *framed == self.framed) {
+        let Some(socket) = st.socket.as_deref() else { return };
+        let built = match chunks.built.iter().find(|(next, encoding, _)| *next == st.next && *encoding == self.encoding)
+        {
             Some((_, _, built)) => built.clone(),
-            None => match buffer.chunk(st.next, self.framed) {
+            None => match buffer.chunk(st.next, self.encoding) {
                 Ready::Nothing => return,
                 Ready::Lost => return self.hand_back(st),
                 Ready::Chunk(built) => {
-                    round.chunks.push((st.next, self.framed, built.clone()));
+                    chunks.built.push((st.next, self.encoding, built.clone()));
                     built
                 }
             },
         };
-        // SAFETY: `fd` is open while the sink is parked (see the field), and `write` only reads
-        // the chunk's bytes. The socket is non-blocking (tokio's), and SIGPIPE is ignored (Rust's
-        // runtime does that at start), so a closed peer is an error here, not a signal.
-        let sent = unsafe { libc::write(self.fd, built.chunk.as_ptr().cast(), built.chunk.len()) };
-        let taken = if sent >= 0 {
-            sent as usize
-        } else if std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock {
-            0
-        } else {
-            st.failed = true;
-            return self.hand_back(st);
+        let taken = match socket.try_write(&built.chunk) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+            Err(_) => {
+                st.failed = true;
+                return self.hand_back(st);
+            }
         };
         self.metrics.round_writes.fetch_add(1, Relaxed);
-        self.metrics.events_delivered.fetch_add(built.frames as u64, Relaxed);
+        self.metrics.events_delivered.fetch_add(built.events as u64, Relaxed);
         st.next = built.next;
         st.sent = true;
         st.sealed = built.sealed;
@@ -274,86 +215,98 @@ impl Sink {
         }
     }
 
-    fn hand_back(&self, st: &mut SinkState) {
+    fn hand_back(&self, st: &mut ParkedState) {
         st.parked = false;
         self.handed.notify_one();
     }
 }
 
+/// The parked streams attached to a turn, each with its phase (see `pacing.rs`).
+#[derive(Default)]
+pub(super) struct Attached {
+    streams: Vec<(u32, Arc<ParkedStream>)>,
+    /// The phase the next stream gets: streams take the phases in turn.
+    next_phase: u32,
+}
+
 impl TurnBuffer {
-    /// The frames from event `next` on as one write: an HTTP/1.1 chunk, or WebSocket frames.
-    fn chunk(&self, next: u32, framed: Framed) -> Ready {
-        let st = self.state.read().unwrap_or_else(|p| p.into_inner());
-        let start = start_of(&st.frames, next);
-        let Some(first) = st.frames.get(start) else { return Ready::Nothing };
+    /// The events from `next` on as one write: an HTTP/1.1 chunk, or WebSocket frames.
+    fn chunk(&self, next: u32, encoding: Encoding) -> Ready {
+        let st = self.state();
+        let start = start_of(&st.events, next);
+        let Some(first) = st.events.get(start) else { return Ready::Nothing };
         if first.first < next {
             return Ready::Lost;
         }
-        let end = st.frames.len().min(start + BATCH);
-        let frames = &st.frames[start..end];
-        let len: usize = frames.iter().map(|f| framed.len(f)).sum();
+        let end = st.events.len().min(start + BATCH);
+        let events = &st.events[start..end];
+        let len: usize = events.iter().map(|f| encoding.len(f)).sum();
         let mut size = [0u8; 18];
-        let size = if framed == Framed::Ws { &[][..] } else { chunk_size(&mut size, len) };
+        let size = if encoding == Encoding::Ws { &[][..] } else { chunk_size(&mut size, len) };
         let mut chunk = BytesMut::with_capacity(size.len() + len + 2);
-        chunk.put_slice(size);
-        for f in frames {
-            framed.put(&mut chunk, f);
+        chunk.extend_from_slice(size);
+        for f in events {
+            encoding.put(&mut chunk, f);
         }
-        if framed != Framed::Ws {
-            chunk.put_slice(b"\r\n");
+        if encoding != Encoding::Ws {
+            chunk.extend_from_slice(CHUNK_END);
         }
-        let last = &frames[frames.len() - 1];
+        let last = &events[events.len() - 1];
         Ready::Chunk(Built {
             chunk: chunk.freeze(),
-            frames: frames.len(),
+            events: events.len(),
             next: last.last + 1,
             sealed: last.is_sealed(),
-            more: end < st.frames.len(),
+            more: end < st.events.len(),
         })
     }
 
-    /// Lets rounds write to `sink` (parked or not), in the next phase.
-    pub fn attach(&self, sink: &Arc<Sink>) {
-        let mut attached = self.sinks.lock().unwrap_or_else(|p| p.into_inner());
+    fn attached(&self) -> MutexGuard<'_, Attached> {
+        self.parked.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Lets rounds write to `stream` (parked or not), in the next phase.
+    pub fn attach(&self, stream: &Arc<ParkedStream>) {
+        let mut attached = self.attached();
         let phase = attached.next_phase;
         attached.next_phase = phase.wrapping_add(1);
-        attached.sinks.push((phase, sink.clone()));
+        attached.streams.push((phase, stream.clone()));
     }
 
-    pub fn detach(&self, sink: &Arc<Sink>) {
-        self.sinks.lock().unwrap_or_else(|p| p.into_inner()).sinks.retain(|(_, s)| !Arc::ptr_eq(s, sink));
+    pub fn detach(&self, stream: &Arc<ParkedStream>) {
+        self.attached().streams.retain(|(_, s)| !Arc::ptr_eq(s, stream));
     }
 
-    /// Writes the new frames to the parked sinks: all of them, or those of the phases due in a
-    /// share of `k` (see `TurnBuffer::wake`). A round of many sinks is shared out among the
-    /// runtime's workers (one part here, the others spawned, at most [`PART`] sinks each), so its
+    /// Writes the new events to the parked streams: all of them, or those of the phases due in
+    /// a share of `k` (see `pacing.rs`). A round of many streams is shared out among the
+    /// runtime's workers (one part here, the others spawned, at most [`PART`] each), so its
     /// writes use every core as the watchers' own tasks would.
     /// With the window closed a round comes with every event, and writing each one to each
-    /// socket would cost a write per event where woken tasks batch a burst: the sinks go back to
-    /// their tasks instead.
-    pub(super) fn pump_sinks(self: &Arc<Self>, phases: Option<(u32, [bool; PHASES])>) {
-        let sinks: Vec<Arc<Sink>> = {
-            let attached = self.sinks.lock().unwrap_or_else(|p| p.into_inner());
+    /// socket would cost a write per event where woken tasks batch a burst: the streams go back
+    /// to their tasks instead.
+    pub(super) fn pump_parked(self: &Arc<Self>, phases: Option<(u32, [bool; PHASES])>) {
+        let streams: Vec<Arc<ParkedStream>> = {
+            let attached = self.attached();
             let due = |phase: u32| phases.is_none_or(|(k, due)| due[(phase % k) as usize]);
-            attached.sinks.iter().filter(|(phase, _)| due(*phase)).map(|(_, sink)| sink.clone()).collect()
+            attached.streams.iter().filter(|(phase, _)| due(*phase)).map(|(_, s)| s.clone()).collect()
         };
-        if sinks.is_empty() {
+        if streams.is_empty() {
             return;
         }
         if !self.paced() {
-            for sink in &sinks {
-                sink.release();
+            for stream in &streams {
+                stream.release();
             }
             return;
         }
         let workers = match tokio::runtime::Handle::try_current() {
-            Ok(runtime) if sinks.len() > SHARED_PAST => Some((runtime.metrics().num_workers(), runtime)),
+            Ok(runtime) if streams.len() > SHARED_PAST => Some((runtime.metrics().num_workers(), runtime)),
             _ => None,
         };
         let Some((workers, runtime)) = workers.filter(|(workers, _)| *workers > 1) else {
-            return self.pump(&sinks);
+            return self.pump(&streams);
         };
-        let mut parts = sinks.chunks(sinks.len().div_ceil(workers).min(PART));
+        let mut parts = streams.chunks(streams.len().div_ceil(workers).min(PART));
         let here = parts.next().unwrap_or_default();
         for part in parts {
             let (buffer, part) = (self.clone(), part.to_vec());
@@ -362,32 +315,17 @@ impl TurnBuffer {
         self.pump(here);
     }
 
-    fn pump(&self, sinks: &[Arc<Sink>]) {
-        let mut round = Round::default();
-        for sink in sinks {
-            sink.pump(self, &mut round);
-        }
-    }
-}
-
-/// `<length in hex>\r\n`, the line that opens a chunk.
-pub fn chunk_size(buf: &mut [u8; 18], mut length: usize) -> &[u8] {
-    let mut at = buf.len() - 2;
-    buf[at..].copy_from_slice(b"\r\n");
-    loop {
-        at -= 1;
-        buf[at] = b"0123456789abcdef"[length & 0xf];
-        length >>= 4;
-        if length == 0 {
-            return &buf[at..];
+    fn pump(&self, streams: &[Arc<ParkedStream>]) {
+        let mut chunks = Chunks::default();
+        for stream in streams {
+            stream.pump(self, &mut chunks);
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::io::Read;
-    use std::os::fd::AsRawFd;
+    use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
     use std::time::Duration;
 
@@ -397,6 +335,12 @@ mod tests {
     use crate::hub::tests::{sealed, text};
     use crate::hub::{FlushWindow, Hub};
     use crate::wire::{AgentEvent, TurnStartEvent};
+
+    impl Socket for UnixStream {
+        fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
+            (&*self).write(bytes)
+        }
+    }
 
     /// A turn whose deltas are paced (a 1 ms window: one cursor reads it), so rounds write to
     /// parked sinks; the cursor must be kept.
@@ -413,13 +357,14 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 
-    /// A sink on one end of a socket pair, and the other end to read it from.
-    fn sink() -> (Arc<Sink>, UnixStream, UnixStream, Arc<Metrics>) {
+    /// A parked stream on one end of a socket pair, and the other end to read it from.
+    fn sink() -> (Arc<ParkedStream>, Arc<UnixStream>, UnixStream, Arc<Metrics>) {
         let (ours, theirs) = UnixStream::pair().unwrap();
         ours.set_nonblocking(true).unwrap();
         theirs.set_nonblocking(true).unwrap();
         let metrics = Arc::new(Metrics::default());
-        (Sink::new(ours.as_raw_fd(), Framed::Line, metrics.clone()), ours, theirs, metrics)
+        let ours = Arc::new(ours);
+        (ParkedStream::new(ours.clone(), Encoding::Line, metrics.clone()), ours, theirs, metrics)
     }
 
     /// Everything readable now.
@@ -458,16 +403,7 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn chunk_sizes_are_hex_lines() {
-        let mut buf = [0u8; 18];
-        assert_eq!(chunk_size(&mut buf, 0), b"0\r\n");
-        assert_eq!(chunk_size(&mut buf, 10), b"a\r\n");
-        assert_eq!(chunk_size(&mut buf, 0x1f2e), b"1f2e\r\n");
-        assert_eq!(chunk_size(&mut buf, usize::MAX), b"ffffffffffffffff\r\n");
-    }
-
-    async fn handed_back(sink: &Sink) -> bool {
+    async fn handed_back(sink: &ParkedStream) -> bool {
         tokio::time::timeout(Duration::from_secs(1), sink.handed_back()).await.is_ok()
     }
 
@@ -497,7 +433,7 @@ mod tests {
                 .ends_with(b"\"type\":\"turn-sealed\",\"conversationId\":\"c\",\"turnId\":\"t\"}\n")
         );
         // Unparked: a round writes nothing more.
-        buffer.pump_sinks(None);
+        buffer.pump_parked(None);
         assert!(read_now(&mut theirs).is_empty());
     }
 
@@ -527,9 +463,8 @@ mod tests {
         let mut got = read_now(&mut theirs);
         let mut rest = &rest[..];
         while !rest.is_empty() {
-            let n = unsafe { libc::write(ours.as_raw_fd(), rest.as_ptr().cast(), rest.len()) };
-            if n > 0 {
-                rest = &rest[n as usize..];
+            if let Ok(n) = (&*ours).write(rest) {
+                rest = &rest[n..];
             }
             got.extend(read_now(&mut theirs));
         }
@@ -578,7 +513,7 @@ mod tests {
         sink.park(&later, 0);
         earlier.publish(&text("from the earlier turn"));
         settle().await;
-        earlier.pump_sinks(None);
+        earlier.pump_parked(None);
         assert!(read_now(&mut theirs).is_empty());
         later.publish(&text("b"));
         settle().await;
@@ -614,7 +549,7 @@ mod tests {
         Arc<Hub>,
         Arc<TurnBuffer>,
         crate::hub::Cursor,
-        Vec<(Arc<Sink>, UnixStream, UnixStream, Arc<Metrics>)>,
+        Vec<(Arc<ParkedStream>, Arc<UnixStream>, UnixStream, Arc<Metrics>)>,
         Vec<UnixStream>,
     ) {
         let hub = Hub::new(1 << 20, FlushWindow { per_reader: WINDOW, max: WINDOW });

@@ -1,0 +1,253 @@
+//! The replay buffer of one turn: its events, coalesced past a cap, and the rounds that wake
+//! its watchers (when, decided by `pacing.rs`; whom, woken tasks and parked streams).
+
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::event::{EncodedEvent, Kind};
+use super::pacing::{Decision, FlushWindow, Pacing, Round};
+use super::parked::Attached;
+use crate::wire::{AgentEvent, TurnReasoningDeltaEvent, TurnTextDeltaEvent};
+
+/// Where the next turn of a conversation will appear: each buffer holds the one its successor
+/// fills, so a watcher still reading turn N finds turn N+1 even if that one has already sealed.
+#[derive(Default)]
+pub(super) struct NextTurn {
+    pub(super) turn: OnceLock<Arc<TurnBuffer>>,
+    pub(super) filled: Notify,
+}
+
+#[derive(Default)]
+pub(super) struct BufferState {
+    pub(super) events: Vec<Arc<EncodedEvent>>,
+    /// Index the next published event gets.
+    next_index: u32,
+    bytes: usize,
+    /// Coalesce when `bytes` passes this (the cap, raised after each pass so that passes are
+    /// at least half a cap of new events apart).
+    threshold: usize,
+    pub(super) sealed: bool,
+}
+
+/// The replay buffer of one turn: every event from `user-message` on.
+pub struct TurnBuffer {
+    pub conversation_id: Arc<str>,
+    pub turn_id: Arc<str>,
+    cap: usize,
+    state: RwLock<BufferState>,
+    pub(super) grown: Notify,
+    pacing: Mutex<Pacing>,
+    /// Watchers reading in-flight turns, hub-wide.
+    pub(super) readers: Arc<AtomicUsize>,
+    /// Bytes held by every live buffer, hub-wide.
+    held: Arc<AtomicUsize>,
+    flush: FlushWindow,
+    pub(super) next: Arc<NextTurn>,
+    /// Streams a round writes to itself while they are parked (see `parked.rs`).
+    pub(super) parked: Mutex<Attached>,
+}
+
+impl Drop for TurnBuffer {
+    fn drop(&mut self) {
+        let bytes = self.state.get_mut().unwrap_or_else(|p| p.into_inner()).bytes;
+        self.held.fetch_sub(bytes, Relaxed);
+    }
+}
+
+impl TurnBuffer {
+    pub(super) fn new(
+        conversation_id: &str,
+        turn_id: &str,
+        cap: usize,
+        flush: FlushWindow,
+        readers: Arc<AtomicUsize>,
+        held: Arc<AtomicUsize>,
+    ) -> TurnBuffer {
+        TurnBuffer {
+            conversation_id: Arc::from(conversation_id),
+            turn_id: Arc::from(turn_id),
+            cap,
+            state: RwLock::new(BufferState { threshold: cap, ..BufferState::default() }),
+            grown: Notify::new(),
+            pacing: Mutex::default(),
+            readers,
+            held,
+            flush,
+            next: Arc::default(),
+            parked: Mutex::default(),
+        }
+    }
+
+    pub(super) fn state(&self) -> RwLockReadGuard<'_, BufferState> {
+        self.state.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Encodes the event once, appends it, and wakes every reader waiting at the end.
+    /// Returns the event's index in the turn.
+    pub fn publish(self: &Arc<Self>, event: &AgentEvent) -> u32 {
+        let (index, paced) = self.append(event, false);
+        self.wake(paced);
+        index
+    }
+
+    /// Encodes and appends the event; its index, and whether its round may be paced.
+    pub(super) fn append(&self, event: &AgentEvent, last: bool) -> (u32, bool) {
+        let (kind, json) = EncodedEvent::encode(event);
+        let paced = kind.is_delta() && !last;
+        let mut st = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let index = st.next_index;
+        let encoded = Arc::new(EncodedEvent::build(&self.turn_id, index, index, kind, &json));
+        st.next_index += 1;
+        st.bytes += encoded.size();
+        self.held.fetch_add(encoded.size(), Relaxed);
+        st.events.push(encoded);
+        st.sealed = last;
+        if st.bytes > st.threshold {
+            self.coalesce(&mut st);
+        }
+        (index, paced)
+    }
+
+    /// The flush window for paced deltas right now.
+    pub(super) fn window(&self) -> Duration {
+        self.flush.for_readers(self.readers.load(Relaxed))
+    }
+
+    /// Whether deltas are paced now (the window is open): only then may a watcher park, since
+    /// only then does a round carry what a window gathered instead of every single event.
+    pub fn paced(&self) -> bool {
+        !self.window().is_zero()
+    }
+
+    fn pacing(&self) -> MutexGuard<'_, Pacing> {
+        self.pacing.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs the round the pacing decides for an event just published (see `pacing.rs`).
+    pub(super) fn wake(self: &Arc<Self>, paced: bool) {
+        let window = if paced { self.window() } else { Duration::ZERO };
+        let now = Instant::now();
+        let mut pacing = self.pacing();
+        let Decision { mut round, deadline } = pacing.decide(now, window, paced);
+        if let Some(at) = deadline
+            && !self.arm(&mut pacing, at)
+        {
+            // No runtime to time the deadline: nothing may wait for it.
+            pacing.everyone(now);
+            round = Round::Everyone;
+        }
+        drop(pacing);
+        self.run(round);
+    }
+
+    fn run(self: &Arc<Self>, round: Round) {
+        match round {
+            Round::Everyone => {
+                self.grown.notify_waiters();
+                self.pump_parked(None);
+            }
+            Round::Phases { k, due } => {
+                if due[0] {
+                    self.grown.notify_waiters();
+                }
+                self.pump_parked(Some((k, due)));
+            }
+            Round::Held => {}
+        }
+    }
+
+    /// Makes sure a round of everyone starts at `at` unless one starts before; false without
+    /// a runtime to time it.
+    fn arm(self: &Arc<Self>, pacing: &mut Pacing, at: Instant) -> bool {
+        if pacing.timer.is_some_and(|timer| timer <= at) {
+            return true; // that timer sleeps on to the new deadline
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
+        pacing.timer = Some(at);
+        let buffer: Weak<TurnBuffer> = Arc::downgrade(self);
+        runtime.spawn(async move {
+            let mut sleep_to = at;
+            loop {
+                tokio::time::sleep_until(sleep_to).await;
+                let Some(buffer) = buffer.upgrade() else { return };
+                let mut pacing = buffer.pacing();
+                if pacing.timer != Some(sleep_to) {
+                    return; // an earlier timer took over
+                }
+                match pacing.deadline {
+                    Some(deadline) if deadline > Instant::now() => {
+                        sleep_to = deadline;
+                        pacing.timer = Some(deadline);
+                    }
+                    Some(_) => {
+                        pacing.timer = None;
+                        pacing.everyone(Instant::now());
+                        drop(pacing);
+                        return buffer.run(Round::Everyone);
+                    }
+                    None => {
+                        pacing.timer = None;
+                        return;
+                    }
+                }
+            }
+        });
+        true
+    }
+
+    /// Merges every run of two or more consecutive same-kind deltas into one event.
+    fn coalesce(&self, st: &mut BufferState) {
+        let before = st.bytes;
+        let mut out: Vec<Arc<EncodedEvent>> = Vec::with_capacity(st.events.len());
+        let mut run: Vec<Arc<EncodedEvent>> = Vec::new();
+        let flush = |run: &mut Vec<Arc<EncodedEvent>>, out: &mut Vec<Arc<EncodedEvent>>| {
+            if run.len() < 2 {
+                out.append(run);
+                return;
+            }
+            let first = run[0].first;
+            let last = run[run.len() - 1].last;
+            let text: String = run.iter().filter_map(|f| f.delta()).collect();
+            let (conversation_id, turn_id) = (self.conversation_id.to_string(), self.turn_id.to_string());
+            let event = if run[0].kind == Kind::Text {
+                AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id, turn_id, delta: text })
+            } else {
+                AgentEvent::ReasoningDelta(TurnReasoningDeltaEvent { conversation_id, turn_id, delta: text })
+            };
+            out.push(Arc::new(EncodedEvent::new(&self.turn_id, first, last, &event)));
+            run.clear();
+        };
+        for event in st.events.drain(..) {
+            let joins = event.kind.is_delta() && run.last().is_none_or(|r| r.kind == event.kind);
+            if !joins {
+                flush(&mut run, &mut out);
+            }
+            if event.kind.is_delta() {
+                run.push(event);
+            } else {
+                out.push(event);
+            }
+        }
+        flush(&mut run, &mut out);
+        st.events = out;
+        st.bytes = st.events.iter().map(|f| f.size()).sum();
+        // The change, either way (the atomic add wraps like the subtraction).
+        self.held.fetch_add(st.bytes.wrapping_sub(before), Relaxed);
+        st.threshold = self.cap.max(st.bytes + self.cap / 2);
+        tracing::debug!(turn = %self.turn_id, before, after = st.bytes, "coalesced the replay buffer");
+    }
+
+    /// Bytes held by the events of this turn.
+    pub fn bytes(&self) -> usize {
+        self.state().bytes
+    }
+
+    /// Number of events published so far.
+    pub fn published(&self) -> u32 {
+        self.state().next_index
+    }
+}

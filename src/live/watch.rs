@@ -1,0 +1,264 @@
+//! One SSE or NDJSON watcher: what it writes and when it ends, decided here for every way of
+//! writing it (a connection that writes the socket itself, or a response body under hyper).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::Stream;
+use tokio::time::{Instant, Interval, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+use super::Cancelled;
+use crate::encoding::{NDJSON_KEEPALIVE, SSE_KEEPALIVE, sse_named};
+use crate::hub::{BATCH, Cursor, Delivery, Encoding, Unparked};
+use crate::metrics::{Metrics, StreamPermit, Transport};
+use crate::store::Store;
+
+/// What a watcher's stream carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Ndjson,
+    Sse,
+}
+
+impl Format {
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Ndjson => "application/x-ndjson",
+            Format::Sse => "text/event-stream",
+        }
+    }
+
+    pub fn transport(self) -> Transport {
+        match self {
+            Format::Ndjson => Transport::Ndjson,
+            Format::Sse => Transport::Sse,
+        }
+    }
+
+    /// Which of an event's encodings this stream writes.
+    pub fn encoding(self) -> Encoding {
+        match self {
+            Format::Ndjson => Encoding::Line,
+            Format::Sse => Encoding::Sse,
+        }
+    }
+
+    fn keepalive(self) -> Bytes {
+        Bytes::from_static(match self {
+            Format::Ndjson => NDJSON_KEEPALIVE,
+            Format::Sse => SSE_KEEPALIVE,
+        })
+    }
+}
+
+/// What a route sets a watcher up with.
+pub struct WatchSetup {
+    pub cursor: Cursor,
+    pub format: Format,
+    /// End after the next `turn-sealed`.
+    pub until_sealed: bool,
+    /// Send `event: resync` before anything else.
+    pub resync_first: bool,
+    pub keepalive: Option<Duration>,
+    pub store: Store,
+    pub conversation_id: String,
+    /// Cancelled at shutdown: deliver what is available, then end.
+    pub shutdown: CancellationToken,
+    pub metrics: Arc<Metrics>,
+    /// Holds this stream's place under the cap until the stream ends.
+    pub permit: StreamPermit,
+}
+
+/// One watcher's stream.
+pub struct Watch {
+    pub cursor: Cursor,
+    pub format: Format,
+    until_sealed: bool,
+    resync_first: bool,
+    store: Store,
+    conversation_id: String,
+    pub metrics: Arc<Metrics>,
+    ticker: Option<Interval>,
+    shutdown: Cancelled,
+    /// Something went out since the last keep-alive tick (no keep-alive is due then).
+    sent: bool,
+    _permit: StreamPermit,
+}
+
+/// What a watcher woke up for.
+pub enum Wake {
+    Delivery(Delivery),
+    /// The keep-alive period passed.
+    Tick,
+    /// The gateway is shutting down.
+    Shutdown,
+}
+
+/// What to do next.
+pub enum Step {
+    /// Write these bytes and go on.
+    Write(Bytes),
+    /// Write these bytes and end the stream.
+    Last(Bytes),
+    /// Nothing to write.
+    Idle,
+    /// End the stream now.
+    End,
+}
+
+/// The log could not be read for a `resync`: never send a made-up `latestSeq`.
+#[derive(Debug)]
+pub struct Unreadable;
+
+impl Watch {
+    pub fn new(setup: WatchSetup) -> Watch {
+        let ticker = setup.keepalive.map(|period| {
+            let mut t = tokio::time::interval_at(Instant::now() + period, period);
+            t.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            t
+        });
+        Watch {
+            cursor: setup.cursor,
+            format: setup.format,
+            until_sealed: setup.until_sealed,
+            resync_first: setup.resync_first,
+            store: setup.store,
+            conversation_id: setup.conversation_id,
+            metrics: setup.metrics,
+            ticker,
+            shutdown: Cancelled::new(&setup.shutdown),
+            sent: false,
+            _permit: setup.permit,
+        }
+    }
+
+    /// What the stream opens with: `event: resync` when its cursor could not be resumed (ends
+    /// the stream when the log cannot be read: the client comes back with its cursor).
+    pub async fn opening(&mut self) -> Step {
+        if !std::mem::take(&mut self.resync_first) {
+            return Step::Idle;
+        }
+        match resync_message(&self.store, &self.conversation_id).await {
+            Ok(message) => self.wrote(Step::Write(message)),
+            Err(Unreadable) => Step::End,
+        }
+    }
+
+    /// The step for what the watcher woke up for: a delivery's events (the last write with
+    /// `until_sealed` once `turn-sealed` is among them), a `resync` (SSE) or the end (NDJSON,
+    /// which cannot say `resync`) when its position was coalesced away, a keep-alive after a
+    /// whole period of silence (so within two periods), and at shutdown what is available.
+    pub async fn step(&mut self, wake: Wake) -> Step {
+        let delivery = match wake {
+            Wake::Delivery(delivery) => delivery,
+            Wake::Tick if std::mem::take(&mut self.sent) => return Step::Idle,
+            Wake::Tick => return Step::Write(self.format.keepalive()),
+            Wake::Shutdown => self.cursor.try_batch(BATCH).unwrap_or(Delivery::End),
+        };
+        let step = match delivery {
+            Delivery::Events(events) => {
+                self.metrics.events_delivered.fetch_add(events.len() as u64, Relaxed);
+                let bytes = self.format.encoding().join(&events);
+                if self.until_sealed && events.last().is_some_and(|e| e.is_sealed()) {
+                    Step::Last(bytes)
+                } else {
+                    Step::Write(bytes)
+                }
+            }
+            Delivery::Lost if self.format == Format::Sse => {
+                self.metrics.lag_recoveries.fetch_add(1, Relaxed);
+                match resync_message(&self.store, &self.conversation_id).await {
+                    Ok(message) => Step::Write(message),
+                    Err(Unreadable) => Step::End,
+                }
+            }
+            Delivery::Lost => {
+                self.metrics.subscriber_drops.fetch_add(1, Relaxed);
+                Step::End
+            }
+            Delivery::End => Step::End,
+        };
+        self.wrote(step)
+    }
+
+    /// What the rounds wrote while the stream was parked; whether the stream ends there (they
+    /// wrote `turn-sealed` and the stream ends with it).
+    pub fn unparked(&mut self, back: &Unparked) -> bool {
+        self.sent |= back.sent;
+        back.sealed && self.until_sealed
+    }
+
+    fn wrote(&mut self, step: Step) -> Step {
+        if matches!(step, Step::Write(_) | Step::Last(_)) {
+            self.sent = true;
+        }
+        step
+    }
+
+    /// Ready when the keep-alive period passed or shutdown began (the wakes that are not a
+    /// delivery); polled by every way of waiting for one.
+    pub fn poll_timers(&mut self, cx: &mut Context<'_>) -> Poll<Wake> {
+        if self.ticker.as_mut().is_some_and(|t| t.poll_tick(cx).is_ready()) {
+            return Poll::Ready(Wake::Tick);
+        }
+        if Pin::new(&mut self.shutdown).poll(cx).is_ready() {
+            return Poll::Ready(Wake::Shutdown);
+        }
+        Poll::Pending
+    }
+
+    /// Waits for the next wake: a delivery first, then the timers.
+    pub async fn wake(&mut self) -> Wake {
+        let Watch { cursor, ticker, shutdown, .. } = self;
+        let delivery = cursor.next_batch(BATCH);
+        tokio::pin!(delivery);
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(d) = delivery.as_mut().poll(cx) {
+                return Poll::Ready(Wake::Delivery(d));
+            }
+            if ticker.as_mut().is_some_and(|t| t.poll_tick(cx).is_ready()) {
+                return Poll::Ready(Wake::Tick);
+            }
+            Pin::new(&mut *shutdown).poll(cx).map(|()| Wake::Shutdown)
+        })
+        .await
+    }
+
+    /// The watcher as a response body, for a connection served by hyper: the same steps, one
+    /// chunk per write.
+    pub fn into_body(self) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
+        futures_util::stream::unfold((self, true, false), |(mut watch, first, done)| async move {
+            if done {
+                return None;
+            }
+            let mut step = if first { watch.opening().await } else { Step::Idle };
+            loop {
+                match step {
+                    Step::Write(bytes) => return Some((Ok(bytes), (watch, false, false))),
+                    Step::Last(bytes) => return Some((Ok(bytes), (watch, false, true))),
+                    Step::End => return None,
+                    Step::Idle => {}
+                }
+                let wake = watch.wake().await;
+                step = watch.step(wake).await;
+            }
+        })
+    }
+}
+
+/// The SSE message that tells a watcher to refetch history past its cursor.
+pub async fn resync_message(store: &Store, conversation_id: &str) -> Result<Bytes, Unreadable> {
+    let latest = store.latest_seq(conversation_id).await.map_err(|e| {
+        tracing::error!(conversation_id, error = %e, "cannot read the log for a resync; ending the stream");
+        Unreadable
+    })?;
+    let data = serde_json::json!({"conversationId": conversation_id, "latestSeq": latest});
+    Ok(sse_named("resync", &data.to_string()))
+}
