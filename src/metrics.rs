@@ -43,7 +43,7 @@ pub struct Metrics {
     open_streams: [AtomicU64; 3],
     pub lag_recoveries: AtomicU64,
     pub subscriber_drops: AtomicU64,
-    /// Socket writes made by turns' rounds for parked streams (see `hub::Sink`).
+    /// Socket writes made by turns' rounds for parked streams (see `hub::ParkedStream`).
     pub round_writes: AtomicU64,
     /// Of those, writes the socket took only part of (its stream's task writes the rest).
     pub round_short_writes: AtomicU64,

@@ -133,7 +133,10 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
 /// served on the socket once hyper has written the `101` and handed the socket back.
 fn hand_over(mut response: Response, upgrade: Option<OnUpgrade>, drain: Duration) -> Response {
     match Handoff::take(response.extensions()) {
-        Some(Live::Watch(watch)) => *response.body_mut() = Body::from_stream(watch.into_body()),
+        Some(Live::Watch(watch)) => {
+            response.headers_mut().remove(axum::http::header::CONTENT_LENGTH);
+            *response.body_mut() = Body::from_stream(watch.into_body());
+        }
         Some(Live::Session(session)) => match upgrade {
             Some(upgrade) if response.status() == StatusCode::SWITCHING_PROTOCOLS => {
                 tokio::spawn(serve_upgraded(upgrade, session, drain));

@@ -36,7 +36,10 @@ pub fn watch(
 
 /// The `200` of a watcher, with the headers every live stream carries.
 pub fn watch_response(watch: Watch) -> Response {
-    let mut response = Response::new(axum::body::Body::empty());
+    // A body of no known length (none is written: the watch is the body), so that nothing on
+    // the way out gives the response a `content-length`.
+    let unsized_body = futures_util::stream::empty::<Result<bytes::Bytes, std::convert::Infallible>>();
+    let mut response = Response::new(axum::body::Body::from_stream(unsized_body));
     *response.status_mut() = StatusCode::OK;
     let h = response.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static(watch.format.content_type()));

@@ -237,7 +237,7 @@ async fn respond(
     let bodyless =
         !watch && (status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED);
     let length = if watch || parts.headers.contains_key(CONTENT_LENGTH) { None } else { body.size_hint().exact() };
-    let chunked = !bodyless && length.is_none() && !parts.headers.contains_key(CONTENT_LENGTH);
+    let chunked = watch || (!bodyless && length.is_none() && !parts.headers.contains_key(CONTENT_LENGTH));
     let mut head = Vec::with_capacity(256);
     head.extend_from_slice(b"HTTP/1.1 ");
     head.extend_from_slice(status.as_str().as_bytes());
@@ -245,7 +245,7 @@ async fn respond(
     head.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     head.extend_from_slice(b"\r\n");
     for (name, value) in &parts.headers {
-        if name == TRANSFER_ENCODING || (name == CONNECTION && !upgrade) {
+        if name == TRANSFER_ENCODING || (name == CONNECTION && !upgrade) || (name == CONTENT_LENGTH && watch) {
             continue;
         }
         line(&mut head, name.as_str(), value.as_bytes());
