@@ -6,6 +6,7 @@
 
 mod assembly;
 mod run;
+mod steps;
 mod tally;
 
 use std::collections::HashMap;

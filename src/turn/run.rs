@@ -1,6 +1,5 @@
 //! One running turn: raw runtime events in, wire events and log rows out.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
@@ -9,8 +8,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::Turns;
-use super::assembly::ChunkAssembler;
-use super::tally::{OpenStep, TurnTally};
+use super::steps::{Effect, End, TurnSteps};
 use crate::hub::TurnBuffer;
 use crate::runtime::{Inbox, RawEvent, Runtime, RuntimeError, TurnRequest};
 use crate::store::{NewChunk, SealTurn, Store, now_ms};
@@ -22,13 +20,6 @@ const RAW_QUEUE: usize = 256;
 const MAX_RETRIES: u32 = 3;
 const RETRY_BASE: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// How a turn ended.
-enum End {
-    Finished(String),
-    Failed { message: String, code: Option<String> },
-    Aborted,
-}
-
 pub(super) struct TurnRun {
     turns: Arc<Turns>,
     store: Store,
@@ -36,22 +27,14 @@ pub(super) struct TurnRun {
     cancel: CancellationToken,
     conversation_id: String,
     turn_id: String,
-    tally: TurnTally,
-    assembler: ChunkAssembler,
-    step: Option<OpenStep>,
-    /// When the last step boundary happened: the start of a step that opens implicitly.
-    boundary: Instant,
-    /// Which step each tool call came from, for its result.
-    call_steps: HashMap<String, String>,
+    /// What the turn's events so far made of it (the pure part: `steps.rs`).
+    steps: TurnSteps,
     /// Steering messages; what the runtime has not taken when the turn ends starts a new turn.
     inbox: Arc<Inbox>,
-    /// Something of the runtime's output has been published: no more retries.
-    published_content: bool,
-    /// The open step produced something (a delta, a tool call, usage): a failed turn whose
-    /// step produced nothing leaves no step behind.
-    step_content: bool,
     /// Chunks whose write failed: written with the next write that succeeds.
     unwritten: Vec<NewChunk>,
+    /// The effects of the event at hand (kept for its allocation).
+    effects: Vec<Effect>,
 }
 
 /// A turn whose seal the database refused: retried with backoff until it commits (or the
@@ -102,23 +85,17 @@ impl TurnRun {
         cancel: CancellationToken,
         inbox: Arc<Inbox>,
     ) -> TurnRun {
-        let now = Instant::now();
         TurnRun {
             turns,
             store,
             conversation_id: buffer.conversation_id.to_string(),
             turn_id: buffer.turn_id.to_string(),
+            steps: TurnSteps::new(&buffer.conversation_id, &buffer.turn_id, Instant::now()),
             buffer,
             cancel,
-            tally: TurnTally::new(now),
-            assembler: ChunkAssembler::default(),
-            step: None,
-            boundary: now,
-            call_steps: HashMap::new(),
             inbox,
-            published_content: false,
-            step_content: false,
             unwritten: Vec::new(),
+            effects: Vec::new(),
         }
     }
 
@@ -173,14 +150,14 @@ impl TurnRun {
                 _ => None,
             };
             if let Some((reason, backoff)) = retryable
-                && !self.published_content
+                && !self.steps.published_content
                 && attempt < MAX_RETRIES
             {
                 attempt += 1;
                 self.turns.metrics.runtime_error("retried");
                 tracing::warn!(attempt, reason = %reason, backoff_ms = backoff.as_millis() as u64, "runtime unavailable; retrying");
                 // A step the failed attempt opened produced nothing: forget it.
-                self.step = None;
+                self.steps.forget_step();
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => continue 'attempts,
                     _ = self.cancel.cancelled() => break 'attempts End::Aborted,
@@ -193,197 +170,49 @@ impl TurnRun {
         self.finish(end).await;
     }
 
+    /// Handles one raw event; the end when it is a terminal, or when the turn's chunks could
+    /// not be written (the turn ends failed once the event's other effects are carried out).
+    async fn handle(&mut self, event: RawEvent) -> Option<End> {
+        let mut effects = std::mem::take(&mut self.effects);
+        let end = self.steps.handle(event, Instant::now(), &mut effects);
+        let failed = self.apply(&mut effects).await;
+        self.effects = effects;
+        failed.or(end)
+    }
+
+    /// Carries the effects out in order; the end a failed write calls for, if one failed.
+    async fn apply(&mut self, effects: &mut Vec<Effect>) -> Option<End> {
+        let mut failed = None;
+        for effect in effects.drain(..) {
+            match effect {
+                Effect::Publish(event) => {
+                    self.buffer.publish(&event);
+                }
+                Effect::Persist if failed.is_none() => failed = self.flush().await.err(),
+                // After a failed write the chunks go with the seal.
+                Effect::Persist => {}
+                Effect::SessionId(id) => {
+                    tracing::debug!(session = %id, "runtime session");
+                    if let Err(e) = self.store.set_session_id(&self.conversation_id, &id).await {
+                        tracing::error!(error = %e, "could not store the runtime session");
+                    }
+                }
+            }
+        }
+        failed
+    }
+
     fn ids(&self) -> (String, String) {
         (self.conversation_id.clone(), self.turn_id.clone())
     }
 
-    /// Maps one raw event; returns the end when it is a terminal.
-    async fn handle(&mut self, event: RawEvent) -> Option<End> {
-        let now = Instant::now();
-        if !matches!(event, RawEvent::StepStart | RawEvent::SessionId(_)) {
-            self.published_content = true;
-        }
-        self.step_content |= !matches!(
-            event,
-            RawEvent::StepStart | RawEvent::SessionId(_) | RawEvent::Error { .. } | RawEvent::Finish { .. }
-        );
-        match event {
-            RawEvent::StepStart => {
-                if self.step.is_some()
-                    && let Err(end) = self.close_step(now).await
-                {
-                    return Some(end);
-                }
-                self.step = Some(self.new_step(now));
-                self.step_content = false;
-            }
-            RawEvent::TextDelta(delta) | RawEvent::ReasoningDelta(delta) if delta.is_empty() => {}
-            RawEvent::TextDelta(delta) => {
-                self.open_step().token(now);
-                self.assembler.text(&delta);
-                let (conversation_id, turn_id) = self.ids();
-                self.buffer.publish(&AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id, turn_id, delta }));
-            }
-            RawEvent::ReasoningDelta(delta) => {
-                self.open_step().token(now);
-                self.assembler.reasoning(&delta);
-                let (conversation_id, turn_id) = self.ids();
-                self.buffer.publish(&AgentEvent::ReasoningDelta(TurnReasoningDeltaEvent {
-                    conversation_id,
-                    turn_id,
-                    delta,
-                }));
-            }
-            RawEvent::ToolCall { id, name, input } => {
-                let step_id = self.open_step().step_id.clone();
-                self.call_steps.insert(id.clone(), step_id.clone());
-                self.assembler.tool_call(ToolCallChunk {
-                    tool_call_id: id.clone(),
-                    tool_name: name.clone(),
-                    input: input.clone(),
-                    step_id: Some(step_id.clone()),
-                });
-                let (conversation_id, turn_id) = self.ids();
-                self.buffer.publish(&AgentEvent::ToolCall(TurnToolCallEvent {
-                    conversation_id,
-                    turn_id,
-                    step_id,
-                    tool_call_id: id,
-                    tool_name: name,
-                    input,
-                }));
-            }
-            RawEvent::ToolOutput { id, data, stream } => {
-                let (conversation_id, turn_id) = self.ids();
-                self.buffer.publish(&AgentEvent::ToolOutput(TurnToolOutputEvent {
-                    conversation_id,
-                    turn_id,
-                    tool_call_id: id,
-                    data,
-                    stream,
-                }));
-            }
-            RawEvent::ToolResult { id, name, content, is_error, duration_ms } => {
-                if self.step.is_some()
-                    && let Err(end) = self.close_step(now).await
-                {
-                    return Some(end);
-                }
-                let step_id = match self.call_steps.get(&id) {
-                    Some(s) => s.clone(),
-                    None => self.last_step_id(),
-                };
-                self.assembler.tool_result(ToolResultChunk {
-                    tool_call_id: id.clone(),
-                    tool_name: name.clone(),
-                    content: content.clone(),
-                    is_error,
-                    step_id: Some(step_id.clone()),
-                });
-                let (conversation_id, turn_id) = self.ids();
-                self.buffer.publish(&AgentEvent::ToolResult(TurnToolResultEvent {
-                    conversation_id,
-                    turn_id,
-                    step_id,
-                    tool_call_id: id,
-                    tool_name: name,
-                    content,
-                    is_error,
-                    duration_ms,
-                }));
-                self.boundary = now;
-            }
-            RawEvent::Usage(usage) => {
-                if self.step.is_none() && self.tally.step_count() == 0 {
-                    self.step = Some(self.new_step(self.boundary));
-                }
-                let step_id = match &self.step {
-                    Some(s) => s.step_id.clone(),
-                    None => self.last_step_id(),
-                };
-                self.tally.add_usage(self.step.as_mut(), &usage);
-                let (conversation_id, turn_id) = self.ids();
-                self.buffer.publish(&AgentEvent::Usage(TurnUsageEvent {
-                    conversation_id,
-                    turn_id,
-                    step_id: Some(step_id),
-                    usage,
-                }));
-            }
-            RawEvent::StepEnd => {
-                if self.step.is_some()
-                    && let Err(end) = self.close_step(now).await
-                {
-                    return Some(end);
-                }
-            }
-            RawEvent::Finish { reason } => return Some(End::Finished(reason)),
-            RawEvent::Error { message, code } => return Some(End::Failed { message, code }),
-            RawEvent::UserInput(text) => {
-                if self.step.is_some()
-                    && let Err(end) = self.close_step(now).await
-                {
-                    return Some(end);
-                }
-                self.assembler.user(&text);
-                if let Err(end) = self.flush().await {
-                    return Some(end);
-                }
-                self.boundary = now;
-            }
-            RawEvent::SessionId(id) => {
-                tracing::debug!(session = %id, "runtime session");
-                if let Err(e) = self.store.set_session_id(&self.conversation_id, &id).await {
-                    tracing::error!(error = %e, "could not store the runtime session");
-                }
-            }
-        }
-        None
-    }
-
-    fn new_step(&self, started: Instant) -> OpenStep {
-        OpenStep::new(format!("{}#{}", self.turn_id, self.tally.step_count()), started)
-    }
-
-    fn open_step(&mut self) -> &mut OpenStep {
-        if self.step.is_none() {
-            self.step = Some(self.new_step(self.boundary));
-        }
-        self.step.as_mut().expect("just opened")
-    }
-
-    fn last_step_id(&self) -> String {
-        format!("{}#{}", self.turn_id, self.tally.step_count().saturating_sub(1))
-    }
-
-    /// Ends the open step: `step-complete`, then its chunks in one transaction.
-    async fn close_step(&mut self, now: Instant) -> Result<(), End> {
-        let Some(step) = self.step.take() else {
-            return Ok(());
-        };
-        let step_id = step.step_id.clone();
-        let timing = self.tally.close_step(step, now);
-        self.boundary = now;
-        let (conversation_id, turn_id) = self.ids();
-        self.buffer.publish(&AgentEvent::StepComplete(TurnStepCompleteEvent {
-            conversation_id,
-            turn_id,
-            step_id,
-            ttft_ms: timing.ttft_ms,
-            decode_ms: timing.decode_ms,
-            gen_total_ms: Some(timing.gen_total_ms),
-        }));
-        self.assembler.end_step();
-        self.flush().await
-    }
-
     async fn flush(&mut self) -> Result<(), End> {
-        if !self.assembler.has_pending() {
+        if !self.steps.assembler.has_pending() {
             return Ok(());
         }
         // Chunks a failed write left behind go first, so the log keeps the turn's order.
         let mut chunks = std::mem::take(&mut self.unwritten);
-        chunks.extend(self.assembler.take());
+        chunks.extend(self.steps.assembler.take());
         match self.store.append_chunks(&self.conversation_id, &self.turn_id, &chunks).await {
             Ok(_) => Ok(()),
             Err(e) => {
@@ -399,46 +228,19 @@ impl TurnRun {
 
     /// Closes whatever is open, then `error`?, `done`, metrics, `turn-sealed`, in that order.
     async fn finish(mut self, mut end: End) {
-        let now = Instant::now();
-        if matches!(end, End::Failed { .. }) && !self.step_content {
-            // A request the upstream never answered is no step of the model's.
-            self.step = None;
-        }
-        if self.step.is_some()
-            && let Err(failed) = self.close_step(now).await
+        let mut effects = std::mem::take(&mut self.effects);
+        self.steps.close(matches!(end, End::Failed { .. }), Instant::now(), &mut effects);
+        if let Some(failed) = self.apply(&mut effects).await
             && !matches!(end, End::Failed { .. })
         {
             end = failed;
         }
-        let reason = match &end {
-            End::Finished(reason) => reason.clone(),
-            End::Failed { .. } => "error".to_owned(),
-            End::Aborted => "aborted".to_owned(),
-        };
-        if let End::Failed { message, code } = &end {
-            self.assembler.error(message, code.as_deref());
-            let (conversation_id, turn_id) = self.ids();
-            self.buffer.publish(&AgentEvent::Error(TurnErrorEvent {
-                conversation_id,
-                turn_id,
-                message: message.clone(),
-                code: code.clone(),
-            }));
-        }
-        let duration_ms = self.tally.duration_ms(Instant::now());
-        let (conversation_id, turn_id) = self.ids();
-        self.buffer.publish(&AgentEvent::Done(TurnDoneEvent {
-            conversation_id,
-            turn_id,
-            reason: reason.clone(),
-            duration_ms: Some(duration_ms),
-            usage: self.tally.usage(),
-            context_size: self.tally.context_size(),
-        }));
-
-        let turn_metrics = self.tally.metrics(&self.turn_id, duration_ms);
+        let duration_ms = self.steps.end(&end, Instant::now(), &mut effects);
+        self.apply(&mut effects).await;
+        let reason = end.reason();
+        let turn_metrics = self.steps.tally.metrics(&self.turn_id, duration_ms);
         let mut rest = std::mem::take(&mut self.unwritten);
-        rest.extend(self.assembler.take());
+        rest.extend(self.steps.assembler.take());
         let seal = SealTurn {
             conversation_id: &self.conversation_id,
             turn_id: &self.turn_id,

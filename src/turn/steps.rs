@@ -1,0 +1,384 @@
+//! The turn's event handling as a pure step function: a raw runtime event (and the time) in,
+//! effects out, in order: events to publish, points where the chunks assembled so far are
+//! written, the runtime's session id. `run.rs` is the driver that carries them out; the
+//! property test in this file drives whole turns through it.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use super::assembly::ChunkAssembler;
+use super::tally::{OpenStep, TurnTally};
+use crate::runtime::RawEvent;
+use crate::wire::*;
+
+/// How a turn ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum End {
+    Finished(String),
+    Failed { message: String, code: Option<String> },
+    Aborted,
+}
+
+impl End {
+    /// `done.reason`.
+    pub(super) fn reason(&self) -> String {
+        match self {
+            End::Finished(reason) => reason.clone(),
+            End::Failed { .. } => "error".to_owned(),
+            End::Aborted => "aborted".to_owned(),
+        }
+    }
+}
+
+/// What handling an event asks of the driver.
+#[derive(Debug)]
+pub(super) enum Effect {
+    Publish(AgentEvent),
+    /// Write the chunks assembled so far (a step closed, or a steering message came).
+    Persist,
+    /// Remember the runtime's session, to resume it on the next turn.
+    SessionId(String),
+}
+
+/// A turn's state between raw events.
+pub(super) struct TurnSteps {
+    conversation_id: String,
+    turn_id: String,
+    pub(super) tally: TurnTally,
+    pub(super) assembler: ChunkAssembler,
+    step: Option<OpenStep>,
+    /// When the last step boundary happened: the start of a step that opens implicitly.
+    boundary: Instant,
+    /// Which step each tool call came from, for its result.
+    call_steps: HashMap<String, String>,
+    /// Something of the runtime's output has been published: no more retries.
+    pub(super) published_content: bool,
+    /// The open step produced something (a delta, a tool call, usage): a failed turn whose
+    /// step produced nothing leaves no step behind.
+    step_content: bool,
+}
+
+impl TurnSteps {
+    pub(super) fn new(conversation_id: &str, turn_id: &str, now: Instant) -> TurnSteps {
+        TurnSteps {
+            conversation_id: conversation_id.to_owned(),
+            turn_id: turn_id.to_owned(),
+            tally: TurnTally::new(now),
+            assembler: ChunkAssembler::default(),
+            step: None,
+            boundary: now,
+            call_steps: HashMap::new(),
+            published_content: false,
+            step_content: false,
+        }
+    }
+
+    fn ids(&self) -> (String, String) {
+        (self.conversation_id.clone(), self.turn_id.clone())
+    }
+
+    /// Handles one raw event published at `now`; the end, when it is a terminal.
+    pub(super) fn handle(&mut self, event: RawEvent, now: Instant, out: &mut Vec<Effect>) -> Option<End> {
+        if !matches!(event, RawEvent::StepStart | RawEvent::SessionId(_)) {
+            self.published_content = true;
+        }
+        self.step_content |= !matches!(
+            event,
+            RawEvent::StepStart | RawEvent::SessionId(_) | RawEvent::Error { .. } | RawEvent::Finish { .. }
+        );
+        let (conversation_id, turn_id) = self.ids();
+        match event {
+            RawEvent::StepStart => {
+                self.close_step(now, out);
+                self.step = Some(self.new_step(now));
+                self.step_content = false;
+            }
+            RawEvent::TextDelta(delta) | RawEvent::ReasoningDelta(delta) if delta.is_empty() => {}
+            RawEvent::TextDelta(delta) => {
+                self.open_step().token(now);
+                self.assembler.text(&delta);
+                out.push(Effect::Publish(AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id, turn_id, delta })));
+            }
+            RawEvent::ReasoningDelta(delta) => {
+                self.open_step().token(now);
+                self.assembler.reasoning(&delta);
+                let event = TurnReasoningDeltaEvent { conversation_id, turn_id, delta };
+                out.push(Effect::Publish(AgentEvent::ReasoningDelta(event)));
+            }
+            RawEvent::ToolCall { id, name, input } => {
+                let step_id = self.open_step().step_id.clone();
+                self.call_steps.insert(id.clone(), step_id.clone());
+                self.assembler.tool_call(ToolCallChunk {
+                    tool_call_id: id.clone(),
+                    tool_name: name.clone(),
+                    input: input.clone(),
+                    step_id: Some(step_id.clone()),
+                });
+                out.push(Effect::Publish(AgentEvent::ToolCall(TurnToolCallEvent {
+                    conversation_id,
+                    turn_id,
+                    step_id,
+                    tool_call_id: id,
+                    tool_name: name,
+                    input,
+                })));
+            }
+            RawEvent::ToolOutput { id, data, stream } => {
+                out.push(Effect::Publish(AgentEvent::ToolOutput(TurnToolOutputEvent {
+                    conversation_id,
+                    turn_id,
+                    tool_call_id: id,
+                    data,
+                    stream,
+                })));
+            }
+            RawEvent::ToolResult { id, name, content, is_error, duration_ms } => {
+                self.close_step(now, out);
+                let step_id = self.call_steps.get(&id).cloned().unwrap_or_else(|| self.last_step_id());
+                self.assembler.tool_result(ToolResultChunk {
+                    tool_call_id: id.clone(),
+                    tool_name: name.clone(),
+                    content: content.clone(),
+                    is_error,
+                    step_id: Some(step_id.clone()),
+                });
+                out.push(Effect::Publish(AgentEvent::ToolResult(TurnToolResultEvent {
+                    conversation_id,
+                    turn_id,
+                    step_id,
+                    tool_call_id: id,
+                    tool_name: name,
+                    content,
+                    is_error,
+                    duration_ms,
+                })));
+                self.boundary = now;
+            }
+            RawEvent::Usage(usage) => {
+                if self.step.is_none() && self.tally.step_count() == 0 {
+                    self.step = Some(self.new_step(self.boundary));
+                }
+                let step_id = match &self.step {
+                    Some(s) => s.step_id.clone(),
+                    None => self.last_step_id(),
+                };
+                self.tally.add_usage(self.step.as_mut(), &usage);
+                let event = TurnUsageEvent { conversation_id, turn_id, step_id: Some(step_id), usage };
+                out.push(Effect::Publish(AgentEvent::Usage(event)));
+            }
+            RawEvent::StepEnd => self.close_step(now, out),
+            RawEvent::Finish { reason } => return Some(End::Finished(reason)),
+            RawEvent::Error { message, code } => return Some(End::Failed { message, code }),
+            RawEvent::UserInput(text) => {
+                self.close_step(now, out);
+                self.assembler.user(&text);
+                out.push(Effect::Persist);
+                self.boundary = now;
+            }
+            RawEvent::SessionId(id) => out.push(Effect::SessionId(id)),
+        }
+        None
+    }
+
+    /// A retry after a failed attempt: the step it opened produced nothing.
+    pub(super) fn forget_step(&mut self) {
+        self.step = None;
+    }
+
+    /// The first half of a turn's end: closes the open step (a failed turn's step that produced
+    /// nothing is dropped instead: a request the upstream never answered is no step of the
+    /// model's).
+    pub(super) fn close(&mut self, failed: bool, now: Instant, out: &mut Vec<Effect>) {
+        if failed && !self.step_content {
+            self.step = None;
+        }
+        self.close_step(now, out);
+    }
+
+    /// The second half: `error` (for a failed turn), then `done`. Its duration.
+    pub(super) fn end(&mut self, end: &End, now: Instant, out: &mut Vec<Effect>) -> u64 {
+        let (conversation_id, turn_id) = self.ids();
+        if let End::Failed { message, code } = end {
+            self.assembler.error(message, code.as_deref());
+            out.push(Effect::Publish(AgentEvent::Error(TurnErrorEvent {
+                conversation_id: conversation_id.clone(),
+                turn_id: turn_id.clone(),
+                message: message.clone(),
+                code: code.clone(),
+            })));
+        }
+        let duration_ms = self.tally.duration_ms(now);
+        out.push(Effect::Publish(AgentEvent::Done(TurnDoneEvent {
+            conversation_id,
+            turn_id,
+            reason: end.reason(),
+            duration_ms: Some(duration_ms),
+            usage: self.tally.usage(),
+            context_size: self.tally.context_size(),
+        })));
+        duration_ms
+    }
+
+    fn new_step(&self, started: Instant) -> OpenStep {
+        OpenStep::new(format!("{}#{}", self.turn_id, self.tally.step_count()), started)
+    }
+
+    fn open_step(&mut self) -> &mut OpenStep {
+        if self.step.is_none() {
+            self.step = Some(self.new_step(self.boundary));
+        }
+        self.step.as_mut().expect("just opened")
+    }
+
+    fn last_step_id(&self) -> String {
+        format!("{}#{}", self.turn_id, self.tally.step_count().saturating_sub(1))
+    }
+
+    /// Ends the open step, if any: `step-complete`, then its chunks are written.
+    fn close_step(&mut self, now: Instant, out: &mut Vec<Effect>) {
+        let Some(step) = self.step.take() else { return };
+        let step_id = step.step_id.clone();
+        let timing = self.tally.close_step(step, now);
+        self.boundary = now;
+        let (conversation_id, turn_id) = self.ids();
+        out.push(Effect::Publish(AgentEvent::StepComplete(TurnStepCompleteEvent {
+            conversation_id,
+            turn_id,
+            step_id,
+            ttft_ms: timing.ttft_ms,
+            decode_ms: timing.decode_ms,
+            gen_total_ms: Some(timing.gen_total_ms),
+        })));
+        self.assembler.end_step();
+        out.push(Effect::Persist);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::wire::OutputStream;
+
+    fn raw() -> impl Strategy<Value = RawEvent> {
+        prop_oneof![
+            Just(RawEvent::StepStart),
+            Just(RawEvent::StepEnd),
+            "[a-c ]{0,3}".prop_map(RawEvent::TextDelta),
+            "[x-z]{0,2}".prop_map(RawEvent::ReasoningDelta),
+            (0u8..3).prop_map(|i| RawEvent::ToolCall {
+                id: format!("call{i}"),
+                name: "t".into(),
+                input: serde_json::json!({}),
+            }),
+            (0u8..3).prop_map(|i| RawEvent::ToolOutput {
+                id: format!("call{i}"),
+                data: "o".into(),
+                stream: OutputStream::Stdout
+            }),
+            (0u8..4).prop_map(|i| RawEvent::ToolResult {
+                id: format!("call{i}"),
+                name: "t".into(),
+                content: "r".into(),
+                is_error: false,
+                duration_ms: None,
+            }),
+            (1u64..50).prop_map(|n| RawEvent::Usage(Usage { input_tokens: n, output_tokens: n, cache_read_tokens: None, cache_write_tokens: None })),
+            Just(RawEvent::UserInput("steer".into())),
+            Just(RawEvent::SessionId("s".into())),
+        ]
+    }
+
+    fn end() -> impl Strategy<Value = End> {
+        prop_oneof![
+            Just(End::Finished("stop".into())),
+            Just(End::Failed { message: "boom".into(), code: Some("runtime".into()) }),
+            Just(End::Aborted),
+        ]
+    }
+
+    /// Drives a whole turn, each event a millisecond after the last; what it published, and
+    /// where the chunks were written (indices into the published events).
+    fn drive(events: Vec<RawEvent>, ending: End) -> (Vec<AgentEvent>, TurnSteps, u64) {
+        let t0 = Instant::now();
+        let mut steps = TurnSteps::new("c", "t", t0);
+        let mut out = Vec::new();
+        let mut at = t0;
+        let mut end = None;
+        for event in events {
+            at += Duration::from_millis(1);
+            if let Some(e) = steps.handle(event, at, &mut out) {
+                end = Some(e);
+                break;
+            }
+        }
+        let end = end.unwrap_or(ending);
+        steps.close(matches!(end, End::Failed { .. }), at, &mut out);
+        let duration = steps.end(&end, at, &mut out);
+        let published = out
+            .into_iter()
+            .filter_map(|e| match e {
+                Effect::Publish(event) => Some(event),
+                _ => None,
+            })
+            .collect();
+        (published, steps, duration)
+    }
+
+    proptest! {
+        #[test]
+        fn whole_turns_keep_the_wire_rules(events in proptest::collection::vec(raw(), 0..40), ending in end()) {
+            let texts: String = events.iter().filter_map(|e| match e {
+                RawEvent::TextDelta(d) => Some(d.as_str()),
+                _ => None,
+            }).collect();
+            let (published, steps, _) = drive(events, ending.clone());
+            // `done` ends the turn, once, with the end's reason; `error` comes right before it
+            // exactly when the turn failed.
+            let dones: Vec<_> = published.iter().filter(|e| matches!(e, AgentEvent::Done(_))).collect();
+            prop_assert_eq!(dones.len(), 1);
+            let AgentEvent::Done(done) = published.last().unwrap() else { panic!("done is last") };
+            prop_assert_eq!(&done.reason, &ending.reason());
+            let errors = published.iter().filter(|e| matches!(e, AgentEvent::Error(_))).count();
+            prop_assert_eq!(errors, usize::from(matches!(ending, End::Failed { .. })));
+            // Steps complete once each, numbered in order, and the tally counts them.
+            let completed: Vec<String> = published.iter().filter_map(|e| match e {
+                AgentEvent::StepComplete(s) => Some(s.step_id.clone()),
+                _ => None,
+            }).collect();
+            let numbered: Vec<String> = (0..completed.len()).map(|i| format!("t#{i}")).collect();
+            prop_assert_eq!(&completed, &numbered);
+            prop_assert_eq!(steps.tally.step_count(), completed.len());
+            // genTotalMs is ttftMs + decodeMs exactly.
+            for e in &published {
+                if let AgentEvent::StepComplete(s) = e && let (Some(t), Some(d)) = (s.ttft_ms, s.decode_ms) {
+                    prop_assert_eq!(Some(t + d), s.gen_total_ms);
+                }
+            }
+            // A tool call belongs to a step that completes after it; its result names that step.
+            let mut call_steps = HashMap::new();
+            for (i, e) in published.iter().enumerate() {
+                match e {
+                    AgentEvent::ToolCall(c) => {
+                        let later = published[i..].iter().any(|e| matches!(e, AgentEvent::StepComplete(s) if s.step_id == c.step_id));
+                        prop_assert!(later, "the step of {} completes after it", c.tool_call_id);
+                        call_steps.insert(c.tool_call_id.clone(), c.step_id.clone());
+                    }
+                    AgentEvent::ToolResult(r) => if let Some(step) = call_steps.get(&r.tool_call_id) {
+                        prop_assert_eq!(step, &r.step_id);
+                    },
+                    _ => {}
+                }
+            }
+            // The text deltas published are every non-empty one the runtime sent, in order.
+            let published_text: String = published.iter().filter_map(|e| match e {
+                AgentEvent::TextDelta(d) => Some(d.delta.as_str()),
+                _ => None,
+            }).collect();
+            prop_assert_eq!(published_text, texts);
+        }
+    }
+}
