@@ -5,12 +5,12 @@
 
 /// Flags and environment.
 pub mod config;
+/// The bytes of the wire: SSE, NDJSON, WebSocket frames, HTTP chunks.
+pub mod encoding;
 /// The HTTP API: one module per resource.
 pub mod http;
 /// Replay buffers and fan-out of turn events.
 pub mod hub;
-/// The bytes of the wire: SSE, NDJSON, WebSocket frames, HTTP chunks.
-pub mod encoding;
 /// Live streams between the routes that open them and the connections that serve them.
 pub mod live;
 /// Counters for `GET /metrics`.

@@ -30,7 +30,7 @@ use tower::ServiceExt;
 
 use crate::live::{Cancelled, Handoff, Live, Session};
 
-mod direct;
+mod http1;
 mod websocket;
 
 /// Limits every connection of a listener lives under.
@@ -42,10 +42,10 @@ pub struct ConnectionLimits {
     pub header_read_timeout: Duration,
 }
 
-/// Serves `router` on `listener` over HTTP/1.1 (with upgrades, for WebSockets) until `stop` is
+/// Serves `router` on `listener` over HTTP/1.1 (with upgrades, for WebSockets) until `drained` is
 /// cancelled; then stops accepting, lets each connection finish its request in flight, and
 /// returns when every connection has closed.
-pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimits, stop: CancellationToken) {
+pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimits, drained: CancellationToken) {
     // Every connection task holds a receiver; `closed()` resolves when the last one is gone.
     let (all_closed, connection_alive) = watch::channel(());
     loop {
@@ -59,24 +59,24 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
                     continue;
                 }
             },
-            _ = stop.cancelled() => break,
+            _ = drained.cancelled() => break,
         };
         let _ = stream.set_nodelay(true);
         let router = router.clone();
-        let mut stopped = Cancelled::new(&stop);
+        let mut drained = Cancelled::new(&drained);
         let alive = connection_alive.clone();
         tokio::spawn(async move {
-            // Bodyless GETs first (written by `direct`); hyper takes over at any other request.
+            // Bodyless GETs first (written by `http1`); hyper takes over at any other request.
             let stream = Arc::new(stream);
-            let next = direct::serve(&stream, &router, &limits, &mut stopped).await;
+            let next = http1::serve(&stream, &router, &limits, &mut drained).await;
             // The streams that lent the socket to the hub's rounds have let it go.
             let Ok(mut stream) = Arc::try_unwrap(stream) else {
                 tracing::error!("a connection's socket is still lent out after its streams ended; closing it");
                 return;
             };
             let prefix = match next {
-                direct::Next::Hyper(prefix) => prefix,
-                direct::Next::Closed => {
+                http1::Next::Hyper(prefix) => prefix,
+                http1::Next::Closed => {
                     let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
                     drop(alive);
                     return;
@@ -99,13 +99,13 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout)
-                .max_buf_size(direct::MAX_REQUEST_HEAD)
-                .max_headers(direct::MAX_HEADERS)
+                .max_buf_size(http1::MAX_REQUEST_HEAD)
+                .max_headers(http1::MAX_HEADERS)
                 .keep_alive(true)
                 .serve_connection(io, service)
                 .with_upgrades();
             tokio::pin!(connection);
-            let mut stopping = false;
+            let mut draining = false;
             loop {
                 tokio::select! {
                     biased;
@@ -115,8 +115,8 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
                         }
                         break;
                     }
-                    _ = &mut stopped, if !stopping => {
-                        stopping = true;
+                    _ = &mut drained, if !draining => {
+                        draining = true;
                         connection.as_mut().graceful_shutdown();
                     }
                 }

@@ -9,8 +9,8 @@ use super::AppState;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{ConversationId, QueryParams};
 use super::stream::{watch, watch_response};
-use crate::live::Format;
 use crate::hub::EventId;
+use crate::live::Format;
 
 /// Follows a conversation: the in-flight turn's events replayed from its start (or right after
 /// the resume cursor), then every event of every later turn, until the client leaves.

@@ -28,7 +28,7 @@ pub fn watch(
         keepalive: state.keepalive(),
         store: state.store.clone(),
         conversation_id,
-        shutdown: state.drained.clone(),
+        drained: state.drained.clone(),
         metrics: state.metrics.clone(),
         permit,
     })

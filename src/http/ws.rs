@@ -70,7 +70,7 @@ pub async fn ws(State(state): State<AppState>, request: Request) -> Result<Respo
         metrics: state.metrics.clone(),
         statuses: state.turns.status_changes(),
         keepalive: state.keepalive(),
-        shutdown: state.drained.clone(),
+        drained: state.drained.clone(),
         max_message: state.config.max_body_bytes,
         message_timeout: Duration::from_secs(state.config.ws_message_timeout_secs.max(1)),
         permit,
@@ -103,8 +103,17 @@ fn accept_key(headers: &HeaderMap) -> Result<header::HeaderValue, Handshake> {
         .get(header::SEC_WEBSOCKET_KEY)
         .filter(|k| !k.is_empty())
         .ok_or(Handshake::Bad("`Sec-WebSocket-Key` is required"))?;
-    let accept = tungstenite::handshake::derive_accept_key(key.as_bytes());
-    Ok(header::HeaderValue::from_str(&accept).expect("base64 is a valid header value"))
+    Ok(header::HeaderValue::from_str(&accept_value(key.as_bytes())).expect("base64 is a valid header value"))
+}
+
+/// `Sec-WebSocket-Accept` for a key: the base64 of the SHA-1 of the key and the protocol's GUID.
+fn accept_value(key: &[u8]) -> String {
+    use base64::Engine;
+    use sha1::Digest;
+    let mut sha = sha1::Sha1::new();
+    sha.update(key);
+    sha.update(b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11");
+    base64::engine::general_purpose::STANDARD.encode(sha.finalize())
 }
 
 /// Whether `origin` (`scheme://host[:port]`) names the host the request was sent to.
@@ -211,7 +220,17 @@ fn subscribe(session: &mut Session, conversation_id: &str) -> bool {
     chat_error(
         session,
         Some(conversation_id),
-        format!("this connection already follows {cap} conversations (max-ws-subscriptions); unsubscribe from one first"),
+        format!(
+            "this connection already follows {cap} conversations (max-ws-subscriptions); unsubscribe from one first"
+        ),
     );
     false
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_accept_key_is_the_rfc_6455_example() {
+        assert_eq!(super::accept_value(b"dGhlIHNhbXBsZSBub25jZQ=="), "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=");
+    }
 }

@@ -51,7 +51,10 @@ impl Drop for Reader {
 
 enum Position {
     /// Reading a turn; `next` is the index of the next event to hand out.
-    Reading { buffer: Reader, next: u32 },
+    Reading {
+        buffer: Reader,
+        next: u32,
+    },
     /// Caught up with every turn so far; waiting for the next one to begin.
     Waiting(Arc<NextTurn>),
     Done,

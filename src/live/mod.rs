@@ -106,4 +106,3 @@ impl Future for Cancelled {
         ready
     }
 }
-

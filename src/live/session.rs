@@ -37,8 +37,9 @@ pub struct SessionSetup {
     pub statuses: broadcast::Receiver<StatusChange>,
     /// The period of pings to the client.
     pub keepalive: Option<Duration>,
-    /// Cancelled at shutdown: deliver what is available, then close with 1001.
-    pub shutdown: CancellationToken,
+    /// Cancelled at shutdown once the turns have drained: deliver what is available, then
+    /// close with 1001.
+    pub drained: CancellationToken,
     /// Largest message (fragments joined) the client may send.
     pub max_message: usize,
     /// How long a frame, or a fragmented message, may take to arrive whole.
@@ -57,7 +58,7 @@ pub struct Session {
     subscriptions: Subscriptions,
     statuses: Option<broadcast::Receiver<StatusChange>>,
     pub keepalive: Option<Duration>,
-    pub shutdown: CancellationToken,
+    pub drained: CancellationToken,
     pub max_message: usize,
     pub message_timeout: Duration,
     _permit: StreamPermit,
@@ -75,7 +76,7 @@ impl Session {
             out: BytesMut::new(),
             statuses: Some(setup.statuses),
             keepalive: setup.keepalive,
-            shutdown: setup.shutdown,
+            drained: setup.drained,
             max_message: setup.max_message,
             message_timeout: setup.message_timeout,
             _permit: setup.permit,

@@ -69,8 +69,8 @@ pub struct WatchSetup {
     pub keepalive: Option<Duration>,
     pub store: Store,
     pub conversation_id: String,
-    /// Cancelled at shutdown: deliver what is available, then end.
-    pub shutdown: CancellationToken,
+    /// Cancelled at shutdown once the turns have drained: deliver what is available, then end.
+    pub drained: CancellationToken,
     pub metrics: Arc<Metrics>,
     /// Holds this stream's place under the cap until the stream ends.
     pub permit: StreamPermit,
@@ -86,7 +86,7 @@ pub struct Watch {
     conversation_id: String,
     pub metrics: Arc<Metrics>,
     ticker: Option<Interval>,
-    shutdown: Cancelled,
+    drained: Cancelled,
     /// Something went out since the last keep-alive tick (no keep-alive is due then).
     sent: bool,
     _permit: StreamPermit,
@@ -97,8 +97,8 @@ pub enum Wake {
     Delivery(Delivery),
     /// The keep-alive period passed.
     Tick,
-    /// The gateway is shutting down.
-    Shutdown,
+    /// The turns have drained at shutdown: what is available goes out, then the end.
+    Drained,
 }
 
 /// What to do next.
@@ -133,7 +133,7 @@ impl Watch {
             conversation_id: setup.conversation_id,
             metrics: setup.metrics,
             ticker,
-            shutdown: Cancelled::new(&setup.shutdown),
+            drained: Cancelled::new(&setup.drained),
             sent: false,
             _permit: setup.permit,
         }
@@ -160,7 +160,7 @@ impl Watch {
             Wake::Delivery(delivery) => delivery,
             Wake::Tick if std::mem::take(&mut self.sent) => return Step::Idle,
             Wake::Tick => return Step::Write(self.format.keepalive()),
-            Wake::Shutdown => self.cursor.try_batch(BATCH).unwrap_or(Delivery::End),
+            Wake::Drained => self.cursor.try_batch(BATCH).unwrap_or(Delivery::End),
         };
         let step = match delivery {
             Delivery::Events(events) => {
@@ -208,15 +208,15 @@ impl Watch {
         if self.ticker.as_mut().is_some_and(|t| t.poll_tick(cx).is_ready()) {
             return Poll::Ready(Wake::Tick);
         }
-        if Pin::new(&mut self.shutdown).poll(cx).is_ready() {
-            return Poll::Ready(Wake::Shutdown);
+        if Pin::new(&mut self.drained).poll(cx).is_ready() {
+            return Poll::Ready(Wake::Drained);
         }
         Poll::Pending
     }
 
     /// Waits for the next wake: a delivery first, then the timers.
     pub async fn wake(&mut self) -> Wake {
-        let Watch { cursor, ticker, shutdown, .. } = self;
+        let Watch { cursor, ticker, drained, .. } = self;
         let delivery = cursor.next_batch(BATCH);
         tokio::pin!(delivery);
         std::future::poll_fn(|cx| {
@@ -226,7 +226,7 @@ impl Watch {
             if ticker.as_mut().is_some_and(|t| t.poll_tick(cx).is_ready()) {
                 return Poll::Ready(Wake::Tick);
             }
-            Pin::new(&mut *shutdown).poll(cx).map(|()| Wake::Shutdown)
+            Pin::new(&mut *drained).poll(cx).map(|()| Wake::Drained)
         })
         .await
     }

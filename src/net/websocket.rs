@@ -1,5 +1,5 @@
 //! WebSocket sessions (RFC 6455, server side): every session the gateway serves, whether its
-//! upgrade was the connection's first request (`net::direct`) or followed others (hyper hands
+//! upgrade was the connection's first request (`net::http1`) or followed others (hyper hands
 //! the socket back). The ops are the routes' ([`crate::live::Ops`]).
 //!
 //! One loop per session reads the client's frames, handles their ops, and writes everything the
@@ -33,7 +33,7 @@ use bytes::BytesMut;
 use tokio::net::TcpStream;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
-use super::direct::{Parking, write_all};
+use super::http1::{Parking, write_all};
 use crate::encoding::{WS_CLOSE, put_ws_frame};
 use crate::hub::{Delivery, Encoding};
 use crate::live::{Cancelled, Session};
@@ -247,7 +247,7 @@ pub async fn serve(stream: &Arc<TcpStream>, mut session: Session, read: Vec<u8>,
     let mut held: Vec<StatusChange> = Vec::new();
     let mut held_until: Option<Pin<Box<tokio::time::Sleep>>> = None;
     let mut ping = session.keepalive.map(|p| tokio::time::interval_at(tokio::time::Instant::now() + p, p));
-    let mut drained = Cancelled::new(&session.shutdown);
+    let mut drained = Cancelled::new(&session.drained);
     let mut parking = Parking::new(stream, Encoding::Ws, session.metrics.clone());
     let mut out = BytesMut::new();
     let mut draining = false;

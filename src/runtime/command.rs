@@ -54,9 +54,9 @@ impl Agent {
     }
 }
 
-/// One conversation's slot: the agent (when alive) and its restart bookkeeping.
+/// One conversation's agent (when alive) and its restart bookkeeping.
 #[derive(Default)]
-struct Slot {
+struct AgentState {
     agent: Option<Agent>,
     failures: u32,
     last_death: Option<Instant>,
@@ -69,7 +69,7 @@ pub struct CommandRuntime {
 struct Inner {
     name: String,
     settings: CommandCredential,
-    slots: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Slot>>>>,
+    agents: Mutex<HashMap<String, Arc<tokio::sync::Mutex<AgentState>>>>,
     /// Counts turns per conversation, so an idle timer knows whether a turn came since.
     uses: Mutex<HashMap<String, Arc<AtomicU64>>>,
     fence: CancellationToken,
@@ -82,7 +82,7 @@ impl CommandRuntime {
             inner: Arc::new(Inner {
                 name: name.to_owned(),
                 settings,
-                slots: Mutex::default(),
+                agents: Mutex::default(),
                 uses: Mutex::default(),
                 fence: CancellationToken::new(),
                 turns: TaskTracker::new(),
@@ -92,8 +92,8 @@ impl CommandRuntime {
 }
 
 impl Inner {
-    fn slot(&self, conversation_id: &str) -> Arc<tokio::sync::Mutex<Slot>> {
-        self.slots.lock().unwrap_or_else(|p| p.into_inner()).entry(conversation_id.to_owned()).or_default().clone()
+    fn agent_state(&self, conversation_id: &str) -> Arc<tokio::sync::Mutex<AgentState>> {
+        self.agents.lock().unwrap_or_else(|p| p.into_inner()).entry(conversation_id.to_owned()).or_default().clone()
     }
 
     fn uses(&self, conversation_id: &str) -> Arc<AtomicU64> {
@@ -174,7 +174,7 @@ impl Inner {
     }
 
     async fn turn(&self, req: TurnRequest, sink: EventSink, cancel: CancellationToken) -> Result<(), RuntimeError> {
-        let slot = self.slot(&req.conversation_id);
+        let slot = self.agent_state(&req.conversation_id);
         let mut slot = slot.lock().await;
         self.uses(&req.conversation_id).fetch_add(1, Ordering::Relaxed);
         let alive = match slot.agent.as_mut() {
@@ -336,7 +336,7 @@ impl Inner {
     fn arm_idle_timer(&self, conversation_id: &str) {
         let uses = self.uses(conversation_id);
         let seen = uses.load(Ordering::Relaxed);
-        let slot = self.slot(conversation_id);
+        let slot = self.agent_state(conversation_id);
         let idle = Duration::from_secs(self.settings.idle_timeout_secs.max(1));
         let fence = self.fence.clone();
         tokio::spawn(async move {
@@ -384,8 +384,9 @@ impl Runtime for CommandRuntime {
             inner.fence.cancel();
             inner.turns.close();
             inner.turns.wait().await;
-            let slots: Vec<_> = inner.slots.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, s)| s).collect();
-            for slot in slots {
+            let agents: Vec<_> =
+                inner.agents.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, s)| s).collect();
+            for slot in agents {
                 if let Some(agent) = slot.lock().await.agent.take() {
                     agent.kill().await;
                 }

@@ -51,7 +51,7 @@ impl Store {
     /// A window of the log. The stored JSON text is joined unparsed, straight from SQLite's
     /// row buffers into the page: the database refuses to store a chunk that is not JSON or a
     /// role outside the four (migration 0003), so what is joined is JSON. Windows of at most
-    /// `INLINE_WINDOW_LIMIT` chunks are read on the calling thread (see `direct`), larger ones
+    /// `INLINE_WINDOW_LIMIT` chunks are read on the calling thread (see `readers.rs`), larger ones
     /// on the blocking pool.
     pub async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<HistoryPage> {
         let since = i64::try_from(w.since_seq).unwrap_or(i64::MAX);
@@ -60,9 +60,9 @@ impl Store {
         let conversation_id = conversation_id.to_owned();
         let read = move |c: &rusqlite::Connection| read_window(c, &sql, &conversation_id, since, before);
         if w.limit.is_some_and(|l| l <= INLINE_WINDOW_LIMIT) {
-            self.direct.run(read).await
+            self.readers.run(read).await
         } else {
-            self.direct.run_blocking(read).await
+            self.readers.run_blocking(read).await
         }
     }
 
@@ -353,10 +353,10 @@ mod tests {
             let page = read.await.unwrap();
             assert_eq!(String::from_utf8(page.items).unwrap(), expected(i * 10 + 1..=i * 10 + 50));
         }
-        assert!((1..=super::super::direct::IDLE_CONNECTIONS).contains(&store.direct.idle()));
+        assert!((1..=super::super::readers::IDLE_CONNECTIONS).contains(&store.readers.idle()));
         // Closed: no connection stays open.
         store.close().await;
-        assert_eq!(store.direct.idle(), 0);
+        assert_eq!(store.readers.idle(), 0);
     }
 
     #[tokio::test]

@@ -2,13 +2,13 @@
 //!
 //! All writes go through one connection (`writer`), so transactions never contend with each
 //! other inside the process and `seq` is assigned in the same transaction that inserts the rows.
-//! Reads use separate read-only connections (sqlx's pool, and `direct` for history windows)
+//! Reads use separate read-only connections (sqlx's pool, and `readers` for history windows)
 //! and, thanks to WAL, never wait for the writer.
 
 mod batch;
 mod conversations;
-mod direct;
 mod log;
+mod readers;
 mod reads;
 mod script;
 mod turns;
@@ -112,7 +112,7 @@ pub struct Store {
     writer: SqlitePool,
     reader: SqlitePool,
     /// Read-only connections for the hot reads (history windows), run without a thread hop.
-    direct: direct::Readers,
+    readers: readers::Readers,
     /// The connection background checkpoints run on.
     checkpointer: SqlitePool,
     metrics: Arc<Metrics>,
@@ -194,9 +194,9 @@ impl Store {
         let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.clone().read_only(true)).await?;
         let checkpointer = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
         tokio::spawn(checkpoints(checkpointer.clone(), metrics.clone()));
-        let direct = direct::Readers::new(path, limits.busy_timeout);
+        let readers = readers::Readers::new(path, limits.busy_timeout);
         let mut store =
-            Store { writer, reader, direct, checkpointer, metrics, write_fault: Arc::default(), queue: None };
+            Store { writer, reader, readers, checkpointer, metrics, write_fault: Arc::default(), queue: None };
         let (queue, writes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(store.clone().run_writer(writes));
         store.queue = Some(queue);
@@ -240,7 +240,7 @@ impl Store {
 
     /// Closes the pools, waiting for queries in flight; the WAL is checkpointed on close.
     pub async fn close(&self) {
-        self.direct.close();
+        self.readers.close();
         self.checkpointer.close().await;
         self.reader.close().await;
         self.writer.close().await;

@@ -101,7 +101,8 @@ pub struct Queued {
     pub queue: Vec<QueuedMessage>,
 }
 
-enum Slot {
+/// What a conversation is busy with: at most one of these at a time.
+enum Busy {
     /// Reserved while the turn's first rows are written.
     Starting,
     Running {
@@ -118,7 +119,7 @@ pub struct Turns {
     store: Store,
     hub: Arc<Hub>,
     registry: Arc<Registry>,
-    slots: Mutex<HashMap<String, Slot>>,
+    busy: Mutex<HashMap<String, Busy>>,
     statuses: broadcast::Sender<StatusChange>,
     /// Set at shutdown: no new turn starts.
     closing: CancellationToken,
@@ -126,7 +127,7 @@ pub struct Turns {
     queue_limits: QueueLimits,
 }
 
-/// Frees a reserved slot unless the reservation was turned into a running turn.
+/// Frees a reservation unless the reservation was turned into a running turn.
 struct Reservation<'a> {
     turns: &'a Turns,
     conversation_id: &'a str,
@@ -154,7 +155,7 @@ impl Turns {
             store,
             hub,
             registry,
-            slots: Mutex::new(HashMap::new()),
+            busy: Mutex::new(HashMap::new()),
             statuses,
             closing: CancellationToken::new(),
             metrics,
@@ -177,7 +178,7 @@ impl Turns {
 
     /// Whether a turn is running (or starting) in this conversation.
     pub fn is_active(&self, conversation_id: &str) -> bool {
-        matches!(self.lock().get(conversation_id), Some(Slot::Starting | Slot::Running { .. } | Slot::Sealing))
+        matches!(self.lock().get(conversation_id), Some(Busy::Starting | Busy::Running { .. } | Busy::Sealing))
     }
 
     /// Starts a turn: picks the model, reserves the conversation (409 when busy), writes the
@@ -209,7 +210,7 @@ impl Turns {
         let Some((runtime, native_model)) = self.registry.resolve(&model) else {
             return Err(StartError::UnknownModel(model));
         };
-        let mut reservation = self.reserve(&req.conversation_id, Slot::Starting)?;
+        let mut reservation = self.reserve(&req.conversation_id, Busy::Starting)?;
 
         let turn_id = uuid::Uuid::now_v7().to_string();
         let recorded = respond.map(|f| f(&turn_id));
@@ -243,7 +244,7 @@ impl Turns {
 
         let cancel = CancellationToken::new();
         let inbox = Arc::new(Inbox::default());
-        self.lock().insert(req.conversation_id.clone(), Slot::Running { cancel: cancel.clone(), inbox: inbox.clone() });
+        self.lock().insert(req.conversation_id.clone(), Busy::Running { cancel: cancel.clone(), inbox: inbox.clone() });
         reservation.armed = false;
         self.announce(&req.conversation_id, ConversationStatus::Active);
         self.metrics.turns_started.fetch_add(1, Relaxed);
@@ -292,7 +293,7 @@ impl Turns {
     /// whether there was one.
     pub fn stop(&self, conversation_id: &str) -> bool {
         match self.lock().get(conversation_id) {
-            Some(Slot::Running { cancel, .. }) => {
+            Some(Busy::Running { cancel, .. }) => {
                 cancel.cancel();
                 true
             }
@@ -321,7 +322,7 @@ impl Turns {
     /// turn with it when none runs.
     pub async fn queue(self: &Arc<Self>, conversation_id: &str, text: String) -> Result<Queued, StartError> {
         let message = QueuedMessage { id: uuid::Uuid::now_v7().to_string(), text, queued_at: now_ms() };
-        if let Some(Slot::Running { inbox, .. }) = self.lock().get(conversation_id) {
+        if let Some(Busy::Running { inbox, .. }) = self.lock().get(conversation_id) {
             let queue = inbox.push(message, self.queue_limits).map_err(StartError::QueueFull)?;
             return Ok(Queued { started_turn: false, queue });
         }
@@ -338,7 +339,7 @@ impl Turns {
 
     /// Deletes a conversation unless a turn runs in it. `Ok(false)` when it did not exist.
     pub async fn delete(&self, conversation_id: &str) -> Result<bool, StartError> {
-        let _reservation = self.reserve(conversation_id, Slot::Deleting)?;
+        let _reservation = self.reserve(conversation_id, Busy::Deleting)?;
         Ok(self.store.delete_conversation(conversation_id).await?)
     }
 
@@ -353,8 +354,8 @@ impl Turns {
     /// Refuses new turns and asks every running turn to end (`done{aborted}`); for shutdown.
     pub fn abort_all(&self) {
         self.closing.cancel();
-        for slot in self.lock().values() {
-            if let Slot::Running { cancel, .. } = slot {
+        for busy in self.lock().values() {
+            if let Busy::Running { cancel, .. } = busy {
                 cancel.cancel();
             }
         }
@@ -367,15 +368,15 @@ impl Turns {
 
     /// Number of turns running now.
     pub fn running(&self) -> usize {
-        self.lock().values().filter(|s| matches!(s, Slot::Running { .. })).count()
+        self.lock().values().filter(|s| matches!(s, Busy::Running { .. })).count()
     }
 
-    fn reserve<'a>(&'a self, conversation_id: &'a str, slot: Slot) -> Result<Reservation<'a>, StartError> {
-        let mut slots = self.lock();
-        if slots.contains_key(conversation_id) {
+    fn reserve<'a>(&'a self, conversation_id: &'a str, what: Busy) -> Result<Reservation<'a>, StartError> {
+        let mut busy = self.lock();
+        if busy.contains_key(conversation_id) {
             return Err(StartError::Busy);
         }
-        slots.insert(conversation_id.to_owned(), slot);
+        busy.insert(conversation_id.to_owned(), what);
         Ok(Reservation { turns: self, conversation_id, armed: true })
     }
 
@@ -387,11 +388,11 @@ impl Turns {
 
     /// Keeps the conversation reserved after its turn ended, until the seal commits.
     fn hold_for_sealing(&self, conversation_id: &str) {
-        self.lock().insert(conversation_id.to_owned(), Slot::Sealing);
+        self.lock().insert(conversation_id.to_owned(), Busy::Sealing);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
-        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Busy>> {
+        self.busy.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn hub(&self) -> &Arc<Hub> {

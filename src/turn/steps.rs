@@ -97,7 +97,11 @@ impl TurnSteps {
             RawEvent::TextDelta(delta) => {
                 self.open_step().token(now);
                 self.assembler.text(&delta);
-                out.push(Effect::Publish(AgentEvent::TextDelta(TurnTextDeltaEvent { conversation_id, turn_id, delta })));
+                out.push(Effect::Publish(AgentEvent::TextDelta(TurnTextDeltaEvent {
+                    conversation_id,
+                    turn_id,
+                    delta,
+                })));
             }
             RawEvent::ReasoningDelta(delta) => {
                 self.open_step().token(now);
@@ -286,7 +290,12 @@ mod tests {
                 is_error: false,
                 duration_ms: None,
             }),
-            (1u64..50).prop_map(|n| RawEvent::Usage(Usage { input_tokens: n, output_tokens: n, cache_read_tokens: None, cache_write_tokens: None })),
+            (1u64..50).prop_map(|n| RawEvent::Usage(Usage {
+                input_tokens: n,
+                output_tokens: n,
+                cache_read_tokens: None,
+                cache_write_tokens: None
+            })),
             Just(RawEvent::UserInput("steer".into())),
             Just(RawEvent::SessionId("s".into())),
         ]

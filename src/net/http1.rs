@@ -55,10 +55,15 @@ pub enum Next {
 
 /// Serves the connection's requests until one that is hyper's, the end of the connection, or
 /// shutdown (between requests).
-pub async fn serve(stream: &Arc<TcpStream>, router: &Router, limits: &ConnectionLimits, stopped: &mut Cancelled) -> Next {
+pub async fn serve(
+    stream: &Arc<TcpStream>,
+    router: &Router,
+    limits: &ConnectionLimits,
+    drained: &mut Cancelled,
+) -> Next {
     let mut pending = Vec::new();
     loop {
-        let (request, close) = match read_head(stream, &mut pending, limits.header_read_timeout, stopped).await {
+        let (request, close) = match read_head(stream, &mut pending, limits.header_read_timeout, drained).await {
             Head::Direct(request, close) => (request, close),
             Head::Other => return Next::Hyper(pending),
             Head::Closed => return Next::Closed,
@@ -108,7 +113,7 @@ async fn refuse(stream: &TcpStream, status: StatusCode, why: &str, drain: Durati
 }
 
 /// Reads until `pending` holds a complete request head and parses it.
-async fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, timeout: Duration, stopped: &mut Cancelled) -> Head {
+async fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, timeout: Duration, drained: &mut Cancelled) -> Head {
     let deadline = Instant::now() + timeout;
     loop {
         if !pending.is_empty() {
@@ -148,7 +153,7 @@ async fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, timeout: Duration,
         }
         tokio::select! {
             biased;
-            _ = &mut *stopped => return Head::Closed,
+            _ = &mut *drained => return Head::Closed,
             ready = stream.readable() => if ready.is_err() { return Head::Closed },
             _ = tokio::time::sleep_until(deadline) => return Head::Closed,
         }
@@ -504,9 +509,9 @@ mod tests {
         let limits =
             ConnectionLimits { drain_timeout: Duration::from_secs(1), header_read_timeout: Duration::from_secs(1) };
         let token = tokio_util::sync::CancellationToken::new();
-        let mut stopped = Cancelled::new(&token);
+        let mut drained = Cancelled::new(&token);
         let router = Router::new();
-        let connection = serve(&stream, &router, &limits, &mut stopped);
+        let connection = serve(&stream, &router, &limits, &mut drained);
         // Every connection's task holds this state for its whole life, idle watchers included
         // (10,000 of them in W4): what a WebSocket session needs is boxed when one opens. About
         // 2 KiB in a test build (5 KiB with the session inline); less in a release build.
