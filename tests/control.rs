@@ -261,12 +261,20 @@ async fn server_frame(socket: &mut tokio::net::TcpStream) -> (u8, Vec<u8>) {
 
 /// The next text frame's JSON, skipping status changes.
 async fn next_json(socket: &mut tokio::net::TcpStream) -> Value {
+    let (first, payload) = next_frame(socket).await;
+    assert_eq!(first, 0x81, "a final text frame");
+    serde_json::from_slice(&payload).unwrap()
+}
+
+/// The next frame that is not a `conversation.statusChanged`: those may come at any point
+/// after a turn starts or seals.
+async fn next_frame(socket: &mut tokio::net::TcpStream) -> (u8, Vec<u8>) {
     loop {
         let (first, payload) = server_frame(socket).await;
-        assert_eq!(first, 0x81, "a final text frame");
-        let m: Value = serde_json::from_slice(&payload).unwrap();
-        if m["type"] != "conversation.statusChanged" {
-            return m;
+        let status = first == 0x81
+            && serde_json::from_slice::<Value>(&payload).is_ok_and(|m| m["type"] == "conversation.statusChanged");
+        if !status {
+            return (first, payload);
         }
     }
 }
@@ -309,7 +317,7 @@ async fn websocket_frames_on_the_wire() {
 
     // An unmasked frame is a protocol error: close 1002, then the connection ends.
     socket.write_all(&[0x81, 0x02, b'h', b'i']).await.unwrap();
-    assert_eq!(server_frame(&mut socket).await, (0x88, 1002u16.to_be_bytes().to_vec()));
+    assert_eq!(next_frame(&mut socket).await, (0x88, 1002u16.to_be_bytes().to_vec()));
     let mut rest = Vec::new();
     socket.read_to_end(&mut rest).await.unwrap();
     assert!(rest.is_empty(), "{rest:?}");
@@ -318,7 +326,7 @@ async fn websocket_frames_on_the_wire() {
     let (_, mut socket) = handshake(&server, "13").await;
     next_json(&mut socket).await;
     socket.write_all(&client_frame(0x88, &1000u16.to_be_bytes())).await.unwrap();
-    assert_eq!(server_frame(&mut socket).await, (0x88, 1000u16.to_be_bytes().to_vec()));
+    assert_eq!(next_frame(&mut socket).await, (0x88, 1000u16.to_be_bytes().to_vec()));
     socket.read_to_end(&mut rest).await.unwrap();
     assert!(rest.is_empty(), "{rest:?}");
 
@@ -326,7 +334,7 @@ async fn websocket_frames_on_the_wire() {
     let (_, mut socket) = handshake(&server, "13").await;
     next_json(&mut socket).await;
     socket.write_all(&client_frame(0x81, &[0xc3, 0x28])).await.unwrap();
-    assert_eq!(server_frame(&mut socket).await, (0x88, 1007u16.to_be_bytes().to_vec()));
+    assert_eq!(next_frame(&mut socket).await, (0x88, 1007u16.to_be_bytes().to_vec()));
 
     // A handshake of another version is refused with a JSON error.
     let (head, mut socket) = handshake(&server, "8").await;

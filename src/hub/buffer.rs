@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use super::event::{EncodedEvent, Kind};
 use super::pacing::{Decision, FlushWindow, Pacing, Round};
-use super::parked::Attached;
+use super::parked::{self, Attached, ParkedStream};
 use crate::wire::{AgentEvent, TurnReasoningDeltaEvent, TurnTextDeltaEvent};
 
 /// Where the next turn of a conversation will appear: each buffer holds the one its successor
@@ -148,13 +148,13 @@ impl TurnBuffer {
         match round {
             Round::Everyone => {
                 self.grown.notify_waiters();
-                self.pump_parked(None);
+                parked::round(self, None);
             }
             Round::Phases { k, due } => {
                 if due[0] {
                     self.grown.notify_waiters();
                 }
-                self.pump_parked(Some((k, due)));
+                parked::round(self, Some((k, due)));
             }
             Round::Held => {}
         }
@@ -239,6 +239,19 @@ impl TurnBuffer {
         self.held.fetch_add(st.bytes.wrapping_sub(before), Relaxed);
         st.threshold = self.cap.max(st.bytes + self.cap / 2);
         tracing::debug!(turn = %self.turn_id, before, after = st.bytes, "coalesced the replay buffer");
+    }
+
+    pub(super) fn attached(&self) -> MutexGuard<'_, Attached> {
+        self.parked.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Lets rounds write to `stream` (parked or not).
+    pub fn attach(&self, stream: &Arc<ParkedStream>) {
+        self.attached().attach(stream);
+    }
+
+    pub fn detach(&self, stream: &Arc<ParkedStream>) {
+        self.attached().detach(stream);
     }
 
     /// Bytes held by the events of this turn.

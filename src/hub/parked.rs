@@ -184,7 +184,7 @@ impl ParkedStream {
         let built = match chunks.built.iter().find(|(next, encoding, _)| *next == st.next && *encoding == self.encoding)
         {
             Some((_, _, built)) => built.clone(),
-            None => match buffer.chunk(st.next, self.encoding) {
+            None => match chunk(buffer, st.next, self.encoding) {
                 Ready::Nothing => return,
                 Ready::Lost => return self.hand_back(st),
                 Ready::Chunk(built) => {
@@ -229,97 +229,94 @@ pub(super) struct Attached {
     next_phase: u32,
 }
 
-impl TurnBuffer {
-    /// The events from `next` on as one write: an HTTP/1.1 chunk, or WebSocket frames.
-    fn chunk(&self, next: u32, encoding: Encoding) -> Ready {
-        let st = self.state();
-        let start = start_of(&st.events, next);
-        let Some(first) = st.events.get(start) else { return Ready::Nothing };
-        if first.first < next {
-            return Ready::Lost;
-        }
-        let end = st.events.len().min(start + BATCH);
-        let events = &st.events[start..end];
-        let len: usize = events.iter().map(|f| encoding.len(f)).sum();
-        let mut size = [0u8; 18];
-        let size = if encoding == Encoding::Ws { &[][..] } else { chunk_size(&mut size, len) };
-        let mut chunk = BytesMut::with_capacity(size.len() + len + 2);
-        chunk.extend_from_slice(size);
-        for f in events {
-            encoding.put(&mut chunk, f);
-        }
-        if encoding != Encoding::Ws {
-            chunk.extend_from_slice(CHUNK_END);
-        }
-        let last = &events[events.len() - 1];
-        Ready::Chunk(Built {
-            chunk: chunk.freeze(),
-            events: events.len(),
-            next: last.last + 1,
-            sealed: last.is_sealed(),
-            more: end < st.events.len(),
-        })
+/// The events from `next` on as one write: an HTTP/1.1 chunk, or WebSocket frames.
+fn chunk(buffer: &TurnBuffer, next: u32, encoding: Encoding) -> Ready {
+    let st = buffer.state();
+    let start = start_of(&st.events, next);
+    let Some(first) = st.events.get(start) else { return Ready::Nothing };
+    if first.first < next {
+        return Ready::Lost;
     }
-
-    fn attached(&self) -> MutexGuard<'_, Attached> {
-        self.parked.lock().unwrap_or_else(|p| p.into_inner())
+    let end = st.events.len().min(start + BATCH);
+    let events = &st.events[start..end];
+    let len: usize = events.iter().map(|f| encoding.len(f)).sum();
+    let mut size = [0u8; 18];
+    let size = if encoding == Encoding::Ws { &[][..] } else { chunk_size(&mut size, len) };
+    let mut chunk = BytesMut::with_capacity(size.len() + len + 2);
+    chunk.extend_from_slice(size);
+    for f in events {
+        encoding.put(&mut chunk, f);
     }
+    if encoding != Encoding::Ws {
+        chunk.extend_from_slice(CHUNK_END);
+    }
+    let last = &events[events.len() - 1];
+    Ready::Chunk(Built {
+        chunk: chunk.freeze(),
+        events: events.len(),
+        next: last.last + 1,
+        sealed: last.is_sealed(),
+        more: end < st.events.len(),
+    })
+}
 
+impl Attached {
     /// Lets rounds write to `stream` (parked or not), in the next phase.
-    pub fn attach(&self, stream: &Arc<ParkedStream>) {
-        let mut attached = self.attached();
-        let phase = attached.next_phase;
-        attached.next_phase = phase.wrapping_add(1);
-        attached.streams.push((phase, stream.clone()));
+    pub(super) fn attach(&mut self, stream: &Arc<ParkedStream>) {
+        let phase = self.next_phase;
+        self.next_phase = phase.wrapping_add(1);
+        self.streams.push((phase, stream.clone()));
     }
 
-    pub fn detach(&self, stream: &Arc<ParkedStream>) {
-        self.attached().streams.retain(|(_, s)| !Arc::ptr_eq(s, stream));
+    pub(super) fn detach(&mut self, stream: &Arc<ParkedStream>) {
+        self.streams.retain(|(_, s)| !Arc::ptr_eq(s, stream));
     }
 
-    /// Writes the new events to the parked streams: all of them, or those of the phases due in
-    /// a share of `k` (see `pacing.rs`). A round of many streams is shared out among the
-    /// runtime's workers (one part here, the others spawned, at most [`PART`] each), so its
-    /// writes use every core as the watchers' own tasks would.
-    /// With the window closed a round comes with every event, and writing each one to each
-    /// socket would cost a write per event where woken tasks batch a burst: the streams go back
-    /// to their tasks instead.
-    pub(super) fn pump_parked(self: &Arc<Self>, phases: Option<(u32, [bool; PHASES])>) {
-        let streams: Vec<Arc<ParkedStream>> = {
-            let attached = self.attached();
-            let due = |phase: u32| phases.is_none_or(|(k, due)| due[(phase % k) as usize]);
-            attached.streams.iter().filter(|(phase, _)| due(*phase)).map(|(_, s)| s.clone()).collect()
-        };
-        if streams.is_empty() {
-            return;
-        }
-        if !self.paced() {
-            for stream in &streams {
-                stream.release();
-            }
-            return;
-        }
-        let workers = match tokio::runtime::Handle::try_current() {
-            Ok(runtime) if streams.len() > SHARED_PAST => Some((runtime.metrics().num_workers(), runtime)),
-            _ => None,
-        };
-        let Some((workers, runtime)) = workers.filter(|(workers, _)| *workers > 1) else {
-            return self.pump(&streams);
-        };
-        let mut parts = streams.chunks(streams.len().div_ceil(workers).min(PART));
-        let here = parts.next().unwrap_or_default();
-        for part in parts {
-            let (buffer, part) = (self.clone(), part.to_vec());
-            runtime.spawn(async move { buffer.pump(&part) });
-        }
-        self.pump(here);
+    /// The streams of the phases due in a share of `k` (all of them without).
+    fn due(&self, phases: Option<(u32, [bool; PHASES])>) -> Vec<Arc<ParkedStream>> {
+        let due = |phase: u32| phases.is_none_or(|(k, due)| due[(phase % k) as usize]);
+        self.streams.iter().filter(|(phase, _)| due(*phase)).map(|(_, s)| s.clone()).collect()
     }
+}
 
-    fn pump(&self, streams: &[Arc<ParkedStream>]) {
-        let mut chunks = Chunks::default();
-        for stream in streams {
-            stream.pump(self, &mut chunks);
+/// A round's writes to `buffer`'s parked streams: all of them, or those of the phases due in a
+/// share of `k` (see `pacing.rs`). A round of many streams is shared out among the runtime's
+/// workers (one part here, the others spawned, at most [`PART`] each), so its writes use every
+/// core as the watchers' own tasks would.
+/// With the window closed a round comes with every event, and writing each one to each socket
+/// would cost a write per event where woken tasks batch a burst: the streams go back to their
+/// tasks instead.
+pub(super) fn round(buffer: &Arc<TurnBuffer>, phases: Option<(u32, [bool; PHASES])>) {
+    let streams = buffer.attached().due(phases);
+    if streams.is_empty() {
+        return;
+    }
+    if !buffer.paced() {
+        for stream in &streams {
+            stream.release();
         }
+        return;
+    }
+    let workers = match tokio::runtime::Handle::try_current() {
+        Ok(runtime) if streams.len() > SHARED_PAST => Some((runtime.metrics().num_workers(), runtime)),
+        _ => None,
+    };
+    let Some((workers, runtime)) = workers.filter(|(workers, _)| *workers > 1) else {
+        return write(buffer, &streams);
+    };
+    let mut parts = streams.chunks(streams.len().div_ceil(workers).min(PART));
+    let here = parts.next().unwrap_or_default();
+    for part in parts {
+        let (buffer, part) = (buffer.clone(), part.to_vec());
+        runtime.spawn(async move { write(&buffer, &part) });
+    }
+    write(buffer, here);
+}
+
+fn write(buffer: &TurnBuffer, streams: &[Arc<ParkedStream>]) {
+    let mut chunks = Chunks::default();
+    for stream in streams {
+        stream.pump(buffer, &mut chunks);
     }
 }
 
@@ -433,7 +430,7 @@ mod tests {
                 .ends_with(b"\"type\":\"turn-sealed\",\"conversationId\":\"c\",\"turnId\":\"t\"}\n")
         );
         // Unparked: a round writes nothing more.
-        buffer.pump_parked(None);
+        round(&buffer, None);
         assert!(read_now(&mut theirs).is_empty());
     }
 
@@ -513,7 +510,7 @@ mod tests {
         sink.park(&later, 0);
         earlier.publish(&text("from the earlier turn"));
         settle().await;
-        earlier.pump_parked(None);
+        round(&earlier, None);
         assert!(read_now(&mut theirs).is_empty());
         later.publish(&text("b"));
         settle().await;
