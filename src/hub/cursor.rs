@@ -16,8 +16,9 @@ pub const BATCH: usize = 128;
 pub enum Delivery {
     /// Events in order, all from one turn.
     Events(Vec<Arc<EncodedEvent>>),
-    /// The cursor's position was coalesced away; it now reads its turn from the beginning.
-    Lost,
+    /// The cursor's position was coalesced away; it now reads its turn (this one) from the
+    /// beginning.
+    Lost { turn_id: Arc<str> },
     /// A single-turn cursor has delivered `turn-sealed`.
     End,
 }
@@ -90,6 +91,16 @@ impl Cursor {
         }
     }
 
+    /// The turn this cursor reads, or (while it waits) the one that has begun since: the turn
+    /// a stream is replaying, whose events its client must not also read from history.
+    pub fn replaying(&self) -> Option<Arc<str>> {
+        match &self.at {
+            Position::Reading { buffer, .. } => Some(buffer.buffer.turn_id.clone()),
+            Position::Waiting(next) => next.turn.get().map(|b| b.turn_id.clone()),
+            Position::Done => None,
+        }
+    }
+
     /// Moves the position within the turn being read to event `next` (where the rounds that
     /// wrote for this cursor's parked stream left off).
     pub fn seek(&mut self, to: u32) {
@@ -133,7 +144,7 @@ impl Cursor {
                         let start = start_of(&st.events, *next);
                         if st.events.get(start).is_some_and(|f| f.first < *next) {
                             *next = 0;
-                            return Delivery::Lost;
+                            return Delivery::Lost { turn_id: buffer.turn_id.clone() };
                         }
                         let end = st.events.len().min(start.saturating_add(max));
                         let batch: Vec<Arc<EncodedEvent>> = st.events[start..end].to_vec();

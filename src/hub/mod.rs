@@ -221,7 +221,7 @@ mod tests {
         let expected: String = (0..40).map(|i| format!("w{i} ")).collect();
         assert_eq!(joined, expected);
         // `middle` stood inside the run: it is told, and restarts from the turn's beginning.
-        assert!(matches!(middle.next_batch(usize::MAX).await, Delivery::Lost));
+        assert!(matches!(middle.next_batch(usize::MAX).await, Delivery::Lost { .. }));
         let again = frames(&mut middle).await;
         assert_eq!(again[0].first, 0);
         let joined: String = again.iter().filter_map(|f| f.delta()).collect();

@@ -115,13 +115,14 @@ impl Session {
         put_ws_frame(&mut self.out, WS_TEXT, &text);
     }
 
-    /// Queues the `chat.resync` for a subscription whose position was coalesced away: the
-    /// client refetches history, and the turn's replay follows from its start. False when the
+    /// Queues the `chat.resync` for a subscription whose position in `turn_id` was coalesced
+    /// away: the client refetches history up to the turn, and the turn's replay follows from its
+    /// start. False when the
     /// log cannot be read: the session must end (the client comes back and resubscribes), never
     /// point the client at a made-up position.
-    pub async fn resync(&mut self, conversation_id: &str) -> bool {
+    pub async fn resync(&mut self, conversation_id: &str, turn_id: &str) -> bool {
         self.metrics.lag_recoveries.fetch_add(1, Relaxed);
-        match self.store.latest_seq(conversation_id).await {
+        match self.store.latest_seq(conversation_id, Some(turn_id)).await {
             Ok(latest_seq) => {
                 self.send(&json!({"type": "chat.resync", "conversationId": conversation_id, "latestSeq": latest_seq}));
                 true

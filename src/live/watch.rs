@@ -145,7 +145,7 @@ impl Watch {
         if !std::mem::take(&mut self.resync_first) {
             return Step::Idle;
         }
-        match resync_message(&self.store, &self.conversation_id).await {
+        match resync_message(&self.store, &self.conversation_id, &self.cursor).await {
             Ok(message) => self.wrote(Step::Write(message)),
             Err(Unreadable) => Step::End,
         }
@@ -172,14 +172,14 @@ impl Watch {
                     Step::Write(bytes)
                 }
             }
-            Delivery::Lost if self.format == Format::Sse => {
+            Delivery::Lost { .. } if self.format == Format::Sse => {
                 self.metrics.lag_recoveries.fetch_add(1, Relaxed);
-                match resync_message(&self.store, &self.conversation_id).await {
+                match resync_message(&self.store, &self.conversation_id, &self.cursor).await {
                     Ok(message) => Step::Write(message),
                     Err(Unreadable) => Step::End,
                 }
             }
-            Delivery::Lost => {
+            Delivery::Lost { .. } => {
                 self.metrics.subscriber_drops.fetch_add(1, Relaxed);
                 Step::End
             }
@@ -253,12 +253,90 @@ impl Watch {
     }
 }
 
-/// The SSE message that tells a watcher to refetch history past its cursor.
-pub async fn resync_message(store: &Store, conversation_id: &str) -> Result<Bytes, Unreadable> {
-    let latest = store.latest_seq(conversation_id).await.map_err(|e| {
+/// The SSE message that tells a watcher to refetch history past its cursor, up to where the
+/// turn `cursor` replays begins.
+pub async fn resync_message(store: &Store, conversation_id: &str, cursor: &Cursor) -> Result<Bytes, Unreadable> {
+    let latest = horizon(store, conversation_id, cursor).await.map_err(|e| {
         tracing::error!(conversation_id, error = %e, "cannot read the log for a resync; ending the stream");
         Unreadable
     })?;
     let data = serde_json::json!({"conversationId": conversation_id, "latestSeq": latest});
     Ok(sse_named("resync", &data.to_string()))
+}
+
+/// The `latestSeq` of a resync: the history horizon, but never past the start of the turn the
+/// cursor replays, which may have sealed (moving the horizon past it) since the cursor took it.
+/// A turn that begins only while the horizon is read is looked up again: it may have sealed
+/// before the read.
+pub async fn horizon(store: &Store, conversation_id: &str, cursor: &Cursor) -> crate::store::StoreResult<u64> {
+    let known = cursor.replaying();
+    let latest = store.latest_seq(conversation_id, known.as_deref()).await?;
+    match (known, cursor.replaying()) {
+        (None, Some(begun)) => Ok(latest.min(store.latest_seq(conversation_id, Some(&begun)).await?)),
+        _ => Ok(latest),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::{FlushWindow, Hub};
+    use crate::store::{BeginTurn, SealTurn};
+    use crate::wire::{TurnMetrics, Usage};
+
+    async fn begin(store: &Store, turn_id: &str) {
+        let begin = BeginTurn {
+            conversation_id: "c",
+            turn_id,
+            model: "demo/scripted",
+            sticky_model: None,
+            user_text: "hi",
+            default_title: "hi",
+            idempotency: None,
+            now: 1,
+        };
+        store.begin_turn(begin).await.unwrap();
+    }
+
+    async fn seal(store: &Store, turn_id: &str) {
+        let metrics = TurnMetrics {
+            turn_id: turn_id.into(),
+            usage: Usage::default(),
+            duration_ms: Some(1),
+            steps: vec![],
+            context_size: None,
+        };
+        let seal = SealTurn { conversation_id: "c", turn_id, reason: "stop", metrics: &metrics, now: 2 };
+        store.seal_turn(seal, &[]).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_resync_never_points_past_the_start_of_the_turn_the_stream_replays() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("horizon.db"), Arc::new(Metrics::default())).await.unwrap();
+        let hub = Hub::new(1 << 20, FlushWindow::default());
+        // t1 is history (seq 1); t2 (seq 2) is in flight when the watcher subscribes.
+        begin(&store, "t1").await;
+        seal(&store, "t1").await;
+        begin(&store, "t2").await;
+        let buffer = hub.begin_turn("c", "t2", &[]);
+        let (cursor, _) = hub.subscribe("c", None);
+        assert_eq!(horizon(&store, "c", &cursor).await.unwrap(), 1);
+        // t2 seals before the watcher reads the horizon: the stream replays t2 all the same, so
+        // the history it points at still ends before t2.
+        seal(&store, "t2").await;
+        assert_eq!(store.latest_seq("c", None).await.unwrap(), 2);
+        assert_eq!(horizon(&store, "c", &cursor).await.unwrap(), 1);
+        let sealed = crate::wire::TurnSealedEvent { conversation_id: "c".into(), turn_id: "t2".into() };
+        hub.seal_turn(buffer, &crate::wire::AgentEvent::TurnSealed(sealed));
+
+        // A watcher that subscribed between turns replays the next one, even if it has sealed
+        // by the time the horizon is read.
+        let (waiting, _) = hub.subscribe("c", None);
+        assert_eq!(horizon(&store, "c", &waiting).await.unwrap(), 2);
+        begin(&store, "t3").await;
+        let _t3 = hub.begin_turn("c", "t3", &[]);
+        seal(&store, "t3").await;
+        assert_eq!(horizon(&store, "c", &waiting).await.unwrap(), 2);
+    }
 }

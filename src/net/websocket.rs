@@ -475,8 +475,8 @@ async fn deliver(session: &mut Session, out: &mut BytesMut, id: &str, delivery: 
                 Encoding::Ws.put(out, event);
             }
         }
-        Delivery::Lost => {
-            if !session.resync(id).await {
+        Delivery::Lost { turn_id } => {
+            if !session.resync(id, &turn_id).await {
                 return false;
             }
             out.extend_from_slice(&session.out().split());

@@ -66,13 +66,23 @@ impl Store {
         }
     }
 
-    /// The highest seq a history read shows now: the last sealed turn's (0 for none or unknown).
-    pub async fn latest_seq(&self, conversation_id: &str) -> StoreResult<u64> {
-        let seq: Option<i64> = sqlx::query_scalar("SELECT sealed_seq FROM conversations WHERE id = ?")
-            .bind(conversation_id)
-            .fetch_optional(&self.reader)
-            .await?;
-        Ok(seq.unwrap_or(0) as u64)
+    /// The highest seq a history read shows now: the last sealed turn's (0 for none or unknown);
+    /// with `replaying`, no further than just before that turn (a stream replays it whole).
+    pub async fn latest_seq(&self, conversation_id: &str, replaying: Option<&str>) -> StoreResult<u64> {
+        let row: Option<(i64, Option<i64>)> = sqlx::query_as(
+            "SELECT c.sealed_seq, t.first_seq FROM conversations c
+             LEFT JOIN turns t ON t.conversation_id = c.id AND t.turn_id = ?2
+             WHERE c.id = ?1",
+        )
+        .bind(conversation_id)
+        .bind(replaying)
+        .fetch_optional(&self.reader)
+        .await?;
+        Ok(match row {
+            Some((sealed, Some(first))) => sealed.min(first - 1).max(0) as u64,
+            Some((sealed, None)) => sealed as u64,
+            None => 0,
+        })
     }
 }
 
@@ -274,7 +284,7 @@ mod tests {
         assert_eq!(store.append_chunks("c", "t", &[]).await.unwrap(), total);
         assert!(store.append_chunks("missing", "t", &[chunk(0, true)]).await.is_err());
         // Appends alone seal nothing: what a history read (and a resync) shows is unmoved.
-        assert_eq!(store.latest_seq("c").await.unwrap(), 0);
+        assert_eq!(store.latest_seq("c", None).await.unwrap(), 0);
     }
 
     #[tokio::test]

@@ -37,6 +37,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (3, "chunk checks", include_str!("../../migrations/0003_chunk_checks.sql")),
     (4, "sealed seq", include_str!("../../migrations/0004_sealed_seq.sql")),
     (5, "conversation settings", include_str!("../../migrations/0005_conversation_settings.sql")),
+    (6, "turn first seq", include_str!("../../migrations/0006_turn_first_seq.sql")),
 ];
 
 fn migrator() -> sqlx::migrate::Migrator {

@@ -59,8 +59,8 @@ pub(super) fn begin_to(script: &mut Script, t: &BeginTurn<'_>) -> StoreResult<()
              ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
                  turn_count = turn_count + 1, title = CASE WHEN title = '' THEN excluded.title ELSE title END,
                  model = coalesce(excluded.model, model);
-             INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at)
-             SELECT id, ?, turn_count, ?, ? FROM conversations WHERE id = ?;",
+             INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at, first_seq)
+             SELECT id, ?, turn_count, ?, ?, last_seq + 1 FROM conversations WHERE id = ?;",
         )
         .bind(t.conversation_id)
         .bind(t.default_title)
