@@ -139,7 +139,7 @@ fn hand_over(mut response: Response, upgrade: Option<OnUpgrade>, drain: Duration
         }
         Some(Live::Session(session)) => match upgrade {
             Some(upgrade) if response.status() == StatusCode::SWITCHING_PROTOCOLS => {
-                tokio::spawn(serve_upgraded(upgrade, session, drain));
+                tokio::spawn(serve_upgraded(upgrade, *session, drain));
             }
             _ => tracing::error!("a WebSocket session was opened on a request hyper cannot upgrade"),
         },

@@ -75,7 +75,7 @@ pub async fn ws(State(state): State<AppState>, request: Request) -> Result<Respo
         message_timeout: Duration::from_secs(state.config.ws_message_timeout_secs.max(1)),
         permit,
     });
-    Handoff::attach(&mut response, Live::Session(session));
+    Handoff::attach(&mut response, Live::Session(Box::new(session)));
     Ok(response)
 }
 

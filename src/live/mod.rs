@@ -24,11 +24,15 @@ pub use subscriptions::Subscriptions;
 pub use watch::{Format, Step, Wake, Watch, WatchSetup};
 
 /// A live stream, ready to be served.
+// A watch, the common case, is kept inline (it is moved once, into its connection's task).
+#[allow(clippy::large_enum_variant)]
 pub enum Live {
     /// An SSE or NDJSON watcher: the body of a `200`.
     Watch(Watch),
-    /// A WebSocket session: what follows a `101`.
-    Session(Session),
+    /// A WebSocket session: what follows a `101`. Boxed: a session's state is several times a
+    /// watch's, and every connection's task would otherwise hold that much, idle watchers
+    /// included.
+    Session(Box<Session>),
 }
 
 /// The live stream a route hands to the connection under it, in its response's extensions (the

@@ -267,13 +267,16 @@ async fn respond(
         line(&mut head, "connection", b"close");
     }
     head.extend_from_slice(b"\r\n");
+    // The head's parts (headers, extensions) are not kept for the stream's life: an idle
+    // watcher holds only what it needs to write.
+    drop(parts);
     write_all(stream, &mut [IoSlice::new(&head)], drain).await?;
     drop(head);
     match live {
         Some(Live::Session(session)) if upgrade => {
-            // Boxed: a session's state is several KiB, and every connection's task would
+            // Boxed: a session's loop holds several KiB, and every connection's task would
             // otherwise be that large, idle watchers included.
-            Box::pin(super::websocket::serve(stream, session, std::mem::take(pending), drain)).await;
+            Box::pin(super::websocket::serve(stream, *session, std::mem::take(pending), drain)).await;
             return Ok(false);
         }
         Some(Live::Watch(watch)) => {
