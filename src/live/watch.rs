@@ -281,21 +281,11 @@ pub async fn horizon(store: &Store, conversation_id: &str, cursor: &Cursor) -> c
 mod tests {
     use super::*;
     use crate::hub::{FlushWindow, Hub};
-    use crate::store::{BeginTurn, SealTurn};
+    use crate::store::SealTurn;
     use crate::wire::{TurnMetrics, Usage};
 
     async fn begin(store: &Store, turn_id: &str) {
-        let begin = BeginTurn {
-            conversation_id: "c",
-            turn_id,
-            model: "demo/scripted",
-            sticky_model: None,
-            user_text: "hi",
-            default_title: "hi",
-            idempotency: None,
-            now: 1,
-        };
-        store.begin_turn(begin).await.unwrap();
+        store.begin_test_turn("c", turn_id).await;
     }
 
     async fn seal(store: &Store, turn_id: &str) {

@@ -247,14 +247,9 @@ impl Store {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::metrics::Metrics;
-    use crate::store::HistoryWindow;
-    use crate::wire::Usage;
-    use std::sync::Arc;
-
-    async fn begin(store: &Store, conversation_id: &str, turn_id: &str) {
+impl Store {
+    /// Opens a turn whose user message is "hi" (for tests).
+    pub(crate) async fn begin_test_turn(&self, conversation_id: &str, turn_id: &str) {
         let begin = BeginTurn {
             conversation_id,
             turn_id,
@@ -265,7 +260,20 @@ mod tests {
             idempotency: None,
             now: 1,
         };
-        store.begin_turn(begin).await.unwrap();
+        self.begin_turn(begin).await.unwrap();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::store::HistoryWindow;
+    use crate::wire::Usage;
+    use std::sync::Arc;
+
+    async fn begin(store: &Store, conversation_id: &str, turn_id: &str) {
+        store.begin_test_turn(conversation_id, turn_id).await;
     }
 
     #[tokio::test]
