@@ -201,3 +201,32 @@ async fn a_stream_request_with_a_long_head_is_still_served() {
     send(&mut conn, "GET /conversations/long/events?format=xml HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
     assert_eq!(read_response(&mut conn).await.status, 400);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_after_other_reads_on_a_kept_alive_connection_is_written_by_the_turns_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    // One watcher opens a 1 ms window: deltas 10 ms apart are paced, so a parked stream is
+    // written by the turn's rounds (which only a stream the gateway writes itself can be).
+    config.flush_us_per_watcher = 1_000;
+    config.scripted_pace = 100.0;
+    let server = TestServer::start(config).await;
+    let mut conn = connect(&server).await;
+    // A web client's reads first, then its EventSource, on the same connection.
+    send(&mut conn, "GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    assert_eq!(read_response(&mut conn).await.status, 200);
+    send(&mut conn, "GET /conversations/reads/history HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    read_response(&mut conn).await;
+    send(&mut conn, "GET /conversations/reads/events?until=sealed HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    assert_eq!(read_head(&mut conn).await.0, 200);
+    let before = metric(&server.metrics().await, "dispatch_round_writes_total");
+    let (status, body) =
+        server.post("/conversations/reads/messages", json!({"message": "tell me something longer"})).await;
+    assert_eq!(status, 202, "{body}");
+    let (body, _) = read_chunked(&mut conn).await;
+    let text = String::from_utf8(body).unwrap();
+    assert!(text.contains(r#""type":"turn-sealed""#), "{text}");
+    let after = metric(&server.metrics().await, "dispatch_round_writes_total");
+    assert!(after > before, "the turn's rounds wrote to the watcher's socket ({before} -> {after})");
+    server.stop().await;
+}
