@@ -337,10 +337,16 @@ fn poll_gone(stream: &TcpStream, pending: &mut Vec<u8>, cx: &mut std::task::Cont
 
 impl Socket for TcpStream {
     fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
-        // writev rather than send (what a plain `try_write` issues): the system call every other
-        // write of a live stream makes, and one that the kernel's per-process write count
-        // (/proc/PID/io `syscw`, which the benchmarks read) sees.
-        self.try_write_vectored(&[IoSlice::new(bytes)])
+        // A plain write(2) on the descriptor. tokio's `try_write*` first reads the socket's
+        // readiness, a word the reactor thread updates on every ACK: in a round over a thousand
+        // sockets that cache miss each was the gateway's costliest user-space line (W2). A
+        // WouldBlock left unseen by tokio costs one extra attempt when the stream's task next
+        // writes. (write, not send: the kernel's write count, /proc/PID/io `syscw`, sees it.)
+        use std::os::fd::AsRawFd;
+        // SAFETY: the descriptor belongs to `self`, open while it is borrowed; write(2) reads
+        // at most `bytes.len()` bytes from `bytes`.
+        let written = unsafe { libc::write(self.as_raw_fd(), bytes.as_ptr().cast(), bytes.len()) };
+        if written < 0 { Err(io::Error::last_os_error()) } else { Ok(written as usize) }
     }
 }
 
