@@ -1,7 +1,7 @@
 //! dispatch-bench: the load generator of `bench/run`.
 //!
-//! Each subcommand runs one workload against a running server (the gateway, or nginx with
-//! Nchan for the fan-out workloads), checks every delivery for order and completeness, reads
+//! Each subcommand runs one workload against a running server (the gateway, or a peer for the
+//! fan-out workloads: nginx with Nchan, or Pushpin), checks every delivery for order and completeness, reads
 //! the server's CPU time and memory from `/proc`, and prints one JSON object with its figures.
 
 use std::sync::Arc;
@@ -23,6 +23,9 @@ struct Cli {
 enum Server {
     Gateway,
     Nchan,
+    /// Pushpin in front of an origin that holds every `/sub/<channel>` request as an SSE
+    /// stream on that channel; published through Pushpin's HTTP control API (`--publish`).
+    Pushpin,
 }
 
 #[derive(Subcommand)]
@@ -42,6 +45,9 @@ enum Workload {
         events: usize,
         #[arg(long, default_value_t = 0)]
         rate: u64,
+        /// Where a peer takes publishes, when not at `base` (Pushpin's control API).
+        #[arg(long)]
+        publish: Option<String>,
         /// Server process ids whose CPU time and memory are read from /proc.
         #[arg(long, value_delimiter = ',')]
         pids: Vec<u32>,
@@ -72,6 +78,9 @@ enum Workload {
         events: usize,
         #[arg(long)]
         rate: u64,
+        /// Where a peer takes publishes, when not at `base` (Pushpin's control API).
+        #[arg(long)]
+        publish: Option<String>,
     },
     /// Many conversations with paced turns at once, many watchers on each.
     Scale {
@@ -649,7 +658,7 @@ const NEEDLES: [&[u8]; 9] = [
 
 fn subscribe_url(server: Server, transport: Transport, base: &str, channel: &str) -> String {
     match (server, transport) {
-        (Server::Nchan, _) => format!("{base}/sub/{channel}"),
+        (Server::Nchan | Server::Pushpin, _) => format!("{base}/sub/{channel}"),
         (Server::Gateway, Transport::Ws) => format!("{base}/ws"),
         (Server::Gateway, _) => format!("{base}/conversations/{channel}/events?until=sealed"),
     }
@@ -680,7 +689,7 @@ fn stamp_of(data: &[u8]) -> Option<(u64, u64)> {
 }
 
 /// The checks of one subscription, message by message: SSE ids without gaps, stamped deltas in
-/// index order without gaps, `turn-sealed` (or Nchan's last message) at the end.
+/// index order without gaps, `turn-sealed` (or a peer's last message) at the end.
 struct Watcher {
     server: Server,
     transport: Transport,
@@ -735,7 +744,7 @@ impl Watcher {
                     seen.sealed = true;
                 }
             }
-            Server::Nchan => {
+            Server::Nchan | Server::Pushpin => {
                 // data: <seq>:<stamp>:<padding>
                 let mut parts = data.splitn(3, |b| *b == b':');
                 let seq = parts.next().and_then(number);
@@ -776,6 +785,9 @@ fn watch_all(server: Server, feeds: Vec<Feed>, events: usize, keep: usize) -> to
     tokio::task::spawn_blocking(move || handles.into_iter().flat_map(|h| h.join().expect("a reader thread")).collect())
 }
 
+/// Seconds of silence on every open subscription of a reader thread after which it stops.
+const QUIET_SECONDS: u32 = 10;
+
 /// One thread's loop of [`watch_all`].
 fn epoll_watch(mut share: Vec<(std::net::TcpStream, Decoder, Watcher)>) -> Vec<Seen> {
     use std::os::fd::AsRawFd;
@@ -805,12 +817,19 @@ fn epoll_watch(mut share: Vec<(std::net::TcpStream, Decoder, Watcher)>) -> Vec<S
         left -= usize::from(turn(i, &mut share, &mut open));
     }
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+    let mut quiet = 0;
     while left > 0 {
         let n = unsafe { libc::epoll_wait(epoll, events.as_mut_ptr(), events.len() as i32, 1000) };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             assert_eq!(e.kind(), std::io::ErrorKind::Interrupted, "epoll_wait: {e}");
             continue;
+        }
+        // A server that lost a stream's last event never ends it: the watchers still open are
+        // given up (and counted incomplete) once none of them heard anything for a while.
+        quiet = if n == 0 { quiet + 1 } else { 0 };
+        if quiet >= QUIET_SECONDS {
+            break;
         }
         for event in &events[..n as usize] {
             left -= usize::from(turn(event.u64 as usize, &mut share, &mut open));
@@ -869,8 +888,11 @@ fn serve((stream, dec, watcher): &mut (std::net::TcpStream, Decoder, Watcher)) -
     }
 }
 
-/// Publishes `events` messages of about 120 bytes to an Nchan channel at `rate` per second.
-async fn publish_nchan(client: &reqwest::Client, base: &str, channel: &str, events: usize, rate: u64) {
+/// Publishes `events` messages of about 120 bytes (`<seq>:<send time>:<padding>`) to a peer's
+/// channel at `rate` per second, each after the previous one was accepted (the only way to keep
+/// them in order): to Nchan's publisher location, or as an `http-stream` item (an SSE event) to
+/// Pushpin's control API.
+async fn publish(server: Server, client: &reqwest::Client, publish: &str, channel: &str, events: usize, rate: u64) {
     let start = Instant::now();
     let padding = "x".repeat(90);
     for seq in 0..events {
@@ -878,8 +900,15 @@ async fn publish_nchan(client: &reqwest::Client, base: &str, channel: &str, even
             let due = start + Duration::from_secs_f64(seq as f64 / rate as f64);
             tokio::time::sleep_until(due.into()).await;
         }
-        let body = format!("{seq}:{}:{padding}", now_micros());
-        let _ = client.post(format!("{base}/pub/{channel}")).body(body).send().await;
+        let message = format!("{seq}:{}:{padding}", now_micros());
+        let request = match server {
+            Server::Pushpin => client.post(format!("{publish}/publish/")).json(&json!({"items": [{
+                "channel": channel,
+                "formats": {"http-stream": {"content": format!("data: {message}\n\n")}},
+            }]})),
+            _ => client.post(format!("{publish}/pub/{channel}")).body(message),
+        };
+        let _ = request.send().await;
     }
 }
 
@@ -992,10 +1021,12 @@ impl Tally {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn fanout(
     server: Server,
     transport: Transport,
     base: &str,
+    publish_base: &str,
     watchers: usize,
     events: usize,
     rate: u64,
@@ -1013,7 +1044,7 @@ async fn fanout(
     let started = Instant::now();
     match server {
         Server::Gateway => start_turn(&client, base, &channel, &format!("fanout-{events}-{rate}")).await,
-        Server::Nchan => publish_nchan(&client, base, &channel, events, rate).await,
+        Server::Nchan | Server::Pushpin => publish(server, &client, publish_base, &channel, events, rate).await,
     }
     let (tally, elapsed, used) = Tally::finish(watching, events, 0, started, before, pids).await;
     let cpu = used.cpu_us();
@@ -1369,7 +1400,20 @@ async fn idle(server: Server, transport: Transport, base: &str, watchers: usize,
            "rss_after_kib": after, "kib_per_stream": per_stream, "correct": true})
 }
 
-async fn latejoin(server: Server, transport: Transport, base: &str, events: usize, rate: u64) -> Value {
+async fn latejoin(
+    server: Server,
+    transport: Transport,
+    base: &str,
+    publish_base: &str,
+    events: usize,
+    rate: u64,
+) -> Value {
+    if server == Server::Pushpin {
+        // Its reliable mode asks the origin for what a subscriber missed: the replay would be
+        // the origin's, not Pushpin's.
+        eprintln!("latejoin: Pushpin keeps no messages to replay to a late subscriber");
+        std::process::exit(2);
+    }
     let client = reqwest::Client::new();
     let channel = format!("late{}", now_micros());
     let mut early = subscribe(server, Transport::Sse, base, &channel).await;
@@ -1379,13 +1423,13 @@ async fn latejoin(server: Server, transport: Transport, base: &str, events: usiz
             start_turn(&client, base, &channel, &format!("latejoin-{events}-{rate}")).await;
             None
         }
-        Server::Nchan => {
-            let (client, base, channel) = (client.clone(), base.to_owned(), channel.clone());
-            Some(tokio::spawn(async move { publish_nchan(&client, &base, &channel, events, rate).await }))
+        Server::Nchan | Server::Pushpin => {
+            let (client, base, channel) = (client.clone(), publish_base.to_owned(), channel.clone());
+            Some(tokio::spawn(async move { publish(server, &client, &base, &channel, events, rate).await }))
         }
     };
     let is_event = |server: Server, data: &[u8]| {
-        !data.is_empty() && (server == Server::Nchan || find(data, b"\"type\":\"text-delta\"").is_some())
+        !data.is_empty() && (server != Server::Gateway || find(data, b"\"type\":\"text-delta\"").is_some())
     };
     // Wait until the early watcher holds every event: the turn has emitted them all.
     let mut count = 0;
@@ -1404,7 +1448,7 @@ async fn latejoin(server: Server, transport: Transport, base: &str, events: usiz
     let late_url = match (server, transport) {
         (Server::Gateway, Transport::Ws) => format!("{base}/ws"),
         (Server::Gateway, _) => format!("{base}/conversations/{channel}/events"),
-        (Server::Nchan, _) => format!("{base}/sub/{channel}"),
+        (Server::Nchan | Server::Pushpin, _) => format!("{base}/sub/{channel}"),
     };
     let mut late = Feed::open(transport, &late_url, &channel).await.expect("subscribes");
     let mut got = 0;
@@ -1625,14 +1669,16 @@ async fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     let result = match cli.workload {
-        Workload::Fanout { server, transport, base, watchers, events, rate, pids } => {
-            fanout(server, transport, &base, watchers, events, rate, &pids).await
+        Workload::Fanout { server, transport, base, publish, watchers, events, rate, pids } => {
+            let publish = publish.unwrap_or_else(|| base.clone());
+            fanout(server, transport, &base, &publish, watchers, events, rate, &pids).await
         }
         Workload::Idle { server, transport, base, watchers, pids } => {
             idle(server, transport, &base, watchers, &pids).await
         }
-        Workload::Latejoin { server, transport, base, events, rate } => {
-            latejoin(server, transport, &base, events, rate).await
+        Workload::Latejoin { server, transport, base, events, rate, publish } => {
+            let publish = publish.unwrap_or_else(|| base.clone());
+            latejoin(server, transport, &base, &publish, events, rate).await
         }
         Workload::Scale { transport, base, conversations, watchers, events, rate, pids } => {
             scale(transport, &base, conversations, watchers, events, rate, &pids).await
