@@ -1,6 +1,8 @@
 use dispatch_gateway::Gateway;
 use dispatch_gateway::config::{Config, LogFormat};
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -15,10 +17,14 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", dispatch_gateway::http::openapi_json_text());
         return Ok(());
     }
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // RUST_LOG: `level` or `target=level` entries, comma-separated; anything else is "info".
+    let filter = std::env::var("RUST_LOG").ok().and_then(|v| v.parse::<Targets>().ok());
+    let filter = filter.unwrap_or_else(|| Targets::new().with_default(tracing::Level::INFO));
     match config.log_format {
-        LogFormat::Text => tracing_subscriber::fmt().with_env_filter(filter).init(),
-        LogFormat::Json => tracing_subscriber::fmt().json().with_env_filter(filter).init(),
+        LogFormat::Text => tracing_subscriber::registry().with(tracing_subscriber::fmt::layer()).with(filter).init(),
+        LogFormat::Json => {
+            tracing_subscriber::registry().with(tracing_subscriber::fmt::layer().json()).with(filter).init()
+        }
     }
     // Installed before anything is announced: a SIGTERM right after "listening" must stop the
     // gateway gracefully, not kill it with the signal's default action.

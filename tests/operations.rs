@@ -315,6 +315,39 @@ async fn draining_refuses_new_turns_and_is_not_ready() {
     assert_eq!(server.history("x").await, Vec::<Value>::new());
 }
 
+/// RUST_LOG sets levels per target: the gateway's own debug lines (a request's start and end)
+/// appear when its target is at debug, while the default level for everything else is warn.
+#[tokio::test]
+async fn rust_log_sets_levels_per_target() {
+    let dir = tempfile::tempdir().unwrap();
+    let args: Vec<std::ffi::OsString> = vec!["--database".into(), dir.path().join("gateway.db").into()];
+    let gateway = ChildGateway::spawn_with_env(&args, &[("RUST_LOG", "warn,dispatch_gateway=debug")]);
+    let health = reqwest::get(format!("http://{}/health", gateway.addr)).await.unwrap();
+    assert_eq!(health.status(), 200);
+    let logs = gateway.logs.clone();
+    let finished = eventually(100, || {
+        let logs = logs.clone();
+        async move {
+            logs.lock()
+                .unwrap()
+                .iter()
+                .any(|l| l["level"] == "DEBUG" && l["fields"]["message"] == "finished processing request")
+        }
+    })
+    .await;
+    assert!(finished, "no debug line for the request: {:?}", logs.lock().unwrap());
+    let kept = logs.lock().unwrap().clone();
+    for line in &kept {
+        let target = line["target"].as_str().unwrap_or_default();
+        let level = line["level"].as_str().unwrap_or_default();
+        assert!(
+            target.starts_with("dispatch_gateway") || matches!(level, "WARN" | "ERROR"),
+            "a line below warn from another target: {line}"
+        );
+    }
+    gateway.terminate();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_request_is_one_log_line_with_its_id_and_what_went_wrong() {
     let dir = tempfile::tempdir().unwrap();

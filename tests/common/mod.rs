@@ -460,10 +460,16 @@ pub struct ChildGateway {
 impl ChildGateway {
     /// Starts the built binary with `args` and waits for the address it logs.
     pub fn spawn(args: &[std::ffi::OsString]) -> ChildGateway {
+        Self::spawn_with_env(args, &[])
+    }
+
+    /// [`ChildGateway::spawn`] with these environment variables set too.
+    pub fn spawn_with_env(args: &[std::ffi::OsString], env: &[(&str, &str)]) -> ChildGateway {
         use std::io::{BufRead, BufReader};
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
             .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
             .args(args)
+            .envs(env.iter().copied())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()
