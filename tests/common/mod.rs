@@ -46,12 +46,13 @@ pub fn write_script(dir: &Path, script: Value) -> PathBuf {
 
 impl TestServer {
     pub async fn start(config: Config) -> TestServer {
+        use tracing_subscriber::filter::Targets;
         // Logs show with `RUST_LOG=...` and `--nocapture`.
-        if std::env::var_os("RUST_LOG").is_some() {
-            let _ = tracing_subscriber::fmt()
-                .with_test_writer()
-                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-                .try_init();
+        if let Some(filter) = std::env::var("RUST_LOG").ok().and_then(|v| v.parse::<Targets>().ok()) {
+            use tracing_subscriber::layer::SubscriberExt;
+            use tracing_subscriber::util::SubscriberInitExt;
+            let logs = tracing_subscriber::fmt::layer().with_test_writer();
+            let _ = tracing_subscriber::registry().with(logs).with(filter).try_init();
         }
         let gateway = Gateway::build(config.clone()).await.expect("gateway builds");
         let state = gateway.state().clone();
