@@ -18,6 +18,14 @@ pub enum LogFormat {
     Json,
 }
 
+/// The log levels `RUST_LOG` asks for: a level, `target=level` entries, or both,
+/// comma-separated; unset or anything else is `info` (docs/operations.md, "Logs").
+pub fn log_filter() -> tracing_subscriber::filter::Targets {
+    use tracing_subscriber::filter::Targets;
+    let asked = std::env::var("RUST_LOG").ok().and_then(|v| v.parse::<Targets>().ok());
+    asked.unwrap_or_else(|| Targets::new().with_default(tracing::Level::INFO))
+}
+
 #[derive(Debug, Clone, Parser)]
 #[command(name = "dispatch-gateway", version, about = "Turns, an append-only log and live streams for agent runtimes")]
 pub struct Config {

@@ -1,6 +1,5 @@
 use dispatch_gateway::Gateway;
-use dispatch_gateway::config::{Config, LogFormat};
-use tracing_subscriber::filter::Targets;
+use dispatch_gateway::config::{Config, LogFormat, log_filter};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -17,9 +16,7 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", dispatch_gateway::http::openapi_json_text());
         return Ok(());
     }
-    // RUST_LOG: `level` or `target=level` entries, comma-separated; anything else is "info".
-    let filter = std::env::var("RUST_LOG").ok().and_then(|v| v.parse::<Targets>().ok());
-    let filter = filter.unwrap_or_else(|| Targets::new().with_default(tracing::Level::INFO));
+    let filter = log_filter();
     match config.log_format {
         LogFormat::Text => tracing_subscriber::registry().with(tracing_subscriber::fmt::layer()).with(filter).init(),
         LogFormat::Json => {

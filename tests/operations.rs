@@ -346,6 +346,15 @@ async fn rust_log_sets_levels_per_target() {
         );
     }
     gateway.terminate();
+
+    // A value that does not parse is `info`: the gateway starts and logs its address (which
+    // `spawn` waits for), and nothing at debug.
+    let args: Vec<std::ffi::OsString> = vec!["--database".into(), dir.path().join("other.db").into()];
+    let gateway = ChildGateway::spawn_with_env(&args, &[("RUST_LOG", "=debug,,x=loud=")]);
+    reqwest::get(format!("http://{}/health", gateway.addr)).await.unwrap();
+    let kept = gateway.logs.lock().unwrap().clone();
+    assert!(kept.iter().all(|l| l["level"] != "DEBUG"), "{kept:?}");
+    gateway.terminate();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

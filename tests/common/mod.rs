@@ -46,13 +46,12 @@ pub fn write_script(dir: &Path, script: Value) -> PathBuf {
 
 impl TestServer {
     pub async fn start(config: Config) -> TestServer {
-        use tracing_subscriber::filter::Targets;
         // Logs show with `RUST_LOG=...` and `--nocapture`.
-        if let Some(filter) = std::env::var("RUST_LOG").ok().and_then(|v| v.parse::<Targets>().ok()) {
+        if std::env::var_os("RUST_LOG").is_some() {
             use tracing_subscriber::layer::SubscriberExt;
             use tracing_subscriber::util::SubscriberInitExt;
             let logs = tracing_subscriber::fmt::layer().with_test_writer();
-            let _ = tracing_subscriber::registry().with(logs).with(filter).try_init();
+            let _ = tracing_subscriber::registry().with(logs).with(dispatch_gateway::config::log_filter()).try_init();
         }
         let gateway = Gateway::build(config.clone()).await.expect("gateway builds");
         let state = gateway.state().clone();
