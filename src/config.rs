@@ -41,9 +41,14 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_LISTEN", default_value = "127.0.0.1:24203")]
     pub listen: SocketAddr,
 
-    /// SQLite database file; its folder is created when missing.
+    /// Where the data lives: a SQLite file (its folder is created when missing), or a
+    /// `postgres://` URL for several gateways sharing one database.
     #[arg(long, env = "DISPATCH_DATABASE", default_value = "./data/dispatch.db")]
-    pub database: PathBuf,
+    pub database: crate::store::Database,
+
+    /// Most PostgreSQL connections this gateway opens at once.
+    #[arg(long, env = "DISPATCH_POSTGRES_MAX_CONNECTIONS", default_value_t = 16)]
+    pub postgres_max_connections: u32,
 
     /// Milliseconds a write waits for another process's lock on the database.
     #[arg(long, env = "DISPATCH_SQLITE_BUSY_TIMEOUT_MS", default_value_t = 5000)]
@@ -504,9 +509,10 @@ impl Config {
             default_model: None,
             credentials: BTreeMap::new(),
             listen: SocketAddr::from(([127, 0, 0, 1], 24203)),
-            database: PathBuf::from("./data/dispatch.db"),
+            database: crate::store::Database::Sqlite(PathBuf::from("./data/dispatch.db")),
             sqlite_busy_timeout_ms: 5000,
             sqlite_max_pages: 0,
+            postgres_max_connections: 16,
             scripted_pace: 40.0,
             scripted_reasoning: true,
             scripted_script: None,

@@ -41,6 +41,7 @@ impl Gateway {
         let limits = StoreOptions {
             busy_timeout: Duration::from_millis(config.sqlite_busy_timeout_ms),
             max_pages: config.sqlite_max_pages,
+            max_connections: config.postgres_max_connections,
         };
         let store = Store::open_with(&config.database, metrics.clone(), limits).await?;
         let flush = crate::hub::FlushWindow {

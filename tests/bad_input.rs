@@ -114,7 +114,7 @@ async fn malformed_bodies_are_rejected_and_change_nothing() {
     // None of it reached the database.
     let (_, list) = server.get("/conversations").await;
     assert_eq!(list, json!({"conversations": []}));
-    let db = server.config.database.clone();
+    let db = sqlite_file(&server.config);
     server.stop().await;
     let counts = table_counts(&db).await;
     assert!(counts.iter().all(|(_, n)| *n == 0), "{counts:?}");

@@ -120,7 +120,7 @@ async fn a_database_locked_by_another_writer_fails_writes_then_recovers() {
             break;
         }
     }
-    let db = server.config.database.clone();
+    let db = sqlite_file(&server.config);
     let mut other = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display())).await.unwrap();
     sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap();
 
@@ -161,7 +161,7 @@ async fn a_read_only_database_file_refuses_turns_and_recovers() {
     let dir = tempfile::tempdir().unwrap();
     let server = TestServer::start(test_config(dir.path())).await;
     server.chat("before", "hello").await;
-    let db = server.config.database.clone();
+    let db = sqlite_file(&server.config);
     let wal = db.with_extension("db-wal");
     // Immutable even for root: every write to the files fails.
     chattr("+i", &db);

@@ -86,7 +86,7 @@ async fn the_database_refuses_a_chunk_that_would_break_a_history_window() {
     use sqlx::Connection;
     let dir = tempfile::tempdir().unwrap();
     let config = test_config(dir.path());
-    let database = config.database.clone();
+    let database = sqlite_file(&config);
     let server = TestServer::start(config).await;
     server.chat("damaged", "hello").await;
     let (status, before) = server.get("/conversations/damaged").await;

@@ -67,7 +67,7 @@ async fn a_turn_cut_off_by_a_crash_gets_one_interrupted_marker() {
     let db = dir.path().join("gateway.db");
     {
         // A process that opened a turn and died before sealing it.
-        let store = Store::open(&db, Default::default()).await.unwrap();
+        let store = Store::open(&Database::Sqlite(db.clone()), Default::default()).await.unwrap();
         store
             .begin_turn(BeginTurn {
                 conversation_id: "cut",

@@ -403,7 +403,7 @@ async fn request_parameters_come_from_the_credential_and_the_model() {
             model_params: [("b".to_owned(), Default::default())].into_iter().collect(),
         }),
     );
-    config.database = dir.path().join("other.db");
+    config.database = dispatch_gateway::store::Database::Sqlite(dir.path().join("other.db"));
     assert!(dispatch_gateway::Gateway::build(config).await.is_err());
 }
 

@@ -73,6 +73,8 @@ fn title_field(body: &JsonObject, required: bool) -> Result<Option<String>, ApiE
         Some(t) if t.chars().count() > MAX_TITLE_CHARS => {
             Err(ApiError::bad(format!("`title` must have at most {MAX_TITLE_CHARS} characters")))
         }
+        // PostgreSQL's text cannot hold U+0000; no title needs one, on either backend.
+        Some(t) if t.contains('\0') => Err(ApiError::bad("`title` must not contain U+0000")),
         t => Ok(t.map(|t| t.trim().to_owned())),
     }
 }

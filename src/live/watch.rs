@@ -303,7 +303,10 @@ mod tests {
     #[tokio::test]
     async fn a_resync_never_points_past_the_start_of_the_turn_the_stream_replays() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("horizon.db"), Arc::new(Metrics::default())).await.unwrap();
+        let store =
+            Store::open(&crate::store::Database::Sqlite(dir.path().join("horizon.db")), Arc::new(Metrics::default()))
+                .await
+                .unwrap();
         let hub = Hub::new(1 << 20, FlushWindow::default());
         // t1 is history (seq 1); t2 (seq 2) is in flight when the watcher subscribes.
         begin(&store, "t1").await;

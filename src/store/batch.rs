@@ -7,16 +7,18 @@
 //! say), the whole transaction is rolled back and each write is tried again in a transaction of
 //! its own, in the same order, so every failure reaches the write it belongs to and the others
 //! commit. (Failures are rare; a savepoint around every write would cost two more round trips
-//! to the database thread per write, every time.) Nothing is answered as written before the
-//! COMMIT succeeds.
+//! to the database per write, every time.) Nothing is answered as written before the COMMIT
+//! succeeds. Each backend says how a write is done in SQL ([`Writes`]); this file is the
+//! queue and the transactions around it, the same for both.
 
-use sqlx::SqliteConnection;
+use std::time::Instant;
+
+use sqlx::Transaction;
 use tokio::sync::{mpsc, oneshot};
 
-use super::log::{NewChunk, append_to, appended_seq};
-use super::script::Script;
-use super::turns::{BeginTurn, IdempotencyRecord, SealTurn, begin_to, duplicate_key, seal_to, sealed_status};
-use super::{Store, StoreError, StoreResult};
+use super::log::NewChunk;
+use super::turns::{BeginTurn, IdempotencyRecord};
+use super::{Store, StoreError, StoreResult, on_backend};
 use crate::wire::TurnMetrics;
 
 /// Most writes in one transaction.
@@ -49,9 +51,16 @@ pub(super) enum Write {
         now: i64,
         chunks: Vec<NewChunk>,
     },
+    /// A turn found cut off: its one `interrupted` marker, and the history horizon moved past
+    /// it.
+    Interrupt {
+        conversation_id: String,
+        turn_id: String,
+        now: i64,
+    },
 }
 
-/// What a write answers: a seq (open, append) or the conversation's status (seal).
+/// What a write answers: a seq (open, append, interrupt) or the conversation's status (seal).
 #[derive(Debug)]
 pub(super) enum Written {
     Seq(u64),
@@ -80,49 +89,76 @@ pub(super) struct Queued {
 }
 
 impl Write {
-    /// The write's statements, inside an open transaction: one script, one round trip.
-    async fn run_in(&self, conn: &mut SqliteConnection) -> StoreResult<Written> {
-        let mut script = Script::default();
-        match self {
-            Write::Begin {
-                conversation_id,
-                turn_id,
-                model,
-                sticky_model,
-                user_text,
-                default_title,
-                idempotency,
-                now,
-            } => {
-                let begin = BeginTurn {
-                    conversation_id,
-                    turn_id,
-                    model,
-                    sticky_model: sticky_model.as_deref(),
-                    user_text,
-                    default_title,
-                    idempotency: idempotency.as_ref().map(|(key, body_hash, response)| IdempotencyRecord {
-                        key,
-                        body_hash,
-                        response,
-                    }),
-                    now: *now,
-                };
-                begin_to(&mut script, &begin)?;
-                let rows = script.run(conn).await.map_err(duplicate_key)?;
-                appended_seq(&rows, conversation_id).map(Written::Seq)
-            }
-            Write::Append { conversation_id, turn_id, chunks, now } => {
-                append_to(&mut script, conversation_id, turn_id, chunks, *now)?;
-                appended_seq(&script.run(conn).await?, conversation_id).map(Written::Seq)
-            }
-            Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks } => {
-                let seal = SealTurn { conversation_id, turn_id, reason, metrics, now: *now };
-                seal_to(&mut script, &seal, chunks)?;
-                sealed_status(&script.run(conn).await?, conversation_id).map(Written::Status)
+    /// The parts of an opening write, borrowed.
+    pub(super) fn as_begin(&self) -> Option<BeginTurn<'_>> {
+        let Write::Begin { conversation_id, turn_id, model, sticky_model, user_text, default_title, idempotency, now } =
+            self
+        else {
+            return None;
+        };
+        Some(BeginTurn {
+            conversation_id,
+            turn_id,
+            model,
+            sticky_model: sticky_model.as_deref(),
+            user_text,
+            default_title,
+            idempotency: idempotency.as_ref().map(|(key, body_hash, response)| IdempotencyRecord {
+                key,
+                body_hash,
+                response,
+            }),
+            now: *now,
+        })
+    }
+}
+
+/// A backend's side of the writes of turns: transactions, and each write's statements in one.
+pub(super) trait Writes {
+    type Db: sqlx::Database;
+
+    /// Opens a write transaction.
+    fn begin(&self) -> impl Future<Output = StoreResult<Transaction<'static, Self::Db>>> + Send;
+
+    /// Runs one write's statements inside `tx`.
+    fn apply(
+        &self,
+        tx: &mut Transaction<'static, Self::Db>,
+        write: &Write,
+    ) -> impl Future<Output = StoreResult<Written>> + Send;
+}
+
+/// One write in a transaction of its own; the transaction's time is recorded.
+async fn alone<B: Writes>(backend: &B, metrics: &crate::metrics::Metrics, write: &Write) -> StoreResult<Written> {
+    let started = Instant::now();
+    let mut tx = backend.begin().await?;
+    let written = backend.apply(&mut tx, write).await?;
+    tx.commit().await?;
+    metrics.observe_write(started.elapsed());
+    Ok(written)
+}
+
+/// The writes in one transaction. An error means nothing was committed.
+async fn together<B: Writes>(
+    backend: &B,
+    metrics: &crate::metrics::Metrics,
+    batch: &[Queued],
+) -> StoreResult<Vec<Written>> {
+    let started = Instant::now();
+    let mut tx = backend.begin().await?;
+    let mut answers = Vec::with_capacity(batch.len());
+    for queued in batch {
+        match backend.apply(&mut tx, &queued.write).await {
+            Ok(written) => answers.push(written),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return Err(e);
             }
         }
     }
+    tx.commit().await?;
+    metrics.observe_write(started.elapsed());
+    Ok(answers)
 }
 
 impl Store {
@@ -140,15 +176,8 @@ impl Store {
         }
     }
 
-    /// One write in a transaction of its own.
     async fn write_alone(&self, write: &Write) -> StoreResult<Written> {
-        let result = async {
-            let (mut tx, started) = self.write_tx().await?;
-            let written = write.run_in(&mut tx).await?;
-            self.commit(tx, started).await?;
-            Ok(written)
-        }
-        .await;
+        let result = on_backend!(self, b => alone(b, &self.metrics, write).await);
         self.noted(result)
     }
 
@@ -167,7 +196,7 @@ impl Store {
                 let _ = reply.send(self.write_alone(&write).await);
                 continue;
             }
-            match self.write_together(&batch).await {
+            match on_backend!(self, b => together(b, &self.metrics, &batch).await) {
                 Ok(answers) => {
                     for (queued, answer) in batch.into_iter().zip(answers) {
                         let _ = queued.reply.send(self.noted(Ok(answer)));
@@ -181,22 +210,5 @@ impl Store {
                 }
             }
         }
-    }
-
-    /// Runs the writes in one transaction. An error means nothing was committed.
-    async fn write_together(&self, batch: &[Queued]) -> StoreResult<Vec<Written>> {
-        let (mut tx, started) = self.write_tx().await?;
-        let mut answers = Vec::with_capacity(batch.len());
-        for queued in batch {
-            match queued.write.run_in(&mut tx).await {
-                Ok(written) => answers.push(written),
-                Err(e) => {
-                    let _ = tx.rollback().await;
-                    return Err(e);
-                }
-            }
-        }
-        self.commit(tx, started).await?;
-        Ok(answers)
     }
 }

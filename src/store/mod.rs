@@ -1,25 +1,27 @@
-//! The database: conversations, the chunk log and per-turn rows, in SQLite through sqlx.
+//! The database: conversations, the chunk log and per-turn rows, on one of two backends.
 //!
-//! All writes go through one connection (`writer`), so transactions never contend with each
-//! other inside the process and `seq` is assigned in the same transaction that inserts the rows.
-//! Reads use separate read-only connections (sqlx's pool, and `readers` for history windows)
-//! and, thanks to WAL, never wait for the writer.
+//! SQLite (`sqlite/`) is the default: one file, nothing to run. PostgreSQL (`postgres/`) is for
+//! several gateways sharing the work. `Store` is what the rest of the gateway sees (an enum
+//! inside, so every call is a direct one). Statements both databases take alike are written
+//! once, in this folder's files, and run on either backend's pool (`on_pool!`); each backend
+//! has only what must differ: opening, the writes of turns (the group-commit writer task,
+//! `batch`, drives them), history windows, crash recovery. Both keep the log's contract the same way: `seq`
+//! and message ids are assigned from the conversation row's counters inside the transaction
+//! that inserts the chunks. docs/storage.md compares the two.
 
 mod batch;
 mod conversations;
 mod log;
-mod readers;
+mod postgres;
 mod reads;
-mod script;
+mod sqlite;
 mod turns;
 
-use std::path::Path;
+use std::fmt;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Sqlite, SqlitePool, Transaction};
+use std::time::Duration;
 
 use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation, Setting, Settings};
@@ -27,57 +29,49 @@ pub use log::{HistoryPage, HistoryWindow, NewChunk};
 pub use reads::{HistoryChunk, LastText, ModelThroughput};
 pub use turns::{BeginTurn, IdempotencyRecord, SealTurn, user_chunk};
 
-/// The schema's migrations, compiled in, oldest first: version, description (the file name's,
-/// as sqlx spells it) and SQL. Listed by hand rather than by sqlx's `migrate!`, whose proc
-/// macro builds a second SQLite for the build host (a first build's slowest minute); a test
-/// checks the list against the folder.
-const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (1, "initial", include_str!("../../migrations/0001_initial.sql")),
-    (2, "idempotency", include_str!("../../migrations/0002_idempotency.sql")),
-    (3, "chunk checks", include_str!("../../migrations/0003_chunk_checks.sql")),
-    (4, "sealed seq", include_str!("../../migrations/0004_sealed_seq.sql")),
-    (5, "conversation settings", include_str!("../../migrations/0005_conversation_settings.sql")),
-    (6, "turn first seq", include_str!("../../migrations/0006_turn_first_seq.sql")),
-];
-
-fn migrator() -> sqlx::migrate::Migrator {
-    use sqlx::SqlSafeStr;
-    use sqlx::migrate::{Migration, MigrationType, Migrator};
-    Migrator::with_migrations(
-        MIGRATIONS
-            .iter()
-            .map(|&(version, description, sql)| {
-                let sql = sqlx::AssertSqlSafe(sql).into_sql_str();
-                Migration::new(version, description.into(), MigrationType::Simple, sql, false)
-            })
-            .collect(),
-    )
+/// Where the data lives: a SQLite file or a PostgreSQL database, chosen by the configuration's
+/// `database` value (a path, `sqlite://PATH`, or a `postgres://` URL).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Database {
+    /// The file (created with its folder when missing).
+    Sqlite(PathBuf),
+    /// A connection URL (`postgres://` or `postgresql://`).
+    Postgres(String),
 }
 
-/// WAL pages past which the writer checkpoints inside its own commit (about 40 MiB).
-const WRITER_CHECKPOINT_PAGES: u32 = 10_000;
+impl FromStr for Database {
+    type Err = String;
 
-/// How often the background checkpointer looks for new commits.
-const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
-
-/// Copies committed WAL frames into the database file after every period with commits, without
-/// blocking the writer or readers (a passive checkpoint). Ends when the pool is closed.
-async fn checkpoints(pool: SqlitePool, metrics: Arc<Metrics>) {
-    let mut seen = metrics.writes();
-    let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    while !pool.is_closed() {
-        tick.tick().await;
-        let writes = metrics.writes();
-        if writes == seen {
-            continue;
+    fn from_str(s: &str) -> Result<Database, String> {
+        if s.starts_with("postgres://") || s.starts_with("postgresql://") {
+            return Ok(Database::Postgres(s.to_owned()));
         }
-        seen = writes;
-        if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)").execute(&pool).await {
-            if pool.is_closed() {
-                return;
+        let path = s.strip_prefix("sqlite://").or_else(|| s.strip_prefix("sqlite:")).unwrap_or(s);
+        if path.is_empty() {
+            return Err("the database is empty: give a SQLite file or a postgres:// URL".into());
+        }
+        if let Some((scheme, _)) = path.split_once("://") {
+            return Err(format!("unknown database scheme {scheme:?}: give a SQLite file or a postgres:// URL"));
+        }
+        Ok(Database::Sqlite(PathBuf::from(path)))
+    }
+}
+
+/// For logs: a URL's password is not shown.
+impl fmt::Display for Database {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Database::Sqlite(path) => write!(f, "{}", path.display()),
+            Database::Postgres(url) => {
+                let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
+                match rest.split_once('@') {
+                    Some((user, host)) if user.contains(':') => {
+                        let user = user.split(':').next().unwrap_or_default();
+                        write!(f, "{scheme}://{user}:***@{host}")
+                    }
+                    _ => write!(f, "{url}"),
+                }
             }
-            tracing::debug!(error = %e, "a background checkpoint failed; the next one retries");
         }
     }
 }
@@ -94,7 +88,8 @@ pub enum StoreError {
     Folder { path: String, source: std::io::Error },
     #[error("a conversation with this id already exists")]
     Exists,
-    /// The database refuses writes (full, locked by another writer, read-only, I/O error).
+    /// The database refuses writes (full, locked by another writer, read-only, I/O error,
+    /// unreachable).
     #[error("{0}")]
     Unwritable(String),
     #[error("this idempotency key was already used")]
@@ -108,14 +103,74 @@ pub enum StoreError {
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
+/// Limits of the database connections.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreOptions {
+    /// SQLite: how long a write waits for another writer's lock.
+    pub busy_timeout: Duration,
+    /// SQLite: largest database size in pages (0: no limit beyond SQLite's own).
+    pub max_pages: u64,
+    /// PostgreSQL: most connections open at once.
+    pub max_connections: u32,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions { busy_timeout: Duration::from_secs(5), max_pages: 0, max_connections: 16 }
+    }
+}
+
+#[derive(Clone)]
+enum Backend {
+    Sqlite(sqlite::Sqlite),
+    Postgres(postgres::Postgres),
+}
+
+/// Runs `$body` with `$b` bound to the store's backend, whichever it is.
+macro_rules! on_backend {
+    ($store:expr, $b:ident => $body:expr) => {
+        match &$store.backend {
+            $crate::store::Backend::Sqlite($b) => $body,
+            $crate::store::Backend::Postgres($b) => $body,
+        }
+    };
+}
+use on_backend;
+
+/// Runs `$body` with `$pool` bound to the backend's pool for reads (`read`) or for writes
+/// outside the writer task (`write`). The SQL is the same text on both backends: `$n`
+/// placeholders, which SQLite takes as numbered parameters too.
+macro_rules! on_pool {
+    ($store:expr, read, $pool:ident => $body:expr) => {
+        match &$store.backend {
+            $crate::store::Backend::Sqlite(b) => {
+                let $pool = &b.reader;
+                $body
+            }
+            $crate::store::Backend::Postgres(b) => {
+                let $pool = &b.pool;
+                $body
+            }
+        }
+    };
+    ($store:expr, write, $pool:ident => $body:expr) => {
+        match &$store.backend {
+            $crate::store::Backend::Sqlite(b) => {
+                let $pool = &b.writer;
+                $body
+            }
+            $crate::store::Backend::Postgres(b) => {
+                let $pool = &b.pool;
+                $body
+            }
+        }
+    };
+}
+use on_pool;
+
 #[derive(Clone)]
 pub struct Store {
-    writer: SqlitePool,
-    reader: SqlitePool,
-    /// Read-only connections for the hot reads (history windows), run without a thread hop.
-    readers: readers::Readers,
-    /// The connection background checkpoints run on.
-    checkpointer: SqlitePool,
+    backend: Backend,
     metrics: Arc<Metrics>,
     /// Why the last write failed, while writes fail (for `/ready`).
     write_fault: Arc<Mutex<Option<String>>>,
@@ -124,80 +179,19 @@ pub struct Store {
     queue: Option<tokio::sync::mpsc::UnboundedSender<batch::Queued>>,
 }
 
-/// Limits of the SQLite connection.
-#[derive(Debug, Clone, Copy)]
-pub struct StoreOptions {
-    /// How long a write waits for another writer's lock.
-    pub busy_timeout: Duration,
-    /// Largest database size in pages (0: no limit beyond SQLite's own).
-    pub max_pages: u64,
-}
-
-impl Default for StoreOptions {
-    fn default() -> Self {
-        StoreOptions { busy_timeout: Duration::from_secs(5), max_pages: 0 }
-    }
-}
-
-/// Describes a database error that means "writes are refused now", or None for other errors.
-fn unwritable(e: &sqlx::Error) -> Option<String> {
-    if matches!(e, sqlx::Error::PoolTimedOut) {
-        return Some("the database writer is stuck".into());
-    }
-    let code: i64 = e.as_database_error()?.code()?.parse().ok()?;
-    Some(
-        match code & 0xff {
-            13 => "the database is full",
-            5 | 6 => "the database is locked by another writer",
-            8 => "the database is read-only",
-            10 => "the database file cannot be written (I/O error)",
-            _ => return None,
-        }
-        .to_owned(),
-    )
-}
-
 impl Store {
-    /// Opens (creating when missing) the database file, applies the migrations, and repairs
-    /// turns a previous process left open before anything is served.
-    pub async fn open(path: &Path, metrics: Arc<Metrics>) -> StoreResult<Store> {
-        Self::open_with(path, metrics, StoreOptions::default()).await
+    /// Opens the database (creating a SQLite file when missing), applies the migrations, and
+    /// repairs turns a previous process left open before anything is served.
+    pub async fn open(database: &Database, metrics: Arc<Metrics>) -> StoreResult<Store> {
+        Self::open_with(database, metrics, StoreOptions::default()).await
     }
 
-    pub async fn open_with(path: &Path, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Store> {
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent)
-                .map_err(|source| StoreError::Folder { path: parent.display().to_string(), source })?;
-        }
-        let options = SqliteConnectOptions::from_str("sqlite:")?
-            .filename(path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
-            .foreign_keys(true)
-            .busy_timeout(limits.busy_timeout);
-        // Checkpoints (copying the WAL into the database file, with an fsync) run on a
-        // connection of their own (see `checkpoints`), off the writer's path: a checkpoint
-        // inside a commit stalls every write queued behind it. The writer checkpoints itself
-        // only past WRITER_CHECKPOINT_PAGES, so the WAL is restarted even when writes never
-        // pause (by then the background checkpoints have copied nearly all of it).
-        let mut writer_options = options.clone().pragma("wal_autocheckpoint", WRITER_CHECKPOINT_PAGES.to_string());
-        if limits.max_pages > 0 {
-            writer_options = writer_options.pragma("max_page_count", limits.max_pages.to_string());
-        }
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect_with(writer_options)
-            .await?;
-        migrator().run(&writer).await?;
-        let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.clone().read_only(true)).await?;
-        let checkpointer = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
-        tokio::spawn(checkpoints(checkpointer.clone(), metrics.clone()));
-        let readers = readers::Readers::new(path, limits.busy_timeout);
-        let mut store =
-            Store { writer, reader, readers, checkpointer, metrics, write_fault: Arc::default(), queue: None };
+    pub async fn open_with(database: &Database, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Store> {
+        let backend = match database {
+            Database::Sqlite(path) => Backend::Sqlite(sqlite::Sqlite::open(path, metrics.clone(), limits).await?),
+            Database::Postgres(url) => Backend::Postgres(postgres::Postgres::open(url, limits).await?),
+        };
+        let mut store = Store { backend, metrics, write_fault: Arc::default(), queue: None };
         let (queue, writes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(store.clone().run_writer(writes));
         store.queue = Some(queue);
@@ -217,7 +211,7 @@ impl Store {
                 *fault = None;
                 Ok(v)
             }
-            Err(StoreError::Database(e)) => match unwritable(&e) {
+            Err(StoreError::Database(e)) => match on_backend!(self, b => b.unwritable(&e)) {
                 Some(why) => {
                     tracing::error!(error = %e, "{why}");
                     *fault = Some(why.clone());
@@ -236,40 +230,42 @@ impl Store {
 
     /// Answers whether the database serves a trivial query.
     pub async fn ping(&self) -> bool {
-        sqlx::query("SELECT 1").execute(&self.reader).await.is_ok()
+        on_backend!(self, b => b.ping().await)
     }
 
-    /// Closes the pools, waiting for queries in flight; the WAL is checkpointed on close.
+    /// Closes the connections, waiting for queries in flight.
     pub async fn close(&self) {
-        self.readers.close();
-        self.checkpointer.close().await;
-        self.reader.close().await;
-        self.writer.close().await;
+        on_backend!(self, b => b.close().await)
     }
+}
 
-    /// Opens a write transaction; hand it back to [`Store::commit`] with the start instant.
-    async fn write_tx(&self) -> StoreResult<(Transaction<'static, Sqlite>, Instant)> {
-        let started = Instant::now();
-        match self.writer.begin_with("BEGIN IMMEDIATE").await {
-            Err(sqlx::Error::InvalidSavePointStatement) => {
-                // A failed write (database full, I/O error) made SQLite roll the transaction
-                // back on its own; the connection still believes it is inside one and refuses
-                // to begin. Replace it with a fresh connection.
-                tracing::warn!("replacing the database writer connection after a failed transaction");
-                let stale = self.writer.acquire().await?;
-                drop(stale.detach());
-                Ok((self.writer.begin_with("BEGIN IMMEDIATE").await?, started))
-            }
-            other => Ok((other?, started)),
+#[cfg(test)]
+impl Store {
+    /// The SQLite backend, for tests of SQLite's own machinery.
+    pub(crate) fn sqlite(&self) -> &sqlite::Sqlite {
+        match &self.backend {
+            Backend::Sqlite(s) => s,
+            Backend::Postgres(_) => panic!("not a SQLite store"),
         }
     }
+}
 
-    /// Commits and records how long the transaction took, from its start.
-    async fn commit(&self, tx: Transaction<'static, Sqlite>, started: Instant) -> StoreResult<()> {
-        tx.commit().await?;
-        self.metrics.observe_write(started.elapsed());
-        Ok(())
-    }
+/// A migrator for a backend's compiled-in migrations (version, description, SQL), oldest
+/// first. Listed by hand rather than by sqlx's `migrate!`, whose proc macro builds a second
+/// SQLite for the build host (a first build's slowest minute); a test per backend checks its
+/// list against its folder.
+fn migrator(migrations: &[(i64, &'static str, &'static str)]) -> sqlx::migrate::Migrator {
+    use sqlx::SqlSafeStr;
+    use sqlx::migrate::{Migration, MigrationType, Migrator};
+    Migrator::with_migrations(
+        migrations
+            .iter()
+            .map(|&(version, description, sql)| {
+                let sql = sqlx::AssertSqlSafe(sql).into_sql_str();
+                Migration::new(version, description.into(), MigrationType::Simple, sql, false)
+            })
+            .collect(),
+    )
 }
 
 /// Wall-clock now in epoch milliseconds (for stored times only; durations use `Instant`).
@@ -283,19 +279,61 @@ fn status_of(name: &str) -> StoreResult<crate::wire::ConversationStatus> {
         .ok_or_else(|| StoreError::Corrupt(format!("a conversation has the status {name:?}")))
 }
 
+/// Stores for the tests that hold for every backend: SQLite in a temporary folder, and
+/// PostgreSQL in a fresh database when `DISPATCH_TEST_POSTGRES` names a server.
 #[cfg(test)]
-mod tests {
-    /// The compiled-in list is the migrations folder, as sqlx reads a folder: the same
-    /// versions, descriptions and checksums (so databases made by earlier builds, whose
+pub(crate) mod testing {
+    use super::*;
+
+    /// A store with what keeps its database alive; the name says which backend it is.
+    pub(crate) struct TestStore {
+        pub store: Store,
+        pub metrics: Arc<Metrics>,
+        pub backend: &'static str,
+        _dir: Option<tempfile::TempDir>,
+        _database: Option<dispatch_testkit::postgres::FreshDatabase>,
+    }
+
+    pub(crate) async fn every_backend() -> Vec<TestStore> {
+        let mut stores = Vec::new();
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = Arc::new(Metrics::default());
+        let sqlite = Database::Sqlite(dir.path().join("test.db"));
+        let store = Store::open(&sqlite, metrics.clone()).await.unwrap();
+        stores.push(TestStore { store, metrics, backend: "sqlite", _dir: Some(dir), _database: None });
+        if let Some(database) = dispatch_testkit::postgres::fresh_database().await {
+            let metrics = Arc::new(Metrics::default());
+            let store = Store::open(&Database::Postgres(database.url.clone()), metrics.clone()).await.unwrap();
+            stores.push(TestStore { store, metrics, backend: "postgres", _dir: None, _database: Some(database) });
+        }
+        stores
+    }
+
+    /// Each backend's compiled-in list is its migrations folder, as sqlx reads a folder: the
+    /// same versions, descriptions and checksums (so databases made by earlier builds, whose
     /// migrations came from the folder, open without a checksum mismatch).
     #[tokio::test]
-    async fn the_compiled_in_migrations_are_the_folder() {
-        let folder =
-            sqlx::migrate::Migrator::new(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations")))
-                .await
-                .unwrap();
-        let listed = super::migrator();
-        let key = |m: &sqlx::migrate::Migration| (m.version, m.description.to_string(), m.checksum.to_vec());
-        assert_eq!(listed.iter().map(key).collect::<Vec<_>>(), folder.iter().map(key).collect::<Vec<_>>());
+    async fn the_compiled_in_migrations_are_the_folders() {
+        for (folder, listed) in [("sqlite", sqlite::MIGRATIONS), ("postgres", postgres::MIGRATIONS)] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations").join(folder);
+            let from_folder = sqlx::migrate::Migrator::new(path).await.unwrap();
+            let key = |m: &sqlx::migrate::Migration| (m.version, m.description.to_string(), m.checksum.to_vec());
+            let listed: Vec<_> = migrator(listed).iter().map(key).collect();
+            assert_eq!(listed, from_folder.iter().map(key).collect::<Vec<_>>(), "{folder}");
+        }
+    }
+
+    #[test]
+    fn database_values_name_a_file_or_a_postgres_url() {
+        let parse = |s: &str| s.parse::<Database>();
+        assert_eq!(parse("./data/x.db"), Ok(Database::Sqlite("./data/x.db".into())));
+        assert_eq!(parse("sqlite:///tmp/x.db"), Ok(Database::Sqlite("/tmp/x.db".into())));
+        assert_eq!(parse("sqlite:x.db"), Ok(Database::Sqlite("x.db".into())));
+        assert_eq!(parse("postgres://u:p@h/db"), Ok(Database::Postgres("postgres://u:p@h/db".into())));
+        assert!(parse("postgresql://h/db").is_ok());
+        assert!(parse("").unwrap_err().contains("empty"));
+        assert!(parse("mysql://h/db").unwrap_err().contains("\"mysql\""));
+        assert_eq!(parse("postgres://u:secret@h:5432/db").unwrap().to_string(), "postgres://u:***@h:5432/db");
+        assert_eq!(parse("postgres://u@h/db").unwrap().to_string(), "postgres://u@h/db");
     }
 }

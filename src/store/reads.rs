@@ -1,9 +1,7 @@
-//! Reads that aggregate: the last assistant text of a conversation, throughput per model.
+//! Reads that aggregate: the whole log for a runtime, the last assistant text of a
+//! conversation, throughput per model.
 
-use sqlx::sqlite::SqliteRow;
-use sqlx::{FromRow, Row};
-
-use super::{Store, StoreError, StoreResult};
+use super::{Store, StoreError, StoreResult, on_pool};
 use crate::wire::{Chunk, Role};
 
 /// A chunk of the log with the message it belongs to (what runtimes send upstream).
@@ -22,7 +20,7 @@ pub struct LastText {
 }
 
 /// Output tokens and generation time of one model over a period.
-#[derive(Debug)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct ModelThroughput {
     pub model: String,
     pub output_tokens: i64,
@@ -30,25 +28,15 @@ pub struct ModelThroughput {
     pub turns: i64,
 }
 
-impl FromRow<'_, SqliteRow> for ModelThroughput {
-    fn from_row(row: &SqliteRow) -> sqlx::Result<Self> {
-        Ok(ModelThroughput {
-            model: row.try_get("model")?,
-            output_tokens: row.try_get("output_tokens")?,
-            gen_ms: row.try_get("gen_ms")?,
-            turns: row.try_get("turns")?,
-        })
-    }
-}
-
 impl Store {
     /// The whole log with message ids, for runtimes that send the conversation upstream.
     pub async fn history_chunks(&self, conversation_id: &str) -> StoreResult<Vec<HistoryChunk>> {
-        let rows: Vec<(i64, i64, String, String)> =
-            sqlx::query_as("SELECT seq, message_id, role, chunk FROM chunks WHERE conversation_id = ? ORDER BY seq")
+        let rows: Vec<(i64, i64, String, String)> = on_pool!(self, read, pool => {
+            sqlx::query_as("SELECT seq, message_id, role, chunk FROM chunks WHERE conversation_id = $1 ORDER BY seq")
                 .bind(conversation_id)
-                .fetch_all(&self.reader)
-                .await?;
+                .fetch_all(pool)
+                .await
+        })?;
         rows.into_iter()
             .map(|(seq, message_id, role, chunk)| {
                 let role =
@@ -62,49 +50,47 @@ impl Store {
 
     /// The runtime session stored for a conversation.
     pub async fn session_id(&self, conversation_id: &str) -> StoreResult<Option<String>> {
-        let id: Option<Option<String>> = sqlx::query_scalar("SELECT session_id FROM conversations WHERE id = ?")
-            .bind(conversation_id)
-            .fetch_optional(&self.reader)
-            .await?;
+        let id: Option<Option<String>> = on_pool!(self, read, pool => {
+            sqlx::query_scalar("SELECT session_id FROM conversations WHERE id = $1")
+                .bind(conversation_id)
+                .fetch_optional(pool)
+                .await
+        })?;
         Ok(id.flatten())
     }
 
     /// Remembers the runtime session a conversation's next turn resumes.
     pub async fn set_session_id(&self, conversation_id: &str, session_id: &str) -> StoreResult<()> {
-        let result = self.write_set_session_id(conversation_id, session_id).await;
-        self.noted(result)
-    }
-
-    async fn write_set_session_id(&self, conversation_id: &str, session_id: &str) -> StoreResult<()> {
-        sqlx::query("UPDATE conversations SET session_id = ? WHERE id = ?")
-            .bind(session_id)
-            .bind(conversation_id)
-            .execute(&self.writer)
-            .await?;
-        Ok(())
+        self.update("UPDATE conversations SET session_id = $2 WHERE id = $1", conversation_id, Some(session_id))
+            .await
+            .map(drop)
     }
 
     /// The text of the last assistant message that has text, in the latest finished turn.
     pub async fn last_text(&self, conversation_id: &str) -> StoreResult<LastText> {
-        let turn_id: Option<String> = sqlx::query_scalar(
-            "SELECT turn_id FROM turns WHERE conversation_id = ?
-               AND (sealed_at IS NOT NULL OR interrupted_at IS NOT NULL)
-             ORDER BY ordinal DESC LIMIT 1",
-        )
-        .bind(conversation_id)
-        .fetch_optional(&self.reader)
-        .await?;
+        let turn_id: Option<String> = on_pool!(self, read, pool => {
+            sqlx::query_scalar(
+                "SELECT turn_id FROM turns WHERE conversation_id = $1
+                   AND (sealed_at IS NOT NULL OR interrupted_at IS NOT NULL)
+                 ORDER BY ordinal DESC LIMIT 1",
+            )
+            .bind(conversation_id)
+            .fetch_optional(pool)
+            .await
+        })?;
         let Some(turn_id) = turn_id else {
             return Ok(LastText::default());
         };
-        let rows: Vec<(i64, String)> = sqlx::query_as(
-            "SELECT message_id, chunk FROM chunks
-             WHERE conversation_id = ? AND turn_id = ? AND role = 'assistant' ORDER BY seq",
-        )
-        .bind(conversation_id)
-        .bind(&turn_id)
-        .fetch_all(&self.reader)
-        .await?;
+        let rows: Vec<(i64, String)> = on_pool!(self, read, pool => {
+            sqlx::query_as(
+                "SELECT message_id, chunk FROM chunks
+                 WHERE conversation_id = $1 AND turn_id = $2 AND role = 'assistant' ORDER BY seq",
+            )
+            .bind(conversation_id)
+            .bind(&turn_id)
+            .fetch_all(pool)
+            .await
+        })?;
         let texts: Vec<(i64, String)> = rows
             .into_iter()
             .filter_map(|(message, json)| match serde_json::from_str(&json) {
@@ -120,14 +106,20 @@ impl Store {
     /// Per model: output tokens, generation time and turns of the turns sealed in
     /// `[start, end)` (epoch ms).
     pub async fn throughput(&self, start: i64, end: i64) -> StoreResult<Vec<ModelThroughput>> {
-        Ok(sqlx::query_as(
-            "SELECT model, CAST(TOTAL(output_tokens) AS INTEGER) AS output_tokens,
-                    CAST(TOTAL(gen_total_ms) AS INTEGER) AS gen_ms, COUNT(*) AS turns
-             FROM turns WHERE sealed_at >= ? AND sealed_at < ? GROUP BY model",
-        )
-        .bind(start)
-        .bind(end)
-        .fetch_all(&self.reader)
-        .await?)
+        let rows: Vec<(String, i64, i64, i64)> = on_pool!(self, read, pool => {
+            sqlx::query_as(
+                "SELECT model, CAST(coalesce(sum(output_tokens), 0) AS BIGINT),
+                        CAST(coalesce(sum(gen_total_ms), 0) AS BIGINT), count(*)
+                 FROM turns WHERE sealed_at >= $1 AND sealed_at < $2 GROUP BY model",
+            )
+            .bind(start)
+            .bind(end)
+            .fetch_all(pool)
+            .await
+        })?;
+        Ok(rows
+            .into_iter()
+            .map(|(model, output_tokens, gen_ms, turns)| ModelThroughput { model, output_tokens, gen_ms, turns })
+            .collect())
     }
 }

@@ -1,10 +1,7 @@
 //! Turn rows: opened with the user's chunk, sealed with their metrics, repaired after a crash.
 
-use sqlx::sqlite::SqliteRow;
-
-use super::log::{NewChunk, append_to};
-use super::script::Script;
-use super::{Store, StoreError, StoreResult};
+use super::log::NewChunk;
+use super::{Store, StoreError, StoreResult, on_pool};
 use crate::wire::{Chunk, ConversationStatus, ErrorChunk, Role, TextChunk, TurnMetrics};
 
 /// The user's text as the chunk that opens its own message.
@@ -38,7 +35,7 @@ pub struct IdempotencyRecord<'a> {
 }
 
 /// How long idempotency keys are kept, at least.
-const IDEMPOTENCY_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
+pub(super) const IDEMPOTENCY_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
 
 pub struct SealTurn<'a> {
     pub conversation_id: &'a str,
@@ -48,47 +45,27 @@ pub struct SealTurn<'a> {
     pub now: i64,
 }
 
-/// Adds the statements that open a turn to `script` (answered like an append: the seq of the
-/// user's chunk). A reused idempotency key fails the script with a unique violation on
-/// `idempotency_keys` (see [`duplicate_key`]).
-pub(super) fn begin_to(script: &mut Script, t: &BeginTurn<'_>) -> StoreResult<()> {
-    script
-        .sql(
-            "INSERT INTO conversations (id, title, status, created_at, last_activity_at, turn_count, model)
-             VALUES (?, ?, 'active', ?, ?, 1, ?)
-             ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
-                 turn_count = turn_count + 1, title = CASE WHEN title = '' THEN excluded.title ELSE title END,
-                 model = coalesce(excluded.model, model);
-             INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at, first_seq)
-             SELECT id, ?, turn_count, ?, ?, last_seq + 1 FROM conversations WHERE id = ?;",
-        )
-        .bind(t.conversation_id)
-        .bind(t.default_title)
-        .bind(t.now)
-        .bind(t.now)
-        .bind(t.sticky_model)
-        .bind(t.turn_id)
-        .bind(t.model)
-        .bind(t.now)
-        .bind(t.conversation_id);
-    if let Some(record) = &t.idempotency {
-        script
-            .sql(
-                "DELETE FROM idempotency_keys WHERE created_at < ?;
-                 INSERT INTO idempotency_keys (conversation_id, key, body_hash, response, created_at)
-                 VALUES (?, ?, ?, ?, ?);",
-            )
-            .bind(t.now - IDEMPOTENCY_KEEP_MS)
-            .bind(t.conversation_id)
-            .bind(record.key)
-            .bind(record.body_hash)
-            .bind(record.response)
-            .bind(t.now);
+/// The error chunk that marks a turn cut off (spec 1.5: one per turn, then it is history).
+pub(super) fn interrupted_marker() -> NewChunk {
+    NewChunk {
+        role: Role::Assistant,
+        chunk: Chunk::Error(ErrorChunk {
+            message: INTERRUPTED_MESSAGE.to_owned(),
+            code: Some(INTERRUPTED_CODE.to_owned()),
+        }),
+        new_message: true,
     }
-    append_to(script, t.conversation_id, t.turn_id, &[user_chunk(t.user_text)], t.now)
 }
 
-/// A script's error, with a reused idempotency key told apart.
+/// The generation time a seal records for throughput: output over the time spent producing
+/// it, so a step that reported no output (aborted before its first token, stalled, failed)
+/// adds no time either.
+pub(super) fn gen_total_ms(metrics: &TurnMetrics) -> i64 {
+    metrics.steps.iter().filter(|st| st.usage.output_tokens > 0).filter_map(|st| st.gen_total_ms).sum::<u64>() as i64
+}
+
+/// A write's error, with a reused idempotency key told apart (a unique violation on
+/// `idempotency_keys`, as both backends word it).
 pub(super) fn duplicate_key(e: StoreError) -> StoreError {
     match &e {
         StoreError::Database(db) => match db.as_database_error() {
@@ -99,43 +76,8 @@ pub(super) fn duplicate_key(e: StoreError) -> StoreError {
     }
 }
 
-/// Adds the statements of a seal to `script`; its last row is the conversation's status
-/// (no row when the conversation does not exist).
-pub(super) fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<()> {
-    let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-    // Throughput is output over the time spent producing it: a step that reported no output
-    // (aborted before its first token, stalled, failed) adds no time either.
-    let gen_total_ms: u64 =
-        s.metrics.steps.iter().filter(|st| st.usage.output_tokens > 0).filter_map(|st| st.gen_total_ms).sum();
-    if !final_chunks.is_empty() {
-        append_to(script, s.conversation_id, s.turn_id, final_chunks, s.now)?;
-    }
-    script
-        .sql(
-            "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
-             WHERE conversation_id = ? AND turn_id = ?;
-             UPDATE conversations SET last_activity_at = ?, sealed_seq = last_seq,
-                 status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
-             WHERE id = ? RETURNING status;",
-        )
-        .bind(s.now)
-        .bind(s.reason)
-        .bind(metrics)
-        .bind(s.metrics.usage.output_tokens as i64)
-        .bind(gen_total_ms as i64)
-        .bind(s.conversation_id)
-        .bind(s.turn_id)
-        .bind(s.now)
-        .bind(s.conversation_id);
-    Ok(())
-}
-
-/// The status a seal script answered with.
-pub(super) fn sealed_status(rows: &[SqliteRow], conversation_id: &str) -> StoreResult<ConversationStatus> {
-    use sqlx::Row;
-    let row =
-        rows.last().ok_or_else(|| StoreError::Corrupt(format!("conversation {conversation_id} does not exist")))?;
-    super::status_of(&row.try_get::<String, _>(0)?)
+fn parse_metrics(json: &str) -> StoreResult<TurnMetrics> {
+    serde_json::from_str(json).map_err(|e| StoreError::Corrupt(format!("turn metrics: {e}")))
 }
 
 impl Store {
@@ -158,11 +100,10 @@ impl Store {
 
     /// The first answer to an idempotency key, with the hash of the body it came with.
     pub async fn idempotent_response(&self, conversation_id: &str, key: &str) -> StoreResult<Option<(String, String)>> {
-        Ok(sqlx::query_as("SELECT body_hash, response FROM idempotency_keys WHERE conversation_id = ? AND key = ?")
-            .bind(conversation_id)
-            .bind(key)
-            .fetch_optional(&self.reader)
-            .await?)
+        let sql = "SELECT body_hash, response FROM idempotency_keys WHERE conversation_id = $1 AND key = $2";
+        Ok(
+            on_pool!(self, read, pool => sqlx::query_as(sql).bind(conversation_id).bind(key).fetch_optional(pool).await)?,
+        )
     }
 
     /// Seals a turn: its chunks not yet written, its metrics, and the conversation back to
@@ -182,66 +123,37 @@ impl Store {
 
     /// Every sealed turn's metrics, in turn order.
     pub async fn turn_metrics(&self, conversation_id: &str) -> StoreResult<Vec<TurnMetrics>> {
-        let rows: Vec<(String,)> = sqlx::query_as(
-            "SELECT metrics FROM turns WHERE conversation_id = ? AND metrics IS NOT NULL ORDER BY ordinal",
-        )
-        .bind(conversation_id)
-        .fetch_all(&self.reader)
-        .await?;
-        rows.into_iter()
-            .map(|(json,)| serde_json::from_str(&json).map_err(|e| StoreError::Corrupt(format!("turn metrics: {e}"))))
-            .collect()
+        let sql = "SELECT metrics FROM turns WHERE conversation_id = $1 AND metrics IS NOT NULL ORDER BY ordinal";
+        let rows: Vec<String> =
+            on_pool!(self, read, pool => sqlx::query_scalar(sql).bind(conversation_id).fetch_all(pool).await)?;
+        rows.iter().map(|json| parse_metrics(json)).collect()
     }
 
     /// The `contextSize` of the conversation's last sealed turn (`None`: no turn, or none
     /// reported one).
     pub async fn last_context_size(&self, conversation_id: &str) -> StoreResult<Option<u64>> {
-        let metrics: Option<String> = sqlx::query_scalar(
-            "SELECT metrics FROM turns WHERE conversation_id = ? AND metrics IS NOT NULL ORDER BY ordinal DESC LIMIT 1",
-        )
-        .bind(conversation_id)
-        .fetch_optional(&self.reader)
-        .await?;
-        let Some(json) = metrics else { return Ok(None) };
-        let metrics: TurnMetrics =
-            serde_json::from_str(&json).map_err(|e| StoreError::Corrupt(format!("turn metrics: {e}")))?;
-        Ok(metrics.context_size)
+        let sql = "SELECT metrics FROM turns WHERE conversation_id = $1 AND metrics IS NOT NULL
+                   ORDER BY ordinal DESC LIMIT 1";
+        let last: Option<String> =
+            on_pool!(self, read, pool => sqlx::query_scalar(sql).bind(conversation_id).fetch_optional(pool).await)?;
+        Ok(match last {
+            Some(json) => parse_metrics(&json)?.context_size,
+            None => None,
+        })
     }
 
     /// Each turn with a user message but neither metrics nor a marker gets one
     /// `interrupted` error chunk, and its conversation goes idle. Returns how many were repaired.
     pub async fn recover_interrupted(&self, now: i64) -> StoreResult<usize> {
-        let open: Vec<(String, String)> = sqlx::query_as(
-            "SELECT conversation_id, turn_id FROM turns
-             WHERE sealed_at IS NULL AND interrupted_at IS NULL ORDER BY conversation_id, ordinal",
-        )
-        .fetch_all(&self.writer)
-        .await?;
-        for (conversation_id, turn_id) in &open {
-            let (mut tx, started) = self.write_tx().await?;
-            let marker = NewChunk {
-                role: Role::Assistant,
-                chunk: Chunk::Error(ErrorChunk {
-                    message: INTERRUPTED_MESSAGE.to_owned(),
-                    code: Some(INTERRUPTED_CODE.to_owned()),
-                }),
-                new_message: true,
-            };
-            let mut script = Script::default();
-            append_to(&mut script, conversation_id, turn_id, &[marker], now)?;
-            script
-                .sql("UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?;")
-                .bind(now)
-                .bind(conversation_id.as_str())
-                .bind(turn_id.as_str())
-                // The cut turn, marker included, is history from now on.
-                .sql("UPDATE conversations SET sealed_seq = last_seq WHERE id = ?;")
-                .bind(conversation_id.as_str());
-            script.run(&mut tx).await?;
-            self.commit(tx, started).await?;
+        let sql = "SELECT conversation_id, turn_id FROM turns
+                   WHERE sealed_at IS NULL AND interrupted_at IS NULL ORDER BY conversation_id, ordinal";
+        let open: Vec<(String, String)> = on_pool!(self, write, pool => sqlx::query_as(sql).fetch_all(pool).await)?;
+        for (conversation_id, turn_id) in open.iter().cloned() {
+            self.write(super::batch::Write::Interrupt { conversation_id, turn_id, now }).await?;
         }
         // Whatever was active when the process died is not active now.
-        sqlx::query("UPDATE conversations SET status = 'idle' WHERE status = 'active'").execute(&self.writer).await?;
+        let sql = "UPDATE conversations SET status = 'idle' WHERE status = 'active'";
+        on_pool!(self, write, pool => sqlx::query(sql).execute(pool).await.map(drop))?;
         Ok(open.len())
     }
 }
@@ -267,10 +179,9 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::Metrics;
     use crate::store::HistoryWindow;
+    use crate::store::testing::every_backend;
     use crate::wire::Usage;
-    use std::sync::Arc;
 
     async fn begin(store: &Store, conversation_id: &str, turn_id: &str) {
         store.begin_test_turn(conversation_id, turn_id).await;
@@ -278,12 +189,15 @@ mod tests {
 
     #[tokio::test]
     async fn seals_queued_together_commit_in_one_transaction_and_each_gets_its_answer() {
-        let dir = tempfile::tempdir().unwrap();
-        let metrics = Arc::new(Metrics::default());
-        let store = Store::open(&dir.path().join("seal.db"), metrics.clone()).await.unwrap();
+        for t in every_backend().await {
+            seals_commit_together_and_fail_alone(&t.store, &t.metrics, t.backend).await;
+        }
+    }
+
+    async fn seals_commit_together_and_fail_alone(store: &Store, metrics: &crate::metrics::Metrics, backend: &str) {
         let ids: Vec<(String, String)> = (0..20).map(|i| (format!("c{i}"), format!("t{i}"))).collect();
         for (c, t) in &ids {
-            begin(&store, c, t).await;
+            begin(store, c, t).await;
         }
         let turn_metrics: Vec<TurnMetrics> = ids
             .iter()
@@ -303,11 +217,15 @@ mod tests {
             async move { store.seal_turn(seal, &[user_chunk("the end")]).await }
         });
         let statuses = futures_util::future::join_all(seals).await;
-        assert!(statuses.iter().all(|s| matches!(s, Ok(ConversationStatus::Idle))), "{statuses:?}");
-        assert_eq!(metrics.writes() - writes, 1, "one transaction for the 20 seals");
+        assert!(statuses.iter().all(|s| matches!(s, Ok(ConversationStatus::Idle))), "{backend}: {statuses:?}");
+        assert_eq!(metrics.writes() - writes, 1, "{backend}: one transaction for the 20 seals");
         for ((c, _), m) in ids.iter().zip(&turn_metrics) {
             let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: true };
-            assert_eq!(store.history(c, all).await.unwrap().last_seq, Some(2), "{c}: the final chunk was written");
+            assert_eq!(
+                store.history(c, all).await.unwrap().last_seq,
+                Some(2),
+                "{backend} {c}: the final chunk was written"
+            );
             assert_eq!(store.turn_metrics(c).await.unwrap(), vec![m.clone()]);
         }
         // A seal that fails inside a shared transaction fails alone: the transaction is rolled
@@ -315,7 +233,7 @@ mod tests {
         let mut begun = Vec::new();
         for i in 0..3 {
             let (c, t) = (format!("d{i}"), format!("u{i}"));
-            begin(&store, &c, &t).await;
+            begin(store, &c, &t).await;
             begun.push((c, t));
         }
         begun[1].0 = "never-begun".into(); // no conversation row: its seal fails
@@ -327,11 +245,12 @@ mod tests {
         });
         let writes = metrics.writes();
         let statuses = futures_util::future::join_all(seals).await;
-        assert!(statuses[0].is_ok() && statuses[2].is_ok(), "{statuses:?}");
-        assert!(statuses[1].is_err(), "{statuses:?}");
-        assert_eq!(metrics.writes() - writes, 2, "the two good seals, each in its own commit");
+        assert!(statuses[0].is_ok() && statuses[2].is_ok(), "{backend}: {statuses:?}");
+        assert!(statuses[1].is_err(), "{backend}: {statuses:?}");
+        assert_eq!(metrics.writes() - writes, 2, "{backend}: the two good seals, each in its own commit");
         for (c, _) in [&begun[0], &begun[2]] {
-            assert_eq!(store.turn_metrics(c).await.unwrap().len(), 1, "{c} sealed");
+            assert_eq!(store.turn_metrics(c).await.unwrap().len(), 1, "{backend} {c} sealed");
         }
+        store.close().await;
     }
 }

@@ -400,9 +400,11 @@ impl Turns {
     }
 }
 
-/// The title a conversation gets from its first message: its first line, at most 80 chars.
+/// The title a conversation gets from its first message: its first line without control
+/// characters (U+0000 included, which PostgreSQL's text cannot hold), at most 80 chars.
 fn default_title(message: &str) -> String {
-    let line = message.lines().next().unwrap_or("").trim();
+    let line: String = message.lines().next().unwrap_or("").chars().filter(|c| !c.is_control()).collect();
+    let line = line.trim();
     match line.char_indices().nth(80) {
         Some((cut, _)) => format!("{}…", &line[..cut]),
         None => line.to_owned(),

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use bytes::{Buf, BytesMut};
+pub use dispatch_gateway::store::Database;
 use dispatch_gateway::{Config, Gateway};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -26,11 +27,19 @@ pub struct TestServer {
     task: Option<JoinHandle<std::io::Result<()>>>,
 }
 
+/// The SQLite file a test config names.
+pub fn sqlite_file(config: &Config) -> PathBuf {
+    match &config.database {
+        Database::Sqlite(path) => path.clone(),
+        Database::Postgres(_) => panic!("a test that reads the SQLite file ran on PostgreSQL"),
+    }
+}
+
 /// A config for tests: the given folder's database, scripted runtime at full speed.
 pub fn test_config(dir: &Path) -> Config {
     let mut config = Config::defaults();
     config.listen = "127.0.0.1:0".parse().unwrap();
-    config.database = dir.join("gateway.db");
+    config.database = Database::Sqlite(dir.join("gateway.db"));
     config.scripted_pace = 0.0;
     // Every test's stop would wait for it; the grace has a test of its own.
     config.shutdown_grace_ms = 0;

@@ -81,3 +81,6 @@ mod tests {
         assert_eq!(frame, [0x81, 0x84, 1, 2, 3, 4, b'a' ^ 1, b'b' ^ 2, b'c' ^ 3, b'd' ^ 4]);
     }
 }
+
+#[cfg(feature = "postgres")]
+pub mod postgres;

@@ -1,0 +1,86 @@
+//! The PostgreSQL backend: for several gateways on one database.
+//!
+//! Every statement is its own round trip (the extended protocol takes one statement at a
+//! time), so each write of a turn is as few statements as its steps allow, joined with
+//! data-modifying CTEs where one depends on another. Reads and writes share one pool; the
+//! group-commit writer task holds one of its connections while it writes.
+
+mod log;
+mod turns;
+
+use std::time::Duration;
+
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgPool, Postgres as Driver, Transaction};
+
+use super::batch::{Write, Writes, Written};
+use super::{StoreOptions, StoreResult};
+
+/// The schema's migrations (`migrations/postgres`), compiled in, oldest first.
+pub(super) const MIGRATIONS: &[(i64, &str, &str)] =
+    &[(1, "initial", include_str!("../../../migrations/postgres/0001_initial.sql"))];
+
+/// How long a query waits for a free connection before it fails (the database then counts as
+/// unwritable, see `unwritable`).
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Clone)]
+pub(crate) struct Postgres {
+    pub(super) pool: PgPool,
+}
+
+impl Postgres {
+    /// Connects and applies the migrations (sqlx holds an advisory lock meanwhile, so gateways
+    /// starting together migrate once).
+    pub(crate) async fn open(url: &str, limits: StoreOptions) -> StoreResult<Postgres> {
+        let pool = PgPoolOptions::new()
+            .max_connections(limits.max_connections.max(2))
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect(url)
+            .await?;
+        super::migrator(MIGRATIONS).run(&pool).await?;
+        Ok(Postgres { pool })
+    }
+
+    /// Describes a database error that means "writes are refused now", or None for other errors.
+    pub(crate) fn unwritable(&self, e: &sqlx::Error) -> Option<String> {
+        match e {
+            sqlx::Error::PoolTimedOut => {
+                return Some("no database connection is free (or the server is unreachable)".into());
+            }
+            sqlx::Error::Io(_) | sqlx::Error::PoolClosed => return Some("the database connection failed".into()),
+            _ => {}
+        }
+        let code = e.as_database_error()?.code()?;
+        Some(
+            match code.as_ref() {
+                "25006" => "the database is read-only",
+                c if c.starts_with("53") => "the database server is out of resources (disk full, memory, connections)",
+                c if c.starts_with("57P") => "the database server is shutting down",
+                c if c.starts_with("08") => "the database connection failed",
+                _ => return None,
+            }
+            .to_owned(),
+        )
+    }
+
+    pub(crate) async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+    }
+
+    pub(crate) async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+impl Writes for Postgres {
+    type Db = Driver;
+
+    async fn begin(&self) -> StoreResult<Transaction<'static, Driver>> {
+        Ok(self.pool.begin().await?)
+    }
+
+    async fn apply(&self, tx: &mut Transaction<'static, Driver>, write: &Write) -> StoreResult<Written> {
+        turns::apply(tx, write).await
+    }
+}

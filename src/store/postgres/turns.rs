@@ -1,0 +1,118 @@
+//! Turn rows in PostgreSQL: open (the conversation row and the turn's in one statement, the
+//! user's chunk in a second), append, seal (the turn and the conversation in one statement).
+
+use sqlx::{PgConnection, Postgres as Driver, Transaction};
+
+use super::log::append;
+use crate::store::batch::{Write, Written};
+use crate::store::turns::{
+    BeginTurn, IDEMPOTENCY_KEEP_MS, SealTurn, duplicate_key, gen_total_ms, interrupted_marker, user_chunk,
+};
+use crate::store::{StoreError, StoreResult};
+
+/// The write's statements, inside an open transaction.
+pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) -> StoreResult<Written> {
+    let conn: &mut PgConnection = tx;
+    match write {
+        Write::Begin { .. } => {
+            let begin = write.as_begin().expect("an opening write");
+            begin_turn(conn, &begin).await.map_err(duplicate_key).map(Written::Seq)
+        }
+        Write::Append { conversation_id, turn_id, chunks, now } => {
+            append(conn, conversation_id, turn_id, chunks, *now).await.map(Written::Seq)
+        }
+        Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks } => {
+            let seal = SealTurn { conversation_id, turn_id, reason, metrics, now: *now };
+            if !chunks.is_empty() {
+                append(conn, conversation_id, turn_id, chunks, *now).await?;
+            }
+            seal_turn(conn, &seal).await.map(Written::Status)
+        }
+        Write::Interrupt { conversation_id, turn_id, now } => {
+            let seq = append(conn, conversation_id, turn_id, &[interrupted_marker()], *now).await?;
+            // The cut turn, marker included, is history from now on.
+            sqlx::query(
+                "WITH t AS (UPDATE turns SET interrupted_at = $3 WHERE conversation_id = $1 AND turn_id = $2)
+                 UPDATE conversations SET sealed_seq = last_seq WHERE id = $1",
+            )
+            .bind(conversation_id)
+            .bind(turn_id)
+            .bind(*now)
+            .execute(&mut *conn)
+            .await?;
+            Ok(Written::Seq(seq))
+        }
+    }
+}
+
+/// Opens a turn: the conversation created or marked active, the turn's row numbered from it,
+/// the idempotency key recorded, the user's chunk appended. The user chunk's seq.
+async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>) -> StoreResult<u64> {
+    sqlx::query(
+        "WITH c AS (
+             INSERT INTO conversations (id, title, status, created_at, last_activity_at, turn_count, model)
+             VALUES ($1, $2, 'active', $3, $3, 1, $4)
+             ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
+                 turn_count = conversations.turn_count + 1,
+                 title = CASE WHEN conversations.title = '' THEN excluded.title ELSE conversations.title END,
+                 model = coalesce(excluded.model, conversations.model)
+             RETURNING id, turn_count, last_seq
+         )
+         INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at, first_seq)
+         SELECT id, $5, turn_count, $6, $3, last_seq + 1 FROM c",
+    )
+    .bind(t.conversation_id)
+    .bind(t.default_title)
+    .bind(t.now)
+    .bind(t.sticky_model)
+    .bind(t.turn_id)
+    .bind(t.model)
+    .execute(&mut *conn)
+    .await?;
+    if let Some(record) = &t.idempotency {
+        sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
+            .bind(t.now - IDEMPOTENCY_KEEP_MS)
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query(
+            "INSERT INTO idempotency_keys (conversation_id, key, body_hash, response, created_at)
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(t.conversation_id)
+        .bind(record.key)
+        .bind(record.body_hash)
+        .bind(record.response)
+        .bind(t.now)
+        .execute(&mut *conn)
+        .await?;
+    }
+    append(conn, t.conversation_id, t.turn_id, &[user_chunk(t.user_text)], t.now).await
+}
+
+/// Seals a turn (its metrics; the conversation's horizon moved to its last seq, the
+/// conversation idle unless closed). The conversation's status; an error when it does not
+/// exist.
+async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<crate::wire::ConversationStatus> {
+    let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    let status: Option<String> = sqlx::query_scalar(
+        "WITH t AS (
+             UPDATE turns SET sealed_at = $3, reason = $4, metrics = $5, output_tokens = $6, gen_total_ms = $7
+             WHERE conversation_id = $1 AND turn_id = $2
+         )
+         UPDATE conversations SET last_activity_at = $3, sealed_seq = last_seq,
+             status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
+         WHERE id = $1 RETURNING status",
+    )
+    .bind(s.conversation_id)
+    .bind(s.turn_id)
+    .bind(s.now)
+    .bind(s.reason)
+    .bind(metrics)
+    .bind(s.metrics.usage.output_tokens as i64)
+    .bind(gen_total_ms(s.metrics))
+    .fetch_optional(&mut *conn)
+    .await?;
+    let status =
+        status.ok_or_else(|| StoreError::Corrupt(format!("conversation {} does not exist", s.conversation_id)))?;
+    crate::store::status_of(&status)
+}

@@ -1,0 +1,125 @@
+//! Turn rows in SQLite: each write of a turn (open, append, seal) is one script, one round
+//! trip to the database thread.
+
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Sqlite as Driver, SqliteConnection, Transaction};
+
+use super::log::{append_to, appended_seq};
+use super::script::Script;
+use crate::store::batch::{Write, Written};
+use crate::store::log::NewChunk;
+use crate::store::turns::{
+    BeginTurn, IDEMPOTENCY_KEEP_MS, SealTurn, duplicate_key, gen_total_ms, interrupted_marker, user_chunk,
+};
+use crate::store::{StoreError, StoreResult};
+use crate::wire::ConversationStatus;
+
+/// The write's statements, inside an open transaction: one script, one round trip.
+pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) -> StoreResult<Written> {
+    let conn: &mut SqliteConnection = tx;
+    let mut script = Script::default();
+    match write {
+        Write::Begin { conversation_id, .. } => {
+            let begin = write.as_begin().expect("an opening write");
+            begin_to(&mut script, &begin)?;
+            let rows = script.run(conn).await.map_err(duplicate_key)?;
+            appended_seq(&rows, conversation_id).map(Written::Seq)
+        }
+        Write::Append { conversation_id, turn_id, chunks, now } => {
+            append_to(&mut script, conversation_id, turn_id, chunks, *now)?;
+            appended_seq(&script.run(conn).await?, conversation_id).map(Written::Seq)
+        }
+        Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks } => {
+            let seal = SealTurn { conversation_id, turn_id, reason, metrics, now: *now };
+            seal_to(&mut script, &seal, chunks)?;
+            sealed_status(&script.run(conn).await?, conversation_id).map(Written::Status)
+        }
+        Write::Interrupt { conversation_id, turn_id, now } => {
+            append_to(&mut script, conversation_id, turn_id, &[interrupted_marker()], *now)?;
+            script
+                .sql("UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?;")
+                .bind(*now)
+                .bind(conversation_id.as_str())
+                .bind(turn_id.as_str())
+                // The cut turn, marker included, is history from now on.
+                .sql("UPDATE conversations SET sealed_seq = last_seq WHERE id = ?;")
+                .bind(conversation_id.as_str());
+            appended_seq(&script.run(conn).await?, conversation_id).map(Written::Seq)
+        }
+    }
+}
+
+/// Adds the statements that open a turn to `script` (answered like an append: the seq of the
+/// user's chunk). A reused idempotency key fails the script with a unique violation on
+/// `idempotency_keys` (see [`duplicate_key`]).
+fn begin_to(script: &mut Script, t: &BeginTurn<'_>) -> StoreResult<()> {
+    script
+        .sql(
+            "INSERT INTO conversations (id, title, status, created_at, last_activity_at, turn_count, model)
+             VALUES (?, ?, 'active', ?, ?, 1, ?)
+             ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
+                 turn_count = turn_count + 1, title = CASE WHEN title = '' THEN excluded.title ELSE title END,
+                 model = coalesce(excluded.model, model);
+             INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at, first_seq)
+             SELECT id, ?, turn_count, ?, ?, last_seq + 1 FROM conversations WHERE id = ?;",
+        )
+        .bind(t.conversation_id)
+        .bind(t.default_title)
+        .bind(t.now)
+        .bind(t.now)
+        .bind(t.sticky_model)
+        .bind(t.turn_id)
+        .bind(t.model)
+        .bind(t.now)
+        .bind(t.conversation_id);
+    if let Some(record) = &t.idempotency {
+        script
+            .sql(
+                "DELETE FROM idempotency_keys WHERE created_at < ?;
+                 INSERT INTO idempotency_keys (conversation_id, key, body_hash, response, created_at)
+                 VALUES (?, ?, ?, ?, ?);",
+            )
+            .bind(t.now - IDEMPOTENCY_KEEP_MS)
+            .bind(t.conversation_id)
+            .bind(record.key)
+            .bind(record.body_hash)
+            .bind(record.response)
+            .bind(t.now);
+    }
+    append_to(script, t.conversation_id, t.turn_id, &[user_chunk(t.user_text)], t.now)
+}
+
+/// Adds the statements of a seal to `script`; its last row is the conversation's status
+/// (no row when the conversation does not exist).
+fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> StoreResult<()> {
+    let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+    if !final_chunks.is_empty() {
+        append_to(script, s.conversation_id, s.turn_id, final_chunks, s.now)?;
+    }
+    script
+        .sql(
+            "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
+             WHERE conversation_id = ? AND turn_id = ?;
+             UPDATE conversations SET last_activity_at = ?, sealed_seq = last_seq,
+                 status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
+             WHERE id = ? RETURNING status;",
+        )
+        .bind(s.now)
+        .bind(s.reason)
+        .bind(metrics)
+        .bind(s.metrics.usage.output_tokens as i64)
+        .bind(gen_total_ms(s.metrics))
+        .bind(s.conversation_id)
+        .bind(s.turn_id)
+        .bind(s.now)
+        .bind(s.conversation_id);
+    Ok(())
+}
+
+/// The status a seal script answered with.
+fn sealed_status(rows: &[SqliteRow], conversation_id: &str) -> StoreResult<ConversationStatus> {
+    use sqlx::Row;
+    let row =
+        rows.last().ok_or_else(|| StoreError::Corrupt(format!("conversation {conversation_id} does not exist")))?;
+    crate::store::status_of(&row.try_get::<String, _>(0)?)
+}
