@@ -1,0 +1,285 @@
+//! The gateway on PostgreSQL: the same answers as on SQLite for the same requests, the log's
+//! contract (seq 1..N without gaps) under writers in two processes' worth of stores, and a
+//! turn cut off by a crash marked once. Needs a server: `DISPATCH_TEST_POSTGRES` (see
+//! `dispatch_testkit::postgres`); skipped without one unless `DISPATCH_REQUIRE_POSTGRES=1`.
+
+mod common;
+
+use common::*;
+use dispatch_gateway::store::{BeginTurn, NewChunk, Store};
+use dispatch_gateway::wire::{Chunk, Role, TextChunk};
+use dispatch_testkit::postgres::{FreshDatabase, fresh_database};
+use serde_json::{Value, json};
+
+fn script() -> Value {
+    json!({"rules": [
+        {"match": "weather", "steps": [
+            {"reasoning": "Let me check.", "text": "Checking the weather.",
+             "toolCalls": [{"id": "call_w", "name": "weather", "input": {"city": "Paris"},
+                            "output": "fetching", "result": "sunny", "durationMs": 7}],
+             "usage": {"inputTokens": 100, "outputTokens": 20}},
+            {"text": "It is sunny in Paris.", "usage": {"inputTokens": 150, "outputTokens": 8}}
+        ]},
+        {"match": "fail", "steps": [{"text": "partial answer"}],
+         "error": {"message": "model exploded", "code": "upstream"}}
+    ]})
+}
+
+/// A test server on the given database.
+async fn server_on(dir: &std::path::Path, database: Database) -> TestServer {
+    let mut config = test_config(dir);
+    config.scripted_script = Some(write_script(dir, script()));
+    config.database = database;
+    TestServer::start(config).await
+}
+
+async fn postgres() -> Option<FreshDatabase> {
+    fresh_database().await
+}
+
+/// Drops what differs between two runs of the same requests: times, durations, minted ids.
+fn normalized(mut v: Value) -> Value {
+    match &mut v {
+        Value::Object(map) => {
+            map.retain(|k, _| {
+                !(k.ends_with("At")
+                    || k.ends_with("Ms")
+                    || k == "turnId"
+                    || k == "stepId"
+                    || k == "tokensPerSecond"
+                    || k == "totalGenMs")
+            });
+            for value in map.values_mut() {
+                *value = normalized(value.take());
+            }
+        }
+        Value::Array(items) => {
+            for item in items.iter_mut() {
+                *item = normalized(item.take());
+            }
+        }
+        _ => {}
+    }
+    v
+}
+
+/// Requests of every kind the store answers, and what each read answered.
+async fn scenario(server: &TestServer) -> Vec<(String, u16, Value)> {
+    let mut answers = Vec::new();
+    let (status, body) = server.post("/conversations", json!({"id": "alpha", "title": "First"})).await;
+    answers.push(("create".to_owned(), status, body));
+    let (status, body) = server.post("/conversations", json!({"id": "alpha"})).await;
+    answers.push(("create again".to_owned(), status, body));
+    let turns =
+        [("alpha", "weather please"), ("alpha", "now fail"), ("beta", "hello"), ("alpha", "hi"), ("zeta", "a\0b")];
+    for (id, message) in turns {
+        let events = server.chat(id, message).await;
+        assert_eq!(events.last().unwrap()["type"], "turn-sealed", "{events:?}");
+    }
+    for (path, body) in [
+        ("/conversations/beta/title", json!({"title": "Renamed"})),
+        ("/conversations/beta/title", json!({"title": "nul \u{0} inside"})),
+        ("/conversations/gamma/model", json!({"model": "demo/scripted"})),
+        ("/conversations/gamma/cwd", json!({"cwd": "/srv/project"})),
+        ("/conversations/gamma/reasoning-effort", json!({"reasoningEffort": "high"})),
+    ] {
+        let (status, body) = server.put(path, body).await;
+        answers.push((format!("PUT {path}"), status, body));
+    }
+    let (status, body) = server.post("/conversations/beta/close", json!({})).await;
+    answers.push(("close beta".to_owned(), status, body));
+    // The same key twice answers the same; with another body it is a conflict.
+    let send = |key: &'static str, message: &'static str| async move {
+        let r = server
+            .client
+            .post(server.url("/conversations/delta/messages"))
+            .header("idempotency-key", key)
+            .json(&json!({"message": message}))
+            .send()
+            .await
+            .unwrap();
+        read_json(r).await
+    };
+    let first = send("key-1", "hello").await;
+    assert_eq!(first.0, 202, "{}", first.1);
+    let again = send("key-1", "hello").await;
+    assert_eq!(again, (200, first.1.clone()));
+    answers.push(("idempotent other body".to_owned(), send("key-1", "other").await.0, json!(null)));
+    let (status, _) = server.get("/conversations/delta/last?timeoutMs=30000").await;
+    assert_eq!(status, 200);
+    let (status, body) = server.post("/conversations", json!({"id": "epsilon"})).await;
+    answers.push(("create epsilon".to_owned(), status, body));
+    let (status, body) = server.delete("/conversations/epsilon").await;
+    answers.push(("delete epsilon".to_owned(), status, body));
+
+    let mut reads = vec![
+        "/conversations?limit=100".to_owned(),
+        "/conversations?q=al".to_owned(),
+        "/conversations?status=closed".to_owned(),
+        "/conversations?status=idle,closed&limit=2".to_owned(),
+        "/conversations/epsilon".to_owned(),
+        "/metrics/throughput".to_owned(),
+    ];
+    for id in ["alpha", "beta", "gamma", "delta", "zeta", "nobody"] {
+        for path in [
+            "",
+            "?limit=2",
+            "?beforeSeq=5&limit=2",
+            "?sinceSeq=3",
+            "?sinceSeq=2&beforeSeq=9",
+            "?include=inflight",
+            "/metrics",
+            "/last",
+            "/status",
+            "/model",
+            "/cwd",
+            "/reasoning-effort",
+        ] {
+            reads.push(format!("/conversations/{id}{path}"));
+        }
+    }
+    for path in reads {
+        let (status, body) = server.get(&path).await;
+        answers.push((path, status, body));
+    }
+    answers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_answer_on_postgres_is_the_answer_on_sqlite() {
+    let Some(database) = postgres().await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = server_on(dir.path(), Database::Sqlite(dir.path().join("gateway.db"))).await;
+    let on_sqlite = scenario(&sqlite).await;
+    sqlite.stop().await;
+    let dir = tempfile::tempdir().unwrap();
+    let pg = server_on(dir.path(), Database::Postgres(database.url.clone())).await;
+    let on_postgres = scenario(&pg).await;
+    pg.stop().await;
+    assert!(on_sqlite.iter().any(|(path, _, body)| path == "/conversations/alpha" && body["chunks"][8].is_object()));
+    for (a, b) in on_sqlite.iter().zip(&on_postgres) {
+        assert_eq!(
+            (a.0.as_str(), a.1, normalized(a.2.clone())),
+            (b.0.as_str(), b.1, normalized(b.2.clone())),
+            "{}",
+            a.0
+        );
+    }
+    assert_eq!(on_sqlite.len(), on_postgres.len());
+}
+
+fn text(t: &str) -> NewChunk {
+    NewChunk { role: Role::Assistant, chunk: Chunk::Text(TextChunk { text: t.to_owned() }), new_message: false }
+}
+
+/// Two stores on one database, as two gateway processes would hold them, append to one
+/// conversation at once: every chunk gets its own seq, 1..N without a gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_on_two_stores_share_one_gap_free_seq() {
+    let Some(database) = postgres().await else { return };
+    let db = Database::Postgres(database.url.clone());
+    let (a, b) =
+        (Store::open(&db, Default::default()).await.unwrap(), Store::open(&db, Default::default()).await.unwrap());
+    let begin = BeginTurn {
+        conversation_id: "shared",
+        turn_id: "turn-1",
+        model: "demo/scripted",
+        sticky_model: None,
+        user_text: "hi",
+        default_title: "hi",
+        idempotency: None,
+        now: 1,
+    };
+    assert_eq!(a.begin_turn(begin).await.unwrap(), 1);
+    let writers = [a.clone(), b.clone()].into_iter().enumerate().map(|(w, store)| {
+        tokio::spawn(async move {
+            let mut last = Vec::new();
+            for i in 0..60 {
+                let chunks: Vec<NewChunk> = (0..=i % 3).map(|k| text(&format!("w{w}-{i}-{k}"))).collect();
+                last.push(store.append_chunks("shared", "turn-1", &chunks).await.unwrap());
+            }
+            last
+        })
+    });
+    let mut answered = Vec::new();
+    for writer in writers.collect::<Vec<_>>() {
+        answered.extend(writer.await.unwrap());
+    }
+    let log = a.history_chunks("shared").await.unwrap();
+    // 1 user chunk + 2 writers x (20 x (1 + 2 + 3)) chunks.
+    assert_eq!(log.len(), 1 + 2 * 120);
+    let window = dispatch_gateway::store::HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: true };
+    let page = b.history("shared", window).await.unwrap();
+    let items: Value = serde_json::from_slice(&[b"[", page.items.as_slice(), b"]"].concat()).unwrap();
+    let seqs: Vec<u64> = items.as_array().unwrap().iter().map(|c| c["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=241).collect::<Vec<_>>());
+    // Each append answered a distinct seq: its last chunk's.
+    answered.sort_unstable();
+    answered.dedup();
+    assert_eq!(answered.len(), 120);
+    // An append's chunks are consecutive: no other writer's chunk lands between them.
+    for pair in items.as_array().unwrap()[1..].windows(2) {
+        let (x, y) = (pair[0]["chunk"]["text"].as_str().unwrap(), pair[1]["chunk"]["text"].as_str().unwrap());
+        let (xw, yw) = (x.rsplit_once('-').unwrap().0, y.rsplit_once('-').unwrap().0);
+        if xw != yw {
+            assert!(y.ends_with("-0"), "{x} then {y}");
+        }
+    }
+    a.close().await;
+    b.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turns_on_postgres_stay_gap_free_across_concurrent_turns_and_a_restart_and_a_crash() {
+    let Some(database) = postgres().await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    // A process that opened a turn and died before sealing it.
+    {
+        let store = Store::open(&Database::Postgres(database.url.clone()), Default::default()).await.unwrap();
+        let begin = BeginTurn {
+            conversation_id: "cut",
+            turn_id: "turn-1",
+            model: "demo/scripted",
+            sticky_model: None,
+            user_text: "hello",
+            default_title: "hello",
+            idempotency: None,
+            now: 1,
+        };
+        store.begin_turn(begin).await.unwrap();
+        store.append_chunks("cut", "turn-1", &[text("half an ans")]).await.unwrap();
+    }
+    let server = server_on(dir.path(), Database::Postgres(database.url.clone())).await;
+    let history = server.history("cut").await;
+    let kinds: Vec<&str> = history.iter().map(|c| c["chunk"]["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["text", "text", "error"], "{history:?}");
+    assert_eq!(history[2]["chunk"]["code"], "interrupted");
+
+    let conversations: Vec<String> = (0..8).map(|i| format!("conv-{i}")).collect();
+    let tasks: Vec<_> = conversations
+        .iter()
+        .map(|id| {
+            let (client, url, id) = (server.client.clone(), server.url("/chat"), id.clone());
+            tokio::spawn(async move {
+                for turn in 0..3 {
+                    let body = json!({"conversationId": id, "message": format!("turn {turn}")});
+                    let events = EventStream::new(client.post(&url).json(&body).send().await.unwrap()).collect().await;
+                    assert_eq!(events.last().unwrap()["type"], "turn-sealed");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let server = server.restart().await;
+    // The cut turn keeps its one marker across the restart.
+    assert_eq!(server.history("cut").await.len(), 3);
+    for id in &conversations {
+        server.chat(id, "after the restart").await;
+        let seqs: Vec<u64> = server.history(id).await.iter().map(|c| c["seq"].as_u64().unwrap()).collect();
+        // Each turn logs the user's text, thinking and the reply's text.
+        assert_eq!(seqs, (1..=12).collect::<Vec<_>>(), "{id}");
+    }
+    server.stop().await;
+}
