@@ -50,6 +50,12 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_POSTGRES_MAX_CONNECTIONS", default_value_t = 16)]
     pub postgres_max_connections: u32,
 
+    /// Milliseconds a running turn's lease on its conversation lasts unless renewed (renewed
+    /// every third of it). With several gateways on one database, a turn whose gateway died is
+    /// marked interrupted by another within about 1.3 times this.
+    #[arg(long, env = "DISPATCH_LEASE_TTL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..))]
+    pub lease_ttl_ms: u64,
+
     /// Milliseconds a write waits for another process's lock on the database.
     #[arg(long, env = "DISPATCH_SQLITE_BUSY_TIMEOUT_MS", default_value_t = 5000)]
     pub sqlite_busy_timeout_ms: u64,
@@ -513,6 +519,7 @@ impl Config {
             sqlite_busy_timeout_ms: 5000,
             sqlite_max_pages: 0,
             postgres_max_connections: 16,
+            lease_ttl_ms: 10_000,
             scripted_pace: 40.0,
             scripted_reasoning: true,
             scripted_script: None,

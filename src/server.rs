@@ -42,6 +42,7 @@ impl Gateway {
             busy_timeout: Duration::from_millis(config.sqlite_busy_timeout_ms),
             max_pages: config.sqlite_max_pages,
             max_connections: config.postgres_max_connections,
+            lease_ttl: Duration::from_millis(config.lease_ttl_ms),
         };
         let store = Store::open_with(&config.database, metrics.clone(), limits).await?;
         let flush = crate::hub::FlushWindow {

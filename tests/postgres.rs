@@ -1,12 +1,14 @@
 //! The gateway on PostgreSQL: the same answers as on SQLite for the same requests, the log's
-//! contract (seq 1..N without gaps) under writers in two processes' worth of stores, and a
-//! turn cut off by a crash marked once. Needs a server: `DISPATCH_TEST_POSTGRES` (see
-//! `dispatch_testkit::postgres`); skipped without one unless `DISPATCH_REQUIRE_POSTGRES=1`.
+//! contract (seq 1..N without gaps) under writers in two processes' worth of stores, a turn
+//! cut off by a crash marked once, and two gateways on one database: one turn at a time per
+//! conversation across both, a killed gateway's turn marked interrupted by the other. Needs a
+//! server: `DISPATCH_TEST_POSTGRES` (see `dispatch_testkit::postgres`); skipped without one
+//! unless `DISPATCH_REQUIRE_POSTGRES=1`.
 
 mod common;
 
 use common::*;
-use dispatch_gateway::store::{BeginTurn, NewChunk, Store};
+use dispatch_gateway::store::{BeginTurn, NewChunk, Store, StoreOptions};
 use dispatch_gateway::wire::{Chunk, Role, TextChunk};
 use dispatch_testkit::postgres::{FreshDatabase, fresh_database};
 use serde_json::{Value, json};
@@ -233,9 +235,12 @@ async fn writers_on_two_stores_share_one_gap_free_seq() {
 async fn turns_on_postgres_stay_gap_free_across_concurrent_turns_and_a_restart_and_a_crash() {
     let Some(database) = postgres().await else { return };
     let dir = tempfile::tempdir().unwrap();
-    // A process that opened a turn and died before sealing it.
+    // A process that opened a turn and died before sealing it. Its lease ends a moment later;
+    // the next gateway's sweeper marks the turn.
     {
-        let store = Store::open(&Database::Postgres(database.url.clone()), Default::default()).await.unwrap();
+        let options = StoreOptions { lease_ttl: std::time::Duration::from_millis(300), ..Default::default() };
+        let db = Database::Postgres(database.url.clone());
+        let store = Store::open_with(&db, Default::default(), options).await.unwrap();
         let begin = BeginTurn {
             conversation_id: "cut",
             turn_id: "turn-1",
@@ -249,7 +254,11 @@ async fn turns_on_postgres_stay_gap_free_across_concurrent_turns_and_a_restart_a
         store.begin_turn(begin).await.unwrap();
         store.append_chunks("cut", "turn-1", &[text("half an ans")]).await.unwrap();
     }
-    let server = server_on(dir.path(), Database::Postgres(database.url.clone())).await;
+    let mut config = test_config(dir.path());
+    config.database = Database::Postgres(database.url.clone());
+    config.lease_ttl_ms = 300;
+    let server = TestServer::start(config).await;
+    assert!(eventually(200, || async { server.history("cut").await.len() == 3 }).await, "the cut turn is marked");
     let history = server.history("cut").await;
     let kinds: Vec<&str> = history.iter().map(|c| c["chunk"]["type"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["text", "text", "error"], "{history:?}");
@@ -282,4 +291,63 @@ async fn turns_on_postgres_stay_gap_free_across_concurrent_turns_and_a_restart_a
         assert_eq!(seqs, (1..=12).collect::<Vec<_>>(), "{id}");
     }
     server.stop().await;
+}
+
+/// The turn of gateway A, watched from A; B is another gateway on the same database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_run_one_turn_at_a_time_and_a_killed_ones_turn_is_marked_by_the_other() {
+    let Some(database) = postgres().await else { return };
+    let args: Vec<std::ffi::OsString> = ["--database", &database.url, "--lease-ttl-ms", "600", "--scripted-pace", "10"]
+        .into_iter()
+        .map(Into::into)
+        .collect();
+    let mut a = ChildGateway::spawn(&args);
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.database = Database::Postgres(database.url.clone());
+    config.lease_ttl_ms = 600;
+    let b = TestServer::start(config).await;
+
+    // A turn on A, a few deltas in (its lease renewed meanwhile: a turn of seconds outlives
+    // several leases).
+    let body = json!({"conversationId": "shared", "message": "hello"});
+    let r = b.client.post(format!("http://{}/chat", a.addr)).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut stream = EventStream::new(r);
+    let mut deltas = 0;
+    while deltas < 5 {
+        let event = stream.next_event().await.expect("A streams its turn");
+        deltas += usize::from(event["type"] == "text-delta");
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    // B answers as A would: the conversation is busy, and cannot be deleted.
+    let (status, body) = b.post("/chat", json!({"conversationId": "shared", "message": "me too"})).await;
+    assert_eq!(status, 409, "{body}");
+    let (status, body) = b.delete("/conversations/shared").await;
+    assert_eq!(status, 409, "{body}");
+
+    // A dies mid-turn. Its lease ends; B marks the turn interrupted, once.
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    let marked = eventually(400, || async {
+        b.history("shared").await.last().is_some_and(|c| c["chunk"]["code"] == "interrupted")
+    })
+    .await;
+    assert!(marked, "B marks A's turn: {:?}", b.history("shared").await);
+    let history = b.history("shared").await;
+    let seqs: Vec<u64> = history.iter().map(|c| c["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=history.len() as u64).collect::<Vec<_>>());
+    assert_eq!(history.iter().filter(|c| c["chunk"]["type"] == "error").count(), 1);
+    let (_, status) = b.get("/conversations/shared/status").await;
+    assert_eq!(status["status"], "idle", "{status}");
+    // The conversation is free again, on B, after the marker.
+    let events = b.chat("shared", "again").await;
+    assert_eq!(events.last().unwrap()["type"], "turn-sealed");
+    let after = b.history("shared").await;
+    assert_eq!(after[history.len()]["chunk"]["text"], "again");
+    assert_eq!(
+        after.iter().map(|c| c["seq"].as_u64().unwrap()).collect::<Vec<_>>(),
+        (1..=after.len() as u64).collect::<Vec<_>>()
+    );
+    b.stop().await;
 }

@@ -86,6 +86,7 @@ impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::Exists => ApiError::Conflict("a conversation with this id already exists".into()),
+            StoreError::Busy => ApiError::Conflict(StoreError::Busy.to_string()),
             StoreError::Unwritable(why) => ApiError::Unavailable(format!("the database cannot take writes now: {why}")),
             other => ApiError::Internal(other.to_string()),
         }

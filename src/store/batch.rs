@@ -36,6 +36,8 @@ pub(super) enum Write {
         /// Key, body hash, response.
         idempotency: Option<(String, String, String)>,
         now: i64,
+        /// When the turn's lease on its conversation ends unless renewed (epoch ms).
+        lease_until: i64,
     },
     Append {
         conversation_id: String,
@@ -51,12 +53,15 @@ pub(super) enum Write {
         now: i64,
         chunks: Vec<NewChunk>,
     },
-    /// A turn found cut off: its one `interrupted` marker, and the history horizon moved past
-    /// it.
+    /// A turn found cut off: its one `interrupted` marker, the history horizon moved past it,
+    /// its lease released. With `expired_at`, only when the turn's lease ended before then
+    /// (another gateway may hold it); without, whatever holds it (SQLite at start: the file is
+    /// this process's). Refused (`LeaseLost`) when it does not apply.
     Interrupt {
         conversation_id: String,
         turn_id: String,
         now: i64,
+        expired_at: Option<i64>,
     },
 }
 
@@ -91,8 +96,17 @@ pub(super) struct Queued {
 impl Write {
     /// The parts of an opening write, borrowed.
     pub(super) fn as_begin(&self) -> Option<BeginTurn<'_>> {
-        let Write::Begin { conversation_id, turn_id, model, sticky_model, user_text, default_title, idempotency, now } =
-            self
+        let Write::Begin {
+            conversation_id,
+            turn_id,
+            model,
+            sticky_model,
+            user_text,
+            default_title,
+            idempotency,
+            now,
+            ..
+        } = self
         else {
             return None;
         };

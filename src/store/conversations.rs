@@ -100,9 +100,21 @@ impl Store {
         self.update("UPDATE conversations SET title = $2 WHERE id = $1", id, Some(title)).await
     }
 
-    /// Deletes the conversation with its log and turns; false when it did not exist.
+    /// Deletes the conversation with its log and turns; false when it did not exist, `Busy`
+    /// while a turn holds its lease (on any gateway).
     pub async fn delete_conversation(&self, id: &str) -> StoreResult<bool> {
-        self.update("DELETE FROM conversations WHERE id = $1", id, None).await
+        let sql = "DELETE FROM conversations WHERE id = $1 AND (lease_turn IS NULL OR lease_expires_at < $2)";
+        let now = super::now_ms();
+        let result = on_pool!(self, write, pool => {
+            sqlx::query(sql).bind(id).bind(now).execute(pool).await.map(|r| r.rows_affected() > 0)
+        });
+        if self.noted(result.map_err(StoreError::from))? {
+            return Ok(true);
+        }
+        match self.conversation(id).await? {
+            Some(_) => Err(StoreError::Busy),
+            None => Ok(false),
+        }
     }
 
     /// Marks a conversation closed; false when it does not exist.

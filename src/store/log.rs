@@ -97,7 +97,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::NewConversation;
+    use crate::store::StoreError;
     use crate::store::testing::every_backend;
     use crate::wire::TextChunk;
 
@@ -124,29 +124,28 @@ mod tests {
     async fn appends_number_seqs_and_message_ids_across_writes_and_multi_row_inserts() {
         for t in every_backend().await {
             let store = &t.store;
-            let new = NewConversation { id: "c", title: "", model: None, now: 1 };
-            store.create_conversation(new).await.unwrap();
-            // The first chunk continues a message that does not exist yet; then appends of every
-            // size, one past the rows of one SQLite INSERT.
+            // The turn's user chunk is seq 1 and opens message 1; then appends of every size,
+            // one past the rows of one SQLite INSERT, continuing or opening messages.
+            store.begin_test_turn("c", "t").await;
             let sizes = [1, 3, 507, 2];
-            let mut flags = Vec::new();
+            let mut flags = vec![true];
             let mut appended = Vec::new();
             for size in sizes {
                 let batch: Vec<NewChunk> =
-                    (0..size).map(|i| chunk(flags.len() + i, (flags.len() + i) % 3 == 1)).collect();
+                    (0..size).map(|i| chunk(flags.len() - 1 + i, (flags.len() + i) % 3 == 1)).collect();
                 flags.extend(batch.iter().map(|c| c.new_message));
                 appended.push(store.append_chunks("c", "t", &batch).await.unwrap());
             }
             let mut ends = Vec::new();
             for size in sizes {
-                ends.push(ends.last().copied().unwrap_or(0u64) + size as u64);
+                ends.push(ends.last().copied().unwrap_or(1u64) + size as u64);
             }
             assert_eq!(appended, ends, "{}: each append answers the seq of its last chunk", t.backend);
             let log = store.history_chunks("c").await.unwrap();
             assert_eq!(log.len(), flags.len(), "{}", t.backend);
             let ids: Vec<i64> = log.iter().map(|c| c.message_id).collect();
             assert_eq!(ids, expected(&flags), "{}", t.backend);
-            let texts: Vec<String> = log
+            let texts: Vec<String> = log[1..]
                 .iter()
                 .map(|c| match &c.chunk {
                     Chunk::Text(t) => t.text.clone(),
@@ -155,25 +154,29 @@ mod tests {
                 .collect();
             assert_eq!(
                 texts,
-                (0..flags.len()).map(|i| format!("c{i}")).collect::<Vec<_>>(),
+                (0..flags.len() - 1).map(|i| format!("c{i}")).collect::<Vec<_>>(),
                 "{}: in seq order",
                 t.backend
             );
-            // An empty append answers the current seq; an unknown conversation is an error.
+            // An empty append answers the current seq; a turn that does not hold the
+            // conversation's lease, or a conversation that does not exist, is refused.
             let total = *ends.last().unwrap();
             assert_eq!(store.append_chunks("c", "t", &[]).await.unwrap(), total, "{}", t.backend);
-            assert!(store.append_chunks("missing", "t", &[chunk(0, true)]).await.is_err(), "{}", t.backend);
+            for (c, turn) in [("c", "another-turn"), ("missing", "t")] {
+                let refused = store.append_chunks(c, turn, &[chunk(0, true)]).await;
+                assert!(matches!(refused, Err(StoreError::LeaseLost)), "{}: {refused:?}", t.backend);
+            }
             // Appends alone seal nothing: what a history read (and a resync) shows is unmoved.
             assert_eq!(store.latest_seq("c", None).await.unwrap(), 0, "{}", t.backend);
             // Windows: the newest `limit` of a range, in seq order, as the stored JSON.
             let item = |seq: u64| {
-                format!(r#"{{"seq":{seq},"role":"assistant","chunk":{{"type":"text","text":"c{}"}}}}"#, seq - 1)
+                format!(r#"{{"seq":{seq},"role":"assistant","chunk":{{"type":"text","text":"c{}"}}}}"#, seq - 2)
             };
             let expect = |seqs: std::ops::RangeInclusive<u64>| seqs.map(item).collect::<Vec<_>>().join(",");
             let window = |since_seq, before_seq, limit| HistoryWindow { since_seq, before_seq, limit, inflight: true };
             for (w, seqs) in [
                 (window(0, None, Some(100)), total - 99..=total),
-                (window(0, None, None), 1..=total),
+                (window(1, None, None), 2..=total),
                 (window(10, Some(200), None), 11..=199),
                 (window(10, Some(200), Some(3)), 197..=199),
             ] {

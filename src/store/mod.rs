@@ -11,6 +11,7 @@
 
 mod batch;
 mod conversations;
+mod lease;
 mod log;
 mod postgres;
 mod reads;
@@ -96,6 +97,13 @@ pub enum StoreError {
     DuplicateKey,
     #[error("stored data is corrupt: {0}")]
     Corrupt(String),
+    /// Another turn holds the conversation's lease (on this gateway or another).
+    #[error("a turn is already generating for this conversation")]
+    Busy,
+    /// A turn's write was refused: the turn no longer holds its conversation's lease (it
+    /// expired and another gateway marked the turn interrupted, or the conversation is gone).
+    #[error("the turn no longer holds its conversation (its lease ended)")]
+    LeaseLost,
     /// A read on the blocking pool was dropped (the runtime is shutting down).
     #[error("the read was cancelled")]
     Cancelled,
@@ -112,11 +120,18 @@ pub struct StoreOptions {
     pub max_pages: u64,
     /// PostgreSQL: most connections open at once.
     pub max_connections: u32,
+    /// How long a turn's lease on its conversation lasts unless renewed (see `lease`).
+    pub lease_ttl: Duration,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { busy_timeout: Duration::from_secs(5), max_pages: 0, max_connections: 16 }
+        StoreOptions {
+            busy_timeout: Duration::from_secs(5),
+            max_pages: 0,
+            max_connections: 16,
+            lease_ttl: Duration::from_secs(10),
+        }
     }
 }
 
@@ -171,6 +186,7 @@ use on_pool;
 #[derive(Clone)]
 pub struct Store {
     backend: Backend,
+    lease_ttl: Duration,
     metrics: Arc<Metrics>,
     /// Why the last write failed, while writes fail (for `/ready`).
     write_fault: Arc<Mutex<Option<String>>>,
@@ -191,7 +207,8 @@ impl Store {
             Database::Sqlite(path) => Backend::Sqlite(sqlite::Sqlite::open(path, metrics.clone(), limits).await?),
             Database::Postgres(url) => Backend::Postgres(postgres::Postgres::open(url, limits).await?),
         };
-        let mut store = Store { backend, metrics, write_fault: Arc::default(), queue: None };
+        let mut store =
+            Store { backend, lease_ttl: limits.lease_ttl, metrics, write_fault: Arc::default(), queue: None };
         let (queue, writes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(store.clone().run_writer(writes));
         store.queue = Some(queue);

@@ -94,6 +94,7 @@ impl Store {
             default_title: t.default_title.to_owned(),
             idempotency: t.idempotency.map(|r| (r.key.to_owned(), r.body_hash.to_owned(), r.response.to_owned())),
             now: t.now,
+            lease_until: self.lease_until(),
         };
         self.write(job).await?.seq()
     }
@@ -140,21 +141,6 @@ impl Store {
             Some(json) => parse_metrics(&json)?.context_size,
             None => None,
         })
-    }
-
-    /// Each turn with a user message but neither metrics nor a marker gets one
-    /// `interrupted` error chunk, and its conversation goes idle. Returns how many were repaired.
-    pub async fn recover_interrupted(&self, now: i64) -> StoreResult<usize> {
-        let sql = "SELECT conversation_id, turn_id FROM turns
-                   WHERE sealed_at IS NULL AND interrupted_at IS NULL ORDER BY conversation_id, ordinal";
-        let open: Vec<(String, String)> = on_pool!(self, write, pool => sqlx::query_as(sql).fetch_all(pool).await)?;
-        for (conversation_id, turn_id) in open.iter().cloned() {
-            self.write(super::batch::Write::Interrupt { conversation_id, turn_id, now }).await?;
-        }
-        // Whatever was active when the process died is not active now.
-        let sql = "UPDATE conversations SET status = 'idle' WHERE status = 'active'";
-        on_pool!(self, write, pool => sqlx::query(sql).execute(pool).await.map(drop))?;
-        Ok(open.len())
     }
 }
 

@@ -57,7 +57,17 @@ pub enum StartError {
     #[error("{}", queue_full(*.0))]
     QueueFull(QueueFull),
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(StoreError),
+}
+
+impl From<StoreError> for StartError {
+    fn from(e: StoreError) -> StartError {
+        match e {
+            // Another gateway's turn holds the conversation: the same answer as one of ours.
+            StoreError::Busy => StartError::Busy,
+            e => StartError::Store(e),
+        }
+    }
 }
 
 fn queue_full(full: QueueFull) -> String {
@@ -106,13 +116,16 @@ enum Busy {
     /// Reserved while the turn's first rows are written.
     Starting,
     Running {
+        turn_id: String,
         cancel: CancellationToken,
         inbox: Arc<Inbox>,
     },
     /// Reserved while the conversation is deleted.
     Deleting,
     /// The turn ended but the database has not taken its seal yet.
-    Sealing,
+    Sealing {
+        turn_id: String,
+    },
 }
 
 pub struct Turns {
@@ -151,8 +164,8 @@ impl Turns {
         queue_limits: QueueLimits,
     ) -> Arc<Turns> {
         let (statuses, _) = broadcast::channel(1024);
-        Arc::new(Turns {
-            store,
+        let turns = Arc::new(Turns {
+            store: store.clone(),
             hub,
             registry,
             busy: Mutex::new(HashMap::new()),
@@ -160,7 +173,9 @@ impl Turns {
             closing: CancellationToken::new(),
             metrics,
             queue_limits,
-        })
+        });
+        tokio::spawn(keep_leases(Arc::downgrade(&turns), store));
+        turns
     }
 
     pub fn registry(&self) -> &Registry {
@@ -178,7 +193,7 @@ impl Turns {
 
     /// Whether a turn is running (or starting) in this conversation.
     pub fn is_active(&self, conversation_id: &str) -> bool {
-        matches!(self.lock().get(conversation_id), Some(Busy::Starting | Busy::Running { .. } | Busy::Sealing))
+        matches!(self.lock().get(conversation_id), Some(Busy::Starting | Busy::Running { .. } | Busy::Sealing { .. }))
     }
 
     /// Starts a turn: picks the model, reserves the conversation (409 when busy), writes the
@@ -244,7 +259,8 @@ impl Turns {
 
         let cancel = CancellationToken::new();
         let inbox = Arc::new(Inbox::default());
-        self.lock().insert(req.conversation_id.clone(), Busy::Running { cancel: cancel.clone(), inbox: inbox.clone() });
+        let running = Busy::Running { turn_id: turn_id.clone(), cancel: cancel.clone(), inbox: inbox.clone() };
+        self.lock().insert(req.conversation_id.clone(), running);
         reservation.armed = false;
         self.announce(&req.conversation_id, ConversationStatus::Active);
         self.metrics.turns_started.fetch_add(1, Relaxed);
@@ -387,8 +403,19 @@ impl Turns {
     }
 
     /// Keeps the conversation reserved after its turn ended, until the seal commits.
-    fn hold_for_sealing(&self, conversation_id: &str) {
-        self.lock().insert(conversation_id.to_owned(), Busy::Sealing);
+    fn hold_for_sealing(&self, conversation_id: &str, turn_id: &str) {
+        self.lock().insert(conversation_id.to_owned(), Busy::Sealing { turn_id: turn_id.to_owned() });
+    }
+
+    /// The turns this gateway holds leases for: running, or sealing.
+    fn leased(&self) -> Vec<String> {
+        let busy = self.lock();
+        busy.values()
+            .filter_map(|b| match b {
+                Busy::Running { turn_id, .. } | Busy::Sealing { turn_id } => Some(turn_id.clone()),
+                _ => None,
+            })
+            .collect()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Busy>> {
@@ -397,6 +424,51 @@ impl Turns {
 
     fn hub(&self) -> &Arc<Hub> {
         &self.hub
+    }
+}
+
+/// Every third of the lease's time: renews the leases of this gateway's turns, and, when other
+/// gateways may share the database, marks the turns whose lease ended (their gateway died, or
+/// lost the database for longer than a lease) interrupted; one gateway of several does each
+/// (store/lease.rs). Ends when the gateway is dropped.
+async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
+    let mut tick = tokio::time::interval(store.lease_ttl() / 3);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let Some(turns) = turns.upgrade() else { return };
+        let held = turns.leased();
+        if !held.is_empty()
+            && let Err(e) = store.renew_leases(&held).await
+        {
+            tracing::warn!(error = %e, turns = held.len(), "could not renew the leases of running turns");
+        }
+        if store.exclusive() {
+            continue;
+        }
+        let now = now_ms();
+        let expired = match store.expired_leases(now).await {
+            Ok(expired) => expired,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not look for turns whose lease ended");
+                continue;
+            }
+        };
+        // This gateway's own turns are not swept by it: their renewal failed, and they learn
+        // of a lost lease at their next write.
+        for (conversation_id, turn_id) in expired.into_iter().filter(|(_, t)| !held.contains(t)) {
+            match store.interrupt_expired(&conversation_id, &turn_id, now).await {
+                Ok(true) => {
+                    tracing::warn!(conversation = %conversation_id, turn = %turn_id, "marked a turn whose lease ended interrupted");
+                    turns.announce(&conversation_id, ConversationStatus::Idle);
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(conversation = %conversation_id, error = %e, "could not mark a turn whose lease ended")
+                }
+            }
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use super::Turns;
 use super::steps::{Effect, End, TurnSteps};
 use crate::hub::TurnBuffer;
 use crate::runtime::{Inbox, RawEvent, Runtime, RuntimeError, TurnRequest};
-use crate::store::{NewChunk, SealTurn, Store, now_ms};
+use crate::store::{NewChunk, SealTurn, Store, StoreError, now_ms};
 use crate::wire::*;
 
 /// How many raw events a runtime may run ahead of the turn.
@@ -69,6 +69,13 @@ impl PendingSeal {
                     tracing::info!(conversation = %self.conversation_id, turn = %self.turn_id, "sealed the turn after the database recovered");
                     self.turns.release(&self.conversation_id);
                     self.turns.announce(&self.conversation_id, status);
+                    return;
+                }
+                Err(StoreError::LeaseLost) => {
+                    // Another gateway marked the turn interrupted meanwhile: it is history.
+                    tracing::warn!(conversation = %self.conversation_id, turn = %self.turn_id, "the turn's lease ended before its seal could be written");
+                    self.turns.release(&self.conversation_id);
+                    self.turns.announce(&self.conversation_id, ConversationStatus::Idle);
                     return;
                 }
                 Err(_) => wait = (wait * 2).min(std::time::Duration::from_secs(2)),
@@ -215,6 +222,14 @@ impl TurnRun {
         chunks.extend(self.steps.assembler.take());
         match self.store.append_chunks(&self.conversation_id, &self.turn_id, &chunks).await {
             Ok(_) => Ok(()),
+            Err(StoreError::LeaseLost) => {
+                tracing::error!("the turn lost its lease on the conversation; it stops writing");
+                Err(End::Failed {
+                    message: "the turn's lease on its conversation ended (another gateway marked it interrupted)"
+                        .into(),
+                    code: Some("lease".into()),
+                })
+            }
             Err(e) => {
                 self.unwritten = chunks;
                 tracing::error!(error = %e, "could not write the turn's chunks");
@@ -250,6 +265,8 @@ impl TurnRun {
         };
         let sealed_now = match self.store.seal_turn(seal, &rest).await {
             Ok(status) => Some(status),
+            // Marked interrupted by another gateway: nothing of it is to be written any more.
+            Err(StoreError::LeaseLost) => Some(ConversationStatus::Idle),
             Err(e) => {
                 tracing::error!(error = %e, "could not seal the turn; retrying until the database takes it");
                 None
@@ -277,7 +294,7 @@ impl TurnRun {
         let (conversation_id, turn_id) = self.ids();
         let sealed = AgentEvent::TurnSealed(TurnSealedEvent { conversation_id, turn_id });
         let Some(sealed_status) = sealed_now else {
-            self.turns.hold_for_sealing(&self.conversation_id);
+            self.turns.hold_for_sealing(&self.conversation_id, &self.turn_id);
             self.turns.hub().seal_turn(self.buffer, &sealed);
             let pending = PendingSeal {
                 turns: self.turns.clone(),

@@ -48,8 +48,9 @@ fn window_sql(limit: Option<u64>, inflight: bool) -> String {
     )
 }
 
-/// Appends `chunks` inside the open transaction; the seq of the last one (the current one for
-/// none). An unknown conversation is an error.
+/// Appends `chunks` inside the open transaction while `turn_id` holds the conversation's lease;
+/// the seq of the last one (the current one for none). `LeaseLost` when the turn does not hold
+/// it (a lost lease, or no such conversation).
 ///
 /// The conversation's counters are bumped first (which locks its row until the commit, so
 /// writers of one conversation, on any node, take turns) and the rows numbered from the new
@@ -63,13 +64,14 @@ pub(super) async fn append(
     chunks: &[NewChunk],
     now: i64,
 ) -> StoreResult<u64> {
-    let vanished = || StoreError::Corrupt(format!("conversation {conversation_id} vanished during a turn"));
     if chunks.is_empty() {
-        let seq: Option<i64> = sqlx::query_scalar("SELECT last_seq FROM conversations WHERE id = $1")
-            .bind(conversation_id)
-            .fetch_optional(&mut *conn)
-            .await?;
-        return seq.map(|s| s as u64).ok_or_else(vanished);
+        let seq: Option<i64> =
+            sqlx::query_scalar("SELECT last_seq FROM conversations WHERE id = $1 AND lease_turn = $2")
+                .bind(conversation_id)
+                .bind(turn_id)
+                .fetch_optional(&mut *conn)
+                .await?;
+        return seq.map(|s| s as u64).ok_or(StoreError::LeaseLost);
     }
     let first_not_new = !chunks[0].new_message;
     let (mut offsets, mut opened, mut roles, mut texts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -86,7 +88,7 @@ pub(super) async fn append(
              UPDATE conversations SET last_seq = last_seq + $3,
                  last_message_id = last_message_id + $4 + CASE WHEN last_message_id = 0 AND $5 THEN 1 ELSE 0 END,
                  last_activity_at = $6
-             WHERE id = $1 RETURNING id, last_seq, last_message_id
+             WHERE id = $1 AND lease_turn = $2 RETURNING id, last_seq, last_message_id
          ), rows AS (
              INSERT INTO chunks (conversation_id, seq, message_id, turn_id, role, chunk)
              SELECT c.id, c.last_seq - $3 + v.n, c.last_message_id - $4 + v.opened, $2, v.role, v.chunk
@@ -106,5 +108,5 @@ pub(super) async fn append(
     .bind(texts)
     .fetch_optional(&mut *conn)
     .await?;
-    seq.map(|s| s as u64).ok_or_else(vanished)
+    seq.map(|s| s as u64).ok_or(StoreError::LeaseLost)
 }

@@ -17,8 +17,10 @@ use super::batch::{Write, Writes, Written};
 use super::{StoreOptions, StoreResult};
 
 /// The schema's migrations (`migrations/postgres`), compiled in, oldest first.
-pub(super) const MIGRATIONS: &[(i64, &str, &str)] =
-    &[(1, "initial", include_str!("../../../migrations/postgres/0001_initial.sql"))];
+pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "initial", include_str!("../../../migrations/postgres/0001_initial.sql")),
+    (2, "turn leases", include_str!("../../../migrations/postgres/0002_turn_leases.sql")),
+];
 
 /// How long a query waits for a free connection before it fails (the database then counts as
 /// unwritable, see `unwritable`).

@@ -14,9 +14,9 @@ use crate::store::{StoreError, StoreResult};
 pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) -> StoreResult<Written> {
     let conn: &mut PgConnection = tx;
     match write {
-        Write::Begin { .. } => {
+        Write::Begin { lease_until, .. } => {
             let begin = write.as_begin().expect("an opening write");
-            begin_turn(conn, &begin).await.map_err(duplicate_key).map(Written::Seq)
+            begin_turn(conn, &begin, *lease_until).await.map_err(duplicate_key).map(Written::Seq)
         }
         Write::Append { conversation_id, turn_id, chunks, now } => {
             append(conn, conversation_id, turn_id, chunks, *now).await.map(Written::Seq)
@@ -28,12 +28,29 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
             }
             seal_turn(conn, &seal).await.map(Written::Status)
         }
-        Write::Interrupt { conversation_id, turn_id, now } => {
+        Write::Interrupt { conversation_id, turn_id, now, expired_at } => {
+            // The lease is taken in the cut turn's name (whatever held it, or only when it
+            // expired: the row lock makes one gateway of several do it), so the marker's append
+            // is fenced like any other. A refusal is an error: the transaction is rolled back.
+            let taken = sqlx::query(
+                "UPDATE conversations SET lease_turn = $2 WHERE id = $1
+                   AND ($3::bigint IS NULL OR (lease_turn = $2 AND lease_expires_at < $3))",
+            )
+            .bind(conversation_id)
+            .bind(turn_id)
+            .bind(*expired_at)
+            .execute(&mut *conn)
+            .await?;
+            if taken.rows_affected() == 0 {
+                return Err(StoreError::LeaseLost);
+            }
             let seq = append(conn, conversation_id, turn_id, &[interrupted_marker()], *now).await?;
             // The cut turn, marker included, is history from now on.
             sqlx::query(
                 "WITH t AS (UPDATE turns SET interrupted_at = $3 WHERE conversation_id = $1 AND turn_id = $2)
-                 UPDATE conversations SET sealed_seq = last_seq WHERE id = $1",
+                 UPDATE conversations SET sealed_seq = last_seq, lease_turn = NULL, lease_expires_at = NULL,
+                     status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
+                 WHERE id = $1",
             )
             .bind(conversation_id)
             .bind(turn_id)
@@ -45,17 +62,21 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
     }
 }
 
-/// Opens a turn: the conversation created or marked active, the turn's row numbered from it,
-/// the idempotency key recorded, the user's chunk appended. The user chunk's seq.
-async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>) -> StoreResult<u64> {
-    sqlx::query(
+/// Opens a turn: the conversation created or marked active with its lease taken, the turn's
+/// row numbered from it, the idempotency key recorded, the user's chunk appended. The user
+/// chunk's seq; `Busy` when another turn holds the lease.
+async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>, lease_until: i64) -> StoreResult<u64> {
+    let opened = sqlx::query(
         "WITH c AS (
-             INSERT INTO conversations (id, title, status, created_at, last_activity_at, turn_count, model)
-             VALUES ($1, $2, 'active', $3, $3, 1, $4)
+             INSERT INTO conversations
+                 (id, title, status, created_at, last_activity_at, turn_count, model, lease_turn, lease_expires_at)
+             VALUES ($1, $2, 'active', $3, $3, 1, $4, $5, $7)
              ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
                  turn_count = conversations.turn_count + 1,
                  title = CASE WHEN conversations.title = '' THEN excluded.title ELSE conversations.title END,
-                 model = coalesce(excluded.model, conversations.model)
+                 model = coalesce(excluded.model, conversations.model),
+                 lease_turn = excluded.lease_turn, lease_expires_at = excluded.lease_expires_at
+             WHERE conversations.lease_turn IS NULL
              RETURNING id, turn_count, last_seq
          )
          INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at, first_seq)
@@ -67,8 +88,12 @@ async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>) -> StoreResult<u
     .bind(t.sticky_model)
     .bind(t.turn_id)
     .bind(t.model)
+    .bind(lease_until)
     .execute(&mut *conn)
     .await?;
+    if opened.rows_affected() == 0 {
+        return Err(StoreError::Busy);
+    }
     if let Some(record) = &t.idempotency {
         sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
             .bind(t.now - IDEMPOTENCY_KEEP_MS)
@@ -90,8 +115,8 @@ async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>) -> StoreResult<u
 }
 
 /// Seals a turn (its metrics; the conversation's horizon moved to its last seq, the
-/// conversation idle unless closed). The conversation's status; an error when it does not
-/// exist.
+/// conversation idle unless closed, the lease released). The conversation's status;
+/// `LeaseLost` when the turn does not hold the lease.
 async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<crate::wire::ConversationStatus> {
     let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
     let status: Option<String> = sqlx::query_scalar(
@@ -100,8 +125,9 @@ async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<cra
              WHERE conversation_id = $1 AND turn_id = $2
          )
          UPDATE conversations SET last_activity_at = $3, sealed_seq = last_seq,
-             status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
-         WHERE id = $1 RETURNING status",
+             status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END,
+             lease_turn = NULL, lease_expires_at = NULL
+         WHERE id = $1 AND lease_turn = $2 RETURNING status",
     )
     .bind(s.conversation_id)
     .bind(s.turn_id)
@@ -112,7 +138,6 @@ async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<cra
     .bind(gen_total_ms(s.metrics))
     .fetch_optional(&mut *conn)
     .await?;
-    let status =
-        status.ok_or_else(|| StoreError::Corrupt(format!("conversation {} does not exist", s.conversation_id)))?;
-    crate::store::status_of(&status)
+    // None: the turn does not hold the lease (an error: the seal's other statements roll back).
+    crate::store::status_of(&status.ok_or(StoreError::LeaseLost)?)
 }

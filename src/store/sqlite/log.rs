@@ -86,8 +86,9 @@ fn text<'r>(row: &'r rusqlite::Row<'_>, i: usize) -> rusqlite::Result<&'r [u8]> 
 const ROWS_PER_INSERT: usize = 500;
 
 /// Adds an append to `script`: the rows, numbered from the conversation's counters, then the
-/// counters bumped. The script's last row is the seq of the last chunk (no row when the
-/// conversation does not exist).
+/// counters bumped, only while `turn_id` holds the conversation's lease. The script's last row
+/// is the seq of the last chunk (no row when the turn does not hold the lease: a lost lease or
+/// a missing conversation).
 ///
 /// A chunk opens a new message when it says so or when the conversation has none yet, so its
 /// message id is the old counter plus the chunks up to it that open one, plus one when the
@@ -100,7 +101,10 @@ pub(super) fn append_to(
     now: i64,
 ) -> StoreResult<()> {
     let Some(first) = chunks.first() else {
-        script.sql("SELECT last_seq FROM conversations WHERE id = ?;").bind(conversation_id);
+        script
+            .sql("SELECT last_seq FROM conversations WHERE id = ? AND lease_turn = ?;")
+            .bind(conversation_id)
+            .bind(turn_id);
         return Ok(());
     };
     let first_not_new = !first.new_message;
@@ -122,28 +126,27 @@ pub(super) fn append_to(
             script.sql(if i == 0 { "(?, ?, ?, ?)" } else { ", (?, ?, ?, ?)" });
             script.bind(offset).bind(opened).bind(c.role.as_str()).bind(json);
         }
-        script.sql(") v WHERE c.id = ?;").bind(conversation_id);
+        script.sql(") v WHERE c.id = ? AND c.lease_turn = ?;").bind(conversation_id).bind(turn_id);
     }
     script
         .sql(
             "UPDATE conversations SET last_seq = last_seq + ?,
                  last_message_id = last_message_id + ? + (last_message_id = 0 AND ?), last_activity_at = ?
-             WHERE id = ? RETURNING last_seq;",
+             WHERE id = ? AND lease_turn = ? RETURNING last_seq;",
         )
         .bind(chunks.len() as i64)
         .bind(opened)
         .bind(first_not_new)
         .bind(now)
-        .bind(conversation_id);
+        .bind(conversation_id)
+        .bind(turn_id);
     Ok(())
 }
 
-/// The seq an append script answered with.
-pub(super) fn appended_seq(rows: &[SqliteRow], conversation_id: &str) -> StoreResult<u64> {
+/// The seq an append script answered with; none: the turn does not hold the lease.
+pub(super) fn appended_seq(rows: &[SqliteRow]) -> StoreResult<u64> {
     use sqlx::Row;
-    let row = rows
-        .last()
-        .ok_or_else(|| StoreError::Corrupt(format!("conversation {conversation_id} vanished during a turn")))?;
+    let row = rows.last().ok_or(StoreError::LeaseLost)?;
     Ok(row.try_get::<i64, _>(0)? as u64)
 }
 
@@ -153,7 +156,7 @@ mod tests {
 
     use super::*;
     use crate::metrics::Metrics;
-    use crate::store::{Database, NewConversation, Store};
+    use crate::store::{Database, Store};
     use crate::wire::{Chunk, Role, TextChunk};
 
     fn chunk(i: usize, new_message: bool) -> NewChunk {
@@ -169,8 +172,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("checkpoint.db");
         let store = open(&path).await;
-        let new = NewConversation { id: "c", title: "", model: None, now: 1 };
-        store.create_conversation(new).await.unwrap();
+        store.begin_test_turn("c", "t").await;
         let before = std::fs::metadata(&path).unwrap().len();
         // About 1 MiB of chunks: far below the writer's own checkpoint threshold, so only the
         // background checkpointer copies them out of the WAL.
@@ -199,22 +201,22 @@ mod tests {
     async fn windows_read_inline_and_on_the_blocking_pool_agree_with_the_log() {
         let dir = tempfile::tempdir().unwrap();
         let store = open(&dir.path().join("windows.db")).await;
-        let new = NewConversation { id: "c", title: "", model: None, now: 1 };
-        store.create_conversation(new).await.unwrap();
+        // The turn's user chunk is seq 1; chunk i appended after it is seq i + 2.
+        store.begin_test_turn("c", "t").await;
         let total = INLINE_WINDOW_LIMIT as usize + 500;
         let batch: Vec<NewChunk> = (0..total).map(|i| chunk(i, i % 7 == 0)).collect();
         store.append_chunks("c", "t", &batch).await.unwrap();
         let item =
-            |seq: u64| format!(r#"{{"seq":{seq},"role":"assistant","chunk":{{"type":"text","text":"c{}"}}}}"#, seq - 1);
+            |seq: u64| format!(r#"{{"seq":{seq},"role":"assistant","chunk":{{"type":"text","text":"c{}"}}}}"#, seq - 2);
         let expected = |seqs: std::ops::RangeInclusive<u64>| seqs.map(item).collect::<Vec<_>>().join(",");
         let window = |since_seq, before_seq, limit| HistoryWindow { since_seq, before_seq, limit, inflight: true };
-        let last = total as u64;
+        let last = total as u64 + 1;
         // Inline (limit <= INLINE_WINDOW_LIMIT) and blocking (larger or no limit) reads.
         let cases = [
             (window(0, None, Some(100)), last - 99..=last),
             (window(0, None, Some(INLINE_WINDOW_LIMIT)), last - INLINE_WINDOW_LIMIT + 1..=last),
             (window(0, None, Some(INLINE_WINDOW_LIMIT + 1)), last - INLINE_WINDOW_LIMIT..=last),
-            (window(0, None, None), 1..=last),
+            (window(1, None, None), 2..=last),
             (window(10, Some(1_200), None), 11..=1_199),
             (window(10, Some(1_200), Some(3)), 1_197..=1_199),
         ];
@@ -233,12 +235,12 @@ mod tests {
             let store = store.clone();
             tokio::spawn(async move {
                 let limit = if i % 2 == 0 { Some(50) } else { None };
-                store.history("c", window(i * 10, Some(i * 10 + 51), limit)).await.unwrap()
+                store.history("c", window(i * 10 + 1, Some(i * 10 + 52), limit)).await.unwrap()
             })
         });
         for (i, read) in (0..24u64).zip(reads.collect::<Vec<_>>()) {
             let page = read.await.unwrap();
-            assert_eq!(String::from_utf8(page.items).unwrap(), expected(i * 10 + 1..=i * 10 + 50));
+            assert_eq!(String::from_utf8(page.items).unwrap(), expected(i * 10 + 2..=i * 10 + 51));
         }
         assert!((1..=super::super::readers::IDLE_CONNECTIONS).contains(&store.sqlite().readers.idle()));
         // Closed: no connection stays open.

@@ -31,6 +31,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (4, "sealed seq", include_str!("../../../migrations/sqlite/0004_sealed_seq.sql")),
     (5, "conversation settings", include_str!("../../../migrations/sqlite/0005_conversation_settings.sql")),
     (6, "turn first seq", include_str!("../../../migrations/sqlite/0006_turn_first_seq.sql")),
+    (7, "turn leases", include_str!("../../../migrations/sqlite/0007_turn_leases.sql")),
 ];
 
 /// WAL pages past which the writer checkpoints inside its own commit (about 40 MiB).

@@ -15,7 +15,8 @@ pub(super) struct Script {
 }
 
 impl Script {
-    /// SQL text; its `?` placeholders take the values bound next, in order.
+    /// SQL text; its `?` placeholders take the values bound next, in order. (Only `?`: sqlx
+    /// reads a numbered `?N` as the script's Nth value, whichever statement it is in.)
     pub(super) fn sql(&mut self, text: &str) -> &mut Script {
         self.sql.push_str(text);
         self

@@ -19,32 +19,60 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
     let conn: &mut SqliteConnection = tx;
     let mut script = Script::default();
     match write {
-        Write::Begin { conversation_id, .. } => {
+        Write::Begin { lease_until, .. } => {
             let begin = write.as_begin().expect("an opening write");
-            begin_to(&mut script, &begin)?;
+            begin_to(&mut script, &begin, *lease_until)?;
             let rows = script.run(conn).await.map_err(duplicate_key)?;
-            appended_seq(&rows, conversation_id).map(Written::Seq)
+            // No row: the conversation's lease is another turn's.
+            appended_seq(&rows).map_err(|_| StoreError::Busy).map(Written::Seq)
         }
         Write::Append { conversation_id, turn_id, chunks, now } => {
             append_to(&mut script, conversation_id, turn_id, chunks, *now)?;
-            appended_seq(&script.run(conn).await?, conversation_id).map(Written::Seq)
+            appended_seq(&script.run(conn).await?).map(Written::Seq)
         }
         Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks } => {
             let seal = SealTurn { conversation_id, turn_id, reason, metrics, now: *now };
             seal_to(&mut script, &seal, chunks)?;
-            sealed_status(&script.run(conn).await?, conversation_id).map(Written::Status)
+            sealed_status(&script.run(conn).await?).map(Written::Status)
         }
-        Write::Interrupt { conversation_id, turn_id, now } => {
+        Write::Interrupt { conversation_id, turn_id, now, expired_at } => {
+            // The lease is taken in the cut turn's name first (whatever held it, or only when it
+            // expired), so the marker's append is fenced like any other.
+            script
+                .sql(
+                    "UPDATE conversations SET lease_turn = ? WHERE id = ?
+                       AND (? IS NULL OR (lease_turn = ? AND lease_expires_at < ?)) RETURNING 1;",
+                )
+                .bind(turn_id.as_str())
+                .bind(conversation_id.as_str())
+                .bind(*expired_at)
+                .bind(turn_id.as_str())
+                .bind(*expired_at);
             append_to(&mut script, conversation_id, turn_id, &[interrupted_marker()], *now)?;
             script
-                .sql("UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?;")
+                .sql(
+                    "UPDATE turns SET interrupted_at = ? WHERE conversation_id = ? AND turn_id = ?
+                       AND EXISTS (SELECT 1 FROM conversations WHERE id = ? AND lease_turn = ?);",
+                )
                 .bind(*now)
                 .bind(conversation_id.as_str())
                 .bind(turn_id.as_str())
+                .bind(conversation_id.as_str())
+                .bind(turn_id.as_str())
                 // The cut turn, marker included, is history from now on.
-                .sql("UPDATE conversations SET sealed_seq = last_seq WHERE id = ?;")
-                .bind(conversation_id.as_str());
-            appended_seq(&script.run(conn).await?, conversation_id).map(Written::Seq)
+                .sql(
+                    "UPDATE conversations SET sealed_seq = last_seq, lease_turn = NULL, lease_expires_at = NULL,
+                         status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
+                     WHERE id = ? AND lease_turn = ?;",
+                )
+                .bind(conversation_id.as_str())
+                .bind(turn_id.as_str());
+            let rows = script.run(conn).await?;
+            // The take's row and the append's: fewer, the interrupt did not apply.
+            if rows.len() < 2 {
+                return Err(StoreError::LeaseLost);
+            }
+            appended_seq(&rows).map(Written::Seq)
         }
     }
 }
@@ -52,16 +80,21 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
 /// Adds the statements that open a turn to `script` (answered like an append: the seq of the
 /// user's chunk). A reused idempotency key fails the script with a unique violation on
 /// `idempotency_keys` (see [`duplicate_key`]).
-fn begin_to(script: &mut Script, t: &BeginTurn<'_>) -> StoreResult<()> {
+fn begin_to(script: &mut Script, t: &BeginTurn<'_>, lease_until: i64) -> StoreResult<()> {
+    // The turn takes the conversation's lease unless another turn holds it; then the rest
+    // (fenced by the lease) writes nothing and the script answers no row.
     script
         .sql(
-            "INSERT INTO conversations (id, title, status, created_at, last_activity_at, turn_count, model)
-             VALUES (?, ?, 'active', ?, ?, 1, ?)
+            "INSERT INTO conversations
+                 (id, title, status, created_at, last_activity_at, turn_count, model, lease_turn, lease_expires_at)
+             VALUES (?, ?, 'active', ?, ?, 1, ?, ?, ?)
              ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
                  turn_count = turn_count + 1, title = CASE WHEN title = '' THEN excluded.title ELSE title END,
-                 model = coalesce(excluded.model, model);
+                 model = coalesce(excluded.model, model),
+                 lease_turn = excluded.lease_turn, lease_expires_at = excluded.lease_expires_at
+             WHERE lease_turn IS NULL;
              INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at, first_seq)
-             SELECT id, ?, turn_count, ?, ?, last_seq + 1 FROM conversations WHERE id = ?;",
+             SELECT id, ?, turn_count, ?, ?, last_seq + 1 FROM conversations WHERE id = ? AND lease_turn = ?;",
         )
         .bind(t.conversation_id)
         .bind(t.default_title)
@@ -69,9 +102,12 @@ fn begin_to(script: &mut Script, t: &BeginTurn<'_>) -> StoreResult<()> {
         .bind(t.now)
         .bind(t.sticky_model)
         .bind(t.turn_id)
+        .bind(lease_until)
+        .bind(t.turn_id)
         .bind(t.model)
         .bind(t.now)
-        .bind(t.conversation_id);
+        .bind(t.conversation_id)
+        .bind(t.turn_id);
     if let Some(record) = &t.idempotency {
         script
             .sql(
@@ -101,8 +137,9 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
             "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
              WHERE conversation_id = ? AND turn_id = ?;
              UPDATE conversations SET last_activity_at = ?, sealed_seq = last_seq,
-                 status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END
-             WHERE id = ? RETURNING status;",
+                 status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END,
+                 lease_turn = NULL, lease_expires_at = NULL
+             WHERE id = ? AND lease_turn = ? RETURNING status;",
         )
         .bind(s.now)
         .bind(s.reason)
@@ -112,14 +149,15 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
         .bind(s.conversation_id)
         .bind(s.turn_id)
         .bind(s.now)
-        .bind(s.conversation_id);
+        .bind(s.conversation_id)
+        .bind(s.turn_id);
     Ok(())
 }
 
-/// The status a seal script answered with.
-fn sealed_status(rows: &[SqliteRow], conversation_id: &str) -> StoreResult<ConversationStatus> {
+/// The status a seal script answered with; none: the turn does not hold the lease (an error,
+/// which rolls the seal's other statements back).
+fn sealed_status(rows: &[SqliteRow]) -> StoreResult<ConversationStatus> {
     use sqlx::Row;
-    let row =
-        rows.last().ok_or_else(|| StoreError::Corrupt(format!("conversation {conversation_id} does not exist")))?;
+    let row = rows.last().ok_or(StoreError::LeaseLost)?;
     crate::store::status_of(&row.try_get::<String, _>(0)?)
 }

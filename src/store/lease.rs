@@ -1,0 +1,181 @@
+//! Turn leases: a conversation's running turn holds its lease, so one turn at a time runs in a
+//! conversation across every gateway on one database, and a gateway that lost a turn cannot
+//! write to its log again.
+//!
+//! Opening a turn takes the lease (`lease_turn` = the turn's id, `lease_expires_at`) unless
+//! another turn holds it; every append and the seal name the turn and are refused
+//! (`LeaseLost`) once the lease is not its own; the seal releases it. The gateway running a
+//! turn renews its lease (`renew_leases`, from `Turns`); when a gateway dies its leases
+//! expire, and a sweeping gateway marks each such turn interrupted (`interrupt_expired`):
+//! the row lock and the expiry check make exactly one of them do it. The turn's id is the
+//! fencing token: it is new for every turn, so no later turn can hold a lease under it.
+//! Clocks of the gateways must agree to well within the lease's time (NTP).
+
+use std::time::Duration;
+
+use super::batch::Write;
+use super::{Backend, Store, StoreError, StoreResult, now_ms, on_pool};
+
+/// Most turn ids in one renewal statement.
+const RENEW_AT_ONCE: usize = 500;
+
+impl Store {
+    /// When a lease taken or renewed now ends.
+    pub(super) fn lease_until(&self) -> i64 {
+        now_ms() + self.lease_ttl.as_millis() as i64
+    }
+
+    /// How long a lease lasts unless renewed.
+    pub fn lease_ttl(&self) -> Duration {
+        self.lease_ttl
+    }
+
+    /// Whether the database is this process's alone, so every lease in it at start is a dead
+    /// turn's (SQLite); with PostgreSQL, other gateways may hold live ones.
+    pub fn exclusive(&self) -> bool {
+        matches!(self.backend, Backend::Sqlite(_))
+    }
+
+    /// Renews the leases of the turns named (the ones this gateway runs). Returns how many
+    /// leases were renewed: fewer than named means some turns lost theirs.
+    pub async fn renew_leases(&self, turn_ids: &[String]) -> StoreResult<u64> {
+        let mut renewed = 0;
+        for ids in turn_ids.chunks(RENEW_AT_ONCE) {
+            let marks: Vec<String> = (2..ids.len() + 2).map(|n| format!("${n}")).collect();
+            let sql =
+                format!("UPDATE conversations SET lease_expires_at = $1 WHERE lease_turn IN ({})", marks.join(", "));
+            let until = self.lease_until();
+            let result = on_pool!(self, write, pool => {
+                let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(until);
+                for id in ids {
+                    q = q.bind(id);
+                }
+                q.execute(pool).await.map(|r| r.rows_affected())
+            });
+            renewed += self.noted(result.map_err(StoreError::from))?;
+        }
+        Ok(renewed)
+    }
+
+    /// The turns whose lease ended before `now`: (conversation, turn).
+    pub async fn expired_leases(&self, now: i64) -> StoreResult<Vec<(String, String)>> {
+        let sql = "SELECT id, lease_turn FROM conversations
+                   WHERE lease_turn IS NOT NULL AND lease_expires_at < $1 ORDER BY lease_expires_at";
+        Ok(on_pool!(self, read, pool => sqlx::query_as(sql).bind(now).fetch_all(pool).await)?)
+    }
+
+    /// Marks a turn whose lease ended before `now` interrupted (one `interrupted` marker, the
+    /// conversation idle unless closed, the lease released). False when it did not apply: the
+    /// lease was renewed meanwhile, or another gateway did it first.
+    pub async fn interrupt_expired(&self, conversation_id: &str, turn_id: &str, now: i64) -> StoreResult<bool> {
+        let write = Write::Interrupt {
+            conversation_id: conversation_id.to_owned(),
+            turn_id: turn_id.to_owned(),
+            now,
+            expired_at: Some(now),
+        };
+        match self.write(write).await {
+            Ok(_) => Ok(true),
+            Err(StoreError::LeaseLost) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// At start: SQLite marks every turn left open interrupted (the file is this process's);
+    /// PostgreSQL only those whose lease has ended (another gateway may be running the rest).
+    /// Returns how many were marked.
+    pub async fn recover_interrupted(&self, now: i64) -> StoreResult<usize> {
+        if !self.exclusive() {
+            let mut marked = 0;
+            for (conversation_id, turn_id) in self.expired_leases(now).await? {
+                marked += usize::from(self.interrupt_expired(&conversation_id, &turn_id, now).await?);
+            }
+            return Ok(marked);
+        }
+        let sql = "SELECT conversation_id, turn_id FROM turns
+                   WHERE sealed_at IS NULL AND interrupted_at IS NULL ORDER BY conversation_id, ordinal";
+        let open: Vec<(String, String)> = on_pool!(self, write, pool => sqlx::query_as(sql).fetch_all(pool).await)?;
+        for (conversation_id, turn_id) in open.iter().cloned() {
+            self.write(Write::Interrupt { conversation_id, turn_id, now, expired_at: None }).await?;
+        }
+        // Whatever was active when the process died is not active now.
+        let sql = "UPDATE conversations SET status = 'idle' WHERE status = 'active'";
+        on_pool!(self, write, pool => sqlx::query(sql).execute(pool).await.map(drop))?;
+        Ok(open.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::testing::every_backend;
+    use crate::store::{HistoryWindow, NewChunk, SealTurn};
+    use crate::wire::{Chunk, Role, TextChunk, TurnMetrics, Usage};
+
+    #[tokio::test]
+    async fn a_turns_lease_admits_one_turn_and_fences_a_turn_marked_interrupted() {
+        for t in every_backend().await {
+            let (store, b) = (&t.store, t.backend);
+            store.begin_test_turn("c", "t1").await;
+            // The lease admits one turn at a time, and keeps the conversation from deletion.
+            let second = store
+                .begin_turn(super::super::BeginTurn {
+                    conversation_id: "c",
+                    turn_id: "t2",
+                    model: "demo/scripted",
+                    sticky_model: None,
+                    user_text: "again",
+                    default_title: "again",
+                    idempotency: None,
+                    now: 2,
+                })
+                .await;
+            assert!(matches!(second, Err(StoreError::Busy)), "{b}: {second:?}");
+            assert!(matches!(store.delete_conversation("c").await, Err(StoreError::Busy)), "{b}");
+            // Renewing names turns; an unknown one renews nothing.
+            assert_eq!(store.renew_leases(&["t1".into(), "nobody".into()]).await.unwrap(), 1, "{b}");
+            // Not expired now; expired once its time has passed.
+            let now = now_ms();
+            assert_eq!(store.expired_leases(now).await.unwrap(), vec![], "{b}");
+            let later = now + store.lease_ttl().as_millis() as i64 + 1;
+            assert_eq!(store.expired_leases(later).await.unwrap(), vec![("c".into(), "t1".into())], "{b}");
+            assert!(!store.interrupt_expired("c", "t1", now).await.unwrap(), "{b}: not expired yet");
+            // One marker, however many gateways sweep.
+            assert!(store.interrupt_expired("c", "t1", later).await.unwrap(), "{b}");
+            assert!(!store.interrupt_expired("c", "t1", later).await.unwrap(), "{b}: marked once");
+            assert_eq!(store.expired_leases(later).await.unwrap(), vec![], "{b}");
+            // The turn's own gateway, back, is refused: nothing of it lands after the marker.
+            let text = NewChunk {
+                role: Role::Assistant,
+                chunk: Chunk::Text(TextChunk { text: "late".into() }),
+                new_message: true,
+            };
+            let late = store.append_chunks("c", "t1", std::slice::from_ref(&text)).await;
+            assert!(matches!(late, Err(StoreError::LeaseLost)), "{b}: {late:?}");
+            let metrics = TurnMetrics {
+                turn_id: "t1".into(),
+                usage: Usage::default(),
+                duration_ms: None,
+                steps: vec![],
+                context_size: None,
+            };
+            let seal = SealTurn { conversation_id: "c", turn_id: "t1", reason: "stop", metrics: &metrics, now: 3 };
+            assert!(matches!(store.seal_turn(seal, &[text]).await, Err(StoreError::LeaseLost)), "{b}");
+            let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: false };
+            let page = store.history("c", all).await.unwrap();
+            let items: serde_json::Value =
+                serde_json::from_slice(&[b"[", page.items.as_slice(), b"]"].concat()).unwrap();
+            let kinds: Vec<&str> =
+                items.as_array().unwrap().iter().map(|c| c["chunk"]["type"].as_str().unwrap()).collect();
+            assert_eq!(kinds, ["text", "error"], "{b}: the user's text, the marker");
+            assert_eq!(items[1]["chunk"]["code"], "interrupted", "{b}");
+            assert_eq!(store.turn_metrics("c").await.unwrap(), vec![], "{b}: never sealed");
+            let meta = store.conversation("c").await.unwrap().unwrap();
+            assert_eq!(meta.status, crate::wire::ConversationStatus::Idle, "{b}");
+            // The lease is free: the next turn opens after the marker.
+            store.begin_test_turn("c", "t3").await;
+            assert_eq!(store.append_chunks("c", "t3", &[]).await.unwrap(), 3, "{b}");
+            store.close().await;
+        }
+    }
+}
