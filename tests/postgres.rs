@@ -320,7 +320,9 @@ async fn two_gateways_run_one_turn_at_a_time_and_a_killed_ones_turn_is_marked_by
         deltas += usize::from(event["type"] == "text-delta");
     }
     tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
-    // B answers as A would: the conversation is busy, and cannot be deleted.
+    // B answers as A would: a turn runs, the conversation is busy, and cannot be deleted.
+    let (_, status) = b.get("/conversations/shared/status").await;
+    assert_eq!((&status["isActive"], &status["status"]), (&json!(true), &json!("active")), "{status}");
     let (status, body) = b.post("/chat", json!({"conversationId": "shared", "message": "me too"})).await;
     assert_eq!(status, 409, "{body}");
     let (status, body) = b.delete("/conversations/shared").await;
@@ -339,7 +341,7 @@ async fn two_gateways_run_one_turn_at_a_time_and_a_killed_ones_turn_is_marked_by
     assert_eq!(seqs, (1..=history.len() as u64).collect::<Vec<_>>());
     assert_eq!(history.iter().filter(|c| c["chunk"]["type"] == "error").count(), 1);
     let (_, status) = b.get("/conversations/shared/status").await;
-    assert_eq!(status["status"], "idle", "{status}");
+    assert_eq!((&status["isActive"], &status["status"]), (&json!(false), &json!("idle")), "{status}");
     // The conversation is free again, on B, after the marker.
     let events = b.chat("shared", "again").await;
     assert_eq!(events.last().unwrap()["type"], "turn-sealed");

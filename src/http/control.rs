@@ -250,7 +250,8 @@ pub async fn status(
     let Some(meta) = state.store.conversation(&id).await? else {
         return Err(ApiError::NotFound(format!("no conversation {id:?}")));
     };
-    let is_active = state.turns.is_active(&id);
+    // A turn of this gateway's, or one another gateway on the same database runs.
+    let is_active = state.turns.is_active(&id) || state.store.leased(&id).await?;
     Ok(Json(StatusResponse { conversation_id: id, is_active, status: meta.status }))
 }
 

@@ -57,6 +57,15 @@ impl Store {
         Ok(renewed)
     }
 
+    /// Whether a turn holds the conversation's lease now (on this gateway or another).
+    pub async fn leased(&self, conversation_id: &str) -> StoreResult<bool> {
+        let sql = "SELECT 1 FROM conversations WHERE id = $1 AND lease_turn IS NOT NULL AND lease_expires_at >= $2";
+        let row: Option<i32> = on_pool!(self, read, pool => {
+            sqlx::query_scalar(sql).bind(conversation_id).bind(now_ms()).fetch_optional(pool).await
+        })?;
+        Ok(row.is_some())
+    }
+
     /// The turns whose lease ended before `now`: (conversation, turn).
     pub async fn expired_leases(&self, now: i64) -> StoreResult<Vec<(String, String)>> {
         let sql = "SELECT id, lease_turn FROM conversations
