@@ -197,7 +197,8 @@ pub struct Store {
 
 impl Store {
     /// Opens the database (creating a SQLite file when missing), applies the migrations, and
-    /// repairs turns a previous process left open before anything is served.
+    /// marks turns a dead process left open interrupted before anything is served (see
+    /// `Store::recover_interrupted`).
     pub async fn open(database: &Database, metrics: Arc<Metrics>) -> StoreResult<Store> {
         Self::open_with(database, metrics, StoreOptions::default()).await
     }
