@@ -108,3 +108,26 @@ fn a_bad_file_names_the_key_and_the_line() {
     let err = registry(&load(&["--config", &file], &[]).unwrap()).err().unwrap().to_string();
     assert!(err.contains("nope/x"), "{err}");
 }
+
+#[test]
+fn the_database_is_a_file_or_a_postgres_url_and_the_lease_has_a_floor() {
+    use dispatch_gateway::store::Database;
+    let config = load(&["--database", "postgres://u:secret@db:5432/dispatch"], &[]).unwrap();
+    assert_eq!(config.database, Database::Postgres("postgres://u:secret@db:5432/dispatch".into()));
+    let config = load(&["--database", "sqlite:///srv/x.db"], &[]).unwrap();
+    assert_eq!(config.database, Database::Sqlite("/srv/x.db".into()));
+    for (args, needles) in [
+        (vec!["--database", "mysql://h/db"], vec!["--database", "\"mysql\""]),
+        (vec!["--database", ""], vec!["--database", "empty"]),
+        (vec!["--lease-ttl-ms", "50"], vec!["--lease-ttl-ms", "50"]),
+    ] {
+        let err = load(&args, &[]).err().unwrap_or_else(|| panic!("{args:?} should fail"));
+        for needle in needles {
+            assert!(err.contains(needle), "{args:?}: {err:?} should name {needle:?}");
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "lease_ttl_ms = 0\n");
+    let err = load(&["--config", &file], &[]).expect_err("a lease of 0 ms is refused");
+    assert!(err.contains("lease-ttl-ms"), "{err}");
+}
