@@ -327,6 +327,24 @@ async fn two_gateways_run_one_turn_at_a_time_and_a_killed_ones_turn_is_marked_by
     assert_eq!(status, 409, "{body}");
     let (status, body) = b.delete("/conversations/shared").await;
     assert_eq!(status, 409, "{body}");
+    // An Idempotency-Key is one turn whichever gateway a retry reaches.
+    let send = |base: String, message: &'static str| {
+        let client = b.client.clone();
+        async move {
+            let r = client
+                .post(format!("{base}/conversations/keyed/messages"))
+                .header("idempotency-key", "key-1")
+                .json(&json!({"message": message}))
+                .send()
+                .await
+                .unwrap();
+            read_json(r).await
+        }
+    };
+    let (status, first) = send(b.url(""), "once").await;
+    assert_eq!(status, 202, "{first}");
+    assert_eq!(send(format!("http://{}", a.addr), "once").await, (200, first.clone()));
+    assert_eq!(send(format!("http://{}", a.addr), "other").await.0, 409);
 
     // A dies mid-turn. Its lease ends; B marks the turn interrupted, once.
     a.child.kill().unwrap();
@@ -352,4 +370,52 @@ async fn two_gateways_run_one_turn_at_a_time_and_a_killed_ones_turn_is_marked_by
         (1..=after.len() as u64).collect::<Vec<_>>()
     );
     b.stop().await;
+}
+
+/// A PostgreSQL database that refuses writes (made read-only, the gateway's connections cut)
+/// fails each write with 503 and a reason, `/ready` says it, reads go on, and the gateway
+/// recovers when the database takes writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_postgres_database_refuses_writes_with_503_and_the_gateway_recovers() {
+    use sqlx::{Connection, Executor};
+    let Some(database) = postgres().await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_on(dir.path(), Database::Postgres(database.url.clone())).await;
+    server.chat("before", "hello").await;
+    let mut admin = sqlx::PgConnection::connect(&database.admin).await.unwrap();
+    let set = |read_only: bool| {
+        let name = &database.name;
+        [
+            format!("ALTER DATABASE {name} SET default_transaction_read_only = {read_only}"),
+            format!("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"),
+        ]
+    };
+    for statement in set(true) {
+        admin.execute(sqlx::AssertSqlSafe(statement)).await.unwrap();
+    }
+    // A request that meets a cut connection is refused too (503); then every write says why.
+    let refused = eventually(100, || async {
+        let (status, body) = server.post("/conversations", json!({"id": "during"})).await;
+        assert_eq!(status, 503, "{body}");
+        body["error"].as_str().unwrap().contains("read-only")
+    })
+    .await;
+    assert!(refused, "writes are refused as read-only");
+    let r = server.client.post(server.url("/chat")).json(&json!({"conversationId": "c", "message": "hi"})).send();
+    let (status, body) = read_json(r.await.unwrap()).await;
+    assert_eq!(status, 503, "{body}");
+    let (status, body) = server.get("/ready").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("read-only"), "{body}");
+    // Reads go on.
+    assert_eq!(server.history("before").await.len(), 3);
+    // Writable again: the next writes commit and /ready recovers.
+    for statement in set(false) {
+        admin.execute(sqlx::AssertSqlSafe(statement)).await.unwrap();
+    }
+    let created = eventually(100, || async { server.post("/conversations", json!({"id": "after"})).await.0 == 201 });
+    assert!(created.await, "writes commit again");
+    assert_eq!(server.get("/ready").await.0, 200);
+    assert_eq!(server.chat("after", "hello again").await.last().unwrap()["type"], "turn-sealed");
+    server.stop().await;
 }

@@ -12,8 +12,9 @@ use sqlx::{Connection, Executor, PgConnection};
 /// A database made for one test, dropped (with any connection still open) when this is.
 pub struct FreshDatabase {
     pub url: String,
-    admin: String,
-    name: String,
+    /// The server's URL the database was made from (`DISPATCH_TEST_POSTGRES`).
+    pub admin: String,
+    pub name: String,
 }
 
 /// A new, empty database, or `None` when no server is configured (see the module's note).
