@@ -36,8 +36,9 @@ pub(super) enum Write {
         /// Key, body hash, response.
         idempotency: Option<(String, String, String)>,
         now: i64,
-        /// When the turn's lease on its conversation ends unless renewed (epoch ms).
-        lease_until: i64,
+        /// How long the turn's lease on its conversation lasts unless renewed, in ms (from the
+        /// database's clock: see `lease`).
+        lease_ms: i64,
     },
     Append {
         conversation_id: String,
@@ -54,14 +55,14 @@ pub(super) enum Write {
         chunks: Vec<NewChunk>,
     },
     /// A turn found cut off: its one `interrupted` marker, the history horizon moved past it,
-    /// its lease released. With `expired_at`, only when the turn's lease ended before then
-    /// (another gateway may hold it); without, whatever holds it (SQLite at start: the file is
-    /// this process's). Refused (`LeaseLost`) when it does not apply.
+    /// its lease released. With `only_expired`, only when the turn's lease has ended (another
+    /// gateway may hold it); without, whatever holds it (SQLite at start: the file is this
+    /// process's). Refused (`LeaseLost`) when it does not apply.
     Interrupt {
         conversation_id: String,
         turn_id: String,
         now: i64,
-        expired_at: Option<i64>,
+        only_expired: bool,
     },
 }
 

@@ -103,10 +103,12 @@ impl Store {
     /// Deletes the conversation with its log and turns; false when it did not exist, `Busy`
     /// while a turn holds its lease (on any gateway).
     pub async fn delete_conversation(&self, id: &str) -> StoreResult<bool> {
-        let sql = "DELETE FROM conversations WHERE id = $1 AND (lease_turn IS NULL OR lease_expires_at < $2)";
-        let now = super::now_ms();
+        let sql = format!(
+            "DELETE FROM conversations WHERE id = $1 AND (lease_turn IS NULL OR lease_expires_at < {})",
+            self.clock()
+        );
         let result = on_pool!(self, write, pool => {
-            sqlx::query(sql).bind(id).bind(now).execute(pool).await.map(|r| r.rows_affected() > 0)
+            sqlx::query(sqlx::AssertSqlSafe(sql)).bind(id).execute(pool).await.map(|r| r.rows_affected() > 0)
         });
         if self.noted(result.map_err(StoreError::from))? {
             return Ok(true);

@@ -9,20 +9,29 @@
 //! expire, and a sweeping gateway marks each such turn interrupted (`interrupt_expired`):
 //! the row lock and the expiry check make exactly one of them do it. The turn's id is the
 //! fencing token: it is new for every turn, so no later turn can hold a lease under it.
-//! Clocks of the gateways must agree to well within the lease's time (NTP).
+//! Lease times are the database's clock (`NOW_MS` of each backend), written and compared in
+//! SQL, so the gateways' own clocks may disagree.
 
 use std::time::Duration;
 
 use super::batch::Write;
-use super::{Backend, Store, StoreError, StoreResult, now_ms, on_pool};
+use super::{Backend, Store, StoreError, StoreResult, on_pool};
 
 /// Most turn ids in one renewal statement.
 const RENEW_AT_ONCE: usize = 500;
 
 impl Store {
-    /// When a lease taken or renewed now ends.
-    pub(super) fn lease_until(&self) -> i64 {
-        now_ms() + self.lease_ttl.as_millis() as i64
+    /// How long a lease taken or renewed lasts, in ms.
+    pub(super) fn lease_ms(&self) -> i64 {
+        self.lease_ttl.as_millis().min(i64::MAX as u128) as i64
+    }
+
+    /// The database's clock in epoch ms, as SQL.
+    pub(super) fn clock(&self) -> &'static str {
+        match self.backend {
+            Backend::Sqlite(_) => super::sqlite::NOW_MS,
+            Backend::Postgres(_) => super::postgres::NOW_MS,
+        }
     }
 
     /// How long a lease lasts unless renewed.
@@ -42,11 +51,13 @@ impl Store {
         let mut renewed = 0;
         for ids in turn_ids.chunks(RENEW_AT_ONCE) {
             let marks: Vec<String> = (2..ids.len() + 2).map(|n| format!("${n}")).collect();
-            let sql =
-                format!("UPDATE conversations SET lease_expires_at = $1 WHERE lease_turn IN ({})", marks.join(", "));
-            let until = self.lease_until();
+            let sql = format!(
+                "UPDATE conversations SET lease_expires_at = {} + $1 WHERE lease_turn IN ({})",
+                self.clock(),
+                marks.join(", ")
+            );
             let result = on_pool!(self, write, pool => {
-                let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(until);
+                let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(self.lease_ms());
                 for id in ids {
                     q = q.bind(id);
                 }
@@ -59,29 +70,35 @@ impl Store {
 
     /// Whether a turn holds the conversation's lease now (on this gateway or another).
     pub async fn leased(&self, conversation_id: &str) -> StoreResult<bool> {
-        let sql = "SELECT 1 FROM conversations WHERE id = $1 AND lease_turn IS NOT NULL AND lease_expires_at >= $2";
+        let sql = format!(
+            "SELECT 1 FROM conversations WHERE id = $1 AND lease_turn IS NOT NULL AND lease_expires_at >= {}",
+            self.clock()
+        );
         let row: Option<i32> = on_pool!(self, read, pool => {
-            sqlx::query_scalar(sql).bind(conversation_id).bind(now_ms()).fetch_optional(pool).await
+            sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind(conversation_id).fetch_optional(pool).await
         })?;
         Ok(row.is_some())
     }
 
-    /// The turns whose lease ended before `now`: (conversation, turn).
-    pub async fn expired_leases(&self, now: i64) -> StoreResult<Vec<(String, String)>> {
-        let sql = "SELECT id, lease_turn FROM conversations
-                   WHERE lease_turn IS NOT NULL AND lease_expires_at < $1 ORDER BY lease_expires_at";
-        Ok(on_pool!(self, read, pool => sqlx::query_as(sql).bind(now).fetch_all(pool).await)?)
+    /// The turns whose lease has ended: (conversation, turn).
+    pub async fn expired_leases(&self) -> StoreResult<Vec<(String, String)>> {
+        let sql = format!(
+            "SELECT id, lease_turn FROM conversations
+             WHERE lease_turn IS NOT NULL AND lease_expires_at < {} ORDER BY lease_expires_at",
+            self.clock()
+        );
+        Ok(on_pool!(self, read, pool => sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(pool).await)?)
     }
 
-    /// Marks a turn whose lease ended before `now` interrupted (one `interrupted` marker, the
-    /// conversation idle unless closed, the lease released). False when it did not apply: the
-    /// lease was renewed meanwhile, or another gateway did it first.
+    /// Marks a turn whose lease has ended interrupted (one `interrupted` marker written at
+    /// `now`, the conversation idle unless closed, the lease released). False when it did not
+    /// apply: the lease was renewed meanwhile, or another gateway did it first.
     pub async fn interrupt_expired(&self, conversation_id: &str, turn_id: &str, now: i64) -> StoreResult<bool> {
         let write = Write::Interrupt {
             conversation_id: conversation_id.to_owned(),
             turn_id: turn_id.to_owned(),
             now,
-            expired_at: Some(now),
+            only_expired: true,
         };
         match self.write(write).await {
             Ok(_) => Ok(true),
@@ -96,7 +113,7 @@ impl Store {
     pub async fn recover_interrupted(&self, now: i64) -> StoreResult<usize> {
         if !self.exclusive() {
             let mut marked = 0;
-            for (conversation_id, turn_id) in self.expired_leases(now).await? {
+            for (conversation_id, turn_id) in self.expired_leases().await? {
                 marked += usize::from(self.interrupt_expired(&conversation_id, &turn_id, now).await?);
             }
             return Ok(marked);
@@ -105,7 +122,7 @@ impl Store {
                    WHERE sealed_at IS NULL AND interrupted_at IS NULL ORDER BY conversation_id, ordinal";
         let open: Vec<(String, String)> = on_pool!(self, write, pool => sqlx::query_as(sql).fetch_all(pool).await)?;
         for (conversation_id, turn_id) in open.iter().cloned() {
-            self.write(Write::Interrupt { conversation_id, turn_id, now, expired_at: None }).await?;
+            self.write(Write::Interrupt { conversation_id, turn_id, now, only_expired: false }).await?;
         }
         // Whatever was active when the process died is not active now.
         let sql = "UPDATE conversations SET status = 'idle' WHERE status = 'active'";
@@ -117,42 +134,51 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::testing::every_backend;
-    use crate::store::{HistoryWindow, NewChunk, SealTurn};
+    use crate::store::testing::every_backend_with;
+    use crate::store::{BeginTurn, HistoryWindow, NewChunk, SealTurn, StoreOptions, now_ms};
     use crate::wire::{Chunk, Role, TextChunk, TurnMetrics, Usage};
 
     #[tokio::test]
     async fn a_turns_lease_admits_one_turn_and_fences_a_turn_marked_interrupted() {
-        for t in every_backend().await {
+        // Long enough that the lease cannot end between the steps that need it alive, short
+        // enough to wait for.
+        let options = StoreOptions { lease_ttl: Duration::from_millis(1500), ..Default::default() };
+        for t in every_backend_with(options).await {
             let (store, b) = (&t.store, t.backend);
             store.begin_test_turn("c", "t1").await;
             // The lease admits one turn at a time, and keeps the conversation from deletion.
-            let second = store
-                .begin_turn(super::super::BeginTurn {
-                    conversation_id: "c",
-                    turn_id: "t2",
-                    model: "demo/scripted",
-                    sticky_model: None,
-                    user_text: "again",
-                    default_title: "again",
-                    idempotency: None,
-                    now: 2,
-                })
-                .await;
-            assert!(matches!(second, Err(StoreError::Busy)), "{b}: {second:?}");
+            let second = BeginTurn {
+                conversation_id: "c",
+                turn_id: "t2",
+                model: "demo/scripted",
+                sticky_model: None,
+                user_text: "again",
+                default_title: "again",
+                idempotency: None,
+                now: 2,
+            };
+            assert!(matches!(store.begin_turn(second).await, Err(StoreError::Busy)), "{b}");
             assert!(matches!(store.delete_conversation("c").await, Err(StoreError::Busy)), "{b}");
+            assert!(store.leased("c").await.unwrap(), "{b}");
             // Renewing names turns; an unknown one renews nothing.
             assert_eq!(store.renew_leases(&["t1".into(), "nobody".into()]).await.unwrap(), 1, "{b}");
-            // Not expired now; expired once its time has passed.
-            let now = now_ms();
-            assert_eq!(store.expired_leases(now).await.unwrap(), vec![], "{b}");
-            let later = now + store.lease_ttl().as_millis() as i64 + 1;
-            assert_eq!(store.expired_leases(later).await.unwrap(), vec![("c".into(), "t1".into())], "{b}");
-            assert!(!store.interrupt_expired("c", "t1", now).await.unwrap(), "{b}: not expired yet");
+            assert_eq!(store.expired_leases().await.unwrap(), vec![], "{b}");
+            assert!(!store.interrupt_expired("c", "t1", now_ms()).await.unwrap(), "{b}: not expired yet");
+            // Unrenewed, it ends (on the database's clock).
+            let mut expired = Vec::new();
+            for _ in 0..100 {
+                expired = store.expired_leases().await.unwrap();
+                if !expired.is_empty() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert_eq!(expired, vec![("c".into(), "t1".into())], "{b}");
+            assert!(!store.leased("c").await.unwrap(), "{b}");
             // One marker, however many gateways sweep.
-            assert!(store.interrupt_expired("c", "t1", later).await.unwrap(), "{b}");
-            assert!(!store.interrupt_expired("c", "t1", later).await.unwrap(), "{b}: marked once");
-            assert_eq!(store.expired_leases(later).await.unwrap(), vec![], "{b}");
+            assert!(store.interrupt_expired("c", "t1", now_ms()).await.unwrap(), "{b}");
+            assert!(!store.interrupt_expired("c", "t1", now_ms()).await.unwrap(), "{b}: marked once");
+            assert_eq!(store.expired_leases().await.unwrap(), vec![], "{b}");
             // The turn's own gateway, back, is refused: nothing of it lands after the marker.
             let text = NewChunk {
                 role: Role::Assistant,

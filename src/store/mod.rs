@@ -313,15 +313,20 @@ pub(crate) mod testing {
     }
 
     pub(crate) async fn every_backend() -> Vec<TestStore> {
+        every_backend_with(StoreOptions::default()).await
+    }
+
+    pub(crate) async fn every_backend_with(options: StoreOptions) -> Vec<TestStore> {
         let mut stores = Vec::new();
         let dir = tempfile::tempdir().unwrap();
         let metrics = Arc::new(Metrics::default());
         let sqlite = Database::Sqlite(dir.path().join("test.db"));
-        let store = Store::open(&sqlite, metrics.clone()).await.unwrap();
+        let store = Store::open_with(&sqlite, metrics.clone(), options).await.unwrap();
         stores.push(TestStore { store, metrics, backend: "sqlite", _dir: Some(dir), _database: None });
         if let Some(database) = dispatch_testkit::postgres::fresh_database().await {
             let metrics = Arc::new(Metrics::default());
-            let store = Store::open(&Database::Postgres(database.url.clone()), metrics.clone()).await.unwrap();
+            let postgres = Database::Postgres(database.url.clone());
+            let store = Store::open_with(&postgres, metrics.clone(), options).await.unwrap();
             stores.push(TestStore { store, metrics, backend: "postgres", _dir: None, _database: Some(database) });
         }
         stores

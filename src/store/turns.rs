@@ -94,7 +94,7 @@ impl Store {
             default_title: t.default_title.to_owned(),
             idempotency: t.idempotency.map(|r| (r.key.to_owned(), r.body_hash.to_owned(), r.response.to_owned())),
             now: t.now,
-            lease_until: self.lease_until(),
+            lease_ms: self.lease_ms(),
         };
         self.write(job).await?.seq()
     }

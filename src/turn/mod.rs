@@ -448,7 +448,7 @@ async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
             continue;
         }
         let now = now_ms();
-        let expired = match store.expired_leases(now).await {
+        let expired = match store.expired_leases().await {
             Ok(expired) => expired,
             Err(e) => {
                 tracing::warn!(error = %e, "could not look for turns whose lease ended");

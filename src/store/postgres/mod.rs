@@ -22,6 +22,10 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (2, "turn leases", include_str!("../../../migrations/postgres/0002_turn_leases.sql")),
 ];
 
+/// The database server's clock in epoch ms, for lease times: every gateway compares them on
+/// one clock (see `store/lease.rs`).
+pub(super) const NOW_MS: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
+
 /// How long a query waits for a free connection before it fails (the database then counts as
 /// unwritable, see `unwritable`).
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);

@@ -14,9 +14,9 @@ use crate::store::{StoreError, StoreResult};
 pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) -> StoreResult<Written> {
     let conn: &mut PgConnection = tx;
     match write {
-        Write::Begin { lease_until, .. } => {
+        Write::Begin { lease_ms, .. } => {
             let begin = write.as_begin().expect("an opening write");
-            begin_turn(conn, &begin, *lease_until).await.map_err(duplicate_key).map(Written::Seq)
+            begin_turn(conn, &begin, *lease_ms).await.map_err(duplicate_key).map(Written::Seq)
         }
         Write::Append { conversation_id, turn_id, chunks, now } => {
             append(conn, conversation_id, turn_id, chunks, *now).await.map(Written::Seq)
@@ -28,19 +28,21 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
             }
             seal_turn(conn, &seal).await.map(Written::Status)
         }
-        Write::Interrupt { conversation_id, turn_id, now, expired_at } => {
+        Write::Interrupt { conversation_id, turn_id, now, only_expired } => {
             // The lease is taken in the cut turn's name (whatever held it, or only when it
             // expired: the row lock makes one gateway of several do it), so the marker's append
             // is fenced like any other. A refusal is an error: the transaction is rolled back.
-            let taken = sqlx::query(
+            let sql = format!(
                 "UPDATE conversations SET lease_turn = $2 WHERE id = $1
-                   AND ($3::bigint IS NULL OR (lease_turn = $2 AND lease_expires_at < $3))",
-            )
-            .bind(conversation_id)
-            .bind(turn_id)
-            .bind(*expired_at)
-            .execute(&mut *conn)
-            .await?;
+                   AND (NOT $3 OR (lease_turn = $2 AND lease_expires_at < {}))",
+                super::NOW_MS
+            );
+            let taken = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(conversation_id)
+                .bind(turn_id)
+                .bind(*only_expired)
+                .execute(&mut *conn)
+                .await?;
             if taken.rows_affected() == 0 {
                 return Err(StoreError::LeaseLost);
             }
@@ -65,12 +67,12 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
 /// Opens a turn: the conversation created or marked active with its lease taken, the turn's
 /// row numbered from it, the idempotency key recorded, the user's chunk appended. The user
 /// chunk's seq; `Busy` when another turn holds the lease.
-async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>, lease_until: i64) -> StoreResult<u64> {
-    let opened = sqlx::query(
+async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>, lease_ms: i64) -> StoreResult<u64> {
+    let sql = format!(
         "WITH c AS (
              INSERT INTO conversations
                  (id, title, status, created_at, last_activity_at, turn_count, model, lease_turn, lease_expires_at)
-             VALUES ($1, $2, 'active', $3, $3, 1, $4, $5, $7)
+             VALUES ($1, $2, 'active', $3, $3, 1, $4, $5, {} + $7)
              ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
                  turn_count = conversations.turn_count + 1,
                  title = CASE WHEN conversations.title = '' THEN excluded.title ELSE conversations.title END,
@@ -81,16 +83,18 @@ async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>, lease_until: i64
          )
          INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at, first_seq)
          SELECT id, $5, turn_count, $6, $3, last_seq + 1 FROM c",
-    )
-    .bind(t.conversation_id)
-    .bind(t.default_title)
-    .bind(t.now)
-    .bind(t.sticky_model)
-    .bind(t.turn_id)
-    .bind(t.model)
-    .bind(lease_until)
-    .execute(&mut *conn)
-    .await?;
+        super::NOW_MS
+    );
+    let opened = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(t.conversation_id)
+        .bind(t.default_title)
+        .bind(t.now)
+        .bind(t.sticky_model)
+        .bind(t.turn_id)
+        .bind(t.model)
+        .bind(lease_ms)
+        .execute(&mut *conn)
+        .await?;
     if opened.rows_affected() == 0 {
         return Err(StoreError::Busy);
     }

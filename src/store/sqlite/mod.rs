@@ -34,6 +34,9 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (7, "turn leases", include_str!("../../../migrations/sqlite/0007_turn_leases.sql")),
 ];
 
+/// The database's clock in epoch ms, for lease times (see `store/lease.rs`).
+pub(super) const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+
 /// WAL pages past which the writer checkpoints inside its own commit (about 40 MiB).
 const WRITER_CHECKPOINT_PAGES: u32 = 10_000;
 

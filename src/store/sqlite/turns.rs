@@ -19,9 +19,9 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
     let conn: &mut SqliteConnection = tx;
     let mut script = Script::default();
     match write {
-        Write::Begin { lease_until, .. } => {
+        Write::Begin { lease_ms, .. } => {
             let begin = write.as_begin().expect("an opening write");
-            begin_to(&mut script, &begin, *lease_until)?;
+            begin_to(&mut script, &begin, *lease_ms)?;
             let rows = script.run(conn).await.map_err(duplicate_key)?;
             // No row: the conversation's lease is another turn's.
             appended_seq(&rows).map_err(|_| StoreError::Busy).map(Written::Seq)
@@ -35,19 +35,20 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
             seal_to(&mut script, &seal, chunks)?;
             sealed_status(&script.run(conn).await?).map(Written::Status)
         }
-        Write::Interrupt { conversation_id, turn_id, now, expired_at } => {
+        Write::Interrupt { conversation_id, turn_id, now, only_expired } => {
             // The lease is taken in the cut turn's name first (whatever held it, or only when it
             // expired), so the marker's append is fenced like any other.
             script
                 .sql(
                     "UPDATE conversations SET lease_turn = ? WHERE id = ?
-                       AND (? IS NULL OR (lease_turn = ? AND lease_expires_at < ?)) RETURNING 1;",
+                       AND (NOT ? OR (lease_turn = ? AND lease_expires_at < ",
                 )
+                .sql(super::NOW_MS)
+                .sql(")) RETURNING 1;")
                 .bind(turn_id.as_str())
                 .bind(conversation_id.as_str())
-                .bind(*expired_at)
-                .bind(turn_id.as_str())
-                .bind(*expired_at);
+                .bind(*only_expired)
+                .bind(turn_id.as_str());
             append_to(&mut script, conversation_id, turn_id, &[interrupted_marker()], *now)?;
             script
                 .sql(
@@ -80,14 +81,18 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
 /// Adds the statements that open a turn to `script` (answered like an append: the seq of the
 /// user's chunk). A reused idempotency key fails the script with a unique violation on
 /// `idempotency_keys` (see [`duplicate_key`]).
-fn begin_to(script: &mut Script, t: &BeginTurn<'_>, lease_until: i64) -> StoreResult<()> {
+fn begin_to(script: &mut Script, t: &BeginTurn<'_>, lease_ms: i64) -> StoreResult<()> {
     // The turn takes the conversation's lease unless another turn holds it; then the rest
     // (fenced by the lease) writes nothing and the script answers no row.
     script
         .sql(
             "INSERT INTO conversations
                  (id, title, status, created_at, last_activity_at, turn_count, model, lease_turn, lease_expires_at)
-             VALUES (?, ?, 'active', ?, ?, 1, ?, ?, ?)
+             VALUES (?, ?, 'active', ?, ?, 1, ?, ?, ? + ",
+        )
+        .sql(super::NOW_MS)
+        .sql(
+            ")
              ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
                  turn_count = turn_count + 1, title = CASE WHEN title = '' THEN excluded.title ELSE title END,
                  model = coalesce(excluded.model, model),
@@ -102,7 +107,7 @@ fn begin_to(script: &mut Script, t: &BeginTurn<'_>, lease_until: i64) -> StoreRe
         .bind(t.now)
         .bind(t.sticky_model)
         .bind(t.turn_id)
-        .bind(lease_until)
+        .bind(lease_ms)
         .bind(t.turn_id)
         .bind(t.model)
         .bind(t.now)
