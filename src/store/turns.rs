@@ -9,7 +9,8 @@ pub fn user_chunk(text: &str) -> NewChunk {
     NewChunk { role: Role::User, chunk: Chunk::Text(TextChunk { text: text.to_owned() }), new_message: true }
 }
 
-/// The error chunk a restart appends to a turn the previous process left open.
+/// The error chunk that marks a turn whose process died: appended at the next start, or by
+/// another gateway when the turn's lease ends (the wording is spec 1.5's either way).
 pub const INTERRUPTED_MESSAGE: &str = "turn interrupted: server restarted";
 pub const INTERRUPTED_CODE: &str = "interrupted";
 
