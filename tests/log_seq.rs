@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use dispatch_gateway::store::{BeginTurn, Store};
+use dispatch_gateway::store::Store;
 use serde_json::Value;
 
 async fn assert_gap_free(server: &TestServer, conversation_id: &str, expected_len: usize) -> Vec<Value> {
@@ -68,19 +68,7 @@ async fn a_turn_cut_off_by_a_crash_gets_one_interrupted_marker() {
     {
         // A process that opened a turn and died before sealing it.
         let store = Store::open(&Database::Sqlite(db.clone()), Default::default()).await.unwrap();
-        store
-            .begin_turn(BeginTurn {
-                conversation_id: "cut",
-                turn_id: "turn-1",
-                model: "demo/scripted",
-                sticky_model: None,
-                user_text: "hello",
-                default_title: "hello",
-                idempotency: None,
-                now: 1,
-            })
-            .await
-            .unwrap();
+        store.begin_turn(opening("cut", "turn-1", "hello")).await.unwrap();
         store.close().await;
     }
     // Two restarts: the marker is written once.

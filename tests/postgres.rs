@@ -8,29 +8,15 @@
 mod common;
 
 use common::*;
-use dispatch_gateway::store::{BeginTurn, NewChunk, Store, StoreOptions};
+use dispatch_gateway::store::{NewChunk, Store, StoreOptions};
 use dispatch_gateway::wire::{Chunk, Role, TextChunk};
 use dispatch_testkit::postgres::{FreshDatabase, fresh_database};
 use serde_json::{Value, json};
 
-fn script() -> Value {
-    json!({"rules": [
-        {"match": "weather", "steps": [
-            {"reasoning": "Let me check.", "text": "Checking the weather.",
-             "toolCalls": [{"id": "call_w", "name": "weather", "input": {"city": "Paris"},
-                            "output": "fetching", "result": "sunny", "durationMs": 7}],
-             "usage": {"inputTokens": 100, "outputTokens": 20}},
-            {"text": "It is sunny in Paris.", "usage": {"inputTokens": 150, "outputTokens": 8}}
-        ]},
-        {"match": "fail", "steps": [{"text": "partial answer"}],
-         "error": {"message": "model exploded", "code": "upstream"}}
-    ]})
-}
-
 /// A test server on the given database.
 async fn server_on(dir: &std::path::Path, database: Database) -> TestServer {
     let mut config = test_config(dir);
-    config.scripted_script = Some(write_script(dir, script()));
+    config.scripted_script = Some(write_script(dir, tool_script()));
     config.database = database;
     TestServer::start(config).await
 }
@@ -182,17 +168,7 @@ async fn writers_on_two_stores_share_one_gap_free_seq() {
     let db = Database::Postgres(database.url.clone());
     let (a, b) =
         (Store::open(&db, Default::default()).await.unwrap(), Store::open(&db, Default::default()).await.unwrap());
-    let begin = BeginTurn {
-        conversation_id: "shared",
-        turn_id: "turn-1",
-        model: "demo/scripted",
-        sticky_model: None,
-        user_text: "hi",
-        default_title: "hi",
-        idempotency: None,
-        now: 1,
-    };
-    assert_eq!(a.begin_turn(begin).await.unwrap(), 1);
+    assert_eq!(a.begin_turn(opening("shared", "turn-1", "hi")).await.unwrap(), 1);
     let writers = [a.clone(), b.clone()].into_iter().enumerate().map(|(w, store)| {
         tokio::spawn(async move {
             let mut last = Vec::new();
@@ -241,17 +217,7 @@ async fn turns_on_postgres_stay_gap_free_across_concurrent_turns_and_a_restart_a
         let options = StoreOptions { lease_ttl: std::time::Duration::from_millis(300), ..Default::default() };
         let db = Database::Postgres(database.url.clone());
         let store = Store::open_with(&db, Default::default(), options).await.unwrap();
-        let begin = BeginTurn {
-            conversation_id: "cut",
-            turn_id: "turn-1",
-            model: "demo/scripted",
-            sticky_model: None,
-            user_text: "hello",
-            default_title: "hello",
-            idempotency: None,
-            now: 1,
-        };
-        store.begin_turn(begin).await.unwrap();
+        store.begin_turn(opening("cut", "turn-1", "hello")).await.unwrap();
         store.append_chunks("cut", "turn-1", &[text("half an ans")]).await.unwrap();
     }
     let mut config = test_config(dir.path());

@@ -5,22 +5,6 @@ mod common;
 use common::*;
 use serde_json::{Value, json};
 
-fn tool_script() -> Value {
-    json!({"rules": [
-        {"match": "weather", "steps": [
-            {"reasoning": "Let me check.", "text": "Checking the weather.",
-             "toolCalls": [{"id": "call_w", "name": "weather", "input": {"city": "Paris"},
-                            "output": "fetching", "result": "sunny", "durationMs": 7}],
-             "usage": {"inputTokens": 100, "outputTokens": 20}},
-            {"text": "It is sunny in Paris.",
-             "usage": {"inputTokens": 150, "outputTokens": 8, "cacheReadTokens": 90}}
-        ]},
-        {"match": "fail", "steps": [{"text": "partial answer"}],
-         "error": {"message": "model exploded", "code": "upstream"}},
-        {"match": "stall", "steps": [{"text": "waiting", "stallMs": 1500}]}
-    ]})
-}
-
 async fn scripted_server(dir: &std::path::Path) -> TestServer {
     let mut config = test_config(dir);
     config.scripted_script = Some(write_script(dir, tool_script()));

@@ -27,6 +27,43 @@ pub struct TestServer {
     task: Option<JoinHandle<std::io::Result<()>>>,
 }
 
+/// A scripted runtime's rules with a tool-call turn ("weather": two steps, a tool call between),
+/// a failing one ("fail") and a stalling one ("stall").
+pub fn tool_script() -> Value {
+    json!({"rules": [
+        {"match": "weather", "steps": [
+            {"reasoning": "Let me check.", "text": "Checking the weather.",
+             "toolCalls": [{"id": "call_w", "name": "weather", "input": {"city": "Paris"},
+                            "output": "fetching", "result": "sunny", "durationMs": 7}],
+             "usage": {"inputTokens": 100, "outputTokens": 20}},
+            {"text": "It is sunny in Paris.",
+             "usage": {"inputTokens": 150, "outputTokens": 8, "cacheReadTokens": 90}}
+        ]},
+        {"match": "fail", "steps": [{"text": "partial answer"}],
+         "error": {"message": "model exploded", "code": "upstream"}},
+        {"match": "stall", "steps": [{"text": "waiting", "stallMs": 1500}]}
+    ]})
+}
+
+/// A turn's opening write as a process that dies before sealing it makes one (straight to the
+/// store, no runtime).
+pub fn opening<'a>(
+    conversation_id: &'a str,
+    turn_id: &'a str,
+    text: &'a str,
+) -> dispatch_gateway::store::BeginTurn<'a> {
+    dispatch_gateway::store::BeginTurn {
+        conversation_id,
+        turn_id,
+        model: "demo/scripted",
+        sticky_model: None,
+        user_text: text,
+        default_title: text,
+        idempotency: None,
+        now: 1,
+    }
+}
+
 /// The SQLite file a test config names.
 pub fn sqlite_file(config: &Config) -> PathBuf {
     match &config.database {
