@@ -73,6 +73,7 @@ async fn malformed_bodies_are_rejected_and_change_nothing() {
         (json!({"id": ""}), "id"),
         (json!({"title": 5}), "title"),
         (json!({"title": "t".repeat(513)}), "title"),
+        (json!({"title": "nul \u{0} inside"}), "U+0000"),
         (json!({"model": true}), "model"),
         (json!({"model": "no/such"}), "no/such"),
     ];
@@ -149,6 +150,11 @@ async fn conversation_crud() {
     assert_eq!(ids[0], "other");
     assert_eq!(list["conversations"][0]["title"], "Plan the trip");
     assert_eq!(ids.len(), 3);
+    // A title made from a first message keeps no control characters (U+0000 included, which
+    // PostgreSQL's text cannot hold).
+    server.chat("controls", "tab\there\u{0}nul").await;
+    let (_, meta) = server.get("/conversations?q=controls").await;
+    assert_eq!(meta["conversations"][0]["title"], "tabherenul");
 
     let (_, list) = server.get("/conversations?q=c.1").await;
     assert_eq!(list["conversations"].as_array().unwrap().len(), 1);
