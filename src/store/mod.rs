@@ -157,21 +157,16 @@ use on_backend;
 /// placeholders, which SQLite takes as numbered parameters too.
 macro_rules! on_pool {
     ($store:expr, read, $pool:ident => $body:expr) => {
-        match &$store.backend {
-            $crate::store::Backend::Sqlite(b) => {
-                let $pool = &b.reader;
-                $body
-            }
-            $crate::store::Backend::Postgres(b) => {
-                let $pool = &b.pool;
-                $body
-            }
-        }
+        on_pool!(@ $store, reader, $pool => $body)
     };
     ($store:expr, write, $pool:ident => $body:expr) => {
+        on_pool!(@ $store, writer, $pool => $body)
+    };
+    // PostgreSQL has one pool for both; SQLite a read-only pool and its single writer.
+    (@ $store:expr, $sqlite:ident, $pool:ident => $body:expr) => {
         match &$store.backend {
             $crate::store::Backend::Sqlite(b) => {
-                let $pool = &b.writer;
+                let $pool = &b.$sqlite;
                 $body
             }
             $crate::store::Backend::Postgres(b) => {
