@@ -214,7 +214,7 @@ async fn turns_on_postgres_stay_gap_free_across_concurrent_turns_and_a_restart_a
     // A process that opened a turn and died before sealing it. Its lease ends a moment later;
     // the next gateway's sweeper marks the turn.
     {
-        let options = StoreOptions { lease_ttl: std::time::Duration::from_millis(300), ..Default::default() };
+        let options = StoreOptions { lease_ttl: std::time::Duration::from_millis(1000), ..Default::default() };
         let db = Database::Postgres(database.url.clone());
         let store = Store::open_with(&db, Default::default(), options).await.unwrap();
         store.begin_turn(opening("cut", "turn-1", "hello")).await.unwrap();
@@ -222,7 +222,7 @@ async fn turns_on_postgres_stay_gap_free_across_concurrent_turns_and_a_restart_a
     }
     let mut config = test_config(dir.path());
     config.database = Database::Postgres(database.url.clone());
-    config.lease_ttl_ms = 300;
+    config.lease_ttl_ms = 1000;
     let server = TestServer::start(config).await;
     assert!(eventually(200, || async { server.history("cut").await.len() == 3 }).await, "the cut turn is marked");
     let history = server.history("cut").await;
@@ -252,9 +252,10 @@ async fn turns_on_postgres_stay_gap_free_across_concurrent_turns_and_a_restart_a
     assert_eq!(server.history("cut").await.len(), 3);
     for id in &conversations {
         server.chat(id, "after the restart").await;
-        let seqs: Vec<u64> = server.history(id).await.iter().map(|c| c["seq"].as_u64().unwrap()).collect();
+        let history = server.history(id).await;
+        let seqs: Vec<u64> = history.iter().map(|c| c["seq"].as_u64().unwrap()).collect();
         // Each turn logs the user's text, thinking and the reply's text.
-        assert_eq!(seqs, (1..=12).collect::<Vec<_>>(), "{id}");
+        assert_eq!(seqs, (1..=12).collect::<Vec<_>>(), "{id}: {history:?}");
     }
     server.stop().await;
 }

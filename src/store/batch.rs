@@ -64,6 +64,13 @@ pub(super) enum Write {
         now: i64,
         only_expired: bool,
     },
+    /// The leases of these turns (the gateway's running ones) extended by `lease_ms`. A write of
+    /// the writer task like the others, so it never waits on the task's locks in another
+    /// transaction (a deadlock the database would end by refusing one of them).
+    Renew {
+        turn_ids: Vec<String>,
+        lease_ms: i64,
+    },
 }
 
 /// What a write answers: a seq (open, append, interrupt) or the conversation's status (seal).
@@ -71,20 +78,29 @@ pub(super) enum Write {
 pub(super) enum Written {
     Seq(u64),
     Status(crate::wire::ConversationStatus),
+    /// Rows a renewal touched.
+    Count(u64),
 }
 
 impl Written {
     pub(super) fn seq(self) -> StoreResult<u64> {
         match self {
             Written::Seq(seq) => Ok(seq),
-            Written::Status(_) => Err(StoreError::Corrupt("a write answered with the wrong kind".into())),
+            _ => Err(StoreError::Corrupt("a write answered with the wrong kind".into())),
         }
     }
 
     pub(super) fn status(self) -> StoreResult<crate::wire::ConversationStatus> {
         match self {
             Written::Status(status) => Ok(status),
-            Written::Seq(_) => Err(StoreError::Corrupt("a write answered with the wrong kind".into())),
+            _ => Err(StoreError::Corrupt("a write answered with the wrong kind".into())),
+        }
+    }
+
+    pub(super) fn count(self) -> StoreResult<u64> {
+        match self {
+            Written::Count(n) => Ok(n),
+            _ => Err(StoreError::Corrupt("a write answered with the wrong kind".into())),
         }
     }
 }

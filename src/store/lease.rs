@@ -18,7 +18,14 @@ use super::batch::Write;
 use super::{Backend, Store, StoreError, StoreResult, on_pool};
 
 /// Most turn ids in one renewal statement.
-const RENEW_AT_ONCE: usize = 500;
+pub(super) const RENEW_AT_ONCE: usize = 500;
+
+/// The renewal of `n` leases on a database whose clock is `clock`: `$1` the lease's ms, `$2..`
+/// the turn ids.
+pub(super) fn renew_sql(clock: &str, n: usize) -> String {
+    let marks: Vec<String> = (2..n + 2).map(|i| format!("${i}")).collect();
+    format!("UPDATE conversations SET lease_expires_at = {clock} + $1 WHERE lease_turn IN ({})", marks.join(", "))
+}
 
 impl Store {
     /// How long a lease taken or renewed lasts, in ms.
@@ -48,24 +55,7 @@ impl Store {
     /// Renews the leases of the turns named (the ones this gateway runs). Returns how many
     /// leases were renewed: fewer than named means some turns lost theirs.
     pub async fn renew_leases(&self, turn_ids: &[String]) -> StoreResult<u64> {
-        let mut renewed = 0;
-        for ids in turn_ids.chunks(RENEW_AT_ONCE) {
-            let marks: Vec<String> = (2..ids.len() + 2).map(|n| format!("${n}")).collect();
-            let sql = format!(
-                "UPDATE conversations SET lease_expires_at = {} + $1 WHERE lease_turn IN ({})",
-                self.clock(),
-                marks.join(", ")
-            );
-            let result = on_pool!(self, write, pool => {
-                let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(self.lease_ms());
-                for id in ids {
-                    q = q.bind(id);
-                }
-                q.execute(pool).await.map(|r| r.rows_affected())
-            });
-            renewed += self.noted(result.map_err(StoreError::from))?;
-        }
-        Ok(renewed)
+        self.write(Write::Renew { turn_ids: turn_ids.to_vec(), lease_ms: self.lease_ms() }).await?.count()
     }
 
     /// Whether a turn holds the conversation's lease now (on this gateway or another).

@@ -455,9 +455,11 @@ async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
                 continue;
             }
         };
-        // This gateway's own turns are not swept by it: their renewal failed, and they learn
-        // of a lost lease at their next write.
-        for (conversation_id, turn_id) in expired.into_iter().filter(|(_, t)| !held.contains(t)) {
+        // This gateway's own conversations are not swept by it (those busy now: a turn may have
+        // started since `held` was taken): a turn whose renewal failed learns of a lost lease
+        // at its next write.
+        let mine = |conversation_id: &str| turns.lock().contains_key(conversation_id);
+        for (conversation_id, turn_id) in expired.into_iter().filter(|(c, _)| !mine(c)) {
             match store.interrupt_expired(&conversation_id, &turn_id, now).await {
                 Ok(true) => {
                     tracing::warn!(conversation = %conversation_id, turn = %turn_id, "marked a turn whose lease ended interrupted");

@@ -28,6 +28,18 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
             }
             seal_turn(conn, &seal).await.map(Written::Status)
         }
+        Write::Renew { turn_ids, lease_ms } => {
+            let mut renewed = 0;
+            for ids in turn_ids.chunks(crate::store::lease::RENEW_AT_ONCE) {
+                let sql = crate::store::lease::renew_sql(super::NOW_MS, ids.len());
+                let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(*lease_ms);
+                for id in ids {
+                    q = q.bind(id);
+                }
+                renewed += q.execute(&mut *conn).await?.rows_affected();
+            }
+            Ok(Written::Count(renewed))
+        }
         Write::Interrupt { conversation_id, turn_id, now, only_expired } => {
             // The lease is taken in the cut turn's name (whatever held it, or only when it
             // expired: the row lock makes one gateway of several do it), so the marker's append

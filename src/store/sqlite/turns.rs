@@ -35,6 +35,18 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
             seal_to(&mut script, &seal, chunks)?;
             sealed_status(&script.run(conn).await?).map(Written::Status)
         }
+        Write::Renew { turn_ids, lease_ms } => {
+            let mut renewed = 0;
+            for ids in turn_ids.chunks(crate::store::lease::RENEW_AT_ONCE) {
+                let sql = crate::store::lease::renew_sql(super::NOW_MS, ids.len());
+                let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(*lease_ms);
+                for id in ids {
+                    q = q.bind(id);
+                }
+                renewed += q.execute(&mut *conn).await?.rows_affected();
+            }
+            Ok(Written::Count(renewed))
+        }
         Write::Interrupt { conversation_id, turn_id, now, only_expired } => {
             // The lease is taken in the cut turn's name first (whatever held it, or only when it
             // expired), so the marker's append is fenced like any other.
