@@ -56,6 +56,25 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_LEASE_TTL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..))]
     pub lease_ttl_ms: u64,
 
+    /// `nats://` URL of the bus that gateways sharing a PostgreSQL database watch each other's
+    /// turns through (NATS with JetStream; none: this gateway alone).
+    #[arg(long, env = "DISPATCH_BUS")]
+    pub bus: Option<String>,
+
+    /// Seconds a turn's events stay in the bus's stream (a late joiner elsewhere replays from
+    /// it).
+    #[arg(long, env = "DISPATCH_BUS_MAX_AGE_SECS", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub bus_max_age_secs: u64,
+
+    /// Bytes the bus's stream holds at most; past it the oldest events leave.
+    #[arg(long, env = "DISPATCH_BUS_MAX_BYTES", default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub bus_max_bytes: u64,
+
+    /// Milliseconds a request to the bus may take, and a new watcher waits for a conversation
+    /// to be caught up from it.
+    #[arg(long, env = "DISPATCH_BUS_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub bus_timeout_ms: u64,
+
     /// Milliseconds a write waits for another process's lock on the database.
     #[arg(long, env = "DISPATCH_SQLITE_BUSY_TIMEOUT_MS", default_value_t = 5000)]
     pub sqlite_busy_timeout_ms: u64,
@@ -344,6 +363,8 @@ pub enum ConfigError {
     NoModel,
     #[error("default_model {0:?} is not a configured model")]
     UnknownDefaultModel(String),
+    #[error("bus: {0}")]
+    Bus(String),
 }
 
 impl ConfigError {
@@ -500,6 +521,16 @@ impl Config {
         if self.api_keys.iter().any(|k| k.trim().is_empty()) {
             return Err(ConfigError::EmptyApiKey);
         }
+        if let Some(bus) = &self.bus {
+            if !bus.starts_with("nats://") {
+                return Err(ConfigError::Bus(format!("a nats:// URL, got {bus:?}")));
+            }
+            if !matches!(self.database, crate::store::Database::Postgres(_)) {
+                return Err(ConfigError::Bus(
+                    "gateways on a bus share a PostgreSQL database: set `database` to a postgres:// URL".into(),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -520,6 +551,10 @@ impl Config {
             sqlite_max_pages: 0,
             postgres_max_connections: 16,
             lease_ttl_ms: 10_000,
+            bus: None,
+            bus_max_age_secs: 3600,
+            bus_max_bytes: 1 << 30,
+            bus_timeout_ms: 5000,
             scripted_pace: 40.0,
             scripted_reasoning: true,
             scripted_script: None,

@@ -1,8 +1,10 @@
 //! dispatch-gateway: sits between agent runtimes and the clients that watch them.
 //!
 //! Data flows one way: request → turn → runtime → turn → hub → transports, and only the turn
-//! writes the store.
+//! writes the store. With several gateways, the hub also meets the others' over the bus.
 
+/// NATS between gateways: turn events through JetStream, status changes, control.
+pub mod bus;
 /// Flags and environment.
 pub mod config;
 /// The bytes of the wire: SSE, NDJSON, WebSocket frames, HTTP chunks.
@@ -21,7 +23,7 @@ pub mod net;
 pub mod runtime;
 /// Building the gateway and serving it.
 pub mod server;
-/// SQLite: conversations, the chunk log, turns and metrics.
+/// SQLite or PostgreSQL: conversations, the chunk log, turns and metrics.
 pub mod store;
 /// Running turns: wire events, chunks, metrics, sealing.
 pub mod turn;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+use crate::bus::{Bus, BusOptions};
 use crate::config::{Config, ConfigError, Credential, ScriptedCredential};
 use crate::http::{AppState, Shared, router, ws_router};
 use crate::hub::Hub;
@@ -24,6 +25,8 @@ pub enum StartupError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    Bus(#[from] crate::bus::BusError),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: String, source: std::io::Error },
 }
@@ -49,10 +52,22 @@ impl Gateway {
             per_reader: Duration::from_micros(config.flush_us_per_watcher),
             max: Duration::from_millis(config.flush_max_ms),
         };
-        let hub = Hub::new(config.turn_buffer_bytes, flush);
+        let bus = match &config.bus {
+            Some(url) => {
+                let options = BusOptions {
+                    max_age: Duration::from_secs(config.bus_max_age_secs),
+                    max_bytes: i64::try_from(config.bus_max_bytes).unwrap_or(i64::MAX),
+                    timeout: Duration::from_millis(config.bus_timeout_ms),
+                };
+                Some(Bus::connect(url, options).await?)
+            }
+            None => None,
+        };
+        let remote = bus.clone().map(|bus| Arc::new(bus) as Arc<dyn crate::hub::Remote>);
+        let hub = Hub::with_remote(config.turn_buffer_bytes, flush, remote);
         let queue_limits =
             crate::runtime::QueueLimits { messages: config.max_queued_messages, bytes: config.max_queued_bytes };
-        let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), queue_limits);
+        let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), queue_limits, bus);
         Ok(Gateway {
             state: AppState::new(Shared {
                 config: Arc::new(config),

@@ -131,3 +131,21 @@ fn the_database_is_a_file_or_a_postgres_url_and_the_lease_has_a_floor() {
     let err = load(&["--config", &file], &[]).expect_err("a lease of 0 ms is refused");
     assert!(err.contains("lease-ttl-ms"), "{err}");
 }
+
+#[test]
+fn a_bus_is_a_nats_url_beside_a_postgres_database_and_its_limits_have_floors() {
+    let mut config = load(&["--bus", "nats://127.0.0.1:4222"], &[]).unwrap();
+    let err = config.check().unwrap_err().to_string();
+    assert!(err.contains("bus") && err.contains("postgres://"), "{err}");
+    let mut config = load(&["--bus", "redis://h:6379", "--database", "postgres://h/db"], &[]).unwrap();
+    let err = config.check().unwrap_err().to_string();
+    assert!(err.contains("nats://") && err.contains("redis://h:6379"), "{err}");
+    let mut config = load(&["--bus", "nats://h:4222", "--database", "postgres://h/db"], &[]).unwrap();
+    config.check().expect("a bus beside PostgreSQL");
+    assert_eq!(config.bus.as_deref(), Some("nats://h:4222"));
+    assert_eq!((config.bus_max_age_secs, config.bus_max_bytes, config.bus_timeout_ms), (3600, 1 << 30, 5000));
+    for flag in ["--bus-max-age-secs", "--bus-max-bytes", "--bus-timeout-ms"] {
+        let err = load(&[flag, "0"], &[]).err().unwrap_or_else(|| panic!("{flag} 0 should fail"));
+        assert!(err.contains(flag), "{err}");
+    }
+}

@@ -362,7 +362,7 @@ async fn the_replay_buffer_stays_within_its_cap_and_late_joiners_still_rebuild_t
     let sampler = tokio::spawn(async move {
         let (mut max_bytes, mut max_published, mut max_gauge) = (0, 0, 0);
         for _ in 0..20_000 {
-            if let Some(b) = hub.current("huge") {
+            if let Some(b) = hub.current("huge").await {
                 // The hub-wide gauge counts this buffer (the only one) as it grows and coalesces.
                 max_gauge = max_gauge.max(hub.buffered_bytes());
                 max_bytes = max_bytes.max(b.bytes()).max(max_gauge);

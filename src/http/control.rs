@@ -186,7 +186,7 @@ pub async fn messages(
     responses((status = 200, body = StopResponse), (status = 400, body = ErrorBody))
 )]
 pub async fn stop(State(state): State<AppState>, ConversationId(id): ConversationId) -> Json<StopResponse> {
-    let aborted_turn = state.turns.stop(&id);
+    let aborted_turn = state.turns.stop(&id).await;
     Json(StopResponse { conversation_id: id, aborted_turn })
 }
 
@@ -280,7 +280,7 @@ pub async fn last(
     if wait > MAX_LAST_WAIT_MS {
         return Err(ApiError::bad(format!("`timeoutMs` must be at most {MAX_LAST_WAIT_MS}")));
     }
-    if let Some(buffer) = state.hub.current(&id) {
+    if let Some(buffer) = state.hub.current(&id).await {
         let mut cursor = state.hub.read_turn(&buffer);
         drop(buffer);
         let sealed = async { while !matches!(cursor.next_batch(usize::MAX).await, Delivery::End) {} };

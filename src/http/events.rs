@@ -66,7 +66,7 @@ pub async fn events(
             None
         };
     let permit = state.stream_permit(format.transport())?;
-    let (cursor, resync_first) = state.hub.subscribe(&id, resume.as_ref());
+    let (cursor, resync_first) = state.hub.subscribe(&id, resume.as_ref()).await;
     Ok(watch_response(watch(&state, cursor, format, id, until_sealed, resync_first, permit)))
 }
 

@@ -157,7 +157,7 @@ impl WsOps {
             "chat.subscribe" => {
                 // Never answered with an error, whatever the id; only past the cap.
                 if let Some(id) = conversation_id.filter(|id| check_id(id).is_ok()) {
-                    subscribe(session, &id);
+                    subscribe(session, &id).await;
                 }
             }
             "chat.unsubscribe" => {
@@ -179,7 +179,7 @@ impl WsOps {
         };
         // Subscribe first, so the turn is watched from its first event.
         let id = start.conversation_id.clone();
-        if !subscribe(session, &id) {
+        if !subscribe(session, &id).await {
             return;
         }
         match self.state.turns.start(start).await {
@@ -200,7 +200,7 @@ impl WsOps {
             Ok(t) => t,
             Err(e) => return chat_error(session, Some(id), e.to_string()),
         };
-        if !subscribe(session, id) {
+        if !subscribe(session, id).await {
             return;
         }
         if let Err(e) = self.state.turns.queue(id, text).await {
@@ -212,8 +212,8 @@ impl WsOps {
 
 /// Idempotent; false (and a `chat.error` naming the cap) when the session holds as many
 /// subscriptions as it may.
-fn subscribe(session: &mut Session, conversation_id: &str) -> bool {
-    if session.subscriptions().add(conversation_id) {
+async fn subscribe(session: &mut Session, conversation_id: &str) -> bool {
+    if session.subscriptions().add(conversation_id).await {
         return true;
     }
     let cap = session.subscriptions().cap();

@@ -11,6 +11,7 @@ use tokio::time::Instant;
 use super::event::{EncodedEvent, Kind};
 use super::pacing::{Decision, FlushWindow, Pacing, Round};
 use super::parked::{self, Attached, ParkedStream};
+use super::remote::Outbox;
 use crate::wire::{AgentEvent, TurnReasoningDeltaEvent, TurnTextDeltaEvent};
 
 /// Where the next turn of a conversation will appear: each buffer holds the one its successor
@@ -49,6 +50,9 @@ pub struct TurnBuffer {
     pub(super) next: Arc<NextTurn>,
     /// Streams a round writes to itself while they are parked (see `parked.rs`).
     pub(super) parked: Mutex<Attached>,
+    /// Where the events of a turn this gateway runs go to other gateways (none: it runs on
+    /// another gateway, or there is no bus).
+    outbox: Option<Outbox>,
 }
 
 impl Drop for TurnBuffer {
@@ -66,6 +70,7 @@ impl TurnBuffer {
         flush: FlushWindow,
         readers: Arc<AtomicUsize>,
         held: Arc<AtomicUsize>,
+        outbox: Option<Outbox>,
     ) -> TurnBuffer {
         TurnBuffer {
             conversation_id: Arc::from(conversation_id),
@@ -79,6 +84,7 @@ impl TurnBuffer {
             flush,
             next: Arc::default(),
             parked: Mutex::default(),
+            outbox,
         }
     }
 
@@ -104,12 +110,23 @@ impl TurnBuffer {
         st.next_index += 1;
         st.bytes += encoded.size();
         self.held.fetch_add(encoded.size(), Relaxed);
+        if let Some(outbox) = &self.outbox {
+            outbox.send(index, &encoded.line, last);
+        }
         st.events.push(encoded);
         st.sealed = last;
         if st.bytes > st.threshold {
             self.coalesce(&mut st);
         }
         (index, paced)
+    }
+
+    /// Sends nothing more of this turn to other gateways: it lost its lease, and another
+    /// gateway tells them how it ended.
+    pub fn leave_bus(&self) {
+        if let Some(outbox) = &self.outbox {
+            outbox.close();
+        }
     }
 
     /// The flush window for paced deltas right now.

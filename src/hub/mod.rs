@@ -6,6 +6,9 @@
 //! into one write), and a turn never waits for anyone. A turn wakes its watchers in rounds,
 //! paced under fan-out (`pacing.rs`); a round also writes to the sockets of parked streams
 //! itself (`parked.rs`). The hub knows no socket: a transport lends it a [`Socket`] to write to.
+//! With several gateways, the hub also meets the others' through a [`Remote`] (`remote.rs`):
+//! its own turns go out, and the turns of a conversation watched here that run elsewhere come
+//! in as buffers of their own.
 //! `docs/streaming.md` explains the rules and their reasons.
 //!
 //! Turns of one conversation form a chain: each buffer holds the place its successor will take,
@@ -25,12 +28,14 @@ mod cursor;
 mod event;
 mod pacing;
 mod parked;
+mod remote;
 
 pub use buffer::TurnBuffer;
 pub use cursor::{BATCH, Cursor, Delivery, EventId};
 pub use event::{EncodedEvent, Encoding};
 pub use pacing::FlushWindow;
 pub use parked::{ParkedStream, Socket, Unparked};
+pub use remote::{Following, Outbox, Outgoing, Remote};
 
 use buffer::NextTurn;
 
@@ -38,6 +43,8 @@ use buffer::NextTurn;
 struct Channel {
     current: Option<Arc<TurnBuffer>>,
     next: Arc<NextTurn>,
+    /// The bus's feed of the turns other gateways run here, while someone watches.
+    following: Option<Arc<Following>>,
 }
 
 /// The per-conversation channels. The lock is held only for a few pointer moves, never across
@@ -51,11 +58,25 @@ pub struct Hub {
     /// Per-turn buffer size past which deltas are coalesced.
     buffer_cap: usize,
     flush: FlushWindow,
+    remote: Option<Arc<dyn Remote>>,
 }
 
 impl Hub {
+    /// A hub of one gateway alone.
     pub fn new(buffer_cap: usize, flush: FlushWindow) -> Arc<Hub> {
-        Arc::new(Hub { channels: Mutex::default(), readers: Arc::default(), held: Arc::default(), buffer_cap, flush })
+        Hub::with_remote(buffer_cap, flush, None)
+    }
+
+    /// A hub that shares turns with other gateways through `remote`.
+    pub fn with_remote(buffer_cap: usize, flush: FlushWindow, remote: Option<Arc<dyn Remote>>) -> Arc<Hub> {
+        Arc::new(Hub {
+            channels: Mutex::default(),
+            readers: Arc::default(),
+            held: Arc::default(),
+            buffer_cap,
+            flush,
+            remote,
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, Channel>> {
@@ -73,6 +94,23 @@ impl Hub {
     /// starting at once would otherwise cost a wake-up and a write per event per watcher). The
     /// caller guarantees one turn at a time per conversation.
     pub fn begin_turn(&self, conversation_id: &str, turn_id: &str, opening: &[AgentEvent]) -> Arc<TurnBuffer> {
+        let outbox = self.remote.as_ref().map(|r| r.outbox(conversation_id, turn_id, self.buffer_cap));
+        self.open(conversation_id, turn_id, opening, outbox)
+    }
+
+    /// Opens the buffer of a turn another gateway runs, with the events it has published so
+    /// far: its watchers here read it like one of this gateway's.
+    pub fn begin_remote_turn(&self, conversation_id: &str, turn_id: &str, opening: &[AgentEvent]) -> Arc<TurnBuffer> {
+        self.open(conversation_id, turn_id, opening, None)
+    }
+
+    fn open(
+        &self,
+        conversation_id: &str,
+        turn_id: &str,
+        opening: &[AgentEvent],
+        outbox: Option<Outbox>,
+    ) -> Arc<TurnBuffer> {
         // Built and filled before the hub's lock is taken: nobody can see it until the slot
         // and the channel point at it.
         let buffer = Arc::new(TurnBuffer::new(
@@ -82,6 +120,7 @@ impl Hub {
             self.flush,
             self.readers.clone(),
             self.held.clone(),
+            outbox,
         ));
         for event in opening {
             buffer.append(event, false);
@@ -123,11 +162,18 @@ impl Hub {
     /// `resume`, when that names an event of the in-flight turn), then every later turn.
     /// Subscribing and publishing are ordered by the locks, so the watcher sees no gap and no
     /// duplicate. The flag is true when `resume` could not be honoured: the watcher must
-    /// refetch history past its cursor (`resync`).
-    pub fn subscribe(self: &Arc<Self>, conversation_id: &str, resume: Option<&EventId>) -> (Cursor, bool) {
+    /// refetch history past its cursor (`resync`). With other gateways, a conversation not yet
+    /// followed here is caught up first (its turn in flight elsewhere, if any, read into the
+    /// hub), so a watcher here sees what a watcher of the running gateway sees.
+    pub async fn subscribe(self: &Arc<Self>, conversation_id: &str, resume: Option<&EventId>) -> (Cursor, bool) {
+        let following = self.catch_up(conversation_id).await;
         let mut channels = self.lock();
         let key: Arc<str> = Arc::from(conversation_id);
         let channel = channels.entry(key.clone()).or_default();
+        // Held across the wait, so a collection meanwhile did not end it.
+        if channel.following.is_none() {
+            channel.following = following;
+        }
         let mut resync = resume.is_some();
         let cursor = match &channel.current {
             Some(buffer) => {
@@ -146,9 +192,37 @@ impl Hub {
         (cursor, resync)
     }
 
-    /// The in-flight turn of a conversation, if any.
-    pub fn current(&self, conversation_id: &str) -> Option<Arc<TurnBuffer>> {
-        self.lock().get(conversation_id).and_then(|c| c.current.clone())
+    /// With a bus: follows the conversation (when not yet followed) and waits, bounded, until
+    /// its turn in flight elsewhere is in the hub.
+    async fn catch_up(self: &Arc<Self>, conversation_id: &str) -> Option<Arc<Following>> {
+        let following = self.follow(conversation_id)?;
+        if let Some(remote) = &self.remote {
+            following.caught_up(remote.catch_up_timeout()).await;
+        }
+        Some(following)
+    }
+
+    /// The conversation's feed from the bus (started when it has none); none without a bus.
+    fn follow(self: &Arc<Self>, conversation_id: &str) -> Option<Arc<Following>> {
+        let remote = self.remote.as_ref()?;
+        let mut channels = self.lock();
+        let key: Arc<str> = Arc::from(conversation_id);
+        let channel = channels.entry(key.clone()).or_default();
+        let following =
+            channel.following.get_or_insert_with(|| Arc::new(remote.follow(Arc::downgrade(self), key))).clone();
+        Some(following)
+    }
+
+    /// The in-flight turn of a conversation, if any, on this gateway or (caught up from the
+    /// bus) another.
+    pub async fn current(self: &Arc<Self>, conversation_id: &str) -> Option<Arc<TurnBuffer>> {
+        let following = self.catch_up(conversation_id).await;
+        let mut channels = self.lock();
+        let current = channels.get(conversation_id).and_then(|c| c.current.clone());
+        drop(following);
+        // Nobody watches: a feed started for this question ends with it (or with the turn).
+        Self::collect(&mut channels, conversation_id);
+        current
     }
 
     /// Bytes held by every live replay buffer: turns in flight, and sealed turns a watcher is
@@ -205,9 +279,9 @@ mod tests {
         let hub = Hub::new(2_000, FlushWindow::default());
         let buffer = hub.begin_turn("c", "t", &[]);
         buffer.publish(&AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() }));
-        let (mut early, _) = hub.subscribe("c", None);
+        let (mut early, _) = hub.subscribe("c", None).await;
         assert_eq!(frames(&mut early).await.len(), 1);
-        let (mut middle, _) = hub.subscribe("c", None);
+        let (mut middle, _) = hub.subscribe("c", None).await;
         for i in 0..40 {
             buffer.publish(&text(&format!("w{i} ")));
             if i == 2 {
@@ -252,7 +326,10 @@ mod tests {
         let hub = Hub::new(1 << 20, flush);
         let buffer = hub.begin_turn("c", "t", &[]);
         // 300 watchers of the turn in flight: a 3 ms window.
-        let mut cursors: Vec<Cursor> = (0..300).map(|_| hub.subscribe("c", None).0).collect();
+        let mut cursors: Vec<Cursor> = Vec::new();
+        for _ in 0..300 {
+            cursors.push(hub.subscribe("c", None).await.0);
+        }
         assert_eq!(buffer.window(), Duration::from_millis(3));
         let start = AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() });
         buffer.publish(&start);
@@ -296,7 +373,10 @@ mod tests {
         // 4,000 watchers of the turn in flight: a 40 ms window; deltas 20 ms apart.
         let hub = Hub::new(1 << 20, FlushWindow::default());
         let buffer = hub.begin_turn("c", "t", &[]);
-        let mut cursors: Vec<Cursor> = (0..4_000).map(|_| hub.subscribe("c", None).0).collect();
+        let mut cursors: Vec<Cursor> = Vec::new();
+        for _ in 0..4_000 {
+            cursors.push(hub.subscribe("c", None).await.0);
+        }
         assert_eq!(buffer.window(), Duration::from_millis(40));
         let mut watcher = cursors.pop().unwrap();
         let start = Instant::now();
@@ -336,7 +416,7 @@ mod tests {
     #[tokio::test]
     async fn a_turn_opens_with_its_first_events_in_place_and_a_waiting_watcher_takes_them_in_one_batch() {
         let hub = Hub::new(1 << 20, FlushWindow::default());
-        let (mut waiting, _) = hub.subscribe("c", None);
+        let (mut waiting, _) = hub.subscribe("c", None).await;
         let read = tokio::spawn(async move { waiting.next_batch(usize::MAX).await });
         tokio::task::yield_now().await;
         assert!(!finished(&read).await, "no turn yet");
@@ -362,14 +442,14 @@ mod tests {
     #[tokio::test]
     async fn a_watcher_behind_finds_later_turns_even_after_they_sealed() {
         let hub = Hub::new(1 << 20, FlushWindow::default());
-        let (mut watcher, resync) = hub.subscribe("c", None);
+        let (mut watcher, resync) = hub.subscribe("c", None).await;
         assert!(!resync);
         for turn in ["t1", "t2"] {
             let buffer = hub.begin_turn("c", turn, &[]);
             buffer.publish(&text("x"));
             hub.seal_turn(buffer, &sealed());
         }
-        assert_eq!(hub.current("c").map(|b| b.turn_id.to_string()), None);
+        assert_eq!(hub.current("c").await.map(|b| b.turn_id.to_string()), None);
         let mut seen = Vec::new();
         for _ in 0..2 {
             seen.extend(frames(&mut watcher).await.iter().map(|f| f.first));
@@ -388,11 +468,11 @@ mod tests {
         }
         let id = EventId::parse("t:x:2").unwrap();
         assert_eq!(id, EventId { turn_id: "t:x".into(), index: 2 });
-        let (mut c, resync) = hub.subscribe("c", Some(&id));
+        let (mut c, resync) = hub.subscribe("c", Some(&id)).await;
         assert!(!resync);
         assert_eq!(frames(&mut c).await.iter().map(|f| f.first).collect::<Vec<_>>(), vec![3, 4]);
         for stale in ["other:1", "t:x:5", "t:x:99"] {
-            let (mut c, resync) = hub.subscribe("c", EventId::parse(stale).as_ref());
+            let (mut c, resync) = hub.subscribe("c", EventId::parse(stale).as_ref()).await;
             assert!(resync, "{stale}");
             assert_eq!(frames(&mut c).await[0].first, 0);
         }

@@ -326,6 +326,7 @@ mod tests {
     use std::os::unix::net::UnixStream;
     use std::time::Duration;
 
+    use futures_util::FutureExt;
     use tokio::time::Instant;
 
     use super::*;
@@ -344,7 +345,8 @@ mod tests {
     fn paced(cap: usize) -> (Arc<Hub>, Arc<TurnBuffer>, crate::hub::Cursor) {
         let hub = Hub::new(cap, FlushWindow { per_reader: Duration::from_millis(1), max: Duration::from_millis(1) });
         let buffer = hub.begin_turn("c", "t", &[]);
-        let (reading, _) = hub.subscribe("c", None);
+        // Without a bus, subscribing never waits.
+        let (reading, _) = hub.subscribe("c", None).now_or_never().expect("no bus to wait for");
         assert!(buffer.paced());
         (hub, buffer, reading)
     }
@@ -551,7 +553,8 @@ mod tests {
     ) {
         let hub = Hub::new(1 << 20, FlushWindow { per_reader: WINDOW, max: WINDOW });
         let buffer = hub.begin_turn("c", "t", &[]);
-        let (reading, _) = hub.subscribe("c", None);
+        // Without a bus, subscribing never waits.
+        let (reading, _) = hub.subscribe("c", None).now_or_never().expect("no bus to wait for");
         let sinks: Vec<_> = (0..n).map(|_| sink()).collect();
         for (sink, ..) in &sinks {
             buffer.attach(sink);

@@ -57,7 +57,7 @@ impl Subscriptions {
 
     /// Follows a conversation from its in-flight turn's first event (idempotent); false when
     /// the cap is reached.
-    pub fn add(&mut self, conversation_id: &str) -> bool {
+    pub async fn add(&mut self, conversation_id: &str) -> bool {
         if self.entries.contains_key(conversation_id) {
             return true;
         }
@@ -65,7 +65,7 @@ impl Subscriptions {
             return false;
         }
         let id: Arc<str> = Arc::from(conversation_id);
-        let (cursor, _) = self.hub.subscribe(conversation_id, None);
+        let (cursor, _) = self.hub.subscribe(conversation_id, None).await;
         self.generations += 1;
         self.entries.insert(id.clone(), Entry { generation: self.generations, give_back: None });
         self.at_hand.push((id, self.generations, cursor));

@@ -313,7 +313,7 @@ mod tests {
         seal(&store, "t1").await;
         begin(&store, "t2").await;
         let buffer = hub.begin_turn("c", "t2", &[]);
-        let (cursor, _) = hub.subscribe("c", None);
+        let (cursor, _) = hub.subscribe("c", None).await;
         assert_eq!(horizon(&store, "c", &cursor).await.unwrap(), 1);
         // t2 seals before the watcher reads the horizon: the stream replays t2 all the same, so
         // the history it points at still ends before t2.
@@ -325,7 +325,7 @@ mod tests {
 
         // A watcher that subscribed between turns replays the next one, even if it has sealed
         // by the time the horizon is read.
-        let (waiting, _) = hub.subscribe("c", None);
+        let (waiting, _) = hub.subscribe("c", None).await;
         assert_eq!(horizon(&store, "c", &waiting).await.unwrap(), 2);
         begin(&store, "t3").await;
         let _t3 = hub.begin_turn("c", "t3", &[]);

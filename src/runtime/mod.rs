@@ -13,7 +13,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -91,7 +91,7 @@ pub struct TurnRequest {
 pub use crate::store::HistoryChunk;
 
 /// A message waiting to be delivered to a running turn (or to start the next one).
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct QueuedMessage {
     pub id: String,
@@ -113,7 +113,7 @@ pub const REASONING_EFFORTS: &[&str] = &["low", "medium", "high", "xhigh", "max"
 pub const DEFAULT_REASONING_EFFORT: &str = "high";
 
 /// Why a message could not be queued.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum QueueFull {
     /// As many messages wait as may.
     Messages(usize),

@@ -28,7 +28,7 @@ use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation, Setting, Settings};
 pub use log::{HistoryPage, HistoryWindow, NewChunk};
 pub use reads::{HistoryChunk, LastText, ModelThroughput};
-pub use turns::{BeginTurn, IdempotencyRecord, SealTurn, user_chunk};
+pub use turns::{BeginTurn, INTERRUPTED_MESSAGE, IdempotencyRecord, SealTurn, user_chunk};
 
 /// Where the data lives: a SQLite file or a PostgreSQL database, chosen by the configuration's
 /// `database` value (a path, `sqlite://PATH`, or a `postgres://` URL).

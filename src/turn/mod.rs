@@ -22,6 +22,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use tracing::Instrument;
 
+use crate::bus::{Bus, Control, ControlReply};
 use crate::hub::{Hub, TurnBuffer};
 use crate::metrics::Metrics;
 use crate::runtime::{Inbox, QueueFull, QueueLimits, QueuedMessage, Registry, TurnRequest};
@@ -138,6 +139,8 @@ pub struct Turns {
     closing: CancellationToken,
     metrics: Arc<Metrics>,
     queue_limits: QueueLimits,
+    /// The other gateways, when there are some.
+    bus: Option<Bus>,
 }
 
 /// Frees a reservation unless the reservation was turned into a running turn.
@@ -162,6 +165,7 @@ impl Turns {
         registry: Arc<Registry>,
         metrics: Arc<Metrics>,
         queue_limits: QueueLimits,
+        bus: Option<Bus>,
     ) -> Arc<Turns> {
         let (statuses, _) = broadcast::channel(1024);
         let turns = Arc::new(Turns {
@@ -173,8 +177,22 @@ impl Turns {
             closing: CancellationToken::new(),
             metrics,
             queue_limits,
+            bus: bus.clone(),
         });
         tokio::spawn(keep_leases(Arc::downgrade(&turns), store));
+        if let Some(bus) = bus {
+            // The other gateways' changes reach this one's sessions like its own.
+            let weak = Arc::downgrade(&turns);
+            tokio::spawn(crate::bus::relay_statuses(bus.clone(), move |conversation_id, status| {
+                let Some(turns) = weak.upgrade() else { return false };
+                let _ = turns.statuses.send(StatusChange::new(conversation_id, status));
+                true
+            }));
+            let weak = Arc::downgrade(&turns);
+            tokio::spawn(crate::bus::serve_control(bus, move |request| {
+                weak.upgrade().map(|turns| turns.answer(request)).ok_or(())
+            }));
+        }
         turns
     }
 
@@ -189,6 +207,9 @@ impl Turns {
 
     fn announce(&self, conversation_id: &str, status: ConversationStatus) {
         let _ = self.statuses.send(StatusChange::new(conversation_id, status));
+        if let Some(bus) = &self.bus {
+            bus.announce(conversation_id, status);
+        }
     }
 
     /// Whether a turn is running (or starting) in this conversation.
@@ -305,15 +326,65 @@ impl Turns {
         Ok(Started { conversation_id: ids.0, turn_id: ids.1, buffer })
     }
 
-    /// Aborts the running turn, if any: it ends `done{aborted}` + `turn-sealed`. Returns
-    /// whether there was one.
-    pub fn stop(&self, conversation_id: &str) -> bool {
+    /// Aborts the running turn, if any, on this gateway or (over the bus) the one running it:
+    /// it ends `done{aborted}` + `turn-sealed`. Returns whether there was one.
+    pub async fn stop(&self, conversation_id: &str) -> bool {
+        if self.stop_here(conversation_id) {
+            return true;
+        }
+        let request = Control::Stop { conversation_id: conversation_id.to_owned() };
+        matches!(self.elsewhere(&request).await, Some(ControlReply::Stopped(true)))
+    }
+
+    fn stop_here(&self, conversation_id: &str) -> bool {
         match self.lock().get(conversation_id) {
             Some(Busy::Running { cancel, .. }) => {
                 cancel.cancel();
                 true
             }
             _ => false,
+        }
+    }
+
+    /// Asks the gateway whose turn holds the conversation's lease, if another does.
+    async fn elsewhere(&self, request: &Control) -> Option<ControlReply> {
+        let bus = self.bus.as_ref()?;
+        let conversation_id = match request {
+            Control::Stop { conversation_id } | Control::Queue { conversation_id, .. } => conversation_id,
+        };
+        match self.store.leased(conversation_id).await {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(e) => {
+                tracing::warn!(conversation = %conversation_id, error = %e, "cannot tell whether another gateway runs the turn");
+                return None;
+            }
+        }
+        match bus.control(request).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                tracing::warn!(conversation = %conversation_id, error = %e, "the bus did not carry a control request");
+                None
+            }
+        }
+    }
+
+    /// A request from another gateway, answered when this one runs the conversation's turn.
+    fn answer(&self, request: Control) -> Option<ControlReply> {
+        let busy = self.lock();
+        match request {
+            Control::Stop { conversation_id } => match busy.get(&conversation_id)? {
+                Busy::Running { cancel, .. } => {
+                    cancel.cancel();
+                    Some(ControlReply::Stopped(true))
+                }
+                Busy::Sealing { .. } => Some(ControlReply::Stopped(false)),
+                Busy::Starting | Busy::Deleting => None,
+            },
+            Control::Queue { conversation_id, message } => match busy.get(&conversation_id)? {
+                Busy::Running { inbox, .. } => Some(ControlReply::Queued(inbox.push(message, self.queue_limits))),
+                _ => None,
+            },
         }
     }
 
@@ -327,7 +398,7 @@ impl Turns {
     /// fine). Returns whether a turn was aborted.
     pub async fn close(&self, conversation_id: &str) -> Result<bool, StoreError> {
         let existed = self.store.close_conversation(conversation_id).await?;
-        let aborted = self.stop(conversation_id);
+        let aborted = self.stop(conversation_id).await;
         if existed && !aborted {
             self.announce(conversation_id, ConversationStatus::Closed);
         }
@@ -341,6 +412,10 @@ impl Turns {
         if let Some(Busy::Running { inbox, .. }) = self.lock().get(conversation_id) {
             let queue = inbox.push(message, self.queue_limits).map_err(StartError::QueueFull)?;
             return Ok(Queued { started_turn: false, queue });
+        }
+        let request = Control::Queue { conversation_id: conversation_id.to_owned(), message: message.clone() };
+        if let Some(ControlReply::Queued(queued)) = self.elsewhere(&request).await {
+            return Ok(Queued { started_turn: false, queue: queued.map_err(StartError::QueueFull)? });
         }
         let req = StartTurn {
             conversation_id: conversation_id.to_owned(),
@@ -463,6 +538,11 @@ async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
             match store.interrupt_expired(&conversation_id, &turn_id, now).await {
                 Ok(true) => {
                     tracing::warn!(conversation = %conversation_id, turn = %turn_id, "marked a turn whose lease ended interrupted");
+                    if let Some(bus) = &turns.bus
+                        && let Err(e) = crate::bus::end_interrupted(bus, &conversation_id, &turn_id).await
+                    {
+                        tracing::warn!(conversation = %conversation_id, error = %e, "could not end the interrupted turn on the bus");
+                    }
                     turns.announce(&conversation_id, ConversationStatus::Idle);
                 }
                 Ok(false) => {}

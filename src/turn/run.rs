@@ -224,6 +224,8 @@ impl TurnRun {
             Ok(_) => Ok(()),
             Err(StoreError::LeaseLost) => {
                 tracing::error!("the turn lost its lease on the conversation; it stops writing");
+                // The gateway that marked it interrupted tells the others how it ended.
+                self.buffer.leave_bus();
                 Err(End::Failed {
                     message: "the turn's lease on its conversation ended (another gateway marked it interrupted)"
                         .into(),
@@ -265,8 +267,12 @@ impl TurnRun {
         };
         let sealed_now = match self.store.seal_turn(seal, &rest).await {
             Ok(status) => Some(status),
-            // Marked interrupted by another gateway: nothing of it is to be written any more.
-            Err(StoreError::LeaseLost) => Some(ConversationStatus::Idle),
+            // Marked interrupted by another gateway: nothing of it is to be written any more,
+            // and that gateway ends it for the others.
+            Err(StoreError::LeaseLost) => {
+                self.buffer.leave_bus();
+                Some(ConversationStatus::Idle)
+            }
             Err(e) => {
                 tracing::error!(error = %e, "could not seal the turn; retrying until the database takes it");
                 None

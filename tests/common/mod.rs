@@ -21,7 +21,8 @@ pub struct TestServer {
     pub state: dispatch_gateway::http::AppState,
     pub addr: SocketAddr,
     pub ws_addr: Option<SocketAddr>,
-    pub client: reqwest::Client,
+    /// Requests to it (`server.get(..)` and the rest reach these through `Deref`).
+    pub api: Api,
     pub config: Config,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<std::io::Result<()>>>,
@@ -109,7 +110,8 @@ impl TestServer {
         let task = tokio::spawn(gateway.serve(listener, ws_listener, async move {
             let _ = stopped.await;
         }));
-        TestServer { state, addr, ws_addr, client: reqwest::Client::new(), config, stop: Some(stop), task: Some(task) }
+        let api = Api::new(addr.to_string());
+        TestServer { state, addr, ws_addr, api, config, stop: Some(stop), task: Some(task) }
     }
 
     /// Graceful stop: running turns abort and seal, the database is closed.
@@ -133,61 +135,12 @@ impl TestServer {
         config.listen = "127.0.0.1:0".parse().unwrap();
         TestServer::start(config).await
     }
+}
 
-    pub fn url(&self, path: &str) -> String {
-        format!("http://{}{}", self.addr, path)
-    }
-
-    pub async fn get(&self, path: &str) -> (u16, Value) {
-        let r = self.client.get(self.url(path)).send().await.unwrap();
-        checked("GET", path, r).await
-    }
-
-    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self.client.post(self.url(path)).json(&body).send().await.unwrap();
-        checked("POST", path, r).await
-    }
-
-    pub async fn post_raw(&self, path: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
-        let r = self
-            .client
-            .post(self.url(path))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .unwrap();
-        checked("POST", path, r).await
-    }
-
-    pub async fn put(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self.client.put(self.url(path)).json(&body).send().await.unwrap();
-        checked("PUT", path, r).await
-    }
-
-    pub async fn delete(&self, path: &str) -> (u16, Value) {
-        let r = self.client.delete(self.url(path)).send().await.unwrap();
-        checked("DELETE", path, r).await
-    }
-
-    /// Starts a turn with `POST /chat` and returns the open NDJSON stream.
-    pub async fn chat_stream(&self, body: Value) -> EventStream {
-        let r = self.client.post(self.url("/chat")).json(&body).send().await.unwrap();
-        assert_eq!(r.status(), 200, "POST /chat answered {}", r.status());
-        assert_eq!(r.headers()["content-type"], "application/x-ndjson");
-        EventStream::new(r)
-    }
-
-    /// Runs a whole turn with `POST /chat` and returns its events.
-    pub async fn chat(&self, conversation_id: &str, message: &str) -> Vec<Value> {
-        self.chat_stream(json!({"conversationId": conversation_id, "message": message})).await.collect().await
-    }
-
-    /// Every chunk of a conversation's log.
-    pub async fn history(&self, conversation_id: &str) -> Vec<Value> {
-        let (status, body) = self.get(&format!("/conversations/{conversation_id}")).await;
-        assert_eq!(status, 200);
-        body["chunks"].as_array().unwrap().clone()
+impl std::ops::Deref for ChildGateway {
+    type Target = Api;
+    fn deref(&self) -> &Api {
+        &self.api
     }
 }
 
@@ -378,7 +331,74 @@ pub fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("{name} not in metrics:\n{text}"))
 }
 
-impl TestServer {
+/// Requests to a gateway at an address: an in-process [`TestServer`] or a [`ChildGateway`].
+pub struct Api {
+    /// `host:port`.
+    pub addr: String,
+    pub client: reqwest::Client,
+}
+
+impl Api {
+    pub fn new(addr: String) -> Api {
+        Api { addr, client: reqwest::Client::new() }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        let r = self.client.get(self.url(path)).send().await.unwrap();
+        checked("GET", path, r).await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self.client.post(self.url(path)).json(&body).send().await.unwrap();
+        checked("POST", path, r).await
+    }
+
+    pub async fn post_raw(&self, path: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
+        let r = self
+            .client
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        checked("POST", path, r).await
+    }
+
+    pub async fn put(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self.client.put(self.url(path)).json(&body).send().await.unwrap();
+        checked("PUT", path, r).await
+    }
+
+    pub async fn delete(&self, path: &str) -> (u16, Value) {
+        let r = self.client.delete(self.url(path)).send().await.unwrap();
+        checked("DELETE", path, r).await
+    }
+
+    /// Starts a turn with `POST /chat` and returns the open NDJSON stream.
+    pub async fn chat_stream(&self, body: Value) -> EventStream {
+        let r = self.client.post(self.url("/chat")).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200, "POST /chat answered {}", r.status());
+        assert_eq!(r.headers()["content-type"], "application/x-ndjson");
+        EventStream::new(r)
+    }
+
+    /// Runs a whole turn with `POST /chat` and returns its events.
+    pub async fn chat(&self, conversation_id: &str, message: &str) -> Vec<Value> {
+        self.chat_stream(json!({"conversationId": conversation_id, "message": message})).await.collect().await
+    }
+
+    /// Every chunk of a conversation's log.
+    pub async fn history(&self, conversation_id: &str) -> Vec<Value> {
+        let (status, body) = self.get(&format!("/conversations/{conversation_id}")).await;
+        assert_eq!(status, 200);
+        body["chunks"].as_array().unwrap().clone()
+    }
+
     /// `GET /metrics`.
     pub async fn metrics(&self) -> String {
         self.client.get(self.url("/metrics")).send().await.unwrap().text().await.unwrap()
@@ -409,6 +429,13 @@ impl TestServer {
         let (socket, _) =
             tokio_tungstenite::connect_async(format!("ws://{}/ws", self.addr)).await.expect("ws connects");
         WsClient { socket }
+    }
+}
+
+impl std::ops::Deref for TestServer {
+    type Target = Api;
+    fn deref(&self) -> &Api {
+        &self.api
     }
 }
 
@@ -499,6 +526,8 @@ pub async fn table_counts(db: &Path) -> Vec<(String, i64)> {
 pub struct ChildGateway {
     pub child: std::process::Child,
     pub addr: String,
+    /// Requests to it (also through `Deref`).
+    pub api: Api,
     /// Every JSON log line the gateway has written so far.
     pub logs: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
 }
@@ -534,7 +563,7 @@ impl ChildGateway {
             }
         });
         let addr = addr_rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the gateway logs its address");
-        ChildGateway { child, addr, logs }
+        ChildGateway { child, api: Api::new(addr.clone()), addr, logs }
     }
 
     /// SIGTERM, and wait for a clean exit.

@@ -84,3 +84,6 @@ mod tests {
 
 #[cfg(feature = "postgres")]
 pub mod postgres;
+
+/// A NATS server for tests that need the bus (no dependency: it starts Debian's binary).
+pub mod nats;

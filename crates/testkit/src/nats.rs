@@ -1,0 +1,82 @@
+//! A NATS server with JetStream for one test: Debian's `nats-server`, started on a free port with
+//! its data in a folder of its own, stopped and removed when the test is done.
+//!
+//! `DISPATCH_TEST_NATS` names the binary (else `nats-server` on the PATH or in /usr/sbin, where
+//! Debian puts it). Without one the tests that need it are skipped with a line saying so, unless
+//! `DISPATCH_REQUIRE_NATS=1` asks for them, which makes a missing server a failure.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct NatsServer {
+    /// `nats://127.0.0.1:<port>`.
+    pub url: String,
+    child: Child,
+    dir: PathBuf,
+}
+
+fn binary() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("DISPATCH_TEST_NATS") {
+        return Some(PathBuf::from(path));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/sbin")])
+        .map(|dir| dir.join("nats-server"))
+        .find(|p| p.is_file())
+}
+
+/// A running server, or `None` when none is installed (see the module's note).
+pub fn nats_server() -> Option<NatsServer> {
+    let Some(binary) = binary() else {
+        assert!(
+            std::env::var("DISPATCH_REQUIRE_NATS").as_deref() != Ok("1"),
+            "DISPATCH_REQUIRE_NATS=1 but no nats-server was found (DISPATCH_TEST_NATS, PATH, /usr/sbin)"
+        );
+        eprintln!("no nats-server installed: skipping what needs NATS");
+        return None;
+    };
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let dir = std::env::temp_dir().join(format!("dispatch-nats-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(dir.join("ports")).expect("a folder for the NATS server");
+    let child = Command::new(&binary)
+        .args(["--jetstream", "--addr", "127.0.0.1", "--port", "-1"])
+        .arg("--store_dir")
+        .arg(dir.join("data"))
+        .arg("--ports_file_dir")
+        .arg(dir.join("ports"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{} does not start: {e}", binary.display()));
+    let url = wait_for_port(&dir.join("ports"), Duration::from_secs(20)).expect("nats-server writes its port");
+    Some(NatsServer { url, child, dir })
+}
+
+/// The client URL from the ports file the server writes once it listens.
+fn wait_for_port(dir: &Path, within: Duration) -> Option<String> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        for entry in std::fs::read_dir(dir).ok()?.flatten() {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            // {"nats":["nats://127.0.0.1:PORT"], ...}
+            if let Some(start) = text.find("nats://") {
+                let rest = &text[start..];
+                if let Some(end) = rest.find('"') {
+                    return Some(rest[..end].to_owned());
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

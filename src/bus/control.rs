@@ -1,0 +1,85 @@
+//! Control of a turn from any gateway: `/stop`, `/close` and `/queue` sent to a gateway that
+//! does not run the conversation's turn go over plain NATS to the one that does.
+//!
+//! A request names the conversation in its subject; every gateway listens, and only the one
+//! whose turn holds the conversation answers (the others stay silent, so the first answer is
+//! the right one). A gateway asks only while the conversation's lease is held elsewhere.
+
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+
+use super::{Bus, BusError, token};
+use crate::runtime::{QueueFull, QueuedMessage};
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "camelCase")]
+pub enum Control {
+    Stop { conversation_id: String },
+    Queue { conversation_id: String, message: QueuedMessage },
+}
+
+impl Control {
+    fn conversation_id(&self) -> &str {
+        match self {
+            Control::Stop { conversation_id } | Control::Queue { conversation_id, .. } => conversation_id,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ControlReply {
+    /// Whether a turn was aborted.
+    Stopped(bool),
+    /// The messages now waiting for the turn's next step, or why this one could not wait.
+    Queued(Result<Vec<QueuedMessage>, QueueFull>),
+}
+
+const SUBJECTS: &str = "dispatch.control.*";
+
+impl Bus {
+    /// Asks the gateway running the conversation's turn; none when no gateway answered in
+    /// time (its turn ended meanwhile, or it is gone).
+    pub async fn control(&self, request: &Control) -> Result<Option<ControlReply>, BusError> {
+        let subject = format!("dispatch.control.{}", token(request.conversation_id()));
+        let payload = serde_json::to_vec(request).expect("a control request serializes");
+        match self.0.client.request(subject, payload.into()).await {
+            Ok(reply) => serde_json::from_slice(&reply.payload).map(Some).map_err(BusError::js),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    async_nats::RequestErrorKind::TimedOut | async_nats::RequestErrorKind::NoResponders
+                ) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(BusError::js(e)),
+        }
+    }
+}
+
+/// Answers the requests `answer` has an answer for (those for turns this gateway runs),
+/// until it is told to stop (`answer` returns `Err`).
+pub async fn serve_control(bus: Bus, answer: impl Fn(Control) -> Result<Option<ControlReply>, ()>) {
+    let mut subscriber = match bus.0.client.subscribe(SUBJECTS).await {
+        Ok(subscriber) => subscriber,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot hear control requests from the other gateways");
+            return;
+        }
+    };
+    while let Some(message) = subscriber.next().await {
+        let Some(reply_to) = message.reply.clone() else { continue };
+        let Ok(request) = serde_json::from_slice::<Control>(&message.payload) else {
+            tracing::warn!("skipped a control request that does not parse");
+            continue;
+        };
+        let Ok(answer) = answer(request) else { return };
+        if let Some(reply) = answer {
+            let payload = serde_json::to_vec(&reply).expect("a control reply serializes");
+            if let Err(e) = bus.0.client.publish(reply_to, payload.into()).await {
+                tracing::warn!(error = %e, "could not answer a control request");
+            }
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Following a conversation from the stream: the turns other gateways run in it, fed into this
+//! gateway's hub with the same event indices, so its watchers read them from one local buffer.
+//!
+//! A conversation is followed from its last `open` message (the start of its latest turn) with
+//! one ordered consumer. What comes before the consumer has caught up (nothing pending) is
+//! gathered: a turn that ended in it is history, not replay; a turn still open becomes the
+//! hub's in-flight buffer at once with everything it has published. From then on each message
+//! goes straight into the hub.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{DeliverPolicy, pull};
+use futures_util::StreamExt;
+use tokio::sync::watch;
+
+use super::{BusError, Inner, conversation_filter, message_head, open_subject, publish::last_message};
+use crate::hub::{Following, Hub, TurnBuffer};
+use crate::wire::{AgentEvent, TurnSealedEvent};
+
+/// How long a failed follow waits before it starts again.
+const RETRY: Duration = Duration::from_secs(1);
+
+pub(super) fn start(inner: Arc<Inner>, hub: Weak<Hub>, conversation_id: Arc<str>) -> Following {
+    let (caught_up, waiting) = watch::channel(false);
+    let feed = Feed { hub, conversation_id, node: inner.node.clone(), turn: None, live: false };
+    let task = tokio::spawn(follow(inner, feed, caught_up));
+    Following::new(waiting, task.abort_handle())
+}
+
+async fn follow(inner: Arc<Inner>, mut feed: Feed, caught_up: watch::Sender<bool>) {
+    // The last stream sequence read: a consumer that ends is replaced from the next one on.
+    let mut read = None;
+    loop {
+        match consume(&inner, &mut feed, &caught_up, &mut read).await {
+            Ok(()) => tracing::debug!(conversation = %feed.conversation_id, "a bus consumer ended; starting another"),
+            Err(e) => {
+                tracing::warn!(conversation = %feed.conversation_id, error = %e, "following a conversation on the bus failed; retrying")
+            }
+        }
+        // Nobody waits on a bus that fails; what comes later goes straight in.
+        feed.go_live();
+        caught_up.send_replace(true);
+        tokio::time::sleep(RETRY).await;
+    }
+}
+
+async fn consume(
+    inner: &Inner,
+    feed: &mut Feed,
+    caught_up: &watch::Sender<bool>,
+    read: &mut Option<u64>,
+) -> Result<(), BusError> {
+    let last = inner.stream.get_info().await.map_err(BusError::js)?.state.last_sequence;
+    let start = match *read {
+        Some(seq) => seq + 1,
+        None => match last_message(inner, &open_subject(&feed.conversation_id)).await? {
+            Some(open) => open.sequence,
+            None => last + 1,
+        },
+    };
+    if start > last {
+        feed.go_live();
+        caught_up.send_replace(true);
+    }
+    let config = pull::OrderedConfig {
+        filter_subject: conversation_filter(&feed.conversation_id),
+        deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: start },
+        ..Default::default()
+    };
+    let consumer = inner.stream.create_consumer(config).await.map_err(BusError::js)?;
+    let mut messages = consumer.messages().await.map_err(BusError::js)?;
+    while let Some(message) = messages.next().await {
+        let message = message.map_err(BusError::js)?;
+        let info = message.info().map_err(BusError::js)?;
+        *read = Some(info.stream_sequence);
+        let pending = info.pending;
+        if !feed.take(message_head(message.headers.as_ref()), &message.payload) {
+            return Ok(()); // the hub is gone
+        }
+        if pending == 0 && !*caught_up.borrow() {
+            feed.go_live();
+            caught_up.send_replace(true);
+        }
+    }
+    Ok(())
+}
+
+/// What the stream has said of the conversation's turns, and how it reaches the hub.
+struct Feed {
+    hub: Weak<Hub>,
+    conversation_id: Arc<str>,
+    node: String,
+    /// The turn being followed: another gateway's, opened since following began.
+    turn: Option<RemoteTurn>,
+    /// Caught up: events go into the hub as they come.
+    live: bool,
+}
+
+struct RemoteTurn {
+    turn_id: String,
+    /// Index of the next event expected.
+    next: u32,
+    /// Its buffer in the hub, once live.
+    buffer: Option<Arc<TurnBuffer>>,
+    /// Its events while catching up.
+    early: Vec<AgentEvent>,
+}
+
+impl Feed {
+    /// Takes one message; false when the hub is gone.
+    fn take(&mut self, head: Option<(String, String, u32)>, payload: &[u8]) -> bool {
+        let Some(hub) = self.hub.upgrade() else { return false };
+        let Some((node, turn_id, index)) = head else {
+            tracing::warn!(conversation = %self.conversation_id, "skipped a bus message without its headers");
+            return true;
+        };
+        if node == self.node {
+            return true; // this gateway's own turn: its hub has it already
+        }
+        let mut events = Vec::new();
+        for line in payload.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+            match serde_json::from_slice::<AgentEvent>(line) {
+                Ok(event) => events.push(event),
+                Err(e) => {
+                    tracing::warn!(conversation = %self.conversation_id, error = %e, "skipped a bus message that is not events");
+                    return true;
+                }
+            }
+        }
+        if index == 0 {
+            if let Some(unfinished) = self.turn.take() {
+                self.abandon(&hub, unfinished);
+            }
+            self.turn = Some(RemoteTurn { turn_id: turn_id.clone(), next: 0, buffer: None, early: Vec::new() });
+        }
+        // A turn opened before following began, or messages of one that ended: not replayed.
+        let Some(turn) = self.turn.as_mut().filter(|t| t.turn_id == turn_id) else { return true };
+        if index > turn.next {
+            tracing::warn!(conversation = %self.conversation_id, turn = %turn_id, expected = turn.next, got = index, "events of a turn are missing on the bus; ending it here");
+            let unfinished = self.turn.take().expect("just matched");
+            self.abandon(&hub, unfinished);
+            return true;
+        }
+        // A message read again (a replaced consumer) adds only what is new.
+        let fresh: Vec<AgentEvent> = events.into_iter().skip((turn.next - index) as usize).collect();
+        turn.next += fresh.len() as u32;
+        let sealed = matches!(fresh.last(), Some(AgentEvent::TurnSealed(_)));
+        if !self.live {
+            turn.early.extend(fresh);
+            if sealed {
+                self.turn = None; // ended before this gateway caught up: history, not replay
+            }
+            return true;
+        }
+        let (body, end) = if sealed { fresh.split_at(fresh.len() - 1) } else { (&fresh[..], &[][..]) };
+        match &turn.buffer {
+            Some(buffer) => {
+                for event in body {
+                    buffer.publish(event);
+                }
+            }
+            None => turn.buffer = Some(hub.begin_remote_turn(&self.conversation_id, &turn_id, body)),
+        }
+        if let Some(sealed) = end.first() {
+            let buffer = self.turn.take().and_then(|t| t.buffer).expect("opened above");
+            hub.seal_turn(buffer, sealed);
+        }
+        true
+    }
+
+    /// Caught up: a turn still open goes into the hub with what it has published.
+    fn go_live(&mut self) {
+        self.live = true;
+        let Some(hub) = self.hub.upgrade() else { return };
+        if let Some(turn) = self.turn.as_mut()
+            && turn.buffer.is_none()
+        {
+            let early = std::mem::take(&mut turn.early);
+            turn.buffer = Some(hub.begin_remote_turn(&self.conversation_id, &turn.turn_id, &early));
+        }
+    }
+
+    /// A turn whose end will not come (part of it is missing, or a later turn opened): its
+    /// watchers here get `turn-sealed` and read the rest from history.
+    fn abandon(&self, hub: &Arc<Hub>, turn: RemoteTurn) {
+        if let Some(buffer) = turn.buffer {
+            let sealed = AgentEvent::TurnSealed(TurnSealedEvent {
+                conversation_id: self.conversation_id.to_string(),
+                turn_id: turn.turn_id,
+            });
+            hub.seal_turn(buffer, &sealed);
+        }
+    }
+}

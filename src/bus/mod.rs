@@ -1,0 +1,149 @@
+//! The bus between gateways: NATS, with JetStream as the shared replay buffer.
+//!
+//! A turn's events go to one JetStream stream, a message per run of consecutive events (NDJSON,
+//! the hub's own encoding), on two subjects per conversation: `open` for a turn's first message
+//! and `more` for the rest (`publish.rs`). A gateway where a conversation is watched follows it
+//! from the last `open` on, with one consumer per conversation, and feeds the turns other
+//! gateways run into its hub with the same event indices (`follow.rs`). Status changes and
+//! control requests go over plain NATS (`status.rs`, `control.rs`). Every message names the gateway whose turn it carries, so none
+//! reads its own turns back. `docs/cluster.md` explains the design and its limits.
+
+use std::sync::Arc;
+use std::sync::Weak;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+
+use crate::hub::{Following, Hub, Outbox, Remote};
+
+mod control;
+mod follow;
+mod publish;
+mod status;
+
+/// The stream holding every gateway's turn events.
+const STREAM: &str = "DISPATCH";
+/// Headers every event message carries.
+const NODE: &str = "Dispatch-Node";
+const TURN: &str = "Dispatch-Turn";
+const INDEX: &str = "Dispatch-Index";
+
+/// What the configuration says about the bus.
+#[derive(Debug, Clone)]
+pub struct BusOptions {
+    /// Events older than this leave the stream.
+    pub max_age: Duration,
+    /// The stream's size past which the oldest events leave it.
+    pub max_bytes: i64,
+    /// How long a request to NATS (and a new watcher's catch-up) may take.
+    pub timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    #[error("cannot connect to NATS at {url}: {reason}")]
+    Connect { url: String, reason: String },
+    #[error("NATS JetStream: {0}")]
+    JetStream(String),
+}
+
+impl BusError {
+    fn js(e: impl std::fmt::Display) -> BusError {
+        BusError::JetStream(e.to_string())
+    }
+}
+
+/// A gateway's connection to the bus (cheap to clone).
+#[derive(Clone)]
+pub struct Bus(Arc<Inner>);
+
+struct Inner {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    stream: stream::Stream,
+    /// This gateway's name on the bus: new at every start.
+    node: String,
+    timeout: Duration,
+    /// Status changes to send (`status.rs`).
+    statuses: tokio::sync::mpsc::UnboundedSender<bytes::Bytes>,
+}
+
+impl Bus {
+    /// Connects and makes sure the stream exists (the first gateway creates it; the others
+    /// use it as it is).
+    pub async fn connect(url: &str, options: BusOptions) -> Result<Bus, BusError> {
+        let node = uuid::Uuid::now_v7().to_string();
+        let client = async_nats::ConnectOptions::new()
+            .name(format!("dispatch-gateway {node}"))
+            .connection_timeout(options.timeout)
+            .request_timeout(Some(options.timeout))
+            .connect(url)
+            .await
+            .map_err(|e| BusError::Connect { url: url.to_owned(), reason: e.to_string() })?;
+        let js = jetstream::new(client.clone());
+        let config = stream::Config {
+            name: STREAM.to_owned(),
+            subjects: vec!["dispatch.events.>".to_owned()],
+            max_age: options.max_age,
+            max_bytes: options.max_bytes,
+            storage: stream::StorageType::File,
+            discard: stream::DiscardPolicy::Old,
+            ..Default::default()
+        };
+        let stream = js.get_or_create_stream(config).await.map_err(BusError::js)?;
+        tracing::info!(%node, stream = STREAM, "joined the bus");
+        let (statuses, changes) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(status::send_statuses(client.clone(), changes));
+        Ok(Bus(Arc::new(Inner { client, js, stream, node, timeout: options.timeout, statuses })))
+    }
+
+    /// This gateway's name on the bus.
+    pub fn node(&self) -> &str {
+        &self.0.node
+    }
+}
+
+impl Remote for Bus {
+    fn outbox(&self, conversation_id: &str, turn_id: &str, cap: usize) -> Outbox {
+        publish::outbox(&self.0, conversation_id, turn_id, cap)
+    }
+
+    fn follow(&self, hub: Weak<Hub>, conversation_id: Arc<str>) -> Following {
+        follow::start(self.0.clone(), hub, conversation_id)
+    }
+
+    fn catch_up_timeout(&self) -> Duration {
+        self.0.timeout
+    }
+}
+
+/// A conversation id as one subject token: ids may hold `.`, which NATS reads as a separator.
+fn token(conversation_id: &str) -> String {
+    conversation_id.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn open_subject(conversation_id: &str) -> String {
+    format!("dispatch.events.open.{}", token(conversation_id))
+}
+
+fn more_subject(conversation_id: &str) -> String {
+    format!("dispatch.events.more.{}", token(conversation_id))
+}
+
+/// Both subjects of a conversation, for its consumer.
+fn conversation_filter(conversation_id: &str) -> String {
+    format!("dispatch.events.*.{}", token(conversation_id))
+}
+
+/// A message's gateway, turn and first index, from its headers.
+fn message_head(headers: Option<&async_nats::HeaderMap>) -> Option<(String, String, u32)> {
+    let headers = headers?;
+    let node = headers.get(NODE)?.as_str().to_owned();
+    let turn = headers.get(TURN)?.as_str().to_owned();
+    let index = headers.get(INDEX)?.as_str().parse().ok()?;
+    Some((node, turn, index))
+}
+
+pub use control::{Control, ControlReply, serve_control};
+pub use publish::end_interrupted;
+pub use status::relay_statuses;

@@ -1,0 +1,59 @@
+//! Status changes (`conversation.statusChanged`) between gateways, over plain NATS: a change
+//! is news only while it happens, so it is not kept in the stream.
+
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+
+use super::Bus;
+use crate::wire::ConversationStatus;
+
+const SUBJECT: &str = "dispatch.status";
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Change {
+    node: String,
+    conversation_id: String,
+    status: ConversationStatus,
+}
+
+impl Bus {
+    /// Tells the other gateways of a change made here (sent in order, without waiting).
+    pub fn announce(&self, conversation_id: &str, status: ConversationStatus) {
+        let change = Change { node: self.0.node.clone(), conversation_id: conversation_id.to_owned(), status };
+        let payload = serde_json::to_vec(&change).expect("a status change serializes");
+        let _ = self.0.statuses.send(payload.into());
+    }
+}
+
+/// Sends the changes announced here, one after the other (the client queues them in order).
+pub(super) async fn send_statuses(
+    client: async_nats::Client,
+    mut changes: tokio::sync::mpsc::UnboundedReceiver<bytes::Bytes>,
+) {
+    while let Some(payload) = changes.recv().await {
+        if let Err(e) = client.publish(SUBJECT, payload).await {
+            tracing::warn!(error = %e, "could not send a status change to the bus");
+        }
+    }
+}
+
+/// Hands every change the other gateways announce to `deliver`, until it returns false.
+pub async fn relay_statuses(bus: Bus, deliver: impl Fn(&str, ConversationStatus) -> bool) {
+    let mut subscriber = match bus.0.client.subscribe(SUBJECT).await {
+        Ok(subscriber) => subscriber,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot hear the other gateways' status changes");
+            return;
+        }
+    };
+    while let Some(message) = subscriber.next().await {
+        let Ok(change) = serde_json::from_slice::<Change>(&message.payload) else {
+            tracing::warn!("skipped a status change that does not parse");
+            continue;
+        };
+        if change.node != bus.0.node && !deliver(&change.conversation_id, change.status) {
+            return;
+        }
+    }
+}
