@@ -51,6 +51,13 @@ enum Workload {
         /// Server process ids whose CPU time and memory are read from /proc.
         #[arg(long, value_delimiter = ',')]
         pids: Vec<u32>,
+        /// Gateways of one cluster the watchers subscribe at, in turn (default: `base`, where
+        /// the turn starts): what each node delivers is reported apart.
+        #[arg(long, value_delimiter = ',')]
+        watch_at: Vec<String>,
+        /// The process id of each node of `watch-at`, in order: CPU per delivery per node.
+        #[arg(long, value_delimiter = ',')]
+        node_pids: Vec<u32>,
     },
     /// Many SSE watchers doing nothing: resident memory per stream.
     Idle {
@@ -672,6 +679,8 @@ async fn subscribe(server: Server, transport: Transport, base: &str, channel: &s
 /// What one watcher saw: deliveries, order violations, latencies of stamped events.
 #[derive(Default)]
 struct Seen {
+    /// Which node of a cluster the watcher subscribed at (see `Target`).
+    group: usize,
     delivered: u64,
     stamped: u64,
     out_of_order: u64,
@@ -773,11 +782,19 @@ impl Watcher {
 /// (woken, scheduled and polled for every read) cost it 10-15% more CPU in W3; every
 /// microsecond it spends is one the server may wait for a core, and shows up in the latencies
 /// it measures.
-fn watch_all(server: Server, feeds: Vec<Feed>, events: usize, keep: usize) -> tokio::task::JoinHandle<Vec<Seen>> {
+/// `groups`: the feeds were opened at that many nodes in turn (feed i at node i % groups).
+fn watch_all(
+    server: Server,
+    feeds: Vec<Feed>,
+    events: usize,
+    keep: usize,
+    groups: usize,
+) -> tokio::task::JoinHandle<Vec<Seen>> {
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(feeds.len()).max(1);
     let mut shares: Vec<Vec<(std::net::TcpStream, Decoder, Watcher)>> = (0..threads).map(|_| Vec::new()).collect();
     for (i, feed) in feeds.into_iter().enumerate() {
-        let watcher = Watcher::new(server, feed.dec.transport, events, keep);
+        let mut watcher = Watcher::new(server, feed.dec.transport, events, keep);
+        watcher.seen.group = i % groups.max(1);
         let stream = feed.stream.into_std().expect("the socket leaves the runtime");
         shares[i % threads].push((stream, feed.dec, watcher));
     }
@@ -935,12 +952,23 @@ struct Tally {
     /// With a split asked for (`head` > 0): the latencies of each watcher's first `head`
     /// events, and of the rest.
     split: Option<(usize, Vec<u64>, Vec<u64>)>,
+    /// Deliveries and latencies per node, when watchers were spread over several.
+    by_group: Vec<(u64, Vec<u64>)>,
 }
 
 impl Tally {
     async fn collect(watching: tokio::task::JoinHandle<Vec<Seen>>, events: usize, head: usize) -> Tally {
         let mut tally = Tally { split: (head > 0).then(|| (head, Vec::new(), Vec::new())), ..Tally::default() };
-        for seen in watching.await.expect("the readers end") {
+        let seen_all = watching.await.expect("the readers end");
+        let groups = seen_all.iter().map(|s| s.group + 1).max().unwrap_or(1);
+        if groups > 1 {
+            tally.by_group = vec![(0, Vec::new()); groups];
+        }
+        for seen in seen_all {
+            if let Some((delivered, latencies)) = tally.by_group.get_mut(seen.group) {
+                *delivered += seen.delivered;
+                latencies.extend_from_slice(&seen.latencies);
+            }
             tally.watchers += 1;
             tally.delivered += seen.delivered;
             tally.out_of_order += seen.out_of_order;
@@ -1021,32 +1049,43 @@ impl Tally {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Where a fan-out runs: the turn (or publish) goes to `base`; watchers subscribe at each of
+/// `nodes` in turn.
+struct Target<'a> {
+    base: &'a str,
+    publish: &'a str,
+    nodes: &'a [String],
+    node_pids: &'a [u32],
+}
+
 async fn fanout(
     server: Server,
     transport: Transport,
-    base: &str,
-    publish_base: &str,
+    target: Target<'_>,
     watchers: usize,
     events: usize,
     rate: u64,
     pids: &[u32],
 ) -> Value {
+    let Target { base, publish: publish_base, nodes, node_pids } = target;
     let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
     let channel = format!("fanout{}", now_micros());
     let mut subscriptions = Vec::with_capacity(watchers);
     for i in 0..watchers {
-        subscriptions.push(subscribe(server, transport.nth(i), base, &channel).await);
+        subscriptions.push(subscribe(server, transport.nth(i), &nodes[i % nodes.len()], &channel).await);
     }
-    let watching = watch_all(server, subscriptions, events, 0);
+    let watching = watch_all(server, subscriptions, events, 0, nodes.len());
     tokio::time::sleep(Duration::from_millis(200)).await;
     let before = Usage::read(pids);
+    let nodes_before: Vec<Usage> = node_pids.iter().map(|pid| Usage::read(&[*pid])).collect();
     let started = Instant::now();
     match server {
         Server::Gateway => start_turn(&client, base, &channel, &format!("fanout-{events}-{rate}")).await,
         Server::Nchan | Server::Pushpin => publish(server, &client, publish_base, &channel, events, rate).await,
     }
-    let (tally, elapsed, used) = Tally::finish(watching, events, 0, started, before, pids).await;
+    let (mut tally, elapsed, used) = Tally::finish(watching, events, 0, started, before, pids).await;
+    let nodes_used: Vec<Usage> =
+        node_pids.iter().zip(nodes_before).map(|(pid, before)| Usage::read(&[*pid]).since(before)).collect();
     let cpu = used.cpu_us();
     let mut result = json!({
         "transport": format!("{transport:?}").to_lowercase(),
@@ -1064,6 +1103,25 @@ async fn fanout(
         "correct": tally.correct(),
     });
     merge(&mut result, used.split(tally.delivered));
+    if nodes.len() > 1 {
+        let per_node: Vec<Value> = tally
+            .by_group
+            .iter_mut()
+            .enumerate()
+            .map(|(i, (delivered, latencies))| {
+                latencies.sort_unstable();
+                let cpu = nodes_used.get(i).map(|u| u.cpu_us() as f64 / (*delivered).max(1) as f64);
+                json!({
+                    "base": nodes[i],
+                    "delivered": delivered,
+                    "latency_p50_ms": percentile(latencies, 0.50) as f64 / 1000.0,
+                    "latency_p99_ms": percentile(latencies, 0.99) as f64 / 1000.0,
+                    "server_cpu_us_per_delivery": cpu,
+                })
+            })
+            .collect();
+        result["nodes"] = Value::Array(per_node);
+    }
     result
 }
 
@@ -1095,7 +1153,7 @@ async fn scale(
             );
         }
     }
-    let watching = watch_all(Server::Gateway, feeds, events, rate as usize);
+    let watching = watch_all(Server::Gateway, feeds, events, rate as usize, 1);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = Usage::read(pids);
     let client_before = cpu_micros(&[std::process::id()]);
@@ -1171,7 +1229,7 @@ async fn stalled(base: &str, watchers: usize, events: usize, pids: &[u32]) -> Va
         for _ in 0..watchers {
             feeds.push(subscribe(Server::Gateway, Transport::Sse, base, &channel).await);
         }
-        let watching = watch_all(Server::Gateway, feeds, events, 0);
+        let watching = watch_all(Server::Gateway, feeds, events, 0, 1);
         // The stalled watcher: asks for the stream, then never reads a byte.
         let stalled = if with_stalled {
             let host = base.strip_prefix("http://").unwrap_or(base);
@@ -1669,9 +1727,12 @@ async fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     let result = match cli.workload {
-        Workload::Fanout { server, transport, base, publish, watchers, events, rate, pids } => {
+        Workload::Fanout { server, transport, base, publish, watchers, events, rate, pids, watch_at, node_pids } => {
             let publish = publish.unwrap_or_else(|| base.clone());
-            fanout(server, transport, &base, &publish, watchers, events, rate, &pids).await
+            let nodes = if watch_at.is_empty() { vec![base.clone()] } else { watch_at };
+            assert!(node_pids.is_empty() || node_pids.len() == nodes.len(), "one --node-pids entry per --watch-at");
+            let target = Target { base: &base, publish: &publish, nodes: &nodes, node_pids: &node_pids };
+            fanout(server, transport, target, watchers, events, rate, &pids).await
         }
         Workload::Idle { server, transport, base, watchers, pids } => {
             idle(server, transport, &base, watchers, &pids).await
