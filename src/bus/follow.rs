@@ -155,11 +155,7 @@ impl Feed {
         }
         let (body, end) = if sealed { fresh.split_at(fresh.len() - 1) } else { (&fresh[..], &[][..]) };
         match &turn.buffer {
-            Some(buffer) => {
-                for event in body {
-                    buffer.publish(event);
-                }
-            }
+            Some(buffer) => buffer.publish_all(body),
             None => turn.buffer = Some(hub.begin_remote_turn(&self.conversation_id, &turn_id, body)),
         }
         if let Some(sealed) = end.first() {

@@ -100,6 +100,19 @@ impl TurnBuffer {
         index
     }
 
+    /// Publishes a run of events that arrived together (from another gateway, in one bus
+    /// message) with one round for all of them, as a turn's opening events are: a round per
+    /// event would cost every watcher a write per event.
+    pub fn publish_all(self: &Arc<Self>, events: &[AgentEvent]) {
+        let mut paced = true;
+        for event in events {
+            paced &= self.append(event, false).1;
+        }
+        if !events.is_empty() {
+            self.wake(paced);
+        }
+    }
+
     /// Encodes and appends the event; its index, and whether its round may be paced.
     pub(super) fn append(&self, event: &AgentEvent, last: bool) -> (u32, bool) {
         let (kind, json) = EncodedEvent::encode(event);

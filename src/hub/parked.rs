@@ -437,6 +437,25 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_run_published_together_goes_out_in_one_round() {
+        let (_hub, buffer, _reading) = paced(1 << 20);
+        let (sink, _ours, mut theirs, metrics) = sink();
+        buffer.attach(&sink);
+        sink.park(&buffer, 0);
+        let start = || AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() });
+        // Events no round holds back, one at a time: a round, and a write, each.
+        buffer.publish(&start());
+        buffer.publish(&start());
+        assert_eq!(metrics.round_writes.load(Relaxed), 2);
+        // A run of them (one bus message's worth) published together: one round, one write.
+        buffer.publish_all(&[start(), start(), start()]);
+        assert_eq!(metrics.round_writes.load(Relaxed), 3);
+        assert_eq!(metrics.events_delivered.load(Relaxed), 5);
+        let lines = dechunk(&read_now(&mut theirs));
+        assert_eq!(lines.split(|b| *b == b'\n').filter(|l| !l.is_empty()).count(), 5);
+    }
+
+    #[tokio::test]
     async fn a_socket_that_takes_part_of_a_write_hands_the_rest_back_and_nothing_is_written_after_unparking() {
         let (_hub, buffer, _reading) = paced(1 << 30);
         let (sink, ours, mut theirs, metrics) = sink();

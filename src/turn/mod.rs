@@ -352,6 +352,9 @@ impl Turns {
         let conversation_id = match request {
             Control::Stop { conversation_id } | Control::Queue { conversation_id, .. } => conversation_id,
         };
+        if self.lock().contains_key(conversation_id) {
+            return None; // the lease is this gateway's own (a turn starting or sealing here)
+        }
         match self.store.leased(conversation_id).await {
             Ok(true) => {}
             Ok(false) => return None,
