@@ -117,8 +117,28 @@ async fn scenario(database: &str, bus: &str) {
     let (_, status) = c.get("/conversations/stopped/status").await;
     assert_eq!(status["isActive"], false, "{status}");
 
+    // `/last` through C waits for a turn running on A and answers its text, as A does.
+    start_turn(&a, "lasted", "tell me").await;
+    let (status, last) = c.get("/conversations/lasted/last?timeoutMs=60000").await;
+    assert_eq!(status, 200, "{last}");
+    assert!(last["content"].as_str().is_some_and(|t| t.contains("tell me")), "{last}");
+    assert_eq!(a.get("/conversations/lasted/last").await, (200, last));
+
+    // `/close` through B stops A's turn and closes the conversation for every gateway.
+    let mut on_c = c.sse("closed", "").await;
+    start_turn(&a, "closed", "a long one").await;
+    skip(&mut on_c, 4).await;
+    let (status, closed) = b.post("/conversations/closed/close", json!({})).await;
+    assert_eq!((status, &closed["abortedTurn"]), (200, &json!(true)), "{closed}");
+    let end = read(&on_c.until_sealed().await);
+    assert_eq!(end.iter().find(|(_, e)| e["type"] == "done").expect("its done").1["reason"], "aborted");
+    for gateway in [&a, &b, &c] {
+        let (_, status) = gateway.get("/conversations/closed/status").await;
+        assert_eq!((&status["isActive"], &status["status"]), (&json!(false), &json!("closed")), "{status}");
+    }
+
     // Every gateway reads the same history and metrics.
-    for id in ["watched", "resumed", "stopped"] {
+    for id in ["watched", "resumed", "stopped", "lasted", "closed"] {
         let history = a.get(&format!("/conversations/{id}")).await;
         let metrics = a.get(&format!("/conversations/{id}/metrics")).await;
         assert_eq!(history.0, 200);
@@ -155,6 +175,7 @@ async fn scenario(database: &str, bus: &str) {
     assert_eq!(seqs, (1..=history.len() as u64).collect::<Vec<_>>(), "seq without gaps");
     assert_eq!(history.iter().filter(|c| c["chunk"]["code"] == "interrupted").count(), 1, "{history:?}");
     assert_eq!(c.history("killed").await, history);
+    assert_eq!(c.get("/conversations/killed/metrics").await, b.get("/conversations/killed/metrics").await);
     let (_, status) = c.get("/conversations/killed/status").await;
     assert_eq!((&status["isActive"], &status["status"]), (&json!(false), &json!("idle")), "{status}");
 }
