@@ -4,6 +4,9 @@
   ci-smoke.py URL stop     watch a long turn until the container's stop seals it aborted
   ci-smoke.py URL again    a new container on the same volume: history, metrics and seq go on
   ci-smoke.py URL compose  a turn through the compose file's service
+  ci-smoke.py URL cluster NODE_URL...
+                           the cluster profile: a turn started and watched through the proxy
+                           (URL), the same history read from every gateway directly
 """
 import json
 import sys
@@ -57,4 +60,19 @@ elif step == "again":
     after = get(f"/conversations/{CONVERSATION}")["chunks"]
     check([c["seq"] for c in after] == list(range(1, len(after) + 1)), "seq goes on gap-free")
     check(len(after) > len(before), "the new turn was appended")
+elif step == "cluster":
+    conversation = "cluster-smoke"
+    started = json.loads(call("POST", f"/conversations/{conversation}/messages", {"message": "hello, cluster"}))
+    check(started.get("conversationId") == conversation, started)
+    # Whichever gateway the proxy picks for the watch, it replays the turn from its start.
+    body = call("GET", f"/conversations/{conversation}/events?until=sealed")
+    events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
+    types = [e.get("type") for e in events]
+    check(types[0] == "user-message" and types[-2:] == ["done", "turn-sealed"], types)
+    histories = []
+    for node in sys.argv[3:]:
+        with urllib.request.urlopen(f"{node}/conversations/{conversation}", timeout=60) as r:
+            histories.append(json.loads(r.read())["chunks"])
+    check(len(histories) == 3 and all(h == histories[0] for h in histories), "every gateway reads the same history")
+    check([c["seq"] for c in histories[0]] == list(range(1, len(histories[0]) + 1)), histories[0])
 print(f"ci-smoke {step}: ok")
