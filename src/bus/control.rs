@@ -61,13 +61,7 @@ impl Bus {
 /// Answers the requests `answer` has an answer for (those for turns this gateway runs),
 /// until it is told to stop (`answer` returns `Err`).
 pub async fn serve_control(bus: Bus, answer: impl Fn(Control) -> Result<Option<ControlReply>, ()>) {
-    let mut subscriber = match bus.0.client.subscribe(SUBJECTS).await {
-        Ok(subscriber) => subscriber,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot hear control requests from the other gateways");
-            return;
-        }
-    };
+    let Some(mut subscriber) = bus.listen(SUBJECTS, "control requests").await else { return };
     while let Some(message) = subscriber.next().await {
         let Some(reply_to) = message.reply.clone() else { continue };
         let Ok(request) = serde_json::from_slice::<Control>(&message.payload) else {

@@ -97,9 +97,16 @@ impl Bus {
         Ok(Bus(Arc::new(Inner { client, js, stream, node, timeout: options.timeout, statuses })))
     }
 
-    /// This gateway's name on the bus.
-    pub fn node(&self) -> &str {
-        &self.0.node
+    /// A subscription to `subject` (what the other gateways send there: `what`), or none, said
+    /// in the log, when NATS refuses it.
+    async fn listen(&self, subject: &str, what: &str) -> Option<async_nats::Subscriber> {
+        match self.0.client.subscribe(subject.to_owned()).await {
+            Ok(subscriber) => Some(subscriber),
+            Err(e) => {
+                tracing::error!(error = %e, subject, "cannot hear the other gateways' {what}");
+                None
+            }
+        }
     }
 }
 

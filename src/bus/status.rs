@@ -40,13 +40,7 @@ pub(super) async fn send_statuses(
 
 /// Hands every change the other gateways announce to `deliver`, until it returns false.
 pub async fn relay_statuses(bus: Bus, deliver: impl Fn(&str, ConversationStatus) -> bool) {
-    let mut subscriber = match bus.0.client.subscribe(SUBJECT).await {
-        Ok(subscriber) => subscriber,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot hear the other gateways' status changes");
-            return;
-        }
-    };
+    let Some(mut subscriber) = bus.listen(SUBJECT, "status changes").await else { return };
     while let Some(message) = subscriber.next().await {
         let Ok(change) = serde_json::from_slice::<Change>(&message.payload) else {
             tracing::warn!("skipped a status change that does not parse");
