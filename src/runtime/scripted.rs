@@ -309,7 +309,47 @@ impl Runtime for ScriptedRuntime {
 
 #[cfg(test)]
 mod tests {
-    use super::split_tokens;
+    use super::*;
+
+    /// When each text delta of a turn played from `rule` was sent, relative to the turn's
+    /// start, on tokio's paused clock (so the figures are the pacer's own, not the machine's).
+    async fn delta_times(rule: serde_json::Value) -> Vec<Duration> {
+        let rule: Rule = serde_json::from_value(rule).unwrap();
+        let request = TurnRequest {
+            conversation_id: "c".into(),
+            turn_id: "t".into(),
+            model: "scripted".into(),
+            prompt: "p".into(),
+            cwd: None,
+            reasoning_effort: None,
+            history: Vec::new(),
+            session_id: None,
+            last_context_size: None,
+            inbox: Default::default(),
+        };
+        let (sink, mut events) = tokio::sync::mpsc::channel(1024);
+        let start = Instant::now();
+        tokio::spawn(async move { play(rule, 0.0, request, sink, CancellationToken::new()).await.ok() });
+        let mut at = Vec::new();
+        while let Some(event) = events.recv().await {
+            if matches!(event, RawEvent::TextDelta(_)) {
+                at.push(start.elapsed());
+            }
+        }
+        at
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_a_stall_the_next_step_is_paced_again_instead_of_sent_at_once() {
+        let rule = serde_json::json!({"pace": 200, "steps": [
+            {"text": "first", "stallMs": 100},
+            {"text": "one two three four five six seven eight"},
+        ]});
+        let ms = |n: u64| Duration::from_millis(n);
+        // 5 ms a delta; the second step starts after the 100 ms stall and keeps the pace.
+        let expected: Vec<Duration> = std::iter::once(ms(5)).chain((1..=8).map(|i| ms(105 + 5 * i))).collect();
+        assert_eq!(delta_times(rule).await, expected);
+    }
 
     #[test]
     fn tokens_concatenate_to_the_text() {
