@@ -1,7 +1,8 @@
 //! What the reference web client relies on, against the real server: history that never
 //! overlaps the live replay, the side-panel routes and the settings a turn takes from them, a
-//! request's model that sticks, reads that still work right after a shutdown's last seal, and
-//! a scripted pace that resumes after a stall.
+//! request's model that sticks, and reads that still work right after a shutdown's last seal.
+//! (The scripted pace after a stall, which the client's demo relies on, is a unit test of the
+//! scripted runtime on a paused clock.)
 
 mod common;
 
