@@ -189,3 +189,90 @@ impl Feed {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::{Delivery, FlushWindow};
+
+    fn line(event: serde_json::Value) -> String {
+        format!("{event}\n")
+    }
+
+    fn text(turn: &str, delta: &str) -> String {
+        line(serde_json::json!({"type": "text-delta", "conversationId": "c", "turnId": turn, "delta": delta}))
+    }
+
+    fn sealed(turn: &str) -> String {
+        line(serde_json::json!({"type": "turn-sealed", "conversationId": "c", "turnId": turn}))
+    }
+
+    fn head(node: &str, turn: &str, index: u32) -> Option<(String, String, u32)> {
+        Some((node.to_owned(), turn.to_owned(), index))
+    }
+
+    fn feed(hub: &Arc<Hub>) -> Feed {
+        Feed { hub: Arc::downgrade(hub), conversation_id: Arc::from("c"), node: "here".into(), turn: None, live: false }
+    }
+
+    async fn deltas(hub: &Arc<Hub>) -> Vec<String> {
+        let buffer = hub.current("c").await.expect("a turn in flight");
+        let mut cursor = hub.read_turn(&buffer);
+        match cursor.next_batch(usize::MAX).await {
+            Delivery::Events(events) => events
+                .iter()
+                .map(|e| {
+                    serde_json::from_slice::<serde_json::Value>(&e.line).unwrap()["delta"].as_str().unwrap().to_owned()
+                })
+                .collect(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn what_the_stream_says_reaches_the_hub_once_in_order_and_what_is_not_a_turns_event_is_skipped() {
+        let hub = Hub::new(1 << 20, FlushWindow::default());
+        let mut feed = feed(&hub);
+        // Catching up: a turn that ended is history; the one still open is gathered.
+        assert!(feed.take(head("there", "t0", 0), (text("t0", "old") + &sealed("t0")).as_bytes()));
+        assert!(feed.take(head("there", "t1", 0), text("t1", "a").as_bytes()));
+        assert!(feed.take(head("there", "t1", 1), text("t1", "b").as_bytes()));
+        assert!(hub.current("c").await.is_none(), "nothing reaches the hub before the catch-up ends");
+        feed.go_live();
+        assert_eq!(deltas(&hub).await, ["a", "b"]);
+        // Hostile or stray messages change nothing: no headers, not events, this gateway's own,
+        // another turn's, one read again.
+        assert!(feed.take(None, text("t1", "x").as_bytes()));
+        assert!(feed.take(head("there", "t1", 2), b"not json\n"));
+        assert!(feed.take(head("here", "t1", 2), text("t1", "mine").as_bytes()));
+        assert!(feed.take(head("there", "t9", 5), text("t9", "stray").as_bytes()));
+        assert!(feed.take(head("there", "t1", 1), (text("t1", "b") + &text("t1", "c")).as_bytes()));
+        assert_eq!(deltas(&hub).await, ["a", "b", "c"], "only c was new");
+        // The end seals the hub's buffer.
+        assert!(feed.take(head("there", "t1", 3), sealed("t1").as_bytes()));
+        assert!(hub.current("c").await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_gap_in_a_turn_ends_it_for_the_watchers_here() {
+        let hub = Hub::new(1 << 20, FlushWindow::default());
+        let mut feed = feed(&hub);
+        feed.go_live();
+        assert!(feed.take(head("there", "t1", 0), text("t1", "a").as_bytes()));
+        let buffer = hub.current("c").await.expect("the turn is in the hub");
+        let mut cursor = hub.read_turn(&buffer);
+        drop(buffer);
+        assert!(matches!(cursor.next_batch(usize::MAX).await, Delivery::Events(e) if e.len() == 1));
+        // Event 1 never came: the watchers get turn-sealed and read the rest from history.
+        assert!(feed.take(head("there", "t1", 2), text("t1", "c").as_bytes()));
+        match cursor.next_batch(usize::MAX).await {
+            Delivery::Events(events) => assert!(events.len() == 1 && events[0].is_sealed(), "{events:?}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(hub.current("c").await.is_none());
+        // A gone hub stops the feed.
+        drop(cursor);
+        drop(hub);
+        assert!(!feed.take(head("there", "t2", 0), text("t2", "a").as_bytes()));
+    }
+}
