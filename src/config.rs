@@ -365,6 +365,9 @@ pub enum ConfigError {
     UnknownDefaultModel(String),
     #[error("bus: {0}")]
     Bus(String),
+    /// A PostgreSQL database or a bus in a build without them.
+    #[error("{0} needs the `cluster` build: `cargo build --release --features cluster` (the Docker image is one)")]
+    NotBuilt(&'static str),
 }
 
 impl ConfigError {
@@ -520,6 +523,14 @@ impl Config {
         }
         if self.api_keys.iter().any(|k| k.trim().is_empty()) {
             return Err(ConfigError::EmptyApiKey);
+        }
+        if !cfg!(feature = "cluster") {
+            if matches!(self.database, crate::store::Database::Postgres(_)) {
+                return Err(ConfigError::NotBuilt("a postgres:// database"));
+            }
+            if self.bus.is_some() {
+                return Err(ConfigError::NotBuilt("a bus"));
+            }
         }
         if let Some(bus) = &self.bus {
             if !bus.starts_with("nats://") {

@@ -3,8 +3,12 @@
 //! Data flows one way: request → turn → runtime → turn → hub → transports, and only the turn
 //! writes the store. With several gateways, the hub also meets the others' over the bus.
 
-/// NATS between gateways: turn events through JetStream, status changes, control.
+/// NATS between gateways: turn events through JetStream, status changes, control (the
+/// `cluster` feature; without it, a bus that cannot exist).
+#[cfg_attr(not(feature = "cluster"), path = "bus/absent.rs")]
 pub mod bus;
+/// The program: configuration, logs, signals, serving until shutdown.
+pub mod cli;
 /// Flags and environment.
 pub mod config;
 /// The bytes of the wire: SSE, NDJSON, WebSocket frames, HTTP chunks.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
-use crate::bus::{Bus, BusOptions};
+use crate::bus::Bus;
 use crate::config::{Config, ConfigError, Credential, ScriptedCredential};
 use crate::http::{AppState, Shared, router, ws_router};
 use crate::hub::Hub;
@@ -25,6 +25,7 @@ pub enum StartupError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[cfg(feature = "cluster")]
     #[error(transparent)]
     Bus(#[from] crate::bus::BusError),
     #[error("cannot listen on {addr}: {source}")]
@@ -52,17 +53,7 @@ impl Gateway {
             per_reader: Duration::from_micros(config.flush_us_per_watcher),
             max: Duration::from_millis(config.flush_max_ms),
         };
-        let bus = match &config.bus {
-            Some(url) => {
-                let options = BusOptions {
-                    max_age: Duration::from_secs(config.bus_max_age_secs),
-                    max_bytes: i64::try_from(config.bus_max_bytes).unwrap_or(i64::MAX),
-                    timeout: Duration::from_millis(config.bus_timeout_ms),
-                };
-                Some(Bus::connect(url, options).await?)
-            }
-            None => None,
-        };
+        let bus = connect_bus(&config).await?;
         let remote = bus.clone().map(|bus| Arc::new(bus) as Arc<dyn crate::hub::Remote>);
         let hub = Hub::with_remote(config.turn_buffer_bytes, flush, remote);
         let queue_limits =
@@ -155,6 +146,24 @@ impl Gateway {
         tracing::info!("stopped");
         Ok(())
     }
+}
+
+/// The bus the configuration names, connected.
+#[cfg(feature = "cluster")]
+async fn connect_bus(config: &Config) -> Result<Option<Bus>, StartupError> {
+    let Some(url) = &config.bus else { return Ok(None) };
+    let options = crate::bus::BusOptions {
+        max_age: Duration::from_secs(config.bus_max_age_secs),
+        max_bytes: i64::try_from(config.bus_max_bytes).unwrap_or(i64::MAX),
+        timeout: Duration::from_millis(config.bus_timeout_ms),
+    };
+    Ok(Some(Bus::connect(url, options).await?))
+}
+
+/// No bus in a build without the `cluster` feature (`Config::check` refuses `--bus` there).
+#[cfg(not(feature = "cluster"))]
+async fn connect_bus(_: &Config) -> Result<Option<Bus>, StartupError> {
+    Ok(None)
 }
 
 /// The models the configuration names, each with its runtime; with no credentials configured,

@@ -1,3 +1,4 @@
+#![cfg(feature = "cluster")]
 //! Three gateways on one PostgreSQL database and one NATS server (JetStream), as separate
 //! processes: a turn run by one is watched from the others (one joining mid-turn) with the same
 //! events and ids, steered and stopped from another, and, when its gateway is killed, sealed as

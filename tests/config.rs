@@ -132,6 +132,7 @@ fn the_database_is_a_file_or_a_postgres_url_and_the_lease_has_a_floor() {
     assert!(err.contains("lease-ttl-ms"), "{err}");
 }
 
+#[cfg(feature = "cluster")]
 #[test]
 fn a_bus_is_a_nats_url_beside_a_postgres_database_and_its_limits_have_floors() {
     let mut config = load(&["--bus", "nats://127.0.0.1:4222"], &[]).unwrap();
@@ -148,4 +149,19 @@ fn a_bus_is_a_nats_url_beside_a_postgres_database_and_its_limits_have_floors() {
         let err = load(&[flag, "0"], &[]).err().unwrap_or_else(|| panic!("{flag} 0 should fail"));
         assert!(err.contains(flag), "{err}");
     }
+}
+
+#[cfg(not(feature = "cluster"))]
+#[test]
+fn a_build_without_the_cluster_feature_refuses_postgres_and_a_bus_and_says_how_to_get_them() {
+    for args in [
+        vec!["--database", "postgres://h/db"],
+        vec!["--bus", "nats://h:4222"],
+        vec!["--bus", "nats://h:4222", "--database", "postgres://h/db"],
+    ] {
+        let mut config = load(&args, &[]).unwrap();
+        let err = config.check().expect_err("refused without the cluster feature").to_string();
+        assert!(err.contains("--features cluster"), "{args:?}: {err}");
+    }
+    load(&[], &[]).unwrap().check().expect("SQLite alone needs nothing more");
 }

@@ -1,3 +1,4 @@
+#![cfg(feature = "cluster")]
 //! The gateway on PostgreSQL: the same answers as on SQLite for the same requests, the log's
 //! contract (seq 1..N without gaps) under writers in two processes' worth of stores, a turn
 //! cut off by a crash marked once, and two gateways on one database: one turn at a time per

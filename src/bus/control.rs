@@ -6,34 +6,9 @@
 //! the right one). A gateway asks only while the conversation's lease is held elsewhere.
 
 use futures_util::StreamExt;
-use serde::{Deserialize, Serialize};
 
 use super::{Bus, BusError, token};
-use crate::runtime::{QueueFull, QueuedMessage};
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "camelCase")]
-pub enum Control {
-    Stop { conversation_id: String },
-    Queue { conversation_id: String, message: QueuedMessage },
-}
-
-impl Control {
-    fn conversation_id(&self) -> &str {
-        match self {
-            Control::Stop { conversation_id } | Control::Queue { conversation_id, .. } => conversation_id,
-        }
-    }
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub enum ControlReply {
-    /// Whether a turn was aborted.
-    Stopped(bool),
-    /// The messages now waiting for the turn's next step, or why this one could not wait.
-    Queued(Result<Vec<QueuedMessage>, QueueFull>),
-}
+use crate::turn::{Control, ControlReply};
 
 const SUBJECTS: &str = "dispatch.control.*";
 

@@ -151,6 +151,6 @@ fn message_head(headers: Option<&async_nats::HeaderMap>) -> Option<(String, Stri
     Some((node, turn, index))
 }
 
-pub use control::{Control, ControlReply, serve_control};
+pub use control::serve_control;
 pub use publish::end_interrupted;
 pub use status::relay_statuses;

@@ -37,6 +37,7 @@ impl Store {
     pub(super) fn clock(&self) -> &'static str {
         match self.backend {
             Backend::Sqlite(_) => super::sqlite::NOW_MS,
+            #[cfg(feature = "cluster")]
             Backend::Postgres(_) => super::postgres::NOW_MS,
         }
     }

@@ -13,6 +13,7 @@ mod batch;
 mod conversations;
 mod lease;
 mod log;
+#[cfg(feature = "cluster")]
 mod postgres;
 mod reads;
 mod sqlite;
@@ -107,6 +108,9 @@ pub enum StoreError {
     /// A read on the blocking pool was dropped (the runtime is shutting down).
     #[error("the read was cancelled")]
     Cancelled,
+    /// A PostgreSQL database in a build without the `cluster` feature.
+    #[error("PostgreSQL needs the `cluster` build: `cargo build --release --features cluster`")]
+    NotBuilt,
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -138,6 +142,7 @@ impl Default for StoreOptions {
 #[derive(Clone)]
 enum Backend {
     Sqlite(sqlite::Sqlite),
+    #[cfg(feature = "cluster")]
     Postgres(postgres::Postgres),
 }
 
@@ -146,6 +151,7 @@ macro_rules! on_backend {
     ($store:expr, $b:ident => $body:expr) => {
         match &$store.backend {
             $crate::store::Backend::Sqlite($b) => $body,
+            #[cfg(feature = "cluster")]
             $crate::store::Backend::Postgres($b) => $body,
         }
     };
@@ -169,6 +175,7 @@ macro_rules! on_pool {
                 let $pool = &b.$sqlite;
                 $body
             }
+            #[cfg(feature = "cluster")]
             $crate::store::Backend::Postgres(b) => {
                 let $pool = &b.pool;
                 $body
@@ -201,7 +208,10 @@ impl Store {
     pub async fn open_with(database: &Database, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Store> {
         let backend = match database {
             Database::Sqlite(path) => Backend::Sqlite(sqlite::Sqlite::open(path, metrics.clone(), limits).await?),
+            #[cfg(feature = "cluster")]
             Database::Postgres(url) => Backend::Postgres(postgres::Postgres::open(url, limits).await?),
+            #[cfg(not(feature = "cluster"))]
+            Database::Postgres(_) => return Err(StoreError::NotBuilt),
         };
         let mut store =
             Store { backend, lease_ttl: limits.lease_ttl, metrics, write_fault: Arc::default(), queue: None };
@@ -258,6 +268,7 @@ impl Store {
     pub(crate) fn sqlite(&self) -> &sqlite::Sqlite {
         match &self.backend {
             Backend::Sqlite(s) => s,
+            #[cfg(feature = "cluster")]
             Backend::Postgres(_) => panic!("not a SQLite store"),
         }
     }
@@ -318,6 +329,7 @@ pub(crate) mod testing {
         let sqlite = Database::Sqlite(dir.path().join("test.db"));
         let store = Store::open_with(&sqlite, metrics.clone(), options).await.unwrap();
         stores.push(TestStore { store, metrics, backend: "sqlite", _dir: Some(dir), _database: None });
+        #[cfg(feature = "cluster")]
         if let Some(database) = dispatch_testkit::postgres::fresh_database().await {
             let metrics = Arc::new(Metrics::default());
             let postgres = Database::Postgres(database.url.clone());
@@ -332,7 +344,12 @@ pub(crate) mod testing {
     /// migrations came from the folder, open without a checksum mismatch).
     #[tokio::test]
     async fn the_compiled_in_migrations_are_the_folders() {
-        for (folder, listed) in [("sqlite", sqlite::MIGRATIONS), ("postgres", postgres::MIGRATIONS)] {
+        let folders = [
+            ("sqlite", sqlite::MIGRATIONS),
+            #[cfg(feature = "cluster")]
+            ("postgres", postgres::MIGRATIONS),
+        ];
+        for (folder, listed) in folders {
             let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations").join(folder);
             let from_folder = sqlx::migrate::Migrator::new(path).await.unwrap();
             let key = |m: &sqlx::migrate::Migration| (m.version, m.description.to_string(), m.checksum.to_vec());

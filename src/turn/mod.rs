@@ -5,6 +5,7 @@
 //! writes the log and the metrics, and seals.
 
 mod assembly;
+mod control;
 mod run;
 mod steps;
 mod tally;
@@ -16,13 +17,14 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 pub use assembly::ChunkAssembler;
+pub use control::{Control, ControlReply};
 pub use tally::{OpenStep, StepTiming, TurnTally};
 
 use std::sync::atomic::Ordering::Relaxed;
 
 use tracing::Instrument;
 
-use crate::bus::{Bus, Control, ControlReply};
+use crate::bus::Bus;
 use crate::hub::{Hub, TurnBuffer};
 use crate::metrics::Metrics;
 use crate::runtime::{Inbox, QueueFull, QueueLimits, QueuedMessage, Registry, TurnRequest};
@@ -349,9 +351,7 @@ impl Turns {
     /// Asks the gateway whose turn holds the conversation's lease, if another does.
     async fn elsewhere(&self, request: &Control) -> Option<ControlReply> {
         let bus = self.bus.as_ref()?;
-        let conversation_id = match request {
-            Control::Stop { conversation_id } | Control::Queue { conversation_id, .. } => conversation_id,
-        };
+        let conversation_id = request.conversation_id();
         if self.lock().contains_key(conversation_id) {
             return None; // the lease is this gateway's own (a turn starting or sealing here)
         }

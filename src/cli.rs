@@ -1,0 +1,93 @@
+//! The gateway as a program: configuration, logs, signals, serving until shutdown.
+//!
+//! All of it lives in the library, not in `main.rs`: a binary crate re-instantiates every
+//! generic it reaches (the serving futures' drop glue, the log layers), so a `main` with a
+//! body of its own doubled a release build's last, serial step (docs/operations.md, "Build").
+
+use std::future::Future;
+use std::process::ExitCode;
+
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+
+use crate::Gateway;
+use crate::config::{Config, LogFormat, log_filter};
+
+/// Runs the gateway the command line and environment describe: exit 2 on a bad
+/// configuration, 1 when it cannot start or serve, 0 after a graceful shutdown.
+pub fn run() -> ExitCode {
+    let config = match Config::load() {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    if config.print_openapi {
+        print!("{}", crate::http::openapi_json_text());
+        return ExitCode::SUCCESS;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => return failed(&e),
+    };
+    match runtime.block_on(serve(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => failed(&*e),
+    }
+}
+
+async fn serve(config: Config) -> Result<(), Box<dyn std::error::Error>> {
+    let filter = log_filter();
+    match config.log_format {
+        LogFormat::Text => tracing_subscriber::registry().with(tracing_subscriber::fmt::layer()).with(filter).init(),
+        LogFormat::Json => {
+            tracing_subscriber::registry().with(tracing_subscriber::fmt::layer().json()).with(filter).init()
+        }
+    }
+    // Installed before anything is announced: a SIGTERM right after "listening" must stop the
+    // gateway gracefully, not kill it with the signal's default action.
+    let shutdown = shutdown_signal()?;
+    let gateway = Gateway::build(config).await?;
+    let listener = gateway.bind().await?;
+    let ws_listener = gateway.bind_ws().await?;
+    tracing::info!(addr = %listener.local_addr()?, "dispatch-gateway listening");
+    if let Some(ws) = &ws_listener {
+        tracing::info!(addr = %ws.local_addr()?, "WebSocket listener (any path)");
+    }
+    gateway.serve(listener, ws_listener, shutdown).await?;
+    Ok(())
+}
+
+/// Prints the error and what caused it, one line each.
+fn failed(e: &dyn std::error::Error) -> ExitCode {
+    eprintln!("Error: {e}");
+    let mut source = e.source();
+    while let Some(cause) = source {
+        eprintln!("  caused by: {cause}");
+        source = cause.source();
+    }
+    ExitCode::FAILURE
+}
+
+/// Listens for SIGINT and SIGTERM from now on; the future resolves on the first of them.
+#[cfg(unix)]
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    })
+}
+
+/// Resolves on Ctrl-C.
+#[cfg(not(unix))]
+fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+}
