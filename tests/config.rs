@@ -165,3 +165,15 @@ fn a_build_without_the_cluster_feature_refuses_postgres_and_a_bus_and_says_how_t
     }
     load(&[], &[]).unwrap().check().expect("SQLite alone needs nothing more");
 }
+
+#[cfg(not(feature = "cluster"))]
+#[test]
+fn the_binary_without_the_cluster_feature_stops_at_a_postgres_url_and_says_how_to_build_one() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
+        .args(["--listen", "127.0.0.1:0", "--database", "postgres://u@127.0.0.1:1/db"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("postgres://") && err.contains("--features cluster"), "{err}");
+}
