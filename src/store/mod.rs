@@ -358,6 +358,17 @@ pub(crate) mod testing {
         }
     }
 
+    /// A caller that opens the store without `Config::check` (the tests, an embedder) is
+    /// refused too, before anything connects.
+    #[cfg(not(feature = "cluster"))]
+    #[tokio::test]
+    async fn a_build_without_the_cluster_feature_refuses_to_open_postgres() {
+        let postgres = Database::Postgres("postgres://u@127.0.0.1:1/db".into());
+        let err = Store::open(&postgres, Arc::default()).await.err().expect("refused");
+        assert!(matches!(err, StoreError::NotBuilt), "{err}");
+        assert!(err.to_string().contains("--features cluster"), "{err}");
+    }
+
     #[test]
     fn database_values_name_a_file_or_a_postgres_url() {
         let parse = |s: &str| s.parse::<Database>();
