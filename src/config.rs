@@ -109,12 +109,13 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_KEEPALIVE_SECS", default_value_t = 15)]
     pub keepalive_secs: u64,
 
-    /// Microseconds of flush window per watcher reading a turn in flight: deltas published
-    /// within the window of the last round of wake-ups share the next one (and one write per
-    /// watcher). Larger saves CPU under fan-out, smaller cuts latency; 0 sends every delta at
-    /// once. See "Pacing" in docs/streaming.md.
-    #[arg(long, env = "DISPATCH_FLUSH_US_PER_WATCHER", default_value_t = 16)]
-    pub flush_us_per_watcher: u64,
+    /// The flush window, in sweeps: a sweep is the time the gateway's workers take to write
+    /// one event to every watcher reading a turn in flight, at the cost of a socket write the
+    /// rounds measure. Deltas published within the window of the last round of wake-ups share
+    /// the next one (and one write per watcher). Larger saves CPU under fan-out, smaller cuts
+    /// latency; 0 sends every delta at once. See "Pacing" in docs/streaming.md.
+    #[arg(long, env = "DISPATCH_FLUSH_SWEEPS", default_value_t = 4)]
+    pub flush_sweeps: u32,
 
     /// Longest flush window, in milliseconds.
     #[arg(long, env = "DISPATCH_FLUSH_MAX_MS", default_value_t = 40)]
@@ -572,7 +573,7 @@ impl Config {
             max_body_bytes: 1024 * 1024,
             turn_buffer_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
-            flush_us_per_watcher: 16,
+            flush_sweeps: 4,
             flush_max_ms: 40,
             drain_timeout_secs: 30,
             header_read_timeout_secs: 10,

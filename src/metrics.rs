@@ -53,6 +53,13 @@ pub struct Metrics {
     runtime_errors: Mutex<BTreeMap<String, u64>>,
 }
 
+/// The hub's pacing, for the gauges.
+#[derive(Debug, Clone, Copy)]
+pub struct Pacing {
+    pub window: std::time::Duration,
+    pub write_cost: std::time::Duration,
+}
+
 impl Metrics {
     pub fn open_streams(&self) -> u64 {
         self.open_streams.iter().map(|g| g.load(Relaxed)).sum()
@@ -80,8 +87,9 @@ impl Metrics {
         *errors.entry(kind.to_owned()).or_default() += 1;
     }
 
-    /// The text exposition; `running`, `channels` and `buffered` are read from their owners.
-    pub fn render(&self, running: usize, channels: usize, buffered: usize) -> String {
+    /// The text exposition; `running`, `channels`, `buffered` and `pacing` are read from their
+    /// owners.
+    pub fn render(&self, running: usize, channels: usize, buffered: usize, pacing: Pacing) -> String {
         let mut out = String::with_capacity(4096);
         let mut counter = |name: &str, help: &str, value: u64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
@@ -134,6 +142,16 @@ impl Metrics {
         let _ = writeln!(
             out,
             "# HELP dispatch_hub_buffer_bytes Bytes held by replay buffers (turns in flight, and sealed turns still being read).\n# TYPE dispatch_hub_buffer_bytes gauge\ndispatch_hub_buffer_bytes {buffered}"
+        );
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_flush_window_seconds How long paced deltas may wait for their round now.\n# TYPE dispatch_flush_window_seconds gauge\ndispatch_flush_window_seconds {}",
+            pacing.window.as_secs_f64()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_round_write_seconds What a round's write to one socket costs, as measured (the flush window follows it).\n# TYPE dispatch_round_write_seconds gauge\ndispatch_round_write_seconds {}",
+            pacing.write_cost.as_secs_f64()
         );
         let _ = writeln!(out, "# HELP dispatch_open_streams Open live streams.\n# TYPE dispatch_open_streams gauge");
         for t in Transport::ALL {

@@ -49,10 +49,7 @@ impl Gateway {
             lease_ttl: Duration::from_millis(config.lease_ttl_ms),
         };
         let store = Store::open_with(&config.database, metrics.clone(), limits).await?;
-        let flush = crate::hub::FlushWindow {
-            per_reader: Duration::from_micros(config.flush_us_per_watcher),
-            max: Duration::from_millis(config.flush_max_ms),
-        };
+        let flush = crate::hub::FlushWindow::new(config.flush_sweeps, Duration::from_millis(config.flush_max_ms));
         let bus = connect_bus(&config).await?;
         let remote = bus.clone().map(|bus| Arc::new(bus) as Arc<dyn crate::hub::Remote>);
         let hub = Hub::with_remote(config.turn_buffer_bytes, flush, remote);

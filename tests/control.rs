@@ -363,7 +363,7 @@ async fn status_changes_wait_out_the_flush_window_and_go_out_together() {
     let dir = tempfile::tempdir().unwrap();
     // One watcher of a turn in flight opens a window of two seconds.
     let server = server(dir.path(), |c| {
-        c.flush_us_per_watcher = 2_000_000;
+        c.flush_sweeps = u32::MAX;
         c.flush_max_ms = 2_000;
     })
     .await;

@@ -206,9 +206,11 @@ async fn a_stream_request_with_a_long_head_is_still_served() {
 async fn a_watch_after_other_reads_on_a_kept_alive_connection_is_written_by_the_turns_rounds() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = test_config(dir.path());
-    // One watcher opens a 1 ms window: deltas 10 ms apart are paced, so a parked stream is
-    // written by the turn's rounds (which only a stream the gateway writes itself can be).
-    config.flush_us_per_watcher = 1_000;
+    // One watcher opens a 1 ms window (as many sweeps as there are, up to that): deltas 10 ms
+    // apart are paced, so a parked stream is written by the turn's rounds (which only a stream
+    // the gateway writes itself can be).
+    config.flush_sweeps = u32::MAX;
+    config.flush_max_ms = 1;
     config.scripted_pace = 100.0;
     let server = TestServer::start(config).await;
     let mut conn = connect(&server).await;

@@ -231,10 +231,12 @@ async fn read_chunked_body(stream: &mut tokio::net::TcpStream) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watchers_that_read_late_get_every_byte_in_order_while_rounds_write_for_the_others() {
     let dir = tempfile::tempdir().unwrap();
-    // Four watchers: a window of 4 ms, so the rounds are paced and the watchers park.
+    // A window of as many sweeps as there are, up to 4 ms: the rounds are paced and the
+    // watchers park.
     let server = server_with(dir.path(), |c| {
         c.turn_buffer_bytes = 256 << 20;
-        c.flush_us_per_watcher = 1_000;
+        c.flush_sweeps = u32::MAX;
+        c.flush_max_ms = 4;
     })
     .await;
     let path = "/conversations/late/events?until=sealed";
@@ -280,9 +282,13 @@ async fn a_websocket_with_one_subscription_is_written_by_the_rounds_and_misses_n
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message;
     let dir = tempfile::tempdir().unwrap();
-    // A 1 ms window per watcher: deltas are paced, so the socket with one subscription parks;
-    // the one with two is written by its session.
-    let server = server_with(dir.path(), |c| c.flush_us_per_watcher = 1_000).await;
+    // A 2 ms window (as many sweeps as there are, up to that): deltas are paced, so the socket
+    // with one subscription parks; the one with two is written by its session.
+    let server = server_with(dir.path(), |c| {
+        c.flush_sweeps = u32::MAX;
+        c.flush_max_ms = 2;
+    })
+    .await;
     let mut parked = server.ws().await;
     let mut reference = server.ws().await;
     parked.next().await.unwrap();
@@ -330,10 +336,12 @@ async fn a_websocket_with_one_subscription_is_written_by_the_rounds_and_misses_n
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_watcher_gets_keep_alives_and_the_end_of_the_turn_at_shutdown() {
     let dir = tempfile::tempdir().unwrap();
-    // One watcher opens a 1 ms window: deltas are paced, so the idle watcher parks.
+    // One watcher opens a 1 ms window (as many sweeps as there are, up to that): deltas are
+    // paced, so the idle watcher parks.
     let server = server_with(dir.path(), |c| {
         c.keepalive_secs = 1;
-        c.flush_us_per_watcher = 1_000;
+        c.flush_sweeps = u32::MAX;
+        c.flush_max_ms = 1;
     })
     .await;
     let mut watcher = server.sse("parked", "").await;
@@ -599,14 +607,14 @@ async fn the_flush_flags_decide_whether_the_rounds_write_to_parked_watchers() {
         dir.path(),
         json!({"rules": [{"match": "slow", "pace": 200, "steps": [{"text": "word ".repeat(60)}]}]}),
     );
-    // Two watchers: 1,000 us each is a 2 ms window, open; 0 us, or a longest window of 0 ms,
-    // closes it, and then no watcher parks.
+    // Two watchers: as many sweeps as there are, up to 2 ms, is a 2 ms window, open; no sweeps,
+    // or a longest window of 0 ms, closes it, and then no watcher parks.
     let runs: [&[&str]; 3] = [
-        &["--flush-us-per-watcher", "1000"],
-        &["--flush-us-per-watcher", "0"],
-        &["--flush-us-per-watcher", "1000", "--flush-max-ms", "0"],
+        &["--flush-sweeps", "4294967295", "--flush-max-ms", "2"],
+        &["--flush-sweeps", "0"],
+        &["--flush-sweeps", "4294967295", "--flush-max-ms", "0"],
     ];
-    let mut writes = Vec::new();
+    let (mut writes, mut windows) = (Vec::new(), Vec::new());
     for (i, flags) in runs.into_iter().enumerate() {
         let mut args: Vec<std::ffi::OsString> = vec![
             "--database".into(),
@@ -625,17 +633,26 @@ async fn the_flush_flags_decide_whether_the_rounds_write_to_parked_watchers() {
         }
         let r = client.post(format!("{base}/conversations/f/messages")).json(&json!({"message": "slow"})).send().await;
         assert_eq!(r.unwrap().status(), 202);
-        for watcher in &mut watchers {
-            let mut deltas = 0;
-            while let Some(m) = watcher.next().await {
-                deltas += usize::from(m.json()["type"] == "text-delta");
+        let mut deltas = [0, 0];
+        for (watcher, deltas) in watchers.iter_mut().zip(&mut deltas) {
+            while *deltas == 0 {
+                *deltas += usize::from(watcher.next().await.unwrap().json()["type"] == "text-delta");
             }
-            assert_eq!(deltas, 60, "{flags:?}");
         }
+        // Mid-turn (60 deltas at 200 a second): the window the gateway keeps now.
+        let text = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+        windows.push(metric(&text, "dispatch_flush_window_seconds"));
+        for (watcher, deltas) in watchers.iter_mut().zip(&mut deltas) {
+            while let Some(m) = watcher.next().await {
+                *deltas += usize::from(m.json()["type"] == "text-delta");
+            }
+        }
+        assert_eq!(deltas, [60, 60], "{flags:?}");
         let text = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
         writes.push(metric(&text, "dispatch_round_writes_total"));
         assert!(gateway.terminate().success());
     }
+    assert_eq!(windows, [0.002, 0.0, 0.0], "the window while the turn ran, as /metrics shows it");
     assert!(writes[0] > 0.0, "an open window: the rounds wrote to parked watchers ({writes:?})");
     assert_eq!(writes[1..], [0.0, 0.0], "a closed window: nobody parked");
 }

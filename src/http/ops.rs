@@ -41,6 +41,8 @@ pub async fn ready(State(state): State<AppState>) -> Result<Response, ApiError> 
     (status = 200, description = "Prometheus text format", content_type = "text/plain; version=0.0.4", body = String),
 ))]
 pub async fn metrics(State(state): State<AppState>) -> Response {
-    let body = state.metrics.render(state.turns.running(), state.hub.channel_count(), state.hub.buffered_bytes());
+    let hub = &state.hub;
+    let pacing = crate::metrics::Pacing { window: hub.window(), write_cost: hub.write_cost() };
+    let body = state.metrics.render(state.turns.running(), hub.channel_count(), hub.buffered_bytes(), pacing);
     ([(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
 }

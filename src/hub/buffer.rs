@@ -46,7 +46,7 @@ pub struct TurnBuffer {
     pub(super) readers: Arc<AtomicUsize>,
     /// Bytes held by every live buffer, hub-wide.
     held: Arc<AtomicUsize>,
-    flush: FlushWindow,
+    pub(super) flush: Arc<FlushWindow>,
     pub(super) next: Arc<NextTurn>,
     /// Streams a round writes to itself while they are parked (see `parked.rs`).
     pub(super) parked: Mutex<Attached>,
@@ -67,7 +67,7 @@ impl TurnBuffer {
         conversation_id: &str,
         turn_id: &str,
         cap: usize,
-        flush: FlushWindow,
+        flush: Arc<FlushWindow>,
         readers: Arc<AtomicUsize>,
         held: Arc<AtomicUsize>,
         outbox: Option<Outbox>,

@@ -57,7 +57,7 @@ pub struct Hub {
     held: Arc<AtomicUsize>,
     /// Per-turn buffer size past which deltas are coalesced.
     buffer_cap: usize,
-    flush: FlushWindow,
+    flush: Arc<FlushWindow>,
     remote: Option<Arc<dyn Remote>>,
 }
 
@@ -74,7 +74,7 @@ impl Hub {
             readers: Arc::default(),
             held: Arc::default(),
             buffer_cap,
-            flush,
+            flush: Arc::new(flush),
             remote,
         })
     }
@@ -117,7 +117,7 @@ impl Hub {
             conversation_id,
             turn_id,
             self.buffer_cap,
-            self.flush,
+            self.flush.clone(),
             self.readers.clone(),
             self.held.clone(),
             outbox,
@@ -225,6 +225,11 @@ impl Hub {
         current
     }
 
+    /// What a round's write to one socket costs, as the rounds measure it (see [`FlushWindow`]).
+    pub fn write_cost(&self) -> Duration {
+        self.flush.write_cost()
+    }
+
     /// Bytes held by every live replay buffer: turns in flight, and sealed turns a watcher is
     /// still reading (each within `--turn-buffer-bytes`, give or take a coalescing pass).
     pub fn buffered_bytes(&self) -> usize {
@@ -322,12 +327,12 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn with_many_watchers_deltas_wait_for_the_round_and_other_events_go_at_once() {
-        let flush = FlushWindow { per_reader: Duration::from_micros(10), ..FlushWindow::default() };
-        let hub = Hub::new(1 << 20, flush);
+        // One sweep (no round has measured a write: 4 us each, on this test's one worker).
+        let hub = Hub::new(1 << 20, FlushWindow::new(1, Duration::from_millis(40)));
         let buffer = hub.begin_turn("c", "t", &[]);
-        // 300 watchers of the turn in flight: a 3 ms window.
+        // 750 watchers of the turn in flight: a 3 ms window.
         let mut cursors: Vec<Cursor> = Vec::new();
-        for _ in 0..300 {
+        for _ in 0..750 {
             cursors.push(hub.subscribe("c", None).await.0);
         }
         assert_eq!(buffer.window(), Duration::from_millis(3));

@@ -1,37 +1,84 @@
 //! When a turn's rounds run: the pacing decision, a pure function of the turn's pacing state,
-//! the time, and the flush window (which the hub derives from how many watchers read turns in
-//! flight). The rules, with their reasons, are in `docs/streaming.md` ("Pacing"); the buffer
-//! (`buffer.rs`) carries the decisions out.
+//! the time, and the flush window (which the hub derives from the measured cost of a round of
+//! every watcher). The rules, with their reasons, are in `docs/streaming.md` ("Pacing"); the
+//! buffer (`buffer.rs`) carries the decisions out.
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// How long paced deltas may wait for their round: a trade of latency for CPU that an operator
-/// may move either way.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How long paced deltas may wait for their round: a number of *sweeps*, the time the
+/// runtime's workers take to write one event to every watcher reading a turn in flight, at the
+/// cost of a write the rounds measure. When writes get dearer (a busy machine) the window grows
+/// with them, and the rounds' writes keep to the same share of the workers' time.
+#[derive(Debug)]
 pub struct FlushWindow {
-    /// The window per watcher reading an in-flight turn.
-    pub per_reader: Duration,
+    /// Sweeps per window (0: no window).
+    sweeps: u32,
     /// The longest window.
-    pub max: Duration,
+    max: Duration,
+    /// The workers a sweep is shared among.
+    workers: u32,
+    /// What a round's write to one socket costs, in nanoseconds of the writing worker's wall
+    /// time (a moving average, weighted by how many sockets a measurement covers).
+    write_ns: AtomicU64,
 }
 
-/// The configuration's defaults (`--flush-us-per-watcher`, `--flush-max-ms`), for tests; the
-/// gateway builds its window from the configuration.
+/// What a write is taken to cost until the rounds have measured one (a loopback write on a
+/// quiet machine, BENCHMARKS.md's write floor).
+const FIRST_WRITE_NS: u64 = 4_000;
+
+/// Bounds on a measurement per write: nothing writes a socket in less, and a round stalled for
+/// longer is not a cost a window should follow.
+const WRITE_NS: std::ops::RangeInclusive<u64> = 250..=1_000_000;
+
+/// The configuration's defaults (`--flush-sweeps`, `--flush-max-ms`), for tests; the gateway
+/// builds its window from the configuration.
 #[cfg(test)]
 impl Default for FlushWindow {
     fn default() -> FlushWindow {
-        FlushWindow { per_reader: Duration::from_micros(16), max: Duration::from_millis(40) }
+        FlushWindow::new(4, Duration::from_millis(40))
     }
 }
 
 impl FlushWindow {
+    /// A window of `sweeps` sweeps, at most `max`, shared among the current runtime's workers
+    /// (one outside a runtime).
+    pub fn new(sweeps: u32, max: Duration) -> FlushWindow {
+        let workers = tokio::runtime::Handle::try_current().map_or(1, |r| r.metrics().num_workers()).max(1);
+        FlushWindow { sweeps, max, workers: workers as u32, write_ns: AtomicU64::new(FIRST_WRITE_NS) }
+    }
+
     /// The window with `readers` watchers reading in-flight turns: zero below 1 ms (the
     /// timer's resolution).
     pub(super) fn for_readers(&self, readers: usize) -> Duration {
-        let window = self.per_reader.saturating_mul(readers.min(u32::MAX as usize) as u32);
+        let ns = u128::from(self.write_ns.load(Relaxed)) * readers as u128 * u128::from(self.sweeps)
+            / u128::from(self.workers);
+        let window = Duration::from_nanos(ns.min(u64::MAX.into()) as u64);
         if window < Duration::from_millis(1) { Duration::ZERO } else { window.min(self.max) }
+    }
+
+    /// A round's part wrote to `sockets` sockets in `elapsed` (wall time, so that a worker the
+    /// machine keeps waiting makes writes dearer, as they are).
+    pub(super) fn measured(&self, elapsed: Duration, sockets: usize) {
+        if sockets == 0 {
+            return;
+        }
+        let sample = (elapsed.as_nanos() / sockets as u128).min(u64::MAX.into()) as u64;
+        let sample = sample.clamp(*WRITE_NS.start(), *WRITE_NS.end());
+        // A round of many sockets moves the average more than one of a few: 1/4 of the way at
+        // 256 sockets or more.
+        let weight = sockets.min(256) as i128;
+        let old = self.write_ns.load(Relaxed);
+        let moved = old as i128 + (sample as i128 - old as i128) * weight / 1_024;
+        // Racing rounds may lose each other's update; either one is a fair measurement.
+        self.write_ns.store(moved.clamp(*WRITE_NS.start() as i128, *WRITE_NS.end() as i128) as u64, Relaxed);
+    }
+
+    /// What a write costs, as measured so far.
+    pub fn write_cost(&self) -> Duration {
+        Duration::from_nanos(self.write_ns.load(Relaxed))
     }
 }
 
@@ -223,14 +270,46 @@ mod tests {
     }
 
     #[test]
-    fn the_flush_window_grows_with_readers_up_to_its_cap_and_is_zero_below_a_millisecond() {
-        let flush = FlushWindow { per_reader: Duration::from_micros(20), max: Duration::from_millis(40) };
-        assert_eq!(flush.for_readers(49), Duration::ZERO);
-        assert_eq!(flush.for_readers(50), Duration::from_millis(1));
-        assert_eq!(flush.for_readers(1_000), Duration::from_millis(20));
+    fn the_flush_window_is_sweeps_of_the_measured_write_cost_up_to_its_cap_and_zero_below_a_millisecond() {
+        let flush = FlushWindow { workers: 2, ..FlushWindow::new(4, Duration::from_millis(40)) };
+        // Before any round: 4 us a write, 4 sweeps, two workers: 8 us a watcher.
+        assert_eq!(flush.for_readers(124), Duration::ZERO);
+        assert_eq!(flush.for_readers(125), Duration::from_millis(1));
+        assert_eq!(flush.for_readers(1_000), Duration::from_millis(8));
         assert_eq!(flush.for_readers(1_000_000), Duration::from_millis(40));
-        let off = FlushWindow { per_reader: Duration::ZERO, ..flush };
+        let off = FlushWindow { sweeps: 0, ..FlushWindow::new(0, Duration::from_millis(40)) };
         assert_eq!(off.for_readers(1_000_000), Duration::ZERO);
+    }
+
+    #[test]
+    fn dearer_writes_widen_the_window_and_cheaper_ones_narrow_it() {
+        let flush = FlushWindow { workers: 2, ..FlushWindow::new(4, Duration::from_millis(400)) };
+        // Rounds of 500 sockets at 10 us a write: the average moves a quarter of the way each.
+        let before = flush.for_readers(1_000);
+        flush.measured(Duration::from_millis(5), 500);
+        let once = flush.for_readers(1_000);
+        assert_eq!(flush.write_cost(), Duration::from_nanos(5_500));
+        for _ in 0..40 {
+            flush.measured(Duration::from_millis(5), 500);
+        }
+        assert_eq!((before, once), (Duration::from_millis(8), Duration::from_millis(11)));
+        assert!(flush.write_cost() > Duration::from_nanos(9_990), "{:?}", flush.write_cost());
+        assert!(flush.for_readers(1_000) > Duration::from_millis(19), "{:?}", flush.for_readers(1_000));
+        // A round of one socket hardly moves it; cheap rounds bring it back down.
+        flush.measured(Duration::from_millis(1), 1);
+        assert!(flush.write_cost() < Duration::from_nanos(11_000));
+        for _ in 0..40 {
+            flush.measured(Duration::from_micros(1_000), 500);
+        }
+        assert!(flush.write_cost() < Duration::from_nanos(2_100), "{:?}", flush.write_cost());
+        // Nothing written: no measurement; a stalled round counts as 1 ms a write at most.
+        flush.measured(Duration::from_secs(1), 0);
+        assert!(flush.write_cost() < Duration::from_nanos(2_100));
+        for _ in 0..40 {
+            flush.measured(Duration::from_secs(100), 300);
+        }
+        assert!(flush.write_cost() <= Duration::from_millis(1));
+        assert_eq!(flush.for_readers(1_000), Duration::from_millis(400));
     }
 
     #[test]

@@ -171,22 +171,26 @@ impl ParkedStream {
     }
 
     /// A round's turn at this stream: writes the events past its position, if it is parked.
-    fn pump(&self, buffer: &TurnBuffer, chunks: &mut Chunks) {
+    /// Whether it wrote to the socket.
+    fn pump(&self, buffer: &TurnBuffer, chunks: &mut Chunks) -> bool {
         let mut st = self.lock();
-        self.pump_locked(&mut st, buffer, chunks);
+        self.pump_locked(&mut st, buffer, chunks)
     }
 
-    fn pump_locked(&self, st: &mut ParkedState, buffer: &TurnBuffer, chunks: &mut Chunks) {
+    fn pump_locked(&self, st: &mut ParkedState, buffer: &TurnBuffer, chunks: &mut Chunks) -> bool {
         if !st.parked || st.on != std::ptr::from_ref(buffer) as usize {
-            return;
+            return false;
         }
-        let Some(socket) = st.socket.as_deref() else { return };
+        let Some(socket) = st.socket.as_deref() else { return false };
         let built = match chunks.built.iter().find(|(next, encoding, _)| *next == st.next && *encoding == self.encoding)
         {
             Some((_, _, built)) => built.clone(),
             None => match chunk(buffer, st.next, self.encoding) {
-                Ready::Nothing => return,
-                Ready::Lost => return self.hand_back(st),
+                Ready::Nothing => return false,
+                Ready::Lost => {
+                    self.hand_back(st);
+                    return false;
+                }
                 Ready::Chunk(built) => {
                     chunks.built.push((st.next, self.encoding, built.clone()));
                     built
@@ -198,7 +202,8 @@ impl ParkedStream {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
             Err(_) => {
                 st.failed = true;
-                return self.hand_back(st);
+                self.hand_back(st);
+                return true;
             }
         };
         self.metrics.round_writes.fetch_add(1, Relaxed);
@@ -213,6 +218,7 @@ impl ParkedStream {
         if st.rest.is_some() || built.sealed || built.more {
             self.hand_back(st);
         }
+        true
     }
 
     fn hand_back(&self, st: &mut ParkedState) {
@@ -314,10 +320,11 @@ pub(super) fn round(buffer: &Arc<TurnBuffer>, phases: Option<(u32, [bool; PHASES
 }
 
 fn write(buffer: &TurnBuffer, streams: &[Arc<ParkedStream>]) {
+    // Real time, not tokio's (which tests pause): what the writes cost is what the window follows.
+    let start = std::time::Instant::now();
     let mut chunks = Chunks::default();
-    for stream in streams {
-        stream.pump(buffer, &mut chunks);
-    }
+    let writes = streams.iter().filter(|stream| stream.pump(buffer, &mut chunks)).count();
+    buffer.flush.measured(start.elapsed(), writes);
 }
 
 #[cfg(test)]
@@ -343,7 +350,7 @@ mod tests {
     /// A turn whose deltas are paced (a 1 ms window: one cursor reads it), so rounds write to
     /// parked sinks; the cursor must be kept.
     fn paced(cap: usize) -> (Arc<Hub>, Arc<TurnBuffer>, crate::hub::Cursor) {
-        let hub = Hub::new(cap, FlushWindow { per_reader: Duration::from_millis(1), max: Duration::from_millis(1) });
+        let hub = Hub::new(cap, FlushWindow::new(u32::MAX, Duration::from_millis(1)));
         let buffer = hub.begin_turn("c", "t", &[]);
         // Without a bus, subscribing never waits.
         let (reading, _) = hub.subscribe("c", None).now_or_never().expect("no bus to wait for");
@@ -541,7 +548,7 @@ mod tests {
 
     #[tokio::test]
     async fn with_the_window_closed_a_round_hands_parked_sinks_back_instead_of_writing() {
-        let hub = Hub::new(1 << 20, FlushWindow { per_reader: Duration::ZERO, max: Duration::ZERO });
+        let hub = Hub::new(1 << 20, FlushWindow::new(0, Duration::ZERO));
         let buffer = hub.begin_turn("c", "t", &[]);
         assert!(!buffer.paced());
         let (sink, _ours, mut theirs, metrics) = sink();
@@ -553,6 +560,50 @@ mod tests {
         assert_eq!((back.next, back.sent), (0, false));
         assert!(read_now(&mut theirs).is_empty());
         assert_eq!(metrics.round_writes.load(Relaxed), 0);
+    }
+
+    /// A socket whose every write takes at least 300 us, as on a machine in a slow stretch.
+    struct Dear(UnixStream);
+
+    impl Socket for Dear {
+        fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
+            std::thread::sleep(Duration::from_micros(300));
+            (&self.0).write(bytes)
+        }
+    }
+
+    #[tokio::test]
+    async fn the_rounds_measure_what_a_write_costs_and_dearer_writes_widen_the_window() {
+        // 1,000 sweeps on this test's one worker: 4 ms for one watcher while no round has
+        // measured a write (4 us each until then).
+        let hub = Hub::new(1 << 20, FlushWindow::new(1_000, Duration::from_secs(3600)));
+        let buffer = hub.begin_turn("c", "t", &[]);
+        let (_reading, _) = hub.subscribe("c", None).now_or_never().expect("no bus to wait for");
+        assert_eq!(buffer.window(), Duration::from_millis(4));
+        let mut theirs = Vec::new();
+        let mut sinks = Vec::new();
+        for _ in 0..64 {
+            let (ours, other) = UnixStream::pair().unwrap();
+            ours.set_nonblocking(true).unwrap();
+            other.set_nonblocking(true).unwrap();
+            let sink = ParkedStream::new(Arc::new(Dear(ours)), Encoding::Line, Arc::new(Metrics::default()));
+            buffer.attach(&sink);
+            sink.park(&buffer, 0);
+            sinks.push(sink);
+            theirs.push(other);
+        }
+        // Twenty rounds of everyone (events that are not deltas go at once), each writing to
+        // the 64 sockets at 300 us or more a write: each moves the average 1/16 of the way.
+        let start = AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() });
+        for _ in 0..20 {
+            buffer.publish(&start);
+        }
+        for other in &mut theirs {
+            let lines = dechunk(&read_now(other)).iter().filter(|b| **b == b'\n').count();
+            assert_eq!(lines, 20, "every round wrote to every socket");
+        }
+        assert!(hub.write_cost() >= Duration::from_micros(200), "{:?}", hub.write_cost());
+        assert!(buffer.window() >= Duration::from_millis(200), "{:?}", buffer.window());
     }
 
     /// The window of [`parked_sinks`].
@@ -570,7 +621,7 @@ mod tests {
         Vec<(Arc<ParkedStream>, Arc<UnixStream>, UnixStream, Arc<Metrics>)>,
         Vec<UnixStream>,
     ) {
-        let hub = Hub::new(1 << 20, FlushWindow { per_reader: WINDOW, max: WINDOW });
+        let hub = Hub::new(1 << 20, FlushWindow::new(u32::MAX, WINDOW));
         let buffer = hub.begin_turn("c", "t", &[]);
         // Without a bus, subscribing never waits.
         let (reading, _) = hub.subscribe("c", None).now_or_never().expect("no bus to wait for");
