@@ -438,19 +438,15 @@ impl Config {
             if matches!(matches.value_source(key), Some(ValueSource::CommandLine | ValueSource::EnvVariable)) {
                 continue;
             }
+            let cannot =
+                |v: &toml::Value| ConfigError::file(&path, format!("line {at}: `{key}` cannot be {}", v.type_str()));
             let text_value = match value {
-                toml::Value::String(s) => s.clone(),
-                toml::Value::Integer(i) => i.to_string(),
-                toml::Value::Float(f) => f.to_string(),
-                toml::Value::Boolean(b) => b.to_string(),
                 toml::Value::Array(items) => items
                     .iter()
-                    .map(|v| v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string()))
-                    .collect::<Vec<_>>()
+                    .map(|v| scalar_text(v).ok_or_else(|| cannot(v)))
+                    .collect::<Result<Vec<_>, _>>()?
                     .join(","),
-                other => {
-                    return Err(ConfigError::file(&path, format!("line {at}: `{key}` cannot be {}", other.type_str())));
-                }
+                other => scalar_text(other).ok_or_else(|| cannot(other))?,
             };
             argv.push(format!("--{}", arg.get_long().unwrap_or(key)).into());
             argv.push(text_value.into());
@@ -508,6 +504,17 @@ fn credentials_from(
 }
 
 /// The 1-based line where `key` is set in a TOML text (for error messages).
+/// A scalar value of the file as its flag would spell it; `None` for a table, an array or a date.
+fn scalar_text(value: &toml::Value) -> Option<String> {
+    Some(match value {
+        toml::Value::String(s) => s.clone(),
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Float(f) => f.to_string(),
+        toml::Value::Boolean(b) => b.to_string(),
+        _ => return None,
+    })
+}
+
 fn line_of(text: &str, key: &str) -> usize {
     text.lines()
         .position(|l| l.trim_start().strip_prefix(key).is_some_and(|rest| rest.trim_start().starts_with('=')))

@@ -36,6 +36,14 @@ fn the_example_file_is_valid_and_a_missing_key_variable_is_reported() {
 }
 
 #[test]
+fn list_flags_in_the_file_take_numbers_and_booleans_as_their_flags_spell_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "api_keys = [\"k1\", 12345678901234567]\n");
+    let config = load(&["--config", &file], &[]).unwrap();
+    assert_eq!(config.api_keys, ["k1", "12345678901234567"]);
+}
+
+#[test]
 fn flags_beat_the_environment_which_beats_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let file = write(dir.path(), "max_streams = 7\nkeepalive_secs = 3\napi_keys = [\"a\", \"b\"]\nscripted_pace = 0\n");
@@ -94,6 +102,9 @@ fn a_bad_file_names_the_key_and_the_line() {
         ("[credentials.x]\nkind = \"telepathy\"\nmodels = [\"m\"]\n", vec!["telepathy"]),
         ("[credentials.x]\nkind = \"openai\"\nmodels = [\"m\"]\n", vec!["base_url"]),
         ("listen = [\n", vec!["line 1"]),
+        // A list flag takes scalars only: a nested list or a table is refused, not spelled out.
+        ("api_keys = [\"k\", [\"a\"]]\n", vec!["line 1", "api_keys", "cannot be array"]),
+        ("listen = { host = \"h\" }\n", vec!["line 1", "listen", "cannot be table"]),
     ];
     for (text, needles) in cases {
         let file = write(dir.path(), text);
