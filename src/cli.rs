@@ -24,7 +24,10 @@ pub fn run() -> ExitCode {
         }
     };
     if config.print_openapi {
-        print!("{}", crate::http::openapi_json_text());
+        #[cfg(feature = "openapi")]
+        print!("{}", crate::http::generated_openapi_json());
+        #[cfg(not(feature = "openapi"))]
+        print!("{}", crate::http::OPENAPI_JSON);
         return ExitCode::SUCCESS;
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

@@ -180,7 +180,8 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_WS_LISTEN")]
     pub ws_listen: Option<SocketAddr>,
 
-    /// Print the OpenAPI document and exit (`openapi/openapi.json` is this output).
+    /// Print the OpenAPI document and exit: the served one (`openapi/openapi.json`), or in a
+    /// build with `--features openapi`, the one the code's annotations generate.
     #[arg(long)]
     pub print_openapi: bool,
 

@@ -64,7 +64,6 @@ impl Gateway {
                 turns,
                 metrics,
                 drained: Default::default(),
-                openapi: bytes::Bytes::from(crate::http::openapi_json_text()),
             }),
         })
     }

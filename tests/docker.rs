@@ -31,7 +31,7 @@ fn docker_files_name_what_the_code_uses() {
 
     let health = dockerfile.lines().find(|l| l.contains("curl") && l.contains("CMD")).expect("a HEALTHCHECK command");
     assert!(health.contains(&format!("http://127.0.0.1:{port}/health")), "{health}");
-    let doc: serde_json::Value = serde_json::from_str(&dispatch_gateway::http::openapi_json_text()).unwrap();
+    let doc: serde_json::Value = serde_json::from_str(dispatch_gateway::http::OPENAPI_JSON).unwrap();
     assert!(doc["paths"]["/health"]["get"].is_object());
 
     let binary = env!("CARGO_BIN_EXE_dispatch-gateway").rsplit('/').next().unwrap();

@@ -4,20 +4,23 @@ use axum::extract::State;
 use axum::http::header::ACCEPT;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::Response;
-use utoipa::ToSchema;
 
 use super::AppState;
-use super::error::{ApiError, ErrorBody};
+use super::error::ApiError;
+#[cfg(feature = "openapi")]
+use super::error::ErrorBody;
 use super::extract::JsonObject;
 use super::stream::{watch, watch_response};
 use crate::live::Format;
 use crate::turn::StartTurn;
+#[cfg(feature = "openapi")]
 use crate::wire::AgentEvent;
 
 /// The body of `POST /chat`.
 /// Documents the body for OpenAPI; it is read field by field through `JsonObject`, so
 /// each bad field gets its own error sentence.
-#[derive(Debug, ToSchema)]
+#[cfg(feature = "openapi")]
+#[derive(Debug, utoipa::ToSchema)]
 #[allow(dead_code)]
 #[serde(rename_all = "camelCase")]
 pub struct ChatRequest {
@@ -31,29 +34,27 @@ pub struct ChatRequest {
     pub reasoning_effort: Option<String>,
 }
 
-impl ChatRequest {
-    /// Reads the fields with the gateway's error sentences.
-    pub fn parse(body: &JsonObject) -> Result<StartTurn, ApiError> {
-        let conversation_id =
-            body.conversation_id("conversationId")?.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-        Ok(StartTurn {
-            conversation_id,
-            message: body.message("message")?,
-            model: body.optional_str("model")?.map(str::to_owned),
-            cwd: body.optional_str("cwd")?.map(str::to_owned),
-            reasoning_effort: match body.optional_str("reasoningEffort")? {
-                Some(effort) => {
-                    super::settings::check_effort(effort)?;
-                    Some(effort.to_owned())
-                }
-                None => None,
-            },
-        })
-    }
+/// Reads a `ChatRequest` (of `POST /chat` or a WebSocket `chat` operation) with the gateway's
+/// error sentences.
+pub fn parse_chat(body: &JsonObject) -> Result<StartTurn, ApiError> {
+    let conversation_id = body.conversation_id("conversationId")?.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+    Ok(StartTurn {
+        conversation_id,
+        message: body.message("message")?,
+        model: body.optional_str("model")?.map(str::to_owned),
+        cwd: body.optional_str("cwd")?.map(str::to_owned),
+        reasoning_effort: match body.optional_str("reasoningEffort")? {
+            Some(effort) => {
+                super::settings::check_effort(effort)?;
+                Some(effort.to_owned())
+            }
+            None => None,
+        },
+    })
 }
 
 /// Starts a turn and streams its events until `turn-sealed`.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     post,
     path = "/chat",
     tag = "chat",
@@ -69,9 +70,9 @@ impl ChatRequest {
         (status = 409, description = "A turn is already running in this conversation", body = ErrorBody),
         (status = 413, description = "Body too large", body = ErrorBody),
     )
-)]
+))]
 pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonObject) -> Result<Response, ApiError> {
-    let start = ChatRequest::parse(&body)?;
+    let start = parse_chat(&body)?;
     let format = if wants_sse(&headers) { Format::Sse } else { Format::Ndjson };
     let permit = state.stream_permit(format.transport())?;
     let started = state.turns.start(start).await?;

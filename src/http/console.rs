@@ -6,7 +6,9 @@ use axum::extract::Path;
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 
-use super::error::{ApiError, ErrorBody};
+use super::error::ApiError;
+#[cfg(feature = "openapi")]
+use super::error::ErrorBody;
 
 /// Where the console's modules are served from; public like `/` (see `layers::is_public`).
 pub(super) const ASSETS: &str = "/console/";
@@ -44,20 +46,20 @@ fn serve(media_type: &'static str, body: &'static str) -> Response {
 }
 
 /// The web console: conversations live, a composer, metrics as plots, the gateway's own state.
-#[utoipa::path(get, path = "/", tag = "console",
-    responses((status = 200, description = "The console's page", content_type = "text/html", body = String)))]
+#[cfg_attr(feature = "openapi", utoipa::path(get, path = "/", tag = "console",
+    responses((status = 200, description = "The console's page", content_type = "text/html", body = String))))]
 pub async fn page() -> Response {
     serve("text/html; charset=utf-8", include_str!("../../console/index.html"))
 }
 
 /// One of the console's modules or its style sheet.
-#[utoipa::path(get, path = "/console/{asset}", tag = "console",
+#[cfg_attr(feature = "openapi", utoipa::path(get, path = "/console/{asset}", tag = "console",
     params(("asset" = String, Path, description = "A file name such as `app.js`")),
     responses(
         (status = 200, description = "The asset: a JavaScript module or the style sheet",
             content((String = "text/javascript"), (String = "text/css"))),
         (status = 404, description = "No such asset", body = ErrorBody),
-    ))]
+    )))]
 pub async fn asset(Path(name): Path<String>) -> Result<Response, ApiError> {
     let (_, media_type, body) = FILES
         .iter()

@@ -8,10 +8,11 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use serde_json::Value;
-use utoipa::ToSchema;
 
 use super::AppState;
-use super::error::{ApiError, ErrorBody};
+use super::error::ApiError;
+#[cfg(feature = "openapi")]
+use super::error::ErrorBody;
 use super::extract::{ConversationId, JsonObject, QueryParams};
 use crate::hub::Delivery;
 use crate::runtime::QueuedMessage;
@@ -24,7 +25,8 @@ const MAX_LAST_WAIT_MS: u64 = 300_000;
 const IDEMPOTENCY_RACE_WAIT: Duration = Duration::from_secs(2);
 
 /// Documents the body of `POST /conversations/:id/messages`.
-#[derive(Debug, ToSchema)]
+#[cfg(feature = "openapi")]
+#[derive(Debug, utoipa::ToSchema)]
 #[allow(dead_code)]
 pub struct MessageRequest {
     /// Trimmed; must not be empty.
@@ -32,14 +34,16 @@ pub struct MessageRequest {
     pub model: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct TurnAccepted {
     pub conversation_id: String,
     pub turn_id: String,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct StopResponse {
     pub conversation_id: String,
@@ -47,13 +51,15 @@ pub struct StopResponse {
 }
 
 /// Documents the body of `POST /conversations/:id/queue`.
-#[derive(Debug, ToSchema)]
+#[cfg(feature = "openapi")]
+#[derive(Debug, utoipa::ToSchema)]
 #[allow(dead_code)]
 pub struct QueueRequest {
     pub text: String,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct QueueResponse {
     pub conversation_id: String,
@@ -62,7 +68,8 @@ pub struct QueueResponse {
     pub queue: Vec<QueuedMessage>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct StatusResponse {
     pub conversation_id: String,
@@ -70,7 +77,8 @@ pub struct StatusResponse {
     pub status: crate::wire::ConversationStatus,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct LastResponse {
     pub conversation_id: String,
@@ -112,7 +120,7 @@ async fn replay(state: &AppState, id: &str, key: &str, hash: &str) -> Result<Opt
 }
 
 /// Starts a turn without holding a stream; watchers follow it on `/events`.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     post,
     path = "/conversations/{id}/messages",
     tag = "control",
@@ -129,7 +137,7 @@ async fn replay(state: &AppState, id: &str, key: &str, hash: &str) -> Result<Opt
         (status = 413, body = ErrorBody),
         (status = 503, description = "Shutting down", body = ErrorBody),
     )
-)]
+))]
 pub async fn messages(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -178,26 +186,26 @@ pub async fn messages(
 
 /// Aborts the running turn: it ends `done{reason:"aborted"}` + `turn-sealed`, keeping the
 /// text already streamed.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     post,
     path = "/conversations/{id}/stop",
     tag = "control",
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = StopResponse), (status = 400, body = ErrorBody))
-)]
+))]
 pub async fn stop(State(state): State<AppState>, ConversationId(id): ConversationId) -> Json<StopResponse> {
     let aborted_turn = state.turns.stop(&id).await;
     Json(StopResponse { conversation_id: id, aborted_turn })
 }
 
 /// Like stop, and the conversation's status becomes `closed` (idempotent).
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     post,
     path = "/conversations/{id}/close",
     tag = "control",
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = StopResponse), (status = 400, body = ErrorBody))
-)]
+))]
 pub async fn close(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -207,7 +215,7 @@ pub async fn close(
 }
 
 /// Steers the running turn (delivered at its next step boundary) or starts a turn.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     post,
     path = "/conversations/{id}/queue",
     tag = "control",
@@ -220,7 +228,7 @@ pub async fn close(
         (status = 413, description = "The body is too large, or the waiting text would pass `--max-queued-bytes`", body = ErrorBody),
         (status = 503, body = ErrorBody),
     )
-)]
+))]
 pub async fn queue(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -232,7 +240,7 @@ pub async fn queue(
 }
 
 /// Whether a turn runs, and the conversation's status.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/conversations/{id}/status",
     tag = "control",
@@ -242,7 +250,7 @@ pub async fn queue(
         (status = 400, body = ErrorBody),
         (status = 404, description = "Unknown conversation", body = ErrorBody),
     )
-)]
+))]
 pub async fn status(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -257,7 +265,7 @@ pub async fn status(
 
 /// Waits (bounded by `timeoutMs`) for the running turn to seal, then returns the last
 /// assistant text.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/conversations/{id}/last",
     tag = "control",
@@ -270,7 +278,7 @@ pub async fn status(
         (status = 400, body = ErrorBody),
         (status = 409, description = "The turn was still running when the wait ended", body = ErrorBody),
     )
-)]
+))]
 pub async fn last(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,

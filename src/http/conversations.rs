@@ -5,14 +5,17 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use utoipa::ToSchema;
 
 use super::AppState;
-use super::error::{ApiError, ErrorBody};
+use super::error::ApiError;
+#[cfg(feature = "openapi")]
+use super::error::ErrorBody;
 use super::extract::{ConversationId, JsonObject, QueryParams, check_id};
 use crate::store::{ConversationFilter, HistoryWindow, NewConversation, now_ms};
 use crate::turn::StartError;
-use crate::wire::{ConversationMeta, ConversationStatus, StoredChunk, TurnMetrics};
+#[cfg(feature = "openapi")]
+use crate::wire::StoredChunk;
+use crate::wire::{ConversationMeta, ConversationStatus, TurnMetrics};
 
 /// Longest title accepted, in characters.
 const MAX_TITLE_CHARS: usize = 512;
@@ -22,7 +25,8 @@ const MAX_LIST_LIMIT: u64 = 1000;
 
 /// Documents the body for OpenAPI; it is read field by field through `JsonObject`, so
 /// each bad field gets its own error sentence.
-#[derive(Debug, ToSchema)]
+#[cfg(feature = "openapi")]
+#[derive(Debug, utoipa::ToSchema)]
 #[allow(dead_code)]
 pub struct CreateConversation {
     /// Client-chosen id (1-128 of `[A-Za-z0-9._:-]`); a UUID is minted when absent.
@@ -32,13 +36,16 @@ pub struct CreateConversation {
     pub model: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConversationList {
     pub conversations: Vec<ConversationMeta>,
 }
 
+// Documents the body for OpenAPI; the handler writes it from the stored chunks' own JSON.
 /// `GET /conversations/:id`: a window of the log.
-#[derive(Debug, Serialize, ToSchema)]
+#[cfg(feature = "openapi")]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct HistoryResponse {
     pub chunks: Vec<StoredChunk>,
@@ -46,7 +53,8 @@ pub struct HistoryResponse {
     pub latest_seq: u64,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct MetricsResponse {
     /// Every sealed turn, in turn order.
     pub turns: Vec<TurnMetrics>,
@@ -54,13 +62,15 @@ pub struct MetricsResponse {
 
 /// Documents the body for OpenAPI; it is read field by field through `JsonObject`, so
 /// each bad field gets its own error sentence.
-#[derive(Debug, ToSchema)]
+#[cfg(feature = "openapi")]
+#[derive(Debug, utoipa::ToSchema)]
 #[allow(dead_code)]
 pub struct TitleRequest {
     pub title: String,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct TitleResponse {
     pub conversation_id: String,
@@ -80,7 +90,7 @@ fn title_field(body: &JsonObject, required: bool) -> Result<Option<String>, ApiE
 }
 
 /// Creates a conversation.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     post,
     path = "/conversations",
     tag = "conversations",
@@ -91,7 +101,7 @@ fn title_field(body: &JsonObject, required: bool) -> Result<Option<String>, ApiE
         (status = 409, description = "The id exists", body = ErrorBody),
         (status = 413, body = ErrorBody),
     )
-)]
+))]
 pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<Response, ApiError> {
     let id = match body.optional_str("id")? {
         Some(id) => check_id(id).map_err(|e| ApiError::bad(format!("`id`: {e}")))?.to_owned(),
@@ -111,7 +121,7 @@ pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<R
 }
 
 /// Lists conversations, newest activity first.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/conversations",
     tag = "conversations",
@@ -121,7 +131,7 @@ pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<R
         ("limit" = Option<u64>, Query, description = "At most this many (default 100, max 1000)"),
     ),
     responses((status = 200, body = ConversationList), (status = 400, body = ErrorBody))
-)]
+))]
 pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<Json<ConversationList>, ApiError> {
     let limit = query.integer("limit", 1)?.unwrap_or(DEFAULT_LIST_LIMIT);
     if limit > MAX_LIST_LIMIT {
@@ -142,7 +152,7 @@ pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<J
 }
 
 /// A window of the conversation's log. An unknown id is an empty log.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/conversations/{id}",
     tag = "conversations",
@@ -154,7 +164,7 @@ pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<J
         ("include" = Option<String>, Query, description = "`inflight`: also the running turn's committed chunks (its user message, its finished steps). Without it a read shows sealed turns only: the running turn is the live stream's, never both"),
     ),
     responses((status = 200, description = "The sealed turns' chunks in the window (and the running turn's with `include=inflight`); `latestSeq` is the seq of the last one returned, or `sinceSeq`", body = HistoryResponse), (status = 400, body = ErrorBody))
-)]
+))]
 pub async fn history(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -183,13 +193,13 @@ pub async fn history(
 }
 
 /// Metrics of every sealed turn, in turn order.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/conversations/{id}/metrics",
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = MetricsResponse), (status = 400, body = ErrorBody))
-)]
+))]
 pub async fn metrics(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -198,7 +208,7 @@ pub async fn metrics(
 }
 
 /// Renames a conversation.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     put,
     path = "/conversations/{id}/title",
     tag = "conversations",
@@ -209,7 +219,7 @@ pub async fn metrics(
         (status = 400, body = ErrorBody),
         (status = 404, description = "Unknown conversation", body = ErrorBody),
     )
-)]
+))]
 pub async fn set_title(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -223,7 +233,7 @@ pub async fn set_title(
 }
 
 /// Deletes a conversation with its log and metrics.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     delete,
     path = "/conversations/{id}",
     tag = "conversations",
@@ -234,7 +244,7 @@ pub async fn set_title(
         (status = 404, description = "Unknown conversation", body = ErrorBody),
         (status = 409, description = "A turn is running", body = ErrorBody),
     )
-)]
+))]
 pub async fn delete(State(state): State<AppState>, ConversationId(id): ConversationId) -> Result<StatusCode, ApiError> {
     match state.turns.delete(&id).await {
         Ok(true) => Ok(StatusCode::NO_CONTENT),

@@ -6,7 +6,9 @@ use axum::http::header::ACCEPT;
 use axum::response::Response;
 
 use super::AppState;
-use super::error::{ApiError, ErrorBody};
+use super::error::ApiError;
+#[cfg(feature = "openapi")]
+use super::error::ErrorBody;
 use super::extract::{ConversationId, QueryParams};
 use super::stream::{watch, watch_response};
 use crate::hub::EventId;
@@ -14,7 +16,7 @@ use crate::live::Format;
 
 /// Follows a conversation: the in-flight turn's events replayed from its start (or right after
 /// the resume cursor), then every event of every later turn, until the client leaves.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/conversations/{id}/events",
     tag = "streams",
@@ -33,7 +35,7 @@ use crate::live::Format;
             )),
         (status = 400, description = "Bad id or parameter", body = ErrorBody),
     )
-)]
+))]
 pub async fn events(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,

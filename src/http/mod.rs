@@ -9,6 +9,7 @@ mod events;
 mod extract;
 mod layers;
 mod models;
+#[cfg(feature = "openapi")]
 mod openapi;
 mod ops;
 mod settings;
@@ -19,11 +20,7 @@ pub mod ws;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
 use axum::http::{Method, Uri};
-use utoipa::OpenApi;
-use utoipa_axum::router::OpenApiRouter;
-use utoipa_axum::routes;
 
 use crate::config::Config;
 use crate::hub::Hub;
@@ -60,8 +57,6 @@ pub struct Shared {
     /// Cancelled at shutdown once every turn has sealed: live streams deliver what is left
     /// and end.
     pub drained: tokio_util::sync::CancellationToken,
-    /// `/openapi.json`, serialized once.
-    pub openapi: bytes::Bytes,
 }
 
 impl AppState {
@@ -80,71 +75,88 @@ impl AppState {
     }
 }
 
-#[derive(OpenApi)]
-#[openapi(
-    info(title = "dispatch-gateway", description = "Turns, an append-only log and live streams for agent runtimes."),
-    components(schemas(crate::wire::AgentEvent, crate::wire::Chunk, crate::wire::StoredChunk)),
-    tags(
-        (name = "chat", description = "Start turns and stream them"),
-        (name = "conversations", description = "Conversations, their log and metrics"),
-        (name = "models", description = "Models turns can run on"),
-        (name = "streams", description = "Live streams: SSE, NDJSON, WebSocket"),
-        (name = "control", description = "Start, stop, steer and inspect turns"),
-        (name = "operations", description = "Health and operations"),
-        (name = "console", description = "The web console's page and modules"),
-    )
-)]
-struct ApiDoc;
+/// Every route of the API, once: each path with its methods' handlers. It builds the router;
+/// in the `openapi` build it also lists the handlers whose annotations make the document
+/// (`openapi.rs` checks that the document has exactly these routes).
+macro_rules! api {
+    ($($path:literal => { $($method:ident: $module:ident :: $handler:ident),+ $(,)? }),+ $(,)?) => {
+        /// Every documented route, not yet bound to a state.
+        fn api() -> Router<AppState> {
+            Router::new()$(.route($path, axum::routing::MethodRouter::new()$(.$method($module::$handler))+))+
+        }
 
-/// Every documented route, not yet bound to a state.
-fn api() -> OpenApiRouter<AppState> {
-    OpenApiRouter::with_openapi(ApiDoc::openapi())
-        .routes(routes!(models::health))
-        .routes(routes!(models::models))
-        .routes(routes!(chat::chat))
-        .routes(routes!(conversations::create, conversations::list))
-        .routes(routes!(conversations::history, conversations::delete))
-        .routes(routes!(conversations::metrics))
-        .routes(routes!(conversations::set_title))
-        .routes(routes!(events::events))
-        .routes(routes!(control::messages))
-        .routes(routes!(control::stop))
-        .routes(routes!(control::close))
-        .routes(routes!(control::queue))
-        .routes(routes!(control::status))
-        .routes(routes!(control::last))
-        .routes(routes!(settings::get_model, settings::put_model))
-        .routes(routes!(settings::get_cwd, settings::put_cwd))
-        .routes(routes!(settings::get_reasoning_effort, settings::put_reasoning_effort))
-        .routes(routes!(settings::lsp))
-        .routes(routes!(throughput::throughput))
-        .routes(routes!(ws::ws))
-        .routes(routes!(openapi_json))
-        .routes(routes!(ops::ready))
-        .routes(routes!(ops::metrics))
-        .routes(routes!(console::page))
-        .routes(routes!(console::asset))
+        /// The routes as (method, path), for the document's check.
+        #[cfg(all(test, feature = "openapi"))]
+        const ROUTES: &[(&str, &str)] = &[$($((stringify!($method), $path)),+),+];
+
+        #[cfg(feature = "openapi")]
+        #[derive(utoipa::OpenApi)]
+        #[openapi(
+            info(title = "dispatch-gateway", description = "Turns, an append-only log and live streams for agent runtimes."),
+            paths($($($module::$handler),+),+),
+            components(schemas(crate::wire::AgentEvent, crate::wire::Chunk, crate::wire::StoredChunk)),
+            tags(
+                (name = "chat", description = "Start turns and stream them"),
+                (name = "conversations", description = "Conversations, their log and metrics"),
+                (name = "models", description = "Models turns can run on"),
+                (name = "streams", description = "Live streams: SSE, NDJSON, WebSocket"),
+                (name = "control", description = "Start, stop, steer and inspect turns"),
+                (name = "operations", description = "Health and operations"),
+                (name = "console", description = "The web console's page and modules"),
+            )
+        )]
+        struct ApiDoc;
+    };
 }
 
-/// The OpenAPI document of the API, as pretty JSON (what `openapi/openapi.json` holds).
-pub fn openapi_json_text() -> String {
-    let (_, doc) = api().split_for_parts();
-    let value = serde_json::to_value(&doc).expect("the OpenAPI document serializes");
+api! {
+    "/health" => { get: models::health },
+    "/models" => { get: models::models },
+    "/chat" => { post: chat::chat },
+    "/conversations" => { post: conversations::create, get: conversations::list },
+    "/conversations/{id}" => { get: conversations::history, delete: conversations::delete },
+    "/conversations/{id}/metrics" => { get: conversations::metrics },
+    "/conversations/{id}/title" => { put: conversations::set_title },
+    "/conversations/{id}/events" => { get: events::events },
+    "/conversations/{id}/messages" => { post: control::messages },
+    "/conversations/{id}/stop" => { post: control::stop },
+    "/conversations/{id}/close" => { post: control::close },
+    "/conversations/{id}/queue" => { post: control::queue },
+    "/conversations/{id}/status" => { get: control::status },
+    "/conversations/{id}/last" => { get: control::last },
+    "/conversations/{id}/model" => { get: settings::get_model, put: settings::put_model },
+    "/conversations/{id}/cwd" => { get: settings::get_cwd, put: settings::put_cwd },
+    "/conversations/{id}/reasoning-effort" => {
+        get: settings::get_reasoning_effort,
+        put: settings::put_reasoning_effort,
+    },
+    "/conversations/{id}/lsp" => { get: settings::lsp },
+    "/metrics/throughput" => { get: throughput::throughput },
+    "/ws" => { get: ws::ws },
+    "/openapi.json" => { get: ops::openapi_json },
+    "/ready" => { get: ops::ready },
+    "/metrics" => { get: ops::metrics },
+    "/" => { get: console::page },
+    "/console/{asset}" => { get: console::asset },
+}
+
+/// The OpenAPI document served at `/openapi.json`: `openapi/openapi.json`, compiled in. The
+/// `openapi` build generates it from the handlers' annotations (`--print-openapi`); a test of
+/// that build checks the file is what it generates.
+pub const OPENAPI_JSON: &str = include_str!("../../openapi/openapi.json");
+
+/// The OpenAPI document generated from the handlers' annotations, as pretty JSON (what
+/// `openapi/openapi.json` holds).
+#[cfg(feature = "openapi")]
+pub fn generated_openapi_json() -> String {
+    use utoipa::OpenApi;
+    let value = serde_json::to_value(ApiDoc::openapi()).expect("the OpenAPI document serializes");
     serde_json::to_string_pretty(&openapi::refine(value)).expect("JSON serializes") + "\n"
-}
-
-/// The OpenAPI 3.1 document of this API.
-#[utoipa::path(get, path = "/openapi.json", tag = "operations",
-    responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
-async fn openapi_json(State(state): State<AppState>) -> axum::response::Response {
-    use axum::response::IntoResponse;
-    ([(axum::http::header::CONTENT_TYPE, "application/json")], state.openapi.clone()).into_response()
 }
 
 /// The routes bound to the gateway's state.
 pub fn router(state: AppState) -> Router {
-    let (router, _) = api().split_for_parts();
-    let router = router.fallback(not_found).method_not_allowed_fallback(method_not_allowed);
+    let router = api().fallback(not_found).method_not_allowed_fallback(method_not_allowed);
     #[cfg(feature = "docs-ui")]
     let router = router.merge(docs_ui());
     layers::wrap(router, &state).with_state(state)
@@ -158,7 +170,7 @@ pub fn ws_router(state: AppState) -> Router {
 /// The Swagger UI page at `/docs`, from assets compiled into the binary (no CDN).
 #[cfg(feature = "docs-ui")]
 fn docs_ui() -> Router<AppState> {
-    let doc: serde_json::Value = serde_json::from_str(&openapi_json_text()).expect("the document is JSON");
+    let doc: serde_json::Value = serde_json::from_str(OPENAPI_JSON).expect("the document is JSON");
     utoipa_swagger_ui::SwaggerUi::new("/docs").external_url_unchecked("/docs/openapi.json", doc).into()
 }
 

@@ -5,12 +5,12 @@ use std::collections::BTreeMap;
 use axum::Json;
 use axum::extract::State;
 use serde::Serialize;
-use utoipa::ToSchema;
 
 use super::AppState;
 use crate::runtime::ModelInfo;
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ModelList {
     /// `<credential>/<model>` names.
@@ -20,7 +20,7 @@ pub struct ModelList {
 }
 
 /// The models turns can run on.
-#[utoipa::path(get, path = "/models", tag = "models", responses((status = 200, body = ModelList)))]
+#[cfg_attr(feature = "openapi", utoipa::path(get, path = "/models", tag = "models", responses((status = 200, body = ModelList))))]
 pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     let registry = state.turns.registry();
     Json(ModelList {
@@ -33,13 +33,14 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     })
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Health {
     pub ok: bool,
 }
 
 /// Liveness: answers as long as the process serves requests.
-#[utoipa::path(get, path = "/health", tag = "operations", responses((status = 200, body = Health)))]
+#[cfg_attr(feature = "openapi", utoipa::path(get, path = "/health", tag = "operations", responses((status = 200, body = Health))))]
 pub async fn health() -> Json<Health> {
     Json(Health { ok: true })
 }

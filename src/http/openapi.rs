@@ -1,5 +1,5 @@
-//! The OpenAPI document: generated from the handlers' annotations, then made exact where the
-//! generator is loose, and serialized once.
+//! The OpenAPI document's generation (the `openapi` build): from the handlers' annotations,
+//! then made exact where the generator is loose. The gateway serves the committed result.
 
 use serde_json::{Map, Value, json};
 
@@ -146,5 +146,37 @@ fn drop_null_from_optionals(schema_name: &str, schema: &mut Value) {
         {
             *property = other.clone();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{OPENAPI_JSON, ROUTES, generated_openapi_json};
+
+    /// The served document (the committed file) is what the annotations generate.
+    #[test]
+    fn the_committed_document_is_the_generated_one() {
+        assert!(
+            generated_openapi_json() == OPENAPI_JSON,
+            "openapi/openapi.json is stale: regenerate it with \
+             `cargo run --features openapi -- --print-openapi > openapi/openapi.json`"
+        );
+    }
+
+    /// Every routed method and path is documented, and the document has no other operation: a
+    /// handler's annotation names the path and method the router serves it on.
+    #[test]
+    fn the_document_has_exactly_the_routes() {
+        let doc: serde_json::Value = serde_json::from_str(&generated_openapi_json()).unwrap();
+        let mut documented: Vec<(String, String)> = doc["paths"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .flat_map(|(path, ops)| ops.as_object().unwrap().keys().map(move |m| (m.clone(), path.clone())))
+            .collect();
+        let mut routed: Vec<(String, String)> = ROUTES.iter().map(|(m, p)| (m.to_string(), p.to_string())).collect();
+        documented.sort();
+        routed.sort();
+        assert_eq!(documented, routed);
     }
 }

@@ -1,25 +1,27 @@
-//! `GET /ready` and `GET /metrics`.
+//! `GET /ready`, `GET /metrics` and `GET /openapi.json`.
 
 use axum::Json;
 use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use utoipa::ToSchema;
 
 use super::AppState;
-use super::error::{ApiError, ErrorBody};
+use super::error::ApiError;
+#[cfg(feature = "openapi")]
+use super::error::ErrorBody;
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Ready {
     pub ready: bool,
 }
 
 /// Readiness: 200 while the database answers and turns are accepted; 503 while draining.
-#[utoipa::path(get, path = "/ready", tag = "operations", responses(
+#[cfg_attr(feature = "openapi", utoipa::path(get, path = "/ready", tag = "operations", responses(
     (status = 200, body = Ready),
     (status = 503, description = "Shutting down, or the database does not answer", body = ErrorBody),
-))]
+)))]
 pub async fn ready(State(state): State<AppState>) -> Result<Response, ApiError> {
     if state.turns.is_closing() {
         // What a draining gateway is meant to say: not a failure worth an error line.
@@ -37,12 +39,19 @@ pub async fn ready(State(state): State<AppState>) -> Result<Response, ApiError> 
 }
 
 /// Prometheus text exposition of the gateway's counters.
-#[utoipa::path(get, path = "/metrics", tag = "operations", responses(
+#[cfg_attr(feature = "openapi", utoipa::path(get, path = "/metrics", tag = "operations", responses(
     (status = 200, description = "Prometheus text format", content_type = "text/plain; version=0.0.4", body = String),
-))]
+)))]
 pub async fn metrics(State(state): State<AppState>) -> Response {
     let hub = &state.hub;
     let pacing = crate::metrics::Pacing { window: hub.window(), write_cost: hub.write_cost() };
     let body = state.metrics.render(state.turns.running(), hub.channel_count(), hub.buffered_bytes(), pacing);
     ([(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+}
+
+/// The OpenAPI 3.1 document of this API.
+#[cfg_attr(feature = "openapi", utoipa::path(get, path = "/openapi.json", tag = "operations",
+    responses((status = 200, description = "This document", content_type = "application/json", body = Object))))]
+pub async fn openapi_json() -> Response {
+    ([(CONTENT_TYPE, "application/json")], super::OPENAPI_JSON).into_response()
 }

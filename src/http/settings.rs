@@ -6,24 +6,27 @@
 use axum::Json;
 use axum::extract::State;
 use serde::Serialize;
-use utoipa::ToSchema;
 
 use super::AppState;
-use super::error::{ApiError, ErrorBody};
+use super::error::ApiError;
+#[cfg(feature = "openapi")]
+use super::error::ErrorBody;
 use super::extract::{ConversationId, JsonObject};
 use crate::runtime::REASONING_EFFORTS;
 use crate::store::{Setting, now_ms};
 use crate::turn::StartError;
 
 /// Documents the body of `PUT /conversations/:id/model`.
-#[derive(Debug, ToSchema)]
+#[cfg(feature = "openapi")]
+#[derive(Debug, utoipa::ToSchema)]
 #[allow(dead_code)]
 pub struct ModelRequest {
     /// `<credential>/<model>`, or null to clear.
     pub model: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ModelResponse {
     pub conversation_id: String,
@@ -32,14 +35,16 @@ pub struct ModelResponse {
 }
 
 /// Documents the body of `PUT /conversations/:id/cwd`.
-#[derive(Debug, ToSchema)]
+#[cfg(feature = "openapi")]
+#[derive(Debug, utoipa::ToSchema)]
 #[allow(dead_code)]
 pub struct CwdRequest {
     /// A directory, or null to clear.
     pub cwd: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct CwdResponse {
     pub conversation_id: String,
@@ -48,7 +53,8 @@ pub struct CwdResponse {
 }
 
 /// Documents the body of `PUT /conversations/:id/reasoning-effort`.
-#[derive(Debug, ToSchema)]
+#[cfg(feature = "openapi")]
+#[derive(Debug, utoipa::ToSchema)]
 #[allow(dead_code)]
 #[serde(rename_all = "camelCase")]
 pub struct ReasoningEffortRequest {
@@ -56,7 +62,8 @@ pub struct ReasoningEffortRequest {
     pub reasoning_effort: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ReasoningEffortResponse {
     pub conversation_id: String,
@@ -64,7 +71,8 @@ pub struct ReasoningEffortResponse {
     pub reasoning_effort: Option<String>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct LspResponse {
     pub conversation_id: String,
@@ -93,13 +101,13 @@ fn put_value<'b>(body: &'b JsonObject, field: &str) -> Result<Option<&'b str>, A
 }
 
 /// The conversation's sticky model.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/conversations/{id}/model",
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = ModelResponse), (status = 400, body = ErrorBody))
-)]
+))]
 pub async fn get_model(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -109,14 +117,14 @@ pub async fn get_model(
 }
 
 /// Sets or clears the sticky model (a turn that names a known model sets it too).
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     put,
     path = "/conversations/{id}/model",
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     request_body = ModelRequest,
     responses((status = 200, body = ModelResponse), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody))
-)]
+))]
 pub async fn put_model(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -133,13 +141,13 @@ pub async fn put_model(
 }
 
 /// The conversation's working directory.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/conversations/{id}/cwd",
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = CwdResponse), (status = 400, body = ErrorBody))
-)]
+))]
 pub async fn get_cwd(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -149,14 +157,14 @@ pub async fn get_cwd(
 }
 
 /// Sets or clears the working directory agent programs of this conversation run in.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     put,
     path = "/conversations/{id}/cwd",
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     request_body = CwdRequest,
     responses((status = 200, body = CwdResponse), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody))
-)]
+))]
 pub async fn put_cwd(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -171,13 +179,13 @@ pub async fn put_cwd(
 }
 
 /// The conversation's reasoning effort.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/conversations/{id}/reasoning-effort",
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = ReasoningEffortResponse), (status = 400, body = ErrorBody))
-)]
+))]
 pub async fn get_reasoning_effort(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -187,14 +195,14 @@ pub async fn get_reasoning_effort(
 }
 
 /// Sets or clears the reasoning effort turns of this conversation ask for.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     put,
     path = "/conversations/{id}/reasoning-effort",
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     request_body = ReasoningEffortRequest,
     responses((status = 200, body = ReasoningEffortResponse), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody))
-)]
+))]
 pub async fn put_reasoning_effort(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
@@ -210,13 +218,13 @@ pub async fn put_reasoning_effort(
 
 /// The language servers of the conversation's folder: none (the reference web client shows
 /// this panel on every page).
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/conversations/{id}/lsp",
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = LspResponse), (status = 400, body = ErrorBody))
-)]
+))]
 pub async fn lsp(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,

@@ -4,16 +4,18 @@
 use axum::Json;
 use axum::extract::State;
 use serde::Serialize;
-use utoipa::ToSchema;
 
 use super::AppState;
-use super::error::{ApiError, ErrorBody};
+use super::error::ApiError;
+#[cfg(feature = "openapi")]
+use super::error::ErrorBody;
 use super::extract::QueryParams;
 use crate::store::now_ms;
 
 const DAY_MS: i64 = 86_400_000;
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ModelRate {
     pub model: String,
@@ -25,7 +27,8 @@ pub struct ModelRate {
     pub turns: i64,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Throughput {
     /// `day`, `week` or `month`.
@@ -87,7 +90,7 @@ fn parse_date(s: &str) -> Option<(i64, i64, Option<i64>)> {
 }
 
 /// Output throughput per model over a period.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/metrics/throughput",
     tag = "operations",
@@ -96,7 +99,7 @@ fn parse_date(s: &str) -> Option<(i64, i64, Option<i64>)> {
         ("date" = Option<String>, Query, description = "`YYYY-MM-DD`, or `YYYY-MM` for a month; default today (UTC)"),
     ),
     responses((status = 200, body = Throughput), (status = 400, body = ErrorBody))
-)]
+))]
 pub async fn throughput(State(state): State<AppState>, query: QueryParams) -> Result<Json<Throughput>, ApiError> {
     let period = query.get("period").unwrap_or("day");
     if !matches!(period, "day" | "week" | "month") {

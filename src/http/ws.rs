@@ -13,7 +13,7 @@ use futures_util::future::BoxFuture;
 use serde_json::{Map, Value, json};
 
 use super::AppState;
-use super::chat::ChatRequest;
+use super::chat::parse_chat;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{JsonObject, check_id};
 use crate::encoding::has_token;
@@ -22,7 +22,7 @@ use crate::metrics::Transport;
 use crate::turn::StartError;
 
 /// Upgrades to the WebSocket protocol. Also answers every path of the `--ws-listen` listener.
-#[utoipa::path(
+#[cfg_attr(feature = "openapi", utoipa::path(
     get,
     path = "/ws",
     tag = "streams",
@@ -32,7 +32,7 @@ use crate::turn::StartError;
         (status = 403, description = "The page's `Origin` is not on the CORS allow-list", body = ErrorBody),
         (status = 426, description = "An upgrade over HTTP/1.0", body = ErrorBody),
     )
-)]
+))]
 pub async fn ws(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
     if request.version() < Version::HTTP_11 {
         let body = ErrorBody { error: "a WebSocket upgrade needs HTTP/1.1".into() };
@@ -173,7 +173,7 @@ impl WsOps {
     }
 
     async fn chat_send(&self, session: &mut Session, op: &JsonObject, conversation_id: Option<&str>) {
-        let start = match ChatRequest::parse(op) {
+        let start = match parse_chat(op) {
             Ok(start) => start,
             Err(e) => return chat_error(session, conversation_id, e.to_string()),
         };

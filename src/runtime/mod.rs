@@ -17,7 +17,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use utoipa::ToSchema;
 
 use crate::wire::{OutputStream, Usage};
 
@@ -91,7 +90,8 @@ pub struct TurnRequest {
 pub use crate::store::HistoryChunk;
 
 /// A message waiting to be delivered to a running turn (or to start the next one).
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct QueuedMessage {
     pub id: String,
@@ -221,7 +221,8 @@ pub trait Runtime: Send + Sync + 'static {
 }
 
 /// What `GET /models` says of one model.
-#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+#[derive(Debug, Clone, Default, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ModelInfo {
     #[serde(skip_serializing_if = "Option::is_none")]
