@@ -117,7 +117,8 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_FLUSH_SWEEPS", default_value_t = 4)]
     pub flush_sweeps: u32,
 
-    /// Longest flush window, in milliseconds.
+    /// Longest flush window, in milliseconds, while two sweeps fit under it (past that the
+    /// window is two sweeps: the rounds would otherwise fall behind).
     #[arg(long, env = "DISPATCH_FLUSH_MAX_MS", default_value_t = 40)]
     pub flush_max_ms: u64,
 

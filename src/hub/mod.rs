@@ -327,12 +327,12 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn with_many_watchers_deltas_wait_for_the_round_and_other_events_go_at_once() {
-        // One sweep (no round has measured a write: 4 us each, on this test's one worker).
-        let hub = Hub::new(1 << 20, FlushWindow::new(1, Duration::from_millis(40)));
+        // Two sweeps (no round has measured a write: 4 us each, on this test's one worker).
+        let hub = Hub::new(1 << 20, FlushWindow::new(2, Duration::from_millis(40)));
         let buffer = hub.begin_turn("c", "t", &[]);
-        // 750 watchers of the turn in flight: a 3 ms window.
+        // 375 watchers of the turn in flight: a 3 ms window.
         let mut cursors: Vec<Cursor> = Vec::new();
-        for _ in 0..750 {
+        for _ in 0..375 {
             cursors.push(hub.subscribe("c", None).await.0);
         }
         assert_eq!(buffer.window(), Duration::from_millis(3));

@@ -51,12 +51,18 @@ impl FlushWindow {
     }
 
     /// The window with `readers` watchers reading in-flight turns: zero below 1 ms (the
-    /// timer's resolution).
+    /// timer's resolution), at most the cap, but never under two sweeps: a shorter window would
+    /// have the rounds write for more than half of the workers' time, and past all of it they
+    /// fall behind, every delta later than the last. When writes are that dear (a slow stretch,
+    /// a machine too small for its watchers), a longer window is the lesser latency.
     pub(super) fn for_readers(&self, readers: usize) -> Duration {
-        let ns = u128::from(self.write_ns.load(Relaxed)) * readers as u128 * u128::from(self.sweeps)
-            / u128::from(self.workers);
-        let window = Duration::from_nanos(ns.min(u64::MAX.into()) as u64);
-        if window < Duration::from_millis(1) { Duration::ZERO } else { window.min(self.max) }
+        if self.sweeps == 0 {
+            return Duration::ZERO;
+        }
+        let sweep = u128::from(self.write_ns.load(Relaxed)) * readers as u128 / u128::from(self.workers);
+        let nanos = |n: u128| Duration::from_nanos(n.min(u64::MAX.into()) as u64);
+        let window = nanos(sweep * u128::from(self.sweeps)).min(self.max).max(nanos(sweep * 2));
+        if window < Duration::from_millis(1) { Duration::ZERO } else { window }
     }
 
     /// A round's part wrote to `sockets` sockets in `elapsed` (wall time, so that a worker the
@@ -67,11 +73,15 @@ impl FlushWindow {
         }
         let sample = (elapsed.as_nanos() / sockets as u128).min(u64::MAX.into()) as u64;
         let sample = sample.clamp(*WRITE_NS.start(), *WRITE_NS.end());
-        // A round of many sockets moves the average more than one of a few: 1/4 of the way at
-        // 256 sockets or more.
+        // A round of many sockets moves the average more than one of a few. Up fast (1/4 of the
+        // way at 256 sockets or more): dearer writes must widen the window before the rounds
+        // fall behind. Down slowly (1/32): a window that jitters with every preempted round
+        // changes the share, and the phases laid out for it start over with a round of
+        // everyone; cheaper writes narrow the window within a second of rounds.
         let weight = sockets.min(256) as i128;
         let old = self.write_ns.load(Relaxed);
-        let moved = old as i128 + (sample as i128 - old as i128) * weight / 1_024;
+        let scale = if sample > old { 1_024 } else { 8_192 };
+        let moved = old as i128 + (sample as i128 - old as i128) * weight / scale;
         // Racing rounds may lose each other's update; either one is a fair measurement.
         self.write_ns.store(moved.clamp(*WRITE_NS.start() as i128, *WRITE_NS.end() as i128) as u64, Relaxed);
     }
@@ -206,15 +216,18 @@ impl Pacing {
 
     /// How many deltas a window usually gathers (at least two; unbounded while the deltas come
     /// all at once): the deltas one write per watcher carries. Phases laid out for a share of k
-    /// keep it while the window is between k - 1/4 and k + 5/4 spacings (laying them out again
-    /// costs a round of everyone); the first delta of a share then still waits less than the
-    /// window.
+    /// keep it while the window is between k - 3/4 and k + 7/4 spacings, and the most phases
+    /// up to twice their number: laying them out again costs a round of everyone, and on a
+    /// busy machine the window and the spacing jitter. The first delta of a share then still
+    /// waits less than the window (k - 1 spacings); a wider window only batches less than it
+    /// could.
     fn share(&mut self, window: Duration) -> u32 {
         self.share = match self.spacing {
             Some(spacing) if !spacing.is_zero() => {
                 let ratio = window.as_secs_f64() / spacing.as_secs_f64();
                 let kept = f64::from(self.phases);
-                if self.phases != 0 && ratio >= kept - 0.25 && ratio < kept + 1.25 {
+                let above = if self.phases == PHASES as u32 { kept } else { 1.75 };
+                if self.phases != 0 && ratio >= kept - 0.75 && ratio < kept + above {
                     self.phases
                 } else {
                     (window.as_nanos() / spacing.as_nanos()).clamp(2, u32::MAX.into()) as u32
@@ -276,15 +289,29 @@ mod tests {
         assert_eq!(flush.for_readers(124), Duration::ZERO);
         assert_eq!(flush.for_readers(125), Duration::from_millis(1));
         assert_eq!(flush.for_readers(1_000), Duration::from_millis(8));
-        assert_eq!(flush.for_readers(1_000_000), Duration::from_millis(40));
+        assert_eq!(flush.for_readers(5_000), Duration::from_millis(40));
+        assert_eq!(flush.for_readers(10_000), Duration::from_millis(40));
         let off = FlushWindow { sweeps: 0, ..FlushWindow::new(0, Duration::from_millis(40)) };
         assert_eq!(off.for_readers(1_000_000), Duration::ZERO);
     }
 
     #[test]
-    fn dearer_writes_widen_the_window_and_cheaper_ones_narrow_it() {
+    fn past_the_cap_the_window_is_two_sweeps_so_that_the_rounds_keep_up() {
+        // 20,000 watchers at 4 us a write on two workers: a sweep is 40 ms. Under the 40 ms cap
+        // the rounds would write for all of the workers' time; two sweeps leave them half.
+        let flush = FlushWindow { workers: 2, ..FlushWindow::new(4, Duration::from_millis(40)) };
+        assert_eq!(flush.for_readers(20_000), Duration::from_millis(80));
+        assert_eq!(flush.for_readers(1_000_000), Duration::from_secs(4));
+        // Fewer sweeps than two: the same floor.
+        let one = FlushWindow { workers: 2, ..FlushWindow::new(1, Duration::from_secs(1)) };
+        assert_eq!(one.for_readers(1_000), Duration::from_millis(4));
+    }
+
+    #[test]
+    fn dearer_writes_widen_the_window_at_once_and_cheaper_ones_narrow_it_slowly() {
         let flush = FlushWindow { workers: 2, ..FlushWindow::new(4, Duration::from_millis(400)) };
-        // Rounds of 500 sockets at 10 us a write: the average moves a quarter of the way each.
+        // Rounds of 500 sockets at 10 us a write: dearer, so the average moves a quarter of
+        // the way each.
         let before = flush.for_readers(1_000);
         flush.measured(Duration::from_millis(5), 500);
         let once = flush.for_readers(1_000);
@@ -295,10 +322,16 @@ mod tests {
         assert_eq!((before, once), (Duration::from_millis(8), Duration::from_millis(11)));
         assert!(flush.write_cost() > Duration::from_nanos(9_990), "{:?}", flush.write_cost());
         assert!(flush.for_readers(1_000) > Duration::from_millis(19), "{:?}", flush.for_readers(1_000));
-        // A round of one socket hardly moves it; cheap rounds bring it back down.
+        // A round of one socket hardly moves it.
         flush.measured(Duration::from_millis(1), 1);
         assert!(flush.write_cost() < Duration::from_nanos(11_000));
-        for _ in 0..40 {
+        // A cheap round moves it an eighth as far as a dear one: 1/32 of the way.
+        let was = flush.write_cost();
+        flush.measured(Duration::from_micros(1_000), 500);
+        let step = was - flush.write_cost();
+        assert!(step > Duration::from_nanos(250) && step < Duration::from_nanos(300), "{step:?}");
+        // Cheap rounds bring it down within a couple of hundred rounds.
+        for _ in 0..200 {
             flush.measured(Duration::from_micros(1_000), 500);
         }
         assert!(flush.write_cost() < Duration::from_nanos(2_100), "{:?}", flush.write_cost());
@@ -309,7 +342,10 @@ mod tests {
             flush.measured(Duration::from_secs(100), 300);
         }
         assert!(flush.write_cost() <= Duration::from_millis(1));
-        assert_eq!(flush.for_readers(1_000), Duration::from_millis(400));
+        // Past the 400 ms cap: two sweeps of 1,000 watchers at (nearly) 1 ms a write on two
+        // workers.
+        let window = flush.for_readers(1_000);
+        assert!(window > Duration::from_millis(990) && window <= Duration::from_secs(1), "{window:?}");
     }
 
     #[test]
@@ -362,6 +398,35 @@ mod tests {
         // after its oldest delta.
         let last = got.last().unwrap();
         assert_eq!(last.deadline, Some(t0 + 290 * MS + 30 * MS + 5 * MS));
+    }
+
+    #[test]
+    fn phases_stay_laid_out_while_the_window_and_the_spacing_jitter() {
+        // A busy machine: deltas 4 or 6 ms apart (5 on average), a window between 33 and 40 ms
+        // as the measured write cost moves (a share of 6.6 to 8 spacings).
+        let mut pacing = Pacing::default();
+        let t0 = Instant::now();
+        pacing.decide(t0, 40 * MS, false);
+        let mut t = t0;
+        let mut rounds = Vec::new();
+        for i in 0..400u32 {
+            t += if i % 2 == 0 { 4 * MS } else { 6 * MS };
+            let window = [40, 36, 33, 38][(i / 7 % 4) as usize] * MS;
+            rounds.push(pacing.decide(t, window, true).round);
+        }
+        // Past the first few layouts, every round is one phase's: no round of everyone lays
+        // them out again.
+        let everyone = rounds[40..].iter().filter(|r| **r == Round::Everyone).count();
+        assert_eq!(everyone, 0, "{rounds:?}");
+        assert!(rounds[40..].iter().all(|r| matches!(r, Round::Phases { k: 6 | 7, .. })), "{rounds:?}");
+        // At the most phases, a window that jitters above them (8 to 10.4 spacings) keeps them too.
+        let mut rounds = Vec::new();
+        for i in 0..400u32 {
+            t += if i % 2 == 0 { 4 * MS } else { 6 * MS };
+            let window = [40, 46, 52, 44][(i / 7 % 4) as usize] * MS;
+            rounds.push(pacing.decide(t, window, true).round);
+        }
+        assert!(rounds[40..].iter().all(|r| matches!(r, Round::Phases { k: 8, .. })), "{rounds:?}");
     }
 
     #[test]
