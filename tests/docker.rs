@@ -54,3 +54,39 @@ fn docker_files_name_what_the_code_uses() {
         assert!(readme.contains(var.as_str()), "README does not document {var}");
     }
 }
+
+/// The image's build stage copies every folder the code compiles in (`include_str!`,
+/// `include_bytes!`): a file the build reads from a folder it was not given fails only in a
+/// Docker build, which no test here runs.
+#[test]
+fn the_build_stage_copies_every_folder_the_code_compiles_in() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dockerfile = read("docker/Dockerfile");
+    let mut folders = std::collections::BTreeSet::new();
+    let mut pending = vec![root.join("src")];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                pending.push(path);
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for (at, _) in text.match_indices("include_") {
+                let rest = &text[at..];
+                let Some(arg) = rest.strip_prefix("include_str!(\"").or_else(|| rest.strip_prefix("include_bytes!(\""))
+                else {
+                    continue;
+                };
+                let relative = &arg[..arg.find('"').unwrap()];
+                let file = path.parent().unwrap().join(relative).canonicalize().unwrap();
+                let inside = file.strip_prefix(root.canonicalize().unwrap()).unwrap();
+                folders.insert(inside.components().next().unwrap().as_os_str().to_string_lossy().into_owned());
+            }
+        }
+    }
+    assert!(folders.contains("migrations") && folders.contains("openapi"), "{folders:?}");
+    for folder in &folders {
+        assert!(dockerfile.contains(&format!("COPY {folder} {folder}")), "docker/Dockerfile does not copy {folder}/");
+    }
+}
