@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use common::*;
 use serde_json::{Value, json};
-use sqlx::Connection;
 
 const CONVERSATIONS: usize = 20;
 const TURNS_EACH: usize = 10;
@@ -199,27 +198,28 @@ async fn sigkill_at_random_moments_loses_nothing_sealed_and_leaves_no_turn_open(
     let last = std::mem::replace(&mut *addr.write().unwrap(), ChildGateway::spawn(&args));
     drop(last);
 
-    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}?mode=ro", db.display())).await.unwrap();
-    let turns: Vec<TurnRow> =
-        sqlx::query_as("SELECT conversation_id, turn_id, sealed_at, metrics, interrupted_at FROM turns")
-            .fetch_all(&mut conn)
-            .await
-            .unwrap();
+    let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let turns: Vec<TurnRow> = conn
+        .prepare("SELECT conversation_id, turn_id, sealed_at, metrics, interrupted_at FROM turns")
+        .unwrap()
+        .query_map((), |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
     let mut interrupted = 0;
     for (conversation, turn, sealed_at, metrics, interrupted_at) in &turns {
         match (sealed_at, metrics, interrupted_at) {
             (Some(_), Some(_), None) => {}
             (None, None, Some(_)) => {
                 interrupted += 1;
-                let markers: i64 = sqlx::query_scalar(
-                    "SELECT COUNT(*) FROM chunks WHERE conversation_id = ? AND turn_id = ?
-                       AND json_extract(chunk, '$.code') = 'interrupted'",
-                )
-                .bind(conversation)
-                .bind(turn)
-                .fetch_one(&mut conn)
-                .await
-                .unwrap();
+                let markers: i64 = conn
+                    .query_row(
+                        "SELECT COUNT(*) FROM chunks WHERE conversation_id = ? AND turn_id = ?
+                           AND json_extract(chunk, '$.code') = 'interrupted'",
+                        (conversation, turn),
+                        |row| row.get(0),
+                    )
+                    .unwrap();
                 assert_eq!(markers, 1, "{conversation}/{turn}: one interrupted marker");
             }
             other => panic!("{conversation}/{turn}: neither sealed nor marked: {other:?}"),

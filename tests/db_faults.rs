@@ -9,7 +9,6 @@ use std::process::Command;
 
 use common::*;
 use serde_json::{Value, json};
-use sqlx::Connection;
 
 fn script(dir: &Path) -> std::path::PathBuf {
     write_script(
@@ -121,8 +120,8 @@ async fn a_database_locked_by_another_writer_fails_writes_then_recovers() {
         }
     }
     let db = sqlite_file(&server.config);
-    let mut other = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display())).await.unwrap();
-    sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap();
+    let other = rusqlite::Connection::open(&db).unwrap();
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
 
     let events = watcher.collect().await;
     let n = events.len();
@@ -137,7 +136,7 @@ async fn a_database_locked_by_another_writer_fails_writes_then_recovers() {
     let (status, body) = server.get("/ready").await;
     assert_eq!(status, 503, "{body}");
 
-    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    other.execute_batch("ROLLBACK").unwrap();
     drop(other);
     ready_again(&server).await;
     sealed_eventually(&server, "locked").await;

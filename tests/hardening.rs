@@ -450,9 +450,7 @@ async fn hand_written_paths_answer_errors_as_json() {
 
 /// Writes a value the store cannot decode into a column, from a connection of its own.
 async fn spoil(db: &std::path::Path, sql: &str) {
-    use sqlx::Connection;
-    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display())).await.unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(sql.to_owned())).execute(&mut conn).await.unwrap();
+    rusqlite::Connection::open(db).unwrap().execute(sql, ()).unwrap();
 }
 
 #[tokio::test]

@@ -83,7 +83,6 @@ async fn history_windows_and_parameter_rules() {
 
 #[tokio::test]
 async fn the_database_refuses_a_chunk_that_would_break_a_history_window() {
-    use sqlx::Connection;
     let dir = tempfile::tempdir().unwrap();
     let config = test_config(dir.path());
     let database = sqlite_file(&config);
@@ -93,7 +92,7 @@ async fn the_database_refuses_a_chunk_that_would_break_a_history_window() {
     assert_eq!(status, 200, "{before}");
     // Windows are joined from the stored text unparsed; any connection that writes a row that
     // is not JSON (or a role that would need escaping) is refused.
-    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}", database.display())).await.unwrap();
+    let conn = rusqlite::Connection::open(&database).unwrap();
     for statement in [
         r#"UPDATE chunks SET chunk = '{"type":"text","text":' WHERE conversation_id = 'damaged' AND seq = 2"#,
         r#"UPDATE chunks SET chunk = '{type:"text"}' WHERE conversation_id = 'damaged' AND seq = 2"#,
@@ -101,14 +100,11 @@ async fn the_database_refuses_a_chunk_that_would_break_a_history_window() {
         r#"INSERT INTO chunks (conversation_id, seq, message_id, turn_id, role, chunk)
            VALUES ('damaged', 99, 9, 't', 'user', 'not json')"#,
     ] {
-        let refused = sqlx::query(statement).execute(&mut conn).await.expect_err(statement);
+        let refused = conn.execute(statement, ()).expect_err(statement);
         assert!(refused.to_string().contains("must be JSON"), "{statement}: {refused}");
     }
     // A valid rewrite is still possible for tools (the gateway itself never rewrites).
-    sqlx::query(r#"UPDATE chunks SET chunk = chunk WHERE conversation_id = 'damaged' AND seq = 2"#)
-        .execute(&mut conn)
-        .await
-        .unwrap();
+    conn.execute(r#"UPDATE chunks SET chunk = chunk WHERE conversation_id = 'damaged' AND seq = 2"#, ()).unwrap();
     let (status, after) = server.get("/conversations/damaged").await;
     assert_eq!(status, 200, "{after}");
     assert_eq!(after, before, "nothing stored changed");

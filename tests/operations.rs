@@ -366,24 +366,20 @@ async fn a_failed_request_is_one_log_line_with_its_id_and_what_went_wrong() {
     let get = |path: &str, id: &str| client.get(format!("{base}{path}")).header("x-request-id", id).send();
 
     // Stored metrics that are not JSON: the read fails inside the gateway (500).
-    use sqlx::Connection;
-    let mut other = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display())).await.unwrap();
-    sqlx::query("INSERT INTO conversations (id, created_at, last_activity_at) VALUES ('bad', 0, 0)")
-        .execute(&mut other)
-        .await
+    let other = rusqlite::Connection::open(&db).unwrap();
+    other.execute("INSERT INTO conversations (id, created_at, last_activity_at) VALUES ('bad', 0, 0)", ()).unwrap();
+    other
+        .execute(
+            "INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at, sealed_at, metrics)
+             VALUES ('bad', 't', 1, 'scripted', 0, 1, '{not json')",
+            (),
+        )
         .unwrap();
-    sqlx::query(
-        "INSERT INTO turns (conversation_id, turn_id, ordinal, model, started_at, sealed_at, metrics)
-         VALUES ('bad', 't', 1, 'scripted', 0, 1, '{not json')",
-    )
-    .execute(&mut other)
-    .await
-    .unwrap();
     let r = get("/conversations/bad/metrics", "req-500").await.unwrap();
     assert_eq!(r.status(), 500);
     assert_eq!(read_json(r).await.1, json!({"error": "internal error"}), "the detail is not sent");
     // Another writer holds the lock: a write is refused (503).
-    sqlx::query("BEGIN IMMEDIATE").execute(&mut other).await.unwrap();
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
     let r = client
         .post(format!("{base}/conversations"))
         .header("x-request-id", "req-503")
@@ -392,7 +388,7 @@ async fn a_failed_request_is_one_log_line_with_its_id_and_what_went_wrong() {
         .await
         .unwrap();
     assert_eq!(r.status(), 503);
-    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    other.execute_batch("ROLLBACK").unwrap();
     // Requests that succeed write nothing at the default level.
     assert_eq!(get("/conversations/bad?limit=1", "req-200").await.unwrap().status(), 200);
 

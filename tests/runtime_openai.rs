@@ -466,14 +466,15 @@ async fn deltas_refusals_and_multi_line_events_map_once() {
     let error = events.iter().find(|e| e["type"] == "error").unwrap();
     assert!(error["message"].as_str().unwrap().contains("the upstream closed the stream"), "{error}");
     // done.reason is kept with the turn's row.
-    use sqlx::Connection;
     let db = dir.path().join("gateway.db");
-    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}?mode=ro", db.display())).await.unwrap();
-    let reasons: Vec<String> =
-        sqlx::query_scalar("SELECT reason FROM turns WHERE conversation_id = 'map' ORDER BY ordinal")
-            .fetch_all(&mut conn)
-            .await
-            .unwrap();
+    let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let reasons: Vec<String> = conn
+        .prepare("SELECT reason FROM turns WHERE conversation_id = 'map' ORDER BY ordinal")
+        .unwrap()
+        .query_map((), |row| row.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
     assert_eq!(reasons, ["stop", "stop", "error"]);
 }
 

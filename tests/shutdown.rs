@@ -56,28 +56,28 @@ async fn sigterm_aborts_and_seals_the_running_turn_then_exits() {
     assert!(exit.success(), "{exit:?}");
 
     // The database holds the sealed turn: its partial text and its metrics.
-    use sqlx::Connection;
-    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}?mode=ro", db.display())).await.unwrap();
-    let (reason, metrics): (Option<String>, Option<String>) =
-        sqlx::query_as("SELECT reason, metrics FROM turns WHERE turn_id = ?")
-            .bind(&turn_id)
-            .fetch_one(&mut conn)
-            .await
-            .unwrap();
+    let conn = rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let (reason, metrics): (Option<String>, Option<String>) = conn
+        .query_row("SELECT reason, metrics FROM turns WHERE turn_id = ?", [&turn_id], |row| {
+            Ok((row.get(0)?, row.get(1)?))
+        })
+        .unwrap();
     assert_eq!(reason.as_deref(), Some("aborted"));
     let metrics: Value = serde_json::from_str(&metrics.unwrap()).unwrap();
     assert_eq!(metrics["turnId"], turn_id.as_str());
     let streamed: String =
         events.iter().filter(|e| e["type"] == "text-delta").map(|e| e["delta"].as_str().unwrap()).collect();
-    let logged: Vec<(String, String)> =
-        sqlx::query_as("SELECT role, chunk FROM chunks WHERE conversation_id = 'sd' ORDER BY seq")
-            .fetch_all(&mut conn)
-            .await
-            .unwrap();
+    let logged: Vec<(String, String)> = conn
+        .prepare("SELECT role, chunk FROM chunks WHERE conversation_id = 'sd' ORDER BY seq")
+        .unwrap()
+        .query_map((), |row| Ok((row.get(0)?, row.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
     assert_eq!(logged.len(), 2);
     let text: Value = serde_json::from_str(&logged[1].1).unwrap();
     assert_eq!(text["text"].as_str().unwrap(), streamed, "the log holds exactly the text that was streamed");
     let status: String =
-        sqlx::query_scalar("SELECT status FROM conversations WHERE id = 'sd'").fetch_one(&mut conn).await.unwrap();
+        conn.query_row("SELECT status FROM conversations WHERE id = 'sd'", (), |row| row.get(0)).unwrap();
     assert_eq!(status, "idle");
 }

@@ -11,9 +11,9 @@
 //! succeeds. Each backend says how a write is done in SQL ([`Writes`]); this file is the
 //! queue and the transactions around it, the same for both.
 
+use std::sync::Arc;
 use std::time::Instant;
 
-use sqlx::Transaction;
 use tokio::sync::{mpsc, oneshot};
 
 use super::log::NewChunk;
@@ -106,7 +106,7 @@ impl Written {
 }
 
 pub(super) struct Queued {
-    write: Write,
+    write: Arc<Write>,
     reply: oneshot::Sender<StoreResult<Written>>,
 }
 
@@ -144,50 +144,21 @@ impl Write {
     }
 }
 
-/// A backend's side of the writes of turns: transactions, and each write's statements in one.
+/// A backend's side of the writes of turns: each write's statements, in one transaction.
 pub(super) trait Writes {
-    type Db: sqlx::Database;
-
-    /// Opens a write transaction.
-    fn begin(&self) -> impl Future<Output = StoreResult<Transaction<'static, Self::Db>>> + Send;
-
-    /// Runs one write's statements inside `tx`.
-    fn apply(
-        &self,
-        tx: &mut Transaction<'static, Self::Db>,
-        write: &Write,
-    ) -> impl Future<Output = StoreResult<Written>> + Send;
+    /// Runs the writes, in order, in one transaction and commits it; their answers, in the
+    /// same order. An error means nothing was committed.
+    fn commit(&self, writes: Vec<Arc<Write>>) -> impl Future<Output = StoreResult<Vec<Written>>> + Send;
 }
 
-/// One write in a transaction of its own; the transaction's time is recorded.
-async fn alone<B: Writes>(backend: &B, metrics: &crate::metrics::Metrics, write: &Write) -> StoreResult<Written> {
-    let started = Instant::now();
-    let mut tx = backend.begin().await?;
-    let written = backend.apply(&mut tx, write).await?;
-    tx.commit().await?;
-    metrics.observe_write(started.elapsed());
-    Ok(written)
-}
-
-/// The writes in one transaction. An error means nothing was committed.
+/// The writes in one transaction; the transaction's time is recorded.
 async fn together<B: Writes>(
     backend: &B,
     metrics: &crate::metrics::Metrics,
-    batch: &[Queued],
+    writes: Vec<Arc<Write>>,
 ) -> StoreResult<Vec<Written>> {
     let started = Instant::now();
-    let mut tx = backend.begin().await?;
-    let mut answers = Vec::with_capacity(batch.len());
-    for queued in batch {
-        match backend.apply(&mut tx, &queued.write).await {
-            Ok(written) => answers.push(written),
-            Err(e) => {
-                let _ = tx.rollback().await;
-                return Err(e);
-            }
-        }
-    }
-    tx.commit().await?;
+    let answers = backend.commit(writes).await?;
     metrics.observe_write(started.elapsed());
     Ok(answers)
 }
@@ -195,20 +166,24 @@ async fn together<B: Writes>(
 impl Store {
     /// Writes through the writer task (or alone, when there is none).
     pub(super) async fn write(&self, write: Write) -> StoreResult<Written> {
+        let write = Arc::new(write);
         let Some(queue) = &self.queue else {
-            return self.write_alone(&write).await;
+            return self.write_alone(write).await;
         };
         let (reply, answer) = oneshot::channel();
         match queue.send(Queued { write, reply }) {
             Ok(()) => {
                 answer.await.unwrap_or_else(|_| Err(StoreError::Unwritable("the database writer stopped".into())))
             }
-            Err(mpsc::error::SendError(queued)) => self.write_alone(&queued.write).await,
+            Err(mpsc::error::SendError(queued)) => self.write_alone(queued.write).await,
         }
     }
 
-    async fn write_alone(&self, write: &Write) -> StoreResult<Written> {
-        let result = on_backend!(self, b => alone(b, &self.metrics, write).await);
+    /// One write in a transaction of its own.
+    async fn write_alone(&self, write: Arc<Write>) -> StoreResult<Written> {
+        let result = on_backend!(self, b => together(b, &self.metrics, vec![write]).await).and_then(|answers| {
+            answers.into_iter().next().ok_or_else(|| StoreError::Corrupt("a write went unanswered".into()))
+        });
         self.noted(result)
     }
 
@@ -224,10 +199,11 @@ impl Store {
             }
             if batch.len() == 1 {
                 let Queued { write, reply } = batch.pop().expect("one");
-                let _ = reply.send(self.write_alone(&write).await);
+                let _ = reply.send(self.write_alone(write).await);
                 continue;
             }
-            match on_backend!(self, b => together(b, &self.metrics, &batch).await) {
+            let writes = batch.iter().map(|q| q.write.clone()).collect();
+            match on_backend!(self, b => together(b, &self.metrics, writes).await) {
                 Ok(answers) => {
                     for (queued, answer) in batch.into_iter().zip(answers) {
                         let _ = queued.reply.send(self.noted(Ok(answer)));
@@ -236,7 +212,7 @@ impl Store {
                 Err(e) => {
                     tracing::debug!(error = %e, writes = batch.len(), "a shared write transaction failed; writing each alone");
                     for Queued { write, reply } in batch {
-                        let _ = reply.send(self.write_alone(&write).await);
+                        let _ = reply.send(self.write_alone(write).await);
                     }
                 }
             }

@@ -1,6 +1,7 @@
 //! Conversation rows: create, read, list, rename, delete.
 
-use super::{Store, StoreError, StoreResult, on_pool};
+use super::sql::Query;
+use super::{Store, StoreError, StoreResult};
 use crate::wire::{ConversationMeta, ConversationStatus};
 
 /// A conversation row's listed columns: id, title, status, model, created_at, last_activity_at.
@@ -29,20 +30,9 @@ pub struct ConversationFilter {
 
 impl Store {
     pub async fn create_conversation(&self, c: NewConversation<'_>) -> StoreResult<ConversationMeta> {
-        let result = on_pool!(self, write, pool => {
-            sqlx::query(
-                "INSERT INTO conversations (id, title, model, created_at, last_activity_at)
-                 VALUES ($1, $2, $3, $4, $4) ON CONFLICT (id) DO NOTHING",
-            )
-            .bind(c.id)
-            .bind(c.title)
-            .bind(c.model)
-            .bind(c.now)
-            .execute(pool)
-            .await
-            .map(|r| r.rows_affected())
-        });
-        if self.noted(result.map_err(StoreError::from))? == 0 {
+        let sql = "INSERT INTO conversations (id, title, model, created_at, last_activity_at)
+                   VALUES ($1, $2, $3, $4, $4) ON CONFLICT (id) DO NOTHING";
+        if self.execute(Query::new(sql).bind(c.id).bind(c.title).bind(c.model).bind(c.now)).await? == 0 {
             return Err(StoreError::Exists);
         }
         Ok(ConversationMeta {
@@ -57,8 +47,7 @@ impl Store {
 
     pub async fn conversation(&self, id: &str) -> StoreResult<Option<ConversationMeta>> {
         let sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE id = $1");
-        let row: Option<ConversationRow> =
-            on_pool!(self, read, pool => sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(id).fetch_optional(pool).await)?;
+        let row: Option<ConversationRow> = self.fetch_optional(Query::new(sql).bind(id)).await?;
         row.map(meta).transpose()
     }
 
@@ -82,16 +71,14 @@ impl Store {
             sql.push_str(&format!(" AND status IN ({})", marks.join(", ")));
         }
         sql.push_str(&format!(" ORDER BY last_activity_at DESC, id LIMIT {}", next()));
-        let rows: Vec<ConversationRow> = on_pool!(self, read, pool => {
-            let mut q = sqlx::query_as(sqlx::AssertSqlSafe(sql.as_str()));
-            if let Some(prefix) = &f.id_prefix {
-                q = q.bind(prefix).bind(format!("{prefix}\u{7f}"));
-            }
-            for s in &f.statuses {
-                q = q.bind(s.as_str());
-            }
-            q.bind(i64::from(f.limit)).fetch_all(pool).await
-        })?;
+        let mut q = Query::new(sql);
+        if let Some(prefix) = &f.id_prefix {
+            q = q.bind(prefix).bind(format!("{prefix}\u{7f}"));
+        }
+        for s in &f.statuses {
+            q = q.bind(s.as_str());
+        }
+        let rows: Vec<ConversationRow> = self.fetch_all(q.bind(i64::from(f.limit))).await?;
         rows.into_iter().map(meta).collect()
     }
 
@@ -107,10 +94,7 @@ impl Store {
             "DELETE FROM conversations WHERE id = $1 AND (lease_turn IS NULL OR lease_expires_at < {})",
             self.clock()
         );
-        let result = on_pool!(self, write, pool => {
-            sqlx::query(sqlx::AssertSqlSafe(sql)).bind(id).execute(pool).await.map(|r| r.rows_affected() > 0)
-        });
-        if self.noted(result.map_err(StoreError::from))? {
+        if self.execute(Query::new(sql).bind(id)).await? > 0 {
             return Ok(true);
         }
         match self.conversation(id).await? {
@@ -127,14 +111,11 @@ impl Store {
     /// Runs a write of one conversation's row (`$1` its id, `$2` the value, when there is one);
     /// false when no row was touched.
     pub(super) async fn update(&self, sql: &'static str, id: &str, value: Option<&str>) -> StoreResult<bool> {
-        let result = on_pool!(self, write, pool => {
-            let mut q = sqlx::query(sql).bind(id);
-            if let Some(value) = value {
-                q = q.bind(value);
-            }
-            q.execute(pool).await.map(|r| r.rows_affected() > 0)
-        });
-        self.noted(result.map_err(StoreError::from))
+        let mut q = Query::new(sql).bind(id);
+        if let Some(value) = value {
+            q = q.bind(value);
+        }
+        Ok(self.execute(q).await? > 0)
     }
 
     /// Sets (or clears) one of the conversation's settings, creating the conversation when
@@ -145,10 +126,7 @@ impl Store {
             "INSERT INTO conversations (id, {column}, created_at, last_activity_at) VALUES ($1, $2, $3, $3)
              ON CONFLICT (id) DO UPDATE SET {column} = $2"
         );
-        let result = on_pool!(self, write, pool => {
-            sqlx::query(sqlx::AssertSqlSafe(sql)).bind(id).bind(value).bind(now).execute(pool).await.map(drop)
-        });
-        self.noted(result.map_err(StoreError::from))
+        self.execute(Query::new(sql).bind(id).bind(value).bind(now)).await.map(drop)
     }
 
     /// One of the conversation's settings (`None` for an unknown conversation, or one without
@@ -159,12 +137,9 @@ impl Store {
 
     /// Every setting of the conversation (all `None` for an unknown one).
     pub async fn settings(&self, id: &str) -> StoreResult<Settings> {
-        let row: Option<(Option<String>, Option<String>, Option<String>)> = on_pool!(self, read, pool => {
-            sqlx::query_as("SELECT model, cwd, reasoning_effort FROM conversations WHERE id = $1")
-                .bind(id)
-                .fetch_optional(pool)
-                .await
-        })?;
+        let sql = "SELECT model, cwd, reasoning_effort FROM conversations WHERE id = $1";
+        let row: Option<(Option<String>, Option<String>, Option<String>)> =
+            self.fetch_optional(Query::new(sql).bind(id)).await?;
         let (model, cwd, reasoning_effort) = row.unwrap_or_default();
         Ok(Settings { model, cwd, reasoning_effort })
     }

@@ -15,16 +15,19 @@
 use std::time::Duration;
 
 use super::batch::Write;
-use super::{Backend, Store, StoreError, StoreResult, on_pool};
+use super::sql::Query;
+use super::{Backend, Store, StoreError, StoreResult};
 
 /// Most turn ids in one renewal statement.
 pub(super) const RENEW_AT_ONCE: usize = 500;
 
-/// The renewal of `n` leases on a database whose clock is `clock`: `$1` the lease's ms, `$2..`
-/// the turn ids.
-pub(super) fn renew_sql(clock: &str, n: usize) -> String {
-    let marks: Vec<String> = (2..n + 2).map(|i| format!("${i}")).collect();
-    format!("UPDATE conversations SET lease_expires_at = {clock} + $1 WHERE lease_turn IN ({})", marks.join(", "))
+/// The renewal of the leases of `turn_ids` (at most `RENEW_AT_ONCE`) by `lease_ms`, on a
+/// database whose clock is `clock`.
+pub(super) fn renew(clock: &str, turn_ids: &[String], lease_ms: i64) -> Query {
+    let marks: Vec<String> = (2..turn_ids.len() + 2).map(|i| format!("${i}")).collect();
+    let sql =
+        format!("UPDATE conversations SET lease_expires_at = {clock} + $1 WHERE lease_turn IN ({})", marks.join(", "));
+    turn_ids.iter().fold(Query::new(sql).bind(lease_ms), |q, id| q.bind(id))
 }
 
 impl Store {
@@ -65,9 +68,7 @@ impl Store {
             "SELECT 1 FROM conversations WHERE id = $1 AND lease_turn IS NOT NULL AND lease_expires_at >= {}",
             self.clock()
         );
-        let row: Option<i32> = on_pool!(self, read, pool => {
-            sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind(conversation_id).fetch_optional(pool).await
-        })?;
+        let row: Option<(i32,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
         Ok(row.is_some())
     }
 
@@ -78,7 +79,7 @@ impl Store {
              WHERE lease_turn IS NOT NULL AND lease_expires_at < {} ORDER BY lease_expires_at",
             self.clock()
         );
-        Ok(on_pool!(self, read, pool => sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(pool).await)?)
+        self.fetch_all(Query::new(sql)).await
     }
 
     /// Marks a turn whose lease has ended interrupted (one `interrupted` marker written at
@@ -111,13 +112,13 @@ impl Store {
         }
         let sql = "SELECT conversation_id, turn_id FROM turns
                    WHERE sealed_at IS NULL AND interrupted_at IS NULL ORDER BY conversation_id, ordinal";
-        let open: Vec<(String, String)> = on_pool!(self, write, pool => sqlx::query_as(sql).fetch_all(pool).await)?;
+        let open: Vec<(String, String)> = self.fetch_written(Query::new(sql)).await?;
         for (conversation_id, turn_id) in open.iter().cloned() {
             self.write(Write::Interrupt { conversation_id, turn_id, now, only_expired: false }).await?;
         }
         // Whatever was active when the process died is not active now.
         let sql = "UPDATE conversations SET status = 'idle' WHERE status = 'active'";
-        on_pool!(self, write, pool => sqlx::query(sql).execute(pool).await.map(drop))?;
+        self.execute(Query::new(sql)).await?;
         Ok(open.len())
     }
 }

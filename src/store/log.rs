@@ -1,6 +1,7 @@
 //! The append-only chunk log: gap-free `seq` per conversation, a message id per chunk.
 
-use super::{Store, StoreResult, on_backend, on_pool};
+use super::sql::Query;
+use super::{Store, StoreResult, on_backend};
 use crate::wire::{Chunk, Role};
 
 /// A chunk about to be appended.
@@ -83,9 +84,8 @@ impl Store {
         let sql = "SELECT c.sealed_seq, t.first_seq FROM conversations c
                    LEFT JOIN turns t ON t.conversation_id = c.id AND t.turn_id = $2
                    WHERE c.id = $1";
-        let row: Option<(i64, Option<i64>)> = on_pool!(self, read, pool => {
-            sqlx::query_as(sql).bind(conversation_id).bind(replaying).fetch_optional(pool).await
-        })?;
+        let row: Option<(i64, Option<i64>)> =
+            self.fetch_optional(Query::new(sql).bind(conversation_id).bind(replaying)).await?;
         Ok(match row {
             Some((sealed, Some(first))) => sealed.min(first - 1).max(0) as u64,
             Some((sealed, None)) => sealed.max(0) as u64,

@@ -3,9 +3,10 @@
 //! SQLite (`sqlite/`) is the default: one file, nothing to run. PostgreSQL (`postgres/`) is for
 //! several gateways sharing the work. `Store` is what the rest of the gateway sees (an enum
 //! inside, so every call is a direct one). Statements both databases take alike are written
-//! once, in this folder's files, and run on either backend's pool (`on_pool!`); each backend
-//! has only what must differ: opening, the writes of turns (the group-commit writer task,
-//! `batch`, drives them), history windows, crash recovery. Both keep the log's contract the same way: `seq`
+//! once, in this folder's files, as `sql::Query` values either backend runs (SQLite on
+//! rusqlite, PostgreSQL on sqlx, built only with the `cluster` feature); each backend has only
+//! what must differ: opening, the writes of turns (the group-commit writer task, `batch`,
+//! drives them), history windows, crash recovery. Both keep the log's contract the same way: `seq`
 //! and message ids are assigned from the conversation row's counters inside the transaction
 //! that inserts the chunks. docs/storage.md compares the two.
 
@@ -16,6 +17,7 @@ mod log;
 #[cfg(feature = "cluster")]
 mod postgres;
 mod reads;
+mod sql;
 mod sqlite;
 mod turns;
 
@@ -81,11 +83,12 @@ impl fmt::Display for Database {
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Sqlite(#[from] rusqlite::Error),
+    #[cfg(feature = "cluster")]
     #[error("database error: {0}")]
-    Read(#[from] rusqlite::Error),
+    Postgres(#[from] sqlx::Error),
     #[error("migration failed: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
+    Migrate(String),
     #[error("could not prepare the database folder {path}: {source}")]
     Folder { path: String, source: std::io::Error },
     #[error("a conversation with this id already exists")]
@@ -158,33 +161,6 @@ macro_rules! on_backend {
 }
 use on_backend;
 
-/// Runs `$body` with `$pool` bound to the backend's pool for reads (`read`) or for writes
-/// outside the writer task (`write`). The SQL is the same text on both backends: `$n`
-/// placeholders, which SQLite takes as numbered parameters too.
-macro_rules! on_pool {
-    ($store:expr, read, $pool:ident => $body:expr) => {
-        on_pool!(@ $store, reader, $pool => $body)
-    };
-    ($store:expr, write, $pool:ident => $body:expr) => {
-        on_pool!(@ $store, writer, $pool => $body)
-    };
-    // PostgreSQL has one pool for both; SQLite a read-only pool and its single writer.
-    (@ $store:expr, $sqlite:ident, $pool:ident => $body:expr) => {
-        match &$store.backend {
-            $crate::store::Backend::Sqlite(b) => {
-                let $pool = &b.$sqlite;
-                $body
-            }
-            #[cfg(feature = "cluster")]
-            $crate::store::Backend::Postgres(b) => {
-                let $pool = &b.pool;
-                $body
-            }
-        }
-    };
-}
-use on_pool;
-
 #[derive(Clone)]
 pub struct Store {
     backend: Backend,
@@ -234,15 +210,14 @@ impl Store {
                 *fault = None;
                 Ok(v)
             }
-            Err(StoreError::Database(e)) => match on_backend!(self, b => b.unwritable(&e)) {
+            Err(e) => match on_backend!(self, b => b.unwritable(&e)) {
                 Some(why) => {
                     tracing::error!(error = %e, "{why}");
                     *fault = Some(why.clone());
                     Err(StoreError::Unwritable(why))
                 }
-                None => Err(StoreError::Database(e)),
+                None => Err(e),
             },
-            Err(e) => Err(e),
         }
     }
 
@@ -272,24 +247,6 @@ impl Store {
             Backend::Postgres(_) => panic!("not a SQLite store"),
         }
     }
-}
-
-/// A migrator for a backend's compiled-in migrations (version, description, SQL), oldest
-/// first. Listed by hand rather than by sqlx's `migrate!`, whose proc macro builds a second
-/// SQLite for the build host (a first build's slowest minute); a test per backend checks its
-/// list against its folder.
-fn migrator(migrations: &[(i64, &'static str, &'static str)]) -> sqlx::migrate::Migrator {
-    use sqlx::SqlSafeStr;
-    use sqlx::migrate::{Migration, MigrationType, Migrator};
-    Migrator::with_migrations(
-        migrations
-            .iter()
-            .map(|&(version, description, sql)| {
-                let sql = sqlx::AssertSqlSafe(sql).into_sql_str();
-                Migration::new(version, description.into(), MigrationType::Simple, sql, false)
-            })
-            .collect(),
-    )
 }
 
 /// Wall-clock now in epoch milliseconds (for stored times only; durations use `Instant`).
@@ -339,11 +296,11 @@ pub(crate) mod testing {
         stores
     }
 
-    /// Each backend's compiled-in list is its migrations folder, as sqlx reads a folder: the
-    /// same versions, descriptions and checksums (so databases made by earlier builds, whose
-    /// migrations came from the folder, open without a checksum mismatch).
-    #[tokio::test]
-    async fn the_compiled_in_migrations_are_the_folders() {
+    /// Each backend's compiled-in list is its migrations folder, named as sqlx names a
+    /// folder's files (`0003_chunk_checks.sql`: version 3, "chunk checks"), so databases
+    /// made by earlier builds, whose migrations sqlx read from the folder, match them.
+    #[test]
+    fn the_compiled_in_migrations_are_the_folders() {
         let folders = [
             ("sqlite", sqlite::MIGRATIONS),
             #[cfg(feature = "cluster")]
@@ -351,11 +308,61 @@ pub(crate) mod testing {
         ];
         for (folder, listed) in folders {
             let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations").join(folder);
-            let from_folder = sqlx::migrate::Migrator::new(path).await.unwrap();
-            let key = |m: &sqlx::migrate::Migration| (m.version, m.description.to_string(), m.checksum.to_vec());
-            let listed: Vec<_> = migrator(listed).iter().map(key).collect();
-            assert_eq!(listed, from_folder.iter().map(key).collect::<Vec<_>>(), "{folder}");
+            let mut from_folder: Vec<(i64, String, String)> = std::fs::read_dir(&path)
+                .unwrap()
+                .map(|entry| {
+                    let path = entry.unwrap().path();
+                    let name = path.file_stem().unwrap().to_str().unwrap().to_owned();
+                    let (version, description) = name.split_once('_').unwrap();
+                    let sql = std::fs::read_to_string(&path).unwrap();
+                    (version.parse().unwrap(), description.replace('_', " "), sql)
+                })
+                .collect();
+            from_folder.sort();
+            let listed: Vec<(i64, String, String)> =
+                listed.iter().map(|&(v, d, sql)| (v, d.to_owned(), sql.to_owned())).collect();
+            assert_eq!(listed, from_folder, "{folder}");
         }
+    }
+
+    /// A database an earlier build made (sqlx's SQLite driver and migrator, two sealed turns,
+    /// an idempotency key, a title) opens, its history and metrics read as written, and new
+    /// turns continue its log.
+    #[tokio::test]
+    async fn a_database_made_by_an_earlier_build_opens_and_continues() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("upgrade.db");
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sqlx-made.db");
+        std::fs::copy(fixture, &path).unwrap();
+        let store = Store::open(&Database::Sqlite(path.clone()), Arc::default()).await.unwrap();
+        let meta = store.conversation("old-chat").await.unwrap().unwrap();
+        assert_eq!(meta.title, "Kept across the upgrade");
+        let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: false };
+        assert_eq!(store.history("old-chat", all).await.unwrap().last_seq, Some(6));
+        assert_eq!(store.turn_metrics("old-chat").await.unwrap().len(), 2);
+        let (hash, _) = store.idempotent_response("old-chat", "k1").await.unwrap().unwrap();
+        assert!(!hash.is_empty());
+        store.begin_test_turn("old-chat", "new-turn").await;
+        assert_eq!(store.append_chunks("old-chat", "new-turn", &[]).await.unwrap(), 7);
+        store.close().await;
+        // Reopened: the migrations are not applied twice, the new turn is there (interrupted).
+        let store = Store::open(&Database::Sqlite(path), Arc::default()).await.unwrap();
+        let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: false };
+        assert_eq!(store.history("old-chat", all).await.unwrap().last_seq, Some(8));
+        store.close().await;
+    }
+
+    /// A migration edited after a database applied it is refused, not silently skipped.
+    #[tokio::test]
+    async fn a_database_whose_migration_differs_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("edited.db");
+        Store::open(&Database::Sqlite(path.clone()), Arc::default()).await.unwrap().close().await;
+        let c = rusqlite::Connection::open(&path).unwrap();
+        c.execute("UPDATE _sqlx_migrations SET checksum = x'00' WHERE version = 3", ()).unwrap();
+        drop(c);
+        let err = Store::open(&Database::Sqlite(path), Arc::default()).await.err().expect("refused");
+        assert!(matches!(&err, StoreError::Migrate(why) if why.contains("migration 3")), "{err}");
     }
 
     /// A caller that opens the store without `Config::check` (the tests, an embedder) is

@@ -1,7 +1,8 @@
 //! Reads that aggregate: the whole log for a runtime, the last assistant text of a
 //! conversation, throughput per model.
 
-use super::{Store, StoreError, StoreResult, on_pool};
+use super::sql::Query;
+use super::{Store, StoreError, StoreResult};
 use crate::wire::{Chunk, Role};
 
 /// A chunk of the log with the message it belongs to (what runtimes send upstream).
@@ -31,12 +32,8 @@ pub struct ModelThroughput {
 impl Store {
     /// The whole log with message ids, for runtimes that send the conversation upstream.
     pub async fn history_chunks(&self, conversation_id: &str) -> StoreResult<Vec<HistoryChunk>> {
-        let rows: Vec<(i64, i64, String, String)> = on_pool!(self, read, pool => {
-            sqlx::query_as("SELECT seq, message_id, role, chunk FROM chunks WHERE conversation_id = $1 ORDER BY seq")
-                .bind(conversation_id)
-                .fetch_all(pool)
-                .await
-        })?;
+        let sql = "SELECT seq, message_id, role, chunk FROM chunks WHERE conversation_id = $1 ORDER BY seq";
+        let rows: Vec<(i64, i64, String, String)> = self.fetch_all(Query::new(sql).bind(conversation_id)).await?;
         rows.into_iter()
             .map(|(seq, message_id, role, chunk)| {
                 let role =
@@ -50,13 +47,9 @@ impl Store {
 
     /// The runtime session stored for a conversation.
     pub async fn session_id(&self, conversation_id: &str) -> StoreResult<Option<String>> {
-        let id: Option<Option<String>> = on_pool!(self, read, pool => {
-            sqlx::query_scalar("SELECT session_id FROM conversations WHERE id = $1")
-                .bind(conversation_id)
-                .fetch_optional(pool)
-                .await
-        })?;
-        Ok(id.flatten())
+        let sql = "SELECT session_id FROM conversations WHERE id = $1";
+        let id: Option<(Option<String>,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
+        Ok(id.and_then(|(id,)| id))
     }
 
     /// Remembers the runtime session a conversation's next turn resumes.
@@ -68,29 +61,16 @@ impl Store {
 
     /// The text of the last assistant message that has text, in the latest finished turn.
     pub async fn last_text(&self, conversation_id: &str) -> StoreResult<LastText> {
-        let turn_id: Option<String> = on_pool!(self, read, pool => {
-            sqlx::query_scalar(
-                "SELECT turn_id FROM turns WHERE conversation_id = $1
-                   AND (sealed_at IS NOT NULL OR interrupted_at IS NOT NULL)
-                 ORDER BY ordinal DESC LIMIT 1",
-            )
-            .bind(conversation_id)
-            .fetch_optional(pool)
-            .await
-        })?;
-        let Some(turn_id) = turn_id else {
+        let sql = "SELECT turn_id FROM turns WHERE conversation_id = $1
+                     AND (sealed_at IS NOT NULL OR interrupted_at IS NOT NULL)
+                   ORDER BY ordinal DESC LIMIT 1";
+        let turn_id: Option<(String,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
+        let Some((turn_id,)) = turn_id else {
             return Ok(LastText::default());
         };
-        let rows: Vec<(i64, String)> = on_pool!(self, read, pool => {
-            sqlx::query_as(
-                "SELECT message_id, chunk FROM chunks
-                 WHERE conversation_id = $1 AND turn_id = $2 AND role = 'assistant' ORDER BY seq",
-            )
-            .bind(conversation_id)
-            .bind(&turn_id)
-            .fetch_all(pool)
-            .await
-        })?;
+        let sql = "SELECT message_id, chunk FROM chunks
+                   WHERE conversation_id = $1 AND turn_id = $2 AND role = 'assistant' ORDER BY seq";
+        let rows: Vec<(i64, String)> = self.fetch_all(Query::new(sql).bind(conversation_id).bind(&turn_id)).await?;
         let texts: Vec<(i64, String)> = rows
             .into_iter()
             .filter_map(|(message, json)| match serde_json::from_str(&json) {
@@ -106,17 +86,10 @@ impl Store {
     /// Per model: output tokens, generation time and turns of the turns sealed in
     /// `[start, end)` (epoch ms).
     pub async fn throughput(&self, start: i64, end: i64) -> StoreResult<Vec<ModelThroughput>> {
-        let rows: Vec<(String, i64, i64, i64)> = on_pool!(self, read, pool => {
-            sqlx::query_as(
-                "SELECT model, CAST(coalesce(sum(output_tokens), 0) AS BIGINT),
-                        CAST(coalesce(sum(gen_total_ms), 0) AS BIGINT), count(*)
-                 FROM turns WHERE sealed_at >= $1 AND sealed_at < $2 GROUP BY model",
-            )
-            .bind(start)
-            .bind(end)
-            .fetch_all(pool)
-            .await
-        })?;
+        let sql = "SELECT model, CAST(coalesce(sum(output_tokens), 0) AS BIGINT),
+                          CAST(coalesce(sum(gen_total_ms), 0) AS BIGINT), count(*)
+                   FROM turns WHERE sealed_at >= $1 AND sealed_at < $2 GROUP BY model";
+        let rows: Vec<(String, i64, i64, i64)> = self.fetch_all(Query::new(sql).bind(start).bind(end)).await?;
         Ok(rows
             .into_iter()
             .map(|(model, output_tokens, gen_ms, turns)| ModelThroughput { model, output_tokens, gen_ms, turns })

@@ -1,7 +1,8 @@
 //! Turn rows: opened with the user's chunk, sealed with their metrics, repaired after a crash.
 
 use super::log::NewChunk;
-use super::{Store, StoreError, StoreResult, on_pool};
+use super::sql::Query;
+use super::{Store, StoreError, StoreResult};
 use crate::wire::{Chunk, ConversationStatus, ErrorChunk, Role, TextChunk, TurnMetrics};
 
 /// The user's text as the chunk that opens its own message.
@@ -68,13 +69,17 @@ pub(super) fn gen_total_ms(metrics: &TurnMetrics) -> i64 {
 /// A write's error, with a reused idempotency key told apart (a unique violation on
 /// `idempotency_keys`, as both backends word it).
 pub(super) fn duplicate_key(e: StoreError) -> StoreError {
-    match &e {
-        StoreError::Database(db) => match db.as_database_error() {
-            Some(d) if d.is_unique_violation() && d.message().contains("idempotency_keys") => StoreError::DuplicateKey,
-            _ => e,
-        },
-        _ => e,
-    }
+    let duplicate = match &e {
+        StoreError::Sqlite(rusqlite::Error::SqliteFailure(failure, Some(message))) => {
+            failure.code == rusqlite::ErrorCode::ConstraintViolation && message.contains("idempotency_keys")
+        }
+        #[cfg(feature = "cluster")]
+        StoreError::Postgres(db) => {
+            db.as_database_error().is_some_and(|d| d.is_unique_violation() && d.message().contains("idempotency_keys"))
+        }
+        _ => false,
+    };
+    if duplicate { StoreError::DuplicateKey } else { e }
 }
 
 fn parse_metrics(json: &str) -> StoreResult<TurnMetrics> {
@@ -103,9 +108,7 @@ impl Store {
     /// The first answer to an idempotency key, with the hash of the body it came with.
     pub async fn idempotent_response(&self, conversation_id: &str, key: &str) -> StoreResult<Option<(String, String)>> {
         let sql = "SELECT body_hash, response FROM idempotency_keys WHERE conversation_id = $1 AND key = $2";
-        Ok(
-            on_pool!(self, read, pool => sqlx::query_as(sql).bind(conversation_id).bind(key).fetch_optional(pool).await)?,
-        )
+        self.fetch_optional(Query::new(sql).bind(conversation_id).bind(key)).await
     }
 
     /// Seals a turn: its chunks not yet written, its metrics, and the conversation back to
@@ -126,9 +129,8 @@ impl Store {
     /// Every sealed turn's metrics, in turn order.
     pub async fn turn_metrics(&self, conversation_id: &str) -> StoreResult<Vec<TurnMetrics>> {
         let sql = "SELECT metrics FROM turns WHERE conversation_id = $1 AND metrics IS NOT NULL ORDER BY ordinal";
-        let rows: Vec<String> =
-            on_pool!(self, read, pool => sqlx::query_scalar(sql).bind(conversation_id).fetch_all(pool).await)?;
-        rows.iter().map(|json| parse_metrics(json)).collect()
+        let rows: Vec<(String,)> = self.fetch_all(Query::new(sql).bind(conversation_id)).await?;
+        rows.iter().map(|(json,)| parse_metrics(json)).collect()
     }
 
     /// The `contextSize` of the conversation's last sealed turn (`None`: no turn, or none
@@ -136,10 +138,9 @@ impl Store {
     pub async fn last_context_size(&self, conversation_id: &str) -> StoreResult<Option<u64>> {
         let sql = "SELECT metrics FROM turns WHERE conversation_id = $1 AND metrics IS NOT NULL
                    ORDER BY ordinal DESC LIMIT 1";
-        let last: Option<String> =
-            on_pool!(self, read, pool => sqlx::query_scalar(sql).bind(conversation_id).fetch_optional(pool).await)?;
+        let last: Option<(String,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
         Ok(match last {
-            Some(json) => parse_metrics(&json)?.context_size,
+            Some((json,)) => parse_metrics(&json)?.context_size,
             None => None,
         })
     }

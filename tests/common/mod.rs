@@ -509,14 +509,10 @@ pub fn types(events: &[Value]) -> Vec<&str> {
 
 /// Row counts of every table, read straight from the database file.
 pub async fn table_counts(db: &Path) -> Vec<(String, i64)> {
-    use sqlx::Connection;
-    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}?mode=ro", db.display())).await.unwrap();
+    let conn = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
     let mut out = Vec::new();
     for table in ["conversations", "chunks", "turns"] {
-        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
-            .fetch_one(&mut conn)
-            .await
-            .unwrap();
+        let n: i64 = conn.query_row(&format!("SELECT COUNT(*) FROM {table}"), (), |row| row.get(0)).unwrap();
         out.push((table.to_owned(), n));
     }
     out

@@ -8,13 +8,14 @@
 mod log;
 mod turns;
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{PgPool, Postgres as Driver, Transaction};
 
 use super::batch::{Write, Writes, Written};
-use super::{StoreOptions, StoreResult};
+use super::{StoreError, StoreOptions, StoreResult};
 
 /// The schema's migrations (`migrations/postgres`), compiled in, oldest first.
 pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
@@ -44,12 +45,15 @@ impl Postgres {
             .acquire_timeout(ACQUIRE_TIMEOUT)
             .connect(url)
             .await?;
-        super::migrator(MIGRATIONS).run(&pool).await?;
+        migrator().run(&pool).await.map_err(|e| StoreError::Migrate(e.to_string()))?;
         Ok(Postgres { pool })
     }
 
-    /// Describes a database error that means "writes are refused now", or None for other errors.
-    pub(crate) fn unwritable(&self, e: &sqlx::Error) -> Option<String> {
+    /// Describes an error that means "writes are refused now", or None for other errors.
+    pub(crate) fn unwritable(&self, e: &StoreError) -> Option<String> {
+        let StoreError::Postgres(e) = e else {
+            return None;
+        };
         match e {
             sqlx::Error::PoolTimedOut => {
                 return Some("no database connection is free (or the server is unreachable)".into());
@@ -79,14 +83,37 @@ impl Postgres {
     }
 }
 
+/// sqlx's migrator for the compiled-in migrations. Listed by hand rather than by sqlx's
+/// `migrate!`, whose proc macro builds a second SQLite for the build host; a test checks the
+/// list against the folder.
+fn migrator() -> sqlx::migrate::Migrator {
+    use sqlx::SqlSafeStr;
+    use sqlx::migrate::{Migration, MigrationType, Migrator};
+    Migrator::with_migrations(
+        MIGRATIONS
+            .iter()
+            .map(|&(version, description, sql)| {
+                let sql = sqlx::AssertSqlSafe(sql).into_sql_str();
+                Migration::new(version, description.into(), MigrationType::Simple, sql, false)
+            })
+            .collect(),
+    )
+}
+
 impl Writes for Postgres {
-    type Db = Driver;
-
-    async fn begin(&self) -> StoreResult<Transaction<'static, Driver>> {
-        Ok(self.pool.begin().await?)
-    }
-
-    async fn apply(&self, tx: &mut Transaction<'static, Driver>, write: &Write) -> StoreResult<Written> {
-        turns::apply(tx, write).await
+    async fn commit(&self, writes: Vec<Arc<Write>>) -> StoreResult<Vec<Written>> {
+        let mut tx = self.pool.begin().await?;
+        let mut answers = Vec::with_capacity(writes.len());
+        for write in &writes {
+            match turns::apply(&mut tx, write).await {
+                Ok(written) => answers.push(written),
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    return Err(e);
+                }
+            }
+        }
+        tx.commit().await?;
+        Ok(answers)
     }
 }

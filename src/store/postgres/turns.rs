@@ -31,12 +31,8 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
         Write::Renew { turn_ids, lease_ms } => {
             let mut renewed = 0;
             for ids in turn_ids.chunks(crate::store::lease::RENEW_AT_ONCE) {
-                let sql = crate::store::lease::renew_sql(super::NOW_MS, ids.len());
-                let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(*lease_ms);
-                for id in ids {
-                    q = q.bind(id);
-                }
-                renewed += q.execute(&mut *conn).await?.rows_affected();
+                let renew = crate::store::lease::renew(super::NOW_MS, ids, *lease_ms);
+                renewed += renew.postgres_execute(&mut *conn).await?;
             }
             Ok(Written::Count(renewed))
         }

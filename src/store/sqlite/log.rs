@@ -1,7 +1,7 @@
 //! The chunk log in SQLite: appends as multi-row INSERTs numbered from the conversation's
 //! counters, windows read in place from SQLite's row buffers.
 
-use sqlx::sqlite::SqliteRow;
+use rusqlite::types::Value as Column;
 
 use super::Sqlite;
 use super::script::Script;
@@ -144,10 +144,12 @@ pub(super) fn append_to(
 }
 
 /// The seq an append script answered with; none: the turn does not hold the lease.
-pub(super) fn appended_seq(rows: &[SqliteRow]) -> StoreResult<u64> {
-    use sqlx::Row;
-    let row = rows.last().ok_or(StoreError::LeaseLost)?;
-    Ok(row.try_get::<i64, _>(0)? as u64)
+pub(super) fn appended_seq(rows: &[Column]) -> StoreResult<u64> {
+    match rows.last() {
+        Some(Column::Integer(seq)) => Ok(*seq as u64),
+        Some(other) => Err(StoreError::Corrupt(format!("an append answered {other:?}"))),
+        None => Err(StoreError::LeaseLost),
+    }
 }
 
 #[cfg(test)]
@@ -254,14 +256,17 @@ mod tests {
         let store = open(&dir.path().join("plan.db")).await;
         for (limit, inflight) in [(None, true), (Some(100), true), (None, false), (Some(100), false)] {
             let sql = format!("EXPLAIN QUERY PLAN {}", window_sql(limit, inflight));
-            let plan: Vec<(i64, i64, i64, String)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
-                .bind("c")
-                .bind(0i64)
-                .bind(i64::MAX)
-                .fetch_all(&store.sqlite().reader)
+            let plan: Vec<String> = store
+                .sqlite()
+                .readers
+                .run_blocking(move |c| {
+                    let mut statement = c.prepare(&sql)?;
+                    let rows = statement.query_map(("c", 0i64, i64::MAX), |row| row.get(3))?;
+                    rows.collect()
+                })
                 .await
                 .unwrap();
-            let steps: Vec<&str> = plan.iter().map(|row| row.3.as_str()).collect();
+            let steps: Vec<&str> = plan.iter().map(String::as_str).collect();
             // The window is read by the primary key, and nothing is sorted in a temporary
             // b-tree.
             assert!(

@@ -1,29 +1,31 @@
 //! The SQLite backend: one file, in WAL mode.
 //!
-//! All writes go through one connection (`writer`), so transactions never contend with each
-//! other inside the process and `seq` is assigned in the same transaction that inserts the rows.
-//! Reads use separate read-only connections (sqlx's pool, and `readers` for history windows)
-//! and, thanks to WAL, never wait for the writer.
+//! All writes go through one connection on a thread of its own (`writer`), so transactions
+//! never contend with each other inside the process and `seq` is assigned in the same
+//! transaction that inserts the rows. Reads use separate read-only connections (`readers`)
+//! and, thanks to WAL, never wait for the writer. Both are rusqlite's; the build needs no
+//! other SQLite driver.
 
 mod log;
+mod migrate;
 mod readers;
 mod script;
 mod turns;
+mod writer;
 
 use std::path::Path;
-use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Sqlite as Driver, SqlitePool, Transaction};
+use rusqlite::{Connection, OpenFlags};
 
 use super::batch::{Write, Writes, Written};
 use super::{StoreError, StoreOptions, StoreResult};
 use crate::metrics::Metrics;
 
 /// The schema's migrations (`migrations/sqlite`), compiled in, oldest first: version,
-/// description (the file name's, as sqlx spells it) and SQL.
+/// description (the file name's, with spaces for underscores) and SQL.
 pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "initial", include_str!("../../../migrations/sqlite/0001_initial.sql")),
     (2, "idempotency", include_str!("../../../migrations/sqlite/0002_idempotency.sql")),
@@ -43,83 +45,102 @@ const WRITER_CHECKPOINT_PAGES: u32 = 10_000;
 /// How often the background checkpointer looks for new commits.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 
+/// Statements kept prepared on the writer connection (appends of different sizes are
+/// different statements).
+const WRITER_STATEMENTS: usize = 64;
+
 /// Copies committed WAL frames into the database file after every period with commits, without
-/// blocking the writer or readers (a passive checkpoint). Ends when the pool is closed.
-async fn checkpoints(pool: SqlitePool, metrics: Arc<Metrics>) {
+/// blocking the writer or readers (a passive checkpoint), on a thread and connection of its
+/// own. Ends when `stop` is dropped.
+fn checkpoints(connection: Connection, metrics: Arc<Metrics>, stop: mpsc::Receiver<()>) {
     let mut seen = metrics.writes();
-    let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    while !pool.is_closed() {
-        tick.tick().await;
+    while let Err(mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(CHECKPOINT_EVERY) {
         let writes = metrics.writes();
         if writes == seen {
             continue;
         }
         seen = writes;
-        if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)").execute(&pool).await {
-            if pool.is_closed() {
-                return;
-            }
+        if let Err(e) = connection.execute_batch("PRAGMA wal_checkpoint(PASSIVE)") {
             tracing::debug!(error = %e, "a background checkpoint failed; the next one retries");
         }
     }
 }
 
+/// The background checkpointer's thread, stopped by `close`.
+struct Checkpointer {
+    stop: Mutex<Option<(mpsc::Sender<()>, JoinHandle<()>)>>,
+}
+
 #[derive(Clone)]
 pub(crate) struct Sqlite {
-    pub(super) writer: SqlitePool,
-    pub(super) reader: SqlitePool,
-    /// Read-only connections for the hot reads (history windows), run without a thread hop.
-    readers: readers::Readers,
-    /// The connection background checkpoints run on.
-    checkpointer: SqlitePool,
+    /// The one connection that writes.
+    pub(super) writer: Arc<writer::Writer>,
+    /// Read-only connections, for every read.
+    pub(super) readers: readers::Readers,
+    checkpointer: Arc<Checkpointer>,
+}
+
+/// Opens a read-write connection to the file (created when missing) in WAL mode.
+fn connect(path: &Path, limits: &StoreOptions) -> StoreResult<Connection> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let c = Connection::open_with_flags(path, flags)?;
+    c.busy_timeout(limits.busy_timeout)?;
+    c.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get::<_, String>(0))?;
+    c.pragma_update(None, "synchronous", "NORMAL")?;
+    c.pragma_update(None, "foreign_keys", "ON")?;
+    Ok(c)
 }
 
 impl Sqlite {
     /// Opens (creating when missing) the database file and applies the migrations.
     pub(crate) async fn open(path: &Path, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Sqlite> {
+        let path = path.to_owned();
+        let opened = tokio::task::spawn_blocking(move || Self::open_here(&path, metrics, limits)).await;
+        opened.unwrap_or_else(|_| Err(StoreError::Cancelled))
+    }
+
+    fn open_here(path: &Path, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Sqlite> {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent)
                 .map_err(|source| StoreError::Folder { path: parent.display().to_string(), source })?;
         }
-        let options = SqliteConnectOptions::from_str("sqlite:")?
-            .filename(path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
-            .foreign_keys(true)
-            .busy_timeout(limits.busy_timeout);
         // Checkpoints (copying the WAL into the database file, with an fsync) run on a
         // connection of their own (see `checkpoints`), off the writer's path: a checkpoint
         // inside a commit stalls every write queued behind it. The writer checkpoints itself
         // only past WRITER_CHECKPOINT_PAGES, so the WAL is restarted even when writes never
         // pause (by then the background checkpoints have copied nearly all of it).
-        let mut writer_options = options.clone().pragma("wal_autocheckpoint", WRITER_CHECKPOINT_PAGES.to_string());
+        let mut writer = connect(path, &limits)?;
+        writer.pragma_update(None, "wal_autocheckpoint", WRITER_CHECKPOINT_PAGES)?;
         if limits.max_pages > 0 {
-            writer_options = writer_options.pragma("max_page_count", limits.max_pages.to_string());
+            writer.pragma_update_and_check(
+                None,
+                "max_page_count",
+                limits.max_pages.min(i64::MAX as u64) as i64,
+                |row| row.get::<_, i64>(0),
+            )?;
         }
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            .min_connections(1)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect_with(writer_options)
-            .await?;
-        super::migrator(MIGRATIONS).run(&writer).await?;
-        let reader = SqlitePoolOptions::new().max_connections(4).connect_with(options.clone().read_only(true)).await?;
-        let checkpointer = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
-        tokio::spawn(checkpoints(checkpointer.clone(), metrics));
-        let readers = readers::Readers::new(path, limits.busy_timeout);
-        Ok(Sqlite { writer, reader, readers, checkpointer })
+        writer.set_prepared_statement_cache_capacity(WRITER_STATEMENTS);
+        migrate::migrate(&mut writer, MIGRATIONS)?;
+        let checkpointer = connect(path, &limits)?;
+        let (stop, stopped) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("sqlite-checkpoints".into())
+            .spawn(move || checkpoints(checkpointer, metrics, stopped))
+            .map_err(|e| StoreError::Unwritable(format!("could not start the checkpointer: {e}")))?;
+        Ok(Sqlite {
+            writer: Arc::new(writer::Writer::start(writer)?),
+            readers: readers::Readers::new(path, limits.busy_timeout),
+            checkpointer: Arc::new(Checkpointer { stop: Mutex::new(Some((stop, thread))) }),
+        })
     }
 
-    /// Describes a database error that means "writes are refused now", or None for other errors.
-    pub(crate) fn unwritable(&self, e: &sqlx::Error) -> Option<String> {
-        if matches!(e, sqlx::Error::PoolTimedOut) {
-            return Some("the database writer is stuck".into());
-        }
-        let code: i64 = e.as_database_error()?.code()?.parse().ok()?;
+    /// Describes an error that means "writes are refused now", or None for other errors.
+    pub(crate) fn unwritable(&self, e: &StoreError) -> Option<String> {
+        let StoreError::Sqlite(rusqlite::Error::SqliteFailure(failure, _)) = e else {
+            return None;
+        };
         Some(
-            match code & 0xff {
+            match failure.extended_code & 0xff {
                 13 => "the database is full",
                 5 | 6 => "the database is locked by another writer",
                 8 => "the database is read-only",
@@ -131,42 +152,44 @@ impl Sqlite {
     }
 
     pub(crate) async fn ping(&self) -> bool {
-        sqlx::query("SELECT 1").execute(&self.reader).await.is_ok()
+        self.readers.run(|c| c.query_row("SELECT 1", (), |_| Ok(()))).await.is_ok()
     }
 
-    /// Closes the pools, waiting for queries in flight; the WAL is checkpointed on close.
+    /// Closes the connections, letting writes in flight finish; the WAL is checkpointed when
+    /// the last one closes.
     pub(crate) async fn close(&self) {
         self.readers.close();
-        self.checkpointer.close().await;
-        self.reader.close().await;
-        self.writer.close().await;
-    }
-
-    /// Opens a write transaction on the writer connection.
-    async fn write_tx(&self) -> StoreResult<Transaction<'static, Driver>> {
-        match self.writer.begin_with("BEGIN IMMEDIATE").await {
-            Err(sqlx::Error::InvalidSavePointStatement) => {
-                // A failed write (database full, I/O error) made SQLite roll the transaction
-                // back on its own; the connection still believes it is inside one and refuses
-                // to begin. Replace it with a fresh connection.
-                tracing::warn!("replacing the database writer connection after a failed transaction");
-                let stale = self.writer.acquire().await?;
-                drop(stale.detach());
-                Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
-            }
-            other => Ok(other?),
+        let checkpointer = self.checkpointer.stop.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((stop, thread)) = checkpointer {
+            drop(stop);
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
+        self.writer.close().await;
     }
 }
 
-impl Writes for Sqlite {
-    type Db = Driver;
-
-    async fn begin(&self) -> StoreResult<Transaction<'static, Driver>> {
-        self.write_tx().await
+/// Runs the writes in one transaction on the writer connection; an error means nothing was
+/// committed.
+fn transaction(c: &mut Connection, writes: &[Arc<Write>]) -> StoreResult<Vec<Written>> {
+    if !c.is_autocommit() {
+        // A failed COMMIT (the database busy, say) leaves its transaction open.
+        c.execute_batch("ROLLBACK")?;
     }
+    c.execute_batch("BEGIN IMMEDIATE")?;
+    let done = writes.iter().map(|w| turns::apply(c, w)).collect::<StoreResult<Vec<_>>>().and_then(|answers| {
+        c.execute_batch("COMMIT")?;
+        Ok(answers)
+    });
+    // SQLite rolls some failures back on its own (a full disk, an I/O error); others leave
+    // the transaction open.
+    if done.is_err() && !c.is_autocommit() {
+        let _ = c.execute_batch("ROLLBACK");
+    }
+    done
+}
 
-    async fn apply(&self, tx: &mut Transaction<'static, Driver>, write: &Write) -> StoreResult<Written> {
-        turns::apply(tx, write).await
+impl Writes for Sqlite {
+    async fn commit(&self, writes: Vec<Arc<Write>>) -> StoreResult<Vec<Written>> {
+        self.writer.run(move |c| transaction(c, &writes)).await
     }
 }

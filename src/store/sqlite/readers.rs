@@ -1,13 +1,10 @@
 //! Reads on SQLite connections of their own, run on the calling thread.
 //!
-//! sqlx's SQLite driver runs every statement on a thread per connection: a query is a message
-//! to that thread and its rows are messages back, and the connection goes back to its pool
-//! through a task of its own. For a history window, a short query, those hand-offs cost about
-//! as much as the query itself. These connections are opened read-only on
-//! the same file (WAL: readers never wait for the writer and see only committed
-//! transactions), and a bounded read runs where it is awaited, like any other short piece of
-//! CPU work, unless it would have to wait for a lock; a read without a bound goes to tokio's
-//! blocking pool.
+//! A short read handed to another thread (a message there, its rows back, a task woken) costs
+//! about as much as the query itself. These connections are opened read-only on the same file
+//! (WAL: readers never wait for the writer and see only committed transactions), and a
+//! bounded read runs where it is awaited, like any other short piece of CPU work, unless it
+//! would have to wait for a lock; a read without a bound goes to tokio's blocking pool.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -53,7 +50,7 @@ impl Readers {
         read: impl Fn(&Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> StoreResult<T> {
         match self.run_here(Duration::ZERO, &read) {
-            Err(StoreError::Read(e)) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy) => {
+            Err(StoreError::Sqlite(e)) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy) => {
                 self.run_blocking(read).await
             }
             done => done,
@@ -159,6 +156,6 @@ mod tests {
         assert_eq!(attempts.load(Ordering::SeqCst), 2);
         // Any other failure is the read's error.
         let missing = readers.run(|c| c.query_row("SELECT x FROM nowhere", (), |row| row.get::<_, i64>(0))).await;
-        assert!(matches!(missing, Err(StoreError::Read(_))), "{missing:?}");
+        assert!(matches!(missing, Err(StoreError::Sqlite(_))), "{missing:?}");
     }
 }

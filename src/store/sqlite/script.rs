@@ -1,36 +1,46 @@
-//! A write as one SQL script: several statements with their arguments, sent to the database
-//! thread in one round trip. Under load a round trip costs far more than SQLite's own work for
-//! a statement (the thread has to be woken and scheduled, then the task that waits for it), so
-//! each write of a turn (open, append, seal) is one script rather than one trip per statement.
+//! A write as one SQL script: several statements with their arguments, built in one place
+//! and run one after another on the writer connection, each prepared once and cached.
 
-use sqlx::sqlite::{SqliteArguments, SqliteRow};
-use sqlx::{Arguments, Encode, Sqlite, SqliteConnection, Type};
+use rusqlite::Connection;
+use rusqlite::types::Value as Column;
 
-use super::{StoreError, StoreResult};
+use crate::store::sql::Value;
 
 #[derive(Default)]
 pub(super) struct Script {
     sql: String,
-    args: SqliteArguments,
+    args: Vec<Value>,
 }
 
 impl Script {
-    /// SQL text; its `?` placeholders take the values bound next, in order. (Only `?`: sqlx
-    /// reads a numbered `?N` as the script's Nth value, whichever statement it is in.)
+    /// SQL text; its `?` placeholders take the values bound next, in order. Every statement
+    /// ends with `;`, and no statement has a `;` inside it (the script is split there).
     pub(super) fn sql(&mut self, text: &str) -> &mut Script {
         self.sql.push_str(text);
         self
     }
 
-    pub(super) fn bind<'t, T: Encode<'t, Sqlite> + Type<Sqlite> + 't>(&mut self, value: T) -> &mut Script {
-        // Encoding into SQLite's argument buffer cannot fail for the types used here.
-        self.args.add(value).expect("an SQLite argument encodes");
+    pub(super) fn bind(&mut self, value: impl Into<Value>) -> &mut Script {
+        self.args.push(value.into());
         self
     }
 
-    /// Runs every statement in the connection's open transaction; the rows of every
-    /// statement, in order.
-    pub(super) async fn run(self, conn: &mut SqliteConnection) -> StoreResult<Vec<SqliteRow>> {
-        sqlx::query_with(sqlx::AssertSqlSafe(self.sql), self.args).fetch_all(conn).await.map_err(StoreError::from)
+    /// Runs every statement (inside the connection's open transaction); the first column of
+    /// every row of every statement, in order.
+    pub(super) fn run(&self, c: &Connection) -> rusqlite::Result<Vec<Column>> {
+        let mut args = self.args.iter();
+        let mut rows = Vec::new();
+        for text in self.sql.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+            let mut statement = c.prepare_cached(text)?;
+            for i in 1..=statement.parameter_count() {
+                let value = args.next().ok_or(rusqlite::Error::InvalidParameterCount(i, self.args.len()))?;
+                statement.raw_bind_parameter(i, value)?;
+            }
+            let mut answered = statement.raw_query();
+            while let Some(row) = answered.next()? {
+                rows.push(row.get(0)?);
+            }
+        }
+        Ok(rows)
     }
 }

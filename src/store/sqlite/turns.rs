@@ -1,8 +1,8 @@
-//! Turn rows in SQLite: each write of a turn (open, append, seal) is one script, one round
-//! trip to the database thread.
+//! Turn rows in SQLite: each write of a turn (open, append, seal) is one script, run on the
+//! writer thread inside the transaction it shares with the writes queued with it.
 
-use sqlx::sqlite::SqliteRow;
-use sqlx::{Sqlite as Driver, SqliteConnection, Transaction};
+use rusqlite::Connection;
+use rusqlite::types::Value as Column;
 
 use super::log::{append_to, appended_seq};
 use super::script::Script;
@@ -14,36 +14,31 @@ use crate::store::turns::{
 use crate::store::{StoreError, StoreResult};
 use crate::wire::ConversationStatus;
 
-/// The write's statements, inside an open transaction: one script, one round trip.
-pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) -> StoreResult<Written> {
-    let conn: &mut SqliteConnection = tx;
+/// The write's statements, inside the open transaction.
+pub(super) fn apply(conn: &Connection, write: &Write) -> StoreResult<Written> {
     let mut script = Script::default();
     match write {
         Write::Begin { lease_ms, .. } => {
             let begin = write.as_begin().expect("an opening write");
             begin_to(&mut script, &begin, *lease_ms)?;
-            let rows = script.run(conn).await.map_err(duplicate_key)?;
+            let rows = script.run(conn).map_err(|e| duplicate_key(e.into()))?;
             // No row: the conversation's lease is another turn's.
             appended_seq(&rows).map_err(|_| StoreError::Busy).map(Written::Seq)
         }
         Write::Append { conversation_id, turn_id, chunks, now } => {
             append_to(&mut script, conversation_id, turn_id, chunks, *now)?;
-            appended_seq(&script.run(conn).await?).map(Written::Seq)
+            appended_seq(&script.run(conn)?).map(Written::Seq)
         }
         Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks } => {
             let seal = SealTurn { conversation_id, turn_id, reason, metrics, now: *now };
             seal_to(&mut script, &seal, chunks)?;
-            sealed_status(&script.run(conn).await?).map(Written::Status)
+            sealed_status(&script.run(conn)?).map(Written::Status)
         }
         Write::Renew { turn_ids, lease_ms } => {
             let mut renewed = 0;
             for ids in turn_ids.chunks(crate::store::lease::RENEW_AT_ONCE) {
-                let sql = crate::store::lease::renew_sql(super::NOW_MS, ids.len());
-                let mut q = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(*lease_ms);
-                for id in ids {
-                    q = q.bind(id);
-                }
-                renewed += q.execute(&mut *conn).await?.rows_affected();
+                let renew = crate::store::lease::renew(super::NOW_MS, ids, *lease_ms);
+                renewed += renew.sqlite_execute(conn)?;
             }
             Ok(Written::Count(renewed))
         }
@@ -80,7 +75,7 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
                 )
                 .bind(conversation_id.as_str())
                 .bind(turn_id.as_str());
-            let rows = script.run(conn).await?;
+            let rows = script.run(conn)?;
             // The take's row and the append's: fewer, the interrupt did not apply.
             if rows.len() < 2 {
                 return Err(StoreError::LeaseLost);
@@ -173,8 +168,10 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
 
 /// The status a seal script answered with; none: the turn does not hold the lease (an error,
 /// which rolls the seal's other statements back).
-fn sealed_status(rows: &[SqliteRow]) -> StoreResult<ConversationStatus> {
-    use sqlx::Row;
-    let row = rows.last().ok_or(StoreError::LeaseLost)?;
-    crate::store::status_of(&row.try_get::<String, _>(0)?)
+fn sealed_status(rows: &[Column]) -> StoreResult<ConversationStatus> {
+    match rows.last() {
+        Some(Column::Text(status)) => crate::store::status_of(status),
+        Some(other) => Err(StoreError::Corrupt(format!("a seal answered {other:?}"))),
+        None => Err(StoreError::LeaseLost),
+    }
 }

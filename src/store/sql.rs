@@ -1,0 +1,228 @@
+//! A statement with its values, written once for both backends: `$n` placeholders, values
+//! bound by number, rows decoded into tuples. SQLite runs it on rusqlite (reads on the reader
+//! connections, writes on the writer thread), PostgreSQL on sqlx's pool.
+
+use super::{Backend, Store, StoreResult};
+
+/// A value bound to a statement.
+#[derive(Debug, Clone)]
+pub(super) enum Value {
+    Int(i64),
+    /// Text, or NULL (typed as text for PostgreSQL).
+    Text(Option<String>),
+}
+
+impl From<i64> for Value {
+    fn from(v: i64) -> Value {
+        Value::Int(v)
+    }
+}
+
+impl From<bool> for Value {
+    fn from(v: bool) -> Value {
+        Value::Int(i64::from(v))
+    }
+}
+
+impl From<&str> for Value {
+    fn from(v: &str) -> Value {
+        Value::Text(Some(v.to_owned()))
+    }
+}
+
+impl From<&String> for Value {
+    fn from(v: &String) -> Value {
+        Value::Text(Some(v.clone()))
+    }
+}
+
+impl From<String> for Value {
+    fn from(v: String) -> Value {
+        Value::Text(Some(v))
+    }
+}
+
+impl From<Option<&str>> for Value {
+    fn from(v: Option<&str>) -> Value {
+        Value::Text(v.map(str::to_owned))
+    }
+}
+
+impl rusqlite::ToSql for Value {
+    fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
+        match self {
+            Value::Int(v) => v.to_sql(),
+            Value::Text(v) => v.to_sql(),
+        }
+    }
+}
+
+/// A column both drivers decode.
+#[cfg(not(feature = "cluster"))]
+pub(super) trait Column: rusqlite::types::FromSql + Send + 'static {}
+#[cfg(not(feature = "cluster"))]
+impl<T: rusqlite::types::FromSql + Send + 'static> Column for T {}
+
+/// A column both drivers decode.
+#[cfg(feature = "cluster")]
+pub(super) trait Column:
+    rusqlite::types::FromSql + for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send + 'static
+{
+}
+#[cfg(feature = "cluster")]
+impl<T> Column for T where
+    T: rusqlite::types::FromSql
+        + for<'r> sqlx::Decode<'r, sqlx::Postgres>
+        + sqlx::Type<sqlx::Postgres>
+        + Send
+        + 'static
+{
+}
+
+/// A row decoded by column position.
+pub(super) trait FromRow: Sized + Send + 'static {
+    fn sqlite(row: &rusqlite::Row<'_>) -> rusqlite::Result<Self>;
+    #[cfg(feature = "cluster")]
+    fn postgres(row: &sqlx::postgres::PgRow) -> Result<Self, sqlx::Error>;
+}
+
+macro_rules! tuple_row {
+    ($($t:ident $i:tt),+) => {
+        impl<$($t: Column),+> FromRow for ($($t,)+) {
+            fn sqlite(row: &rusqlite::Row<'_>) -> rusqlite::Result<Self> {
+                Ok(($(row.get::<_, $t>($i)?,)+))
+            }
+            #[cfg(feature = "cluster")]
+            fn postgres(row: &sqlx::postgres::PgRow) -> Result<Self, sqlx::Error> {
+                use sqlx::Row;
+                Ok(($(row.try_get::<$t, _>($i)?,)+))
+            }
+        }
+    };
+}
+tuple_row!(A 0);
+tuple_row!(A 0, B 1);
+tuple_row!(A 0, B 1, C 2);
+tuple_row!(A 0, B 1, C 2, D 3);
+tuple_row!(A 0, B 1, C 2, D 3, E 4);
+tuple_row!(A 0, B 1, C 2, D 3, E 4, F 5);
+
+/// SQL text with `$1`, `$2`... placeholders and the values they take.
+#[derive(Debug, Clone)]
+pub(super) struct Query {
+    sql: String,
+    values: Vec<Value>,
+}
+
+impl Query {
+    pub(super) fn new(sql: impl Into<String>) -> Query {
+        Query { sql: sql.into(), values: Vec::new() }
+    }
+
+    /// The next placeholder's value (`$1` first).
+    pub(super) fn bind(mut self, value: impl Into<Value>) -> Query {
+        self.values.push(value.into());
+        self
+    }
+
+    /// Prepares the statement on `c` (cached) and binds each `$n` to the nth value: SQLite
+    /// numbers named parameters by first appearance, so they are looked up by name.
+    fn sqlite_statement<'c>(&self, c: &'c rusqlite::Connection) -> rusqlite::Result<rusqlite::CachedStatement<'c>> {
+        let mut statement = c.prepare_cached(&self.sql)?;
+        for i in 1..=statement.parameter_count() {
+            let value = statement
+                .parameter_name(i)
+                .and_then(|name| name.strip_prefix('$'))
+                .and_then(|n| n.parse::<usize>().ok())
+                .and_then(|n| self.values.get(n.checked_sub(1)?))
+                .ok_or(rusqlite::Error::InvalidParameterCount(i, self.values.len()))?;
+            statement.raw_bind_parameter(i, value)?;
+        }
+        Ok(statement)
+    }
+
+    /// The rows, decoded, on a SQLite connection.
+    pub(super) fn sqlite_rows<R: FromRow>(&self, c: &rusqlite::Connection) -> rusqlite::Result<Vec<R>> {
+        let mut statement = self.sqlite_statement(c)?;
+        let mut rows = statement.raw_query();
+        let mut out = Vec::new();
+        while let Some(row) = rows.next()? {
+            out.push(R::sqlite(row)?);
+        }
+        Ok(out)
+    }
+
+    /// Rows changed, on a SQLite connection.
+    pub(super) fn sqlite_execute(&self, c: &rusqlite::Connection) -> rusqlite::Result<u64> {
+        Ok(self.sqlite_statement(c)?.raw_execute()? as u64)
+    }
+
+    #[cfg(feature = "cluster")]
+    fn postgres(&self) -> sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(self.sql.as_str()));
+        for value in &self.values {
+            q = match value {
+                Value::Int(v) => q.bind(*v),
+                Value::Text(v) => q.bind(v.as_deref()),
+            };
+        }
+        q
+    }
+
+    /// The rows, decoded, on a PostgreSQL connection or pool.
+    #[cfg(feature = "cluster")]
+    pub(super) async fn postgres_rows<'c, R: FromRow>(
+        &self,
+        executor: impl sqlx::PgExecutor<'c>,
+    ) -> Result<Vec<R>, sqlx::Error> {
+        self.postgres().fetch_all(executor).await?.iter().map(R::postgres).collect()
+    }
+
+    /// Rows changed, on a PostgreSQL connection or pool.
+    #[cfg(feature = "cluster")]
+    pub(super) async fn postgres_execute<'c>(&self, executor: impl sqlx::PgExecutor<'c>) -> Result<u64, sqlx::Error> {
+        Ok(self.postgres().execute(executor).await?.rows_affected())
+    }
+}
+
+impl Store {
+    /// Reads the rows of a short lookup (SQLite: where it is awaited, see `readers`).
+    pub(super) async fn fetch_optional<R: FromRow>(&self, q: Query) -> StoreResult<Option<R>> {
+        let rows: Vec<R> = match &self.backend {
+            Backend::Sqlite(b) => b.readers.run(move |c| q.sqlite_rows(c)).await?,
+            #[cfg(feature = "cluster")]
+            Backend::Postgres(b) => q.postgres_rows(&b.pool).await?,
+        };
+        Ok(rows.into_iter().next())
+    }
+
+    /// Reads every row (SQLite: on the blocking pool, as the rows may be many).
+    pub(super) async fn fetch_all<R: FromRow>(&self, q: Query) -> StoreResult<Vec<R>> {
+        Ok(match &self.backend {
+            Backend::Sqlite(b) => b.readers.run_blocking(move |c| q.sqlite_rows(c)).await?,
+            #[cfg(feature = "cluster")]
+            Backend::Postgres(b) => q.postgres_rows(&b.pool).await?,
+        })
+    }
+
+    /// Runs a write outside the turns' writer task (SQLite: on the writer connection);
+    /// answers the rows it changed. A refusal is recorded (see `noted`).
+    pub(super) async fn execute(&self, q: Query) -> StoreResult<u64> {
+        let result = match &self.backend {
+            Backend::Sqlite(b) => b.writer.run(move |c| Ok(q.sqlite_execute(c)?)).await,
+            #[cfg(feature = "cluster")]
+            Backend::Postgres(b) => q.postgres_execute(&b.pool).await.map_err(Into::into),
+        };
+        self.noted(result)
+    }
+
+    /// Reads rows on the writer's side (SQLite: the writer connection, which sees every
+    /// write it made).
+    pub(super) async fn fetch_written<R: FromRow>(&self, q: Query) -> StoreResult<Vec<R>> {
+        match &self.backend {
+            Backend::Sqlite(b) => b.writer.run(move |c| Ok(q.sqlite_rows(c)?)).await,
+            #[cfg(feature = "cluster")]
+            Backend::Postgres(b) => Ok(q.postgres_rows(&b.pool).await?),
+        }
+    }
+}
