@@ -1692,31 +1692,25 @@ fn window_is_whole(body: &[u8], n: usize) -> bool {
     seqs.len() == n && seqs.windows(2).all(|w| w[1] == w[0] + 1)
 }
 
-async fn seed(database: &str, conversation: &str, chunks: u64) -> Value {
-    use sqlx::Connection;
-    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{database}")).await.expect("opens the database");
-    let mut tx = conn.begin().await.unwrap();
-    sqlx::query(
+fn seed(database: &str, conversation: &str, chunks: u64) -> Value {
+    let mut conn = rusqlite::Connection::open(database).expect("opens the database");
+    let tx = conn.transaction().unwrap();
+    tx.execute(
         "INSERT INTO conversations (id, title, status, created_at, last_activity_at, last_seq, last_message_id, sealed_seq)
          VALUES (?1, 'bench', 'idle', 0, 0, ?2, ?2, ?2)",
+        (conversation, chunks as i64),
     )
-    .bind(conversation)
-    .bind(chunks as i64)
-    .execute(&mut *tx)
-    .await
     .unwrap();
-    for seq in 1..=chunks as i64 {
-        let text = format!(r#"{{"type":"text","text":"chunk {seq} of the long conversation"}}"#);
-        sqlx::query("INSERT INTO chunks (conversation_id, seq, message_id, turn_id, role, chunk) VALUES (?, ?, ?, 'seed', 'assistant', ?)")
-            .bind(conversation)
-            .bind(seq)
-            .bind(seq)
-            .bind(text)
-            .execute(&mut *tx)
-            .await
+    {
+        let mut insert = tx
+            .prepare("INSERT INTO chunks (conversation_id, seq, message_id, turn_id, role, chunk) VALUES (?, ?, ?, 'seed', 'assistant', ?)")
             .unwrap();
+        for seq in 1..=chunks as i64 {
+            let text = format!(r#"{{"type":"text","text":"chunk {seq} of the long conversation"}}"#);
+            insert.execute((conversation, seq, seq, text)).unwrap();
+        }
     }
-    tx.commit().await.unwrap();
+    tx.commit().unwrap();
     json!({"conversation": conversation, "chunks": chunks, "correct": true})
 }
 
@@ -1753,7 +1747,7 @@ async fn main() {
         Workload::WriteFloor { connections, rate, bytes, seconds } => {
             write_floor(connections, rate, bytes, seconds).await
         }
-        Workload::Seed { database, conversation, chunks } => seed(&database, &conversation, chunks).await,
+        Workload::Seed { database, conversation, chunks } => seed(&database, &conversation, chunks),
     };
     println!("{result}");
 }
