@@ -332,7 +332,7 @@ pub(crate) mod testing {
     async fn a_database_made_by_an_earlier_build_opens_and_continues() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("upgrade.db");
-        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sqlx-made.db");
+        let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sqlx-made.sqlite");
         std::fs::copy(fixture, &path).unwrap();
         let store = Store::open(&Database::Sqlite(path.clone()), Arc::default()).await.unwrap();
         let meta = store.conversation("old-chat").await.unwrap().unwrap();
