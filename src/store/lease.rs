@@ -112,7 +112,7 @@ impl Store {
         }
         let sql = "SELECT conversation_id, turn_id FROM turns
                    WHERE sealed_at IS NULL AND interrupted_at IS NULL ORDER BY conversation_id, ordinal";
-        let open: Vec<(String, String)> = self.fetch_written(Query::new(sql)).await?;
+        let open: Vec<(String, String)> = self.fetch_all(Query::new(sql)).await?;
         for (conversation_id, turn_id) in open.iter().cloned() {
             self.write(Write::Interrupt { conversation_id, turn_id, now, only_expired: false }).await?;
         }

@@ -352,6 +352,19 @@ pub(crate) mod testing {
         store.close().await;
     }
 
+    /// A file that is not a SQLite database is refused at open with SQLite's reason, and left
+    /// as it was.
+    #[tokio::test]
+    async fn a_file_that_is_not_a_database_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notes.db");
+        let text = "these are notes, not a database\n".repeat(200);
+        std::fs::write(&path, &text).unwrap();
+        let err = Store::open(&Database::Sqlite(path.clone()), Arc::default()).await.err().expect("refused");
+        assert!(err.to_string().contains("not a database"), "{err}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+    }
+
     /// A migration edited after a database applied it is refused, not silently skipped.
     #[tokio::test]
     async fn a_database_whose_migration_differs_is_refused() {

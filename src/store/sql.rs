@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use super::{Backend, Store, StoreResult};
 
 /// A value bound to a statement.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) enum Value {
     Int(i64),
     /// Text, or NULL (typed as text for PostgreSQL).
@@ -110,7 +110,7 @@ tuple_row!(A 0, B 1, C 2, D 3, E 4);
 tuple_row!(A 0, B 1, C 2, D 3, E 4, F 5);
 
 /// SQL text with `$1`, `$2`... placeholders and the values they take.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) struct Query {
     sql: Cow<'static, str>,
     values: Vec<Value>,
@@ -193,7 +193,7 @@ impl Store {
     ///
     /// Boxed: a stream's task awaits one of these when it starts (`latest_seq`), and a future
     /// awaited inline makes every future that awaits it, the stream's own, as big as its
-    /// largest state for the stream's whole life (W4: ~0.13 KiB per idle stream).
+    /// largest state for the stream's whole life (W4's memory per idle stream shows it).
     pub(super) async fn fetch_optional<R: FromRow>(&self, q: Query) -> StoreResult<Option<R>> {
         let rows: Vec<R> = Box::pin(async move {
             StoreResult::Ok(match &self.backend {
@@ -229,14 +229,24 @@ impl Store {
         };
         self.noted(result)
     }
+}
 
-    /// Reads rows on the writer's side (SQLite: the writer connection, which sees every
-    /// write it made).
-    pub(super) async fn fetch_written<R: FromRow>(&self, q: Query) -> StoreResult<Vec<R>> {
-        match &self.backend {
-            Backend::Sqlite(b) => b.writer.run(move |c| Ok(q.sqlite_rows(c)?)).await,
-            #[cfg(feature = "cluster")]
-            Backend::Postgres(b) => Ok(q.postgres_rows(&b.pool).await?),
-        }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `$n` takes the nth value wherever it first appears (SQLite alone would number the
+    /// placeholders in the order they appear), and a placeholder without a value is an error,
+    /// not a NULL.
+    #[test]
+    fn placeholders_take_their_numbered_value_on_sqlite() {
+        let c = rusqlite::Connection::open_in_memory().unwrap();
+        let q = Query::new("SELECT $2, $1, $2 || $1").bind(7).bind("x");
+        let rows: Vec<(String, i64, String)> = q.sqlite_rows(&c).unwrap();
+        assert_eq!(rows, vec![("x".to_owned(), 7, "x7".to_owned())]);
+        let missing = Query::new("SELECT $1, $3").bind(1).bind(2).sqlite_rows::<(i64, i64)>(&c);
+        assert!(matches!(missing, Err(rusqlite::Error::InvalidParameterCount(..))), "{missing:?}");
+        let unnumbered = Query::new("SELECT ?").bind(1).sqlite_rows::<(i64,)>(&c);
+        assert!(unnumbered.is_err(), "{unnumbered:?}");
     }
 }

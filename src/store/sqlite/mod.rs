@@ -95,8 +95,11 @@ impl Sqlite {
     /// Opens (creating when missing) the database file and applies the migrations.
     pub(crate) async fn open(path: &Path, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Sqlite> {
         let path = path.to_owned();
-        let opened = tokio::task::spawn_blocking(move || Self::open_here(&path, metrics, limits)).await;
-        opened.unwrap_or_else(|_| Err(StoreError::Cancelled))
+        match tokio::task::spawn_blocking(move || Self::open_here(&path, metrics, limits)).await {
+            Ok(opened) => opened,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(StoreError::Cancelled),
+        }
     }
 
     fn open_here(path: &Path, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Sqlite> {
