@@ -118,8 +118,10 @@ pub struct Config {
     pub flush_sweeps: u32,
 
     /// Longest flush window, in milliseconds, while two sweeps fit under it (past that the
-    /// window is two sweeps: the rounds would otherwise fall behind).
-    #[arg(long, env = "DISPATCH_FLUSH_MAX_MS", default_value_t = 40)]
+    /// window is two sweeps: the rounds would otherwise fall behind). The latency a delta may
+    /// be held for fewer writes: when writes get dearer, the window stops here rather than
+    /// trade more latency for CPU.
+    #[arg(long, env = "DISPATCH_FLUSH_MAX_MS", default_value_t = 15)]
     pub flush_max_ms: u64,
 
     /// Seconds a connection may go without its socket taking any bytes while the gateway has
@@ -583,7 +585,7 @@ impl Config {
             turn_buffer_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
             flush_sweeps: 4,
-            flush_max_ms: 40,
+            flush_max_ms: 15,
             drain_timeout_secs: 30,
             header_read_timeout_secs: 10,
             max_streams: 10_000,

@@ -375,8 +375,9 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn evenly_spaced_deltas_go_out_as_soon_as_a_window_has_gathered_its_share() {
-        // 4,000 watchers of the turn in flight: a 40 ms window; deltas 20 ms apart.
-        let hub = Hub::new(1 << 20, FlushWindow::default());
+        // 4,000 watchers of the turn in flight under a 40 ms cap: a 40 ms window; deltas 20 ms
+        // apart.
+        let hub = Hub::new(1 << 20, FlushWindow::new(4, Duration::from_millis(40)));
         let buffer = hub.begin_turn("c", "t", &[]);
         let mut cursors: Vec<Cursor> = Vec::new();
         for _ in 0..4_000 {

@@ -38,7 +38,7 @@ const WRITE_NS: std::ops::RangeInclusive<u64> = 250..=1_000_000;
 #[cfg(test)]
 impl Default for FlushWindow {
     fn default() -> FlushWindow {
-        FlushWindow::new(4, Duration::from_millis(40))
+        FlushWindow::new(4, Duration::from_millis(15))
     }
 }
 
