@@ -604,3 +604,25 @@ impl Config {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Config;
+
+    /// The flags' defaults and `Config::defaults()` (which tests, the hub's test window and
+    /// embedders use) are written twice; they must say the same.
+    #[test]
+    fn the_flags_defaults_are_config_defaults() {
+        let command = Config::command();
+        let set: Vec<_> =
+            command.get_arguments().filter_map(|a| a.get_env()).filter(|e| std::env::var_os(e).is_some()).collect();
+        if !set.is_empty() {
+            eprintln!("skipped: the environment sets {set:?}");
+            return;
+        }
+        let parsed = Config::try_parse_from(["dispatch-gateway"]).expect("no flags parse");
+        assert_eq!(format!("{parsed:?}"), format!("{:?}", Config::defaults()));
+    }
+}

@@ -38,7 +38,8 @@ const WRITE_NS: std::ops::RangeInclusive<u64> = 250..=1_000_000;
 #[cfg(test)]
 impl Default for FlushWindow {
     fn default() -> FlushWindow {
-        FlushWindow::new(4, Duration::from_millis(15))
+        let config = crate::config::Config::defaults();
+        FlushWindow::new(config.flush_sweeps, Duration::from_millis(config.flush_max_ms))
     }
 }
 
@@ -293,6 +294,22 @@ mod tests {
         assert_eq!(flush.for_readers(10_000), Duration::from_millis(40));
         let off = FlushWindow { sweeps: 0, ..FlushWindow::new(0, Duration::from_millis(40)) };
         assert_eq!(off.for_readers(1_000_000), Duration::ZERO);
+    }
+
+    #[test]
+    fn at_the_defaults_dearer_writes_stop_widening_the_window_at_the_cap_until_two_sweeps_pass_it() {
+        // 1,000 watchers on two workers, 4 sweeps, a 15 ms cap: while 4 sweeps fit, the window
+        // follows the cost of a write; past the cap it stays there (a dearer write costs CPU, not
+        // latency) until two sweeps are longer.
+        let flush = FlushWindow { workers: 2, ..FlushWindow::default() };
+        let at = |write_us: u64| {
+            flush.write_ns.store(write_us * 1_000, Relaxed);
+            flush.for_readers(1_000)
+        };
+        assert_eq!(at(4), Duration::from_millis(8));
+        assert_eq!(at(10), Duration::from_millis(15));
+        assert_eq!(at(14), Duration::from_millis(15));
+        assert_eq!(at(20), Duration::from_millis(20));
     }
 
     #[test]
