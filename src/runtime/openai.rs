@@ -11,9 +11,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
 use serde_json::{Map, Value, json};
+use sse_stream::SseByteStream;
 use tokio_util::sync::CancellationToken;
 
 use super::{EventSink, HistoryChunk, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
@@ -441,7 +441,7 @@ impl OpenAiRuntime {
             });
         }
         let mut gathered = Gathered::default();
-        let mut events = response.bytes_stream().eventsource();
+        let mut events = SseByteStream::new(response.bytes_stream());
         // Before any content a broken stream is as good as never accepted.
         let broken = |gathered: &Gathered, message: String| {
             if gathered.content { RuntimeError::turn(message, "upstream") } else { RuntimeError::Failed(message) }
@@ -453,7 +453,7 @@ impl OpenAiRuntime {
             };
             let event = match next {
                 None => break,
-                Some(Err(eventsource_stream::EventStreamError::Transport(e))) => {
+                Some(Err(sse_stream::Error::Body(e))) => {
                     tracing::debug!(error = %e, "the upstream stream ended abruptly");
                     return Err(broken(&gathered, "the upstream closed the stream before the turn finished".into()));
                 }
@@ -462,7 +462,7 @@ impl OpenAiRuntime {
                 }
                 Some(Ok(event)) => event,
             };
-            let data = event.data.trim();
+            let data = event.data.as_deref().unwrap_or_default().trim();
             if data.is_empty() {
                 continue;
             }
