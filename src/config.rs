@@ -104,6 +104,11 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_TURN_BUFFER_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub turn_buffer_bytes: usize,
 
+    /// Largest line an agent program prints (the `command` runtimes) or event an
+    /// OpenAI-compatible upstream streams, in bytes: past it the turn ends with an error.
+    #[arg(long, env = "DISPATCH_MAX_RUNTIME_LINE_BYTES", default_value_t = 16 * 1024 * 1024)]
+    pub max_runtime_line_bytes: usize,
+
     /// Seconds between keep-alives on idle streams (SSE comment, NDJSON empty line, WebSocket
     /// ping).
     #[arg(long, env = "DISPATCH_KEEPALIVE_SECS", default_value_t = 15)]
@@ -583,6 +588,7 @@ impl Config {
             scripted_script: None,
             max_body_bytes: 1024 * 1024,
             turn_buffer_bytes: 16 * 1024 * 1024,
+            max_runtime_line_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
             flush_sweeps: 4,
             flush_max_ms: 15,

@@ -213,6 +213,7 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                     headers: c.headers.clone().into_iter().collect(),
                     connect_timeout: Duration::from_secs(c.connect_timeout_secs.max(1)),
                     idle_timeout: Duration::from_secs(c.idle_timeout_secs.max(1)),
+                    max_event_bytes: config.max_runtime_line_bytes,
                     system_prompt: c.system_prompt.clone(),
                     context_window: c.context_window,
                     params: c.params.clone(),
@@ -224,7 +225,9 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                 let runtime = OpenAiRuntime::new(settings).map_err(|e| ConfigError::credential(name, e))?;
                 (Arc::new(runtime), c.context_window)
             }
-            Credential::Command(c) => (Arc::new(CommandRuntime::new(name, c.clone())), None),
+            Credential::Command(c) => {
+                (Arc::new(CommandRuntime::new(name, c.clone(), config.max_runtime_line_bytes)), None)
+            }
         };
         for model in credential.models() {
             registry.add(name, model, runtime.clone(), ModelInfo { context_window });

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use dispatch_gateway::config::{CommandCredential, Credential, Dialect};
+use dispatch_gateway::config::{CommandCredential, Config, Credential, Dialect};
 use serde_json::{Value, json};
 
 /// The fake agent: one Python program whose behaviour each prompt picks. It appends a line to
@@ -65,6 +65,17 @@ for line in sys.stdin:
         sys.exit(3)
     elif text.startswith("garbage"):
         print("this is not json", flush=True)
+    elif text.startswith("endless"):
+        while True:
+            sys.stdout.write("x" * 65536)
+            sys.stdout.flush()
+    elif text.startswith("loud"):
+        # Three stderr lines past the limit (more than a pipe holds), then an answer.
+        for _ in range(3):
+            sys.stderr.write("e" * 200000 + "\n")
+        sys.stderr.flush()
+        emit(type="text", delta="still here")
+        emit(type="done", reason="stop")
     elif text.startswith("unknown"):
         emit(type="something_new", x=1)
         emit(type="text", delta="fine")
@@ -92,6 +103,10 @@ async fn gateway(dir: &Path, script: &Path, dialect: Dialect) -> TestServer {
 }
 
 async fn gateway_with(dir: &Path, script: &Path, dialect: Dialect, idle_timeout_secs: u64) -> TestServer {
+    TestServer::start(config_with(dir, script, dialect, idle_timeout_secs)).await
+}
+
+fn config_with(dir: &Path, script: &Path, dialect: Dialect, idle_timeout_secs: u64) -> Config {
     let mut config = test_config(dir);
     config.credentials.insert(
         "agent".into(),
@@ -106,7 +121,7 @@ async fn gateway_with(dir: &Path, script: &Path, dialect: Dialect, idle_timeout_
             unattended: false,
         }),
     );
-    TestServer::start(config).await
+    config
 }
 
 fn starts(dir: &Path) -> Vec<String> {
@@ -229,6 +244,30 @@ async fn a_garbage_line_is_a_clear_error_and_unknown_lines_are_skipped() {
         vec!["user-message", "turn-start", "text-delta", "step-complete", "done", "turn-sealed"]
     );
     assert_eq!(server.get("/health").await.0, 200);
+}
+
+#[tokio::test]
+async fn a_line_past_the_limit_ends_the_turn_and_the_process_and_stderr_never_stalls_the_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let mut config = config_with(dir.path(), &script, Dialect::Ndjson, 600);
+    config.max_runtime_line_bytes = 64 * 1024;
+    let server = TestServer::start(config).await;
+    // Output that never ends a line: the turn ends instead of the gateway's buffer growing.
+    let events = turn(&server, "c1", "endless").await;
+    let error = events.iter().find(|e| e["type"] == "error").unwrap();
+    assert_eq!(error["code"], "agent-protocol");
+    assert!(error["message"].as_str().unwrap().contains("longer than 65536 bytes"), "{error}");
+    assert_eq!(events.last().unwrap()["type"], "turn-sealed");
+    // The process was stopped: the next turn starts another.
+    let events = turn(&server, "c1", "echo again").await;
+    assert!(events.iter().any(|e| e["type"] == "text-delta"), "{events:?}");
+    assert_eq!(starts(dir.path()).len(), 2);
+    // Stderr lines past the limit are left out, and still read: the agent answers.
+    let events = turn(&server, "c1", "loud").await;
+    let text: Vec<&Value> = events.iter().filter(|e| e["type"] == "text-delta").collect();
+    assert_eq!(text.len(), 1, "{events:?}");
+    assert_eq!(text[0]["delta"], "still here");
 }
 
 #[tokio::test]

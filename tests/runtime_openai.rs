@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::upstream::{FakeUpstream, Reply};
 use common::*;
-use dispatch_gateway::config::{Credential, OpenAiCredential};
+use dispatch_gateway::config::{Config, Credential, OpenAiCredential};
 use serde_json::{Value, json};
 
 fn delta(d: Value) -> Value {
@@ -31,6 +31,10 @@ async fn gateway_with(
     upstream: &FakeUpstream,
     adjust: impl FnOnce(&mut OpenAiCredential),
 ) -> TestServer {
+    TestServer::start(config_with(dir, upstream, adjust)).await
+}
+
+fn config_with(dir: &std::path::Path, upstream: &FakeUpstream, adjust: impl FnOnce(&mut OpenAiCredential)) -> Config {
     let mut config = test_config(dir);
     let mut headers = BTreeMap::new();
     headers.insert("X-Title".to_owned(), "dispatch".to_owned());
@@ -48,7 +52,7 @@ async fn gateway_with(
     };
     adjust(&mut credential);
     config.credentials.insert("up".into(), Credential::Openai(credential));
-    TestServer::start(config).await
+    config
 }
 
 fn set_key() {
@@ -531,4 +535,29 @@ async fn the_trimming_estimate_is_calibrated_by_the_last_context_size() {
         json!([{"role": "user", "content": new}]),
         "the first turn was left out"
     );
+}
+
+#[tokio::test]
+async fn an_event_past_the_limit_ends_the_turn_and_the_next_one_streams() {
+    set_key();
+    let huge = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\ndata: {}\n\n",
+        "x".repeat(200_000)
+    );
+    let upstream = FakeUpstream::start(vec![
+        Reply::Raw(huge),
+        Reply::Stream(vec![delta(json!({"content": "fits"})), finish("stop")]),
+    ])
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_with(dir.path(), &upstream, |_| {});
+    config.max_runtime_line_bytes = 64 * 1024;
+    let server = TestServer::start(config).await;
+    let events = turn(&server, "big", "hi").await;
+    let error = events.iter().find(|e| e["type"] == "error").unwrap();
+    assert_eq!(error["code"], "upstream");
+    assert!(error["message"].as_str().unwrap().contains("an event longer than 65536 bytes"), "{error}");
+    assert_eq!(events.last().unwrap()["type"], "turn-sealed");
+    let events = turn(&server, "big", "again").await;
+    assert_eq!(events.iter().find(|e| e["type"] == "text-delta").unwrap()["delta"], "fits");
 }

@@ -18,11 +18,12 @@ use serde_json::{Value, json};
 
 use super::DEFAULT_REASONING_EFFORT;
 use super::claude::{ClaudeMapper, Mapped};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
+use tokio::io::AsyncWriteExt;
 use tokio::process::{Child, ChildStdin, ChildStdout};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::lines::{self, BoundedLines};
 use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
 use crate::config::{CommandCredential, Dialect};
 use crate::wire::OutputStream;
@@ -37,7 +38,7 @@ const RESTART_CAP: Duration = Duration::from_secs(10);
 struct Agent {
     child: Child,
     stdin: ChildStdin,
-    stdout: Lines<BufReader<ChildStdout>>,
+    stdout: BoundedLines<ChildStdout>,
     pgid: Option<i32>,
 }
 
@@ -69,6 +70,8 @@ pub struct CommandRuntime {
 struct Inner {
     name: String,
     settings: CommandCredential,
+    /// The longest line the program may print (`--max-runtime-line-bytes`).
+    max_line: usize,
     agents: Mutex<HashMap<String, Arc<tokio::sync::Mutex<AgentState>>>>,
     /// Counts turns per conversation, so an idle timer knows whether a turn came since.
     uses: Mutex<HashMap<String, Arc<AtomicU64>>>,
@@ -77,11 +80,12 @@ struct Inner {
 }
 
 impl CommandRuntime {
-    pub fn new(name: &str, settings: CommandCredential) -> CommandRuntime {
+    pub fn new(name: &str, settings: CommandCredential, max_line: usize) -> CommandRuntime {
         CommandRuntime {
             inner: Arc::new(Inner {
                 name: name.to_owned(),
                 settings,
+                max_line,
                 agents: Mutex::default(),
                 uses: Mutex::default(),
                 fence: CancellationToken::new(),
@@ -129,15 +133,27 @@ impl Inner {
         let stdout = child.stdout.take().ok_or_else(|| RuntimeError::turn("the agent has no stdout", "agent-spawn"))?;
         if let Some(stderr) = child.stderr.take() {
             let (credential, conversation) = (self.name.clone(), req.conversation_id.clone());
+            let mut lines = BoundedLines::new(stderr, self.max_line);
             tokio::spawn(async move {
-                let mut lines = BufReader::new(stderr).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    tracing::info!(credential = %credential, conversation = %conversation, "agent stderr: {line}");
+                // Read to the end whatever comes: a program blocked on a full stderr pipe
+                // would stop answering.
+                loop {
+                    match lines.next_line().await {
+                        Ok(Some(line)) => {
+                            tracing::info!(credential = %credential, conversation = %conversation, "agent stderr: {line}")
+                        }
+                        Ok(None) => break,
+                        // Over the limit, or not UTF-8: that line only.
+                        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                            tracing::warn!(credential = %credential, conversation = %conversation, "agent stderr: {e}, left out")
+                        }
+                        Err(_) => break,
+                    }
                 }
             });
         }
         let pgid = child.id().map(|id| id as i32);
-        Ok(Agent { child, stdin, stdout: BufReader::new(stdout).lines(), pgid })
+        Ok(Agent { child, stdin, stdout: BoundedLines::new(stdout, self.max_line), pgid })
     }
 
     /// The line that submits a turn.
@@ -268,6 +284,7 @@ impl Inner {
             };
             let line = match line {
                 Ok(Some(line)) => line,
+                Err(e) if lines::too_long(&e) => break Outcome::Protocol(format!("the agent printed {e}")),
                 Ok(None) | Err(_) => {
                     let status = agent.child.try_wait().ok().flatten();
                     break Outcome::Died(format!(

@@ -5,6 +5,7 @@
 
 mod claude;
 pub mod command;
+mod lines;
 pub mod openai;
 pub mod scripted;
 

@@ -9,6 +9,8 @@
 //! which closes its connection at once.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -37,6 +39,8 @@ pub struct OpenAiSettings {
     pub connect_timeout: Duration,
     /// A stream that sends nothing for this long fails.
     pub idle_timeout: Duration,
+    /// The most bytes an event may take (`--max-runtime-line-bytes`).
+    pub max_event_bytes: usize,
     pub system_prompt: Option<String>,
     /// Tokens the models take; the oldest turns are left out so a request fits.
     pub context_window: Option<u64>,
@@ -44,6 +48,15 @@ pub struct OpenAiSettings {
     pub params: RequestParams,
     /// Each model's, over the credential's.
     pub model_params: BTreeMap<String, RequestParams>,
+}
+
+/// What the event parser reads: the upstream's bytes, or why it stopped.
+#[derive(Debug, thiserror::Error)]
+enum Upstream {
+    #[error(transparent)]
+    Transport(reqwest::Error),
+    #[error("an event longer than {0} bytes")]
+    TooLong(usize),
 }
 
 pub struct OpenAiRuntime {
@@ -441,7 +454,21 @@ impl OpenAiRuntime {
             });
         }
         let mut gathered = Gathered::default();
-        let mut events = SseByteStream::new(response.bytes_stream());
+        // The bytes since the last whole event, bounded: an upstream that never ends an
+        // event must not grow the parser's buffer without end.
+        let since_event = Arc::new(AtomicUsize::new(0));
+        let max = self.settings.max_event_bytes;
+        let counted = response.bytes_stream().map({
+            let since_event = since_event.clone();
+            move |chunk| {
+                let chunk = chunk.map_err(Upstream::Transport)?;
+                if since_event.fetch_add(chunk.len(), Ordering::Relaxed) + chunk.len() > max {
+                    return Err(Upstream::TooLong(max));
+                }
+                Ok(chunk)
+            }
+        });
+        let mut events = SseByteStream::new(counted);
         // Before any content a broken stream is as good as never accepted.
         let broken = |gathered: &Gathered, message: String| {
             if gathered.content { RuntimeError::turn(message, "upstream") } else { RuntimeError::Failed(message) }
@@ -453,6 +480,9 @@ impl OpenAiRuntime {
             };
             let event = match next {
                 None => break,
+                Some(Err(sse_stream::Error::Body(e))) if matches!(e.downcast_ref(), Some(Upstream::TooLong(_))) => {
+                    return Err(RuntimeError::turn(format!("the upstream sent {e}"), "upstream"));
+                }
                 Some(Err(sse_stream::Error::Body(e))) => {
                     tracing::debug!(error = %e, "the upstream stream ended abruptly");
                     return Err(broken(&gathered, "the upstream closed the stream before the turn finished".into()));
@@ -460,7 +490,10 @@ impl OpenAiRuntime {
                 Some(Err(e)) => {
                     return Err(broken(&gathered, format!("the upstream's event stream is malformed: {e}")));
                 }
-                Some(Ok(event)) => event,
+                Some(Ok(event)) => {
+                    since_event.store(0, Ordering::Relaxed);
+                    event
+                }
             };
             let data = event.data.as_deref().unwrap_or_default().trim();
             if data.is_empty() {
