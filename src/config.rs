@@ -332,10 +332,18 @@ pub struct CommandCredential {
     /// Answer the program's tool-permission requests with "allow" (claude-stream-json).
     #[serde(default)]
     pub unattended: bool,
+    /// Processes the credential runs at once at most (one per conversation): a conversation
+    /// that needs one past it stops the one idle longest, or fails while every one is in a turn.
+    #[serde(default = "default_max_processes")]
+    pub max_processes: usize,
 }
 
 fn default_process_idle() -> u64 {
     600
+}
+
+fn default_max_processes() -> usize {
+    32
 }
 
 /// The file: top-level keys are the flags' names with underscores; credentials in tables.

@@ -81,6 +81,7 @@ async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_re
             env,
             idle_timeout_secs: 600,
             unattended: true,
+            max_processes: 32,
         }),
     );
     let server = TestServer::start(config).await;

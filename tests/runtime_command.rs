@@ -119,6 +119,7 @@ fn config_with(dir: &Path, script: &Path, dialect: Dialect, idle_timeout_secs: u
             env: BTreeMap::new(),
             idle_timeout_secs,
             unattended: false,
+            max_processes: 32,
         }),
     );
     config
@@ -268,6 +269,50 @@ async fn a_line_past_the_limit_ends_the_turn_and_the_process_and_stderr_never_st
     let text: Vec<&Value> = events.iter().filter(|e| e["type"] == "text-delta").collect();
     assert_eq!(text.len(), 1, "{events:?}");
     assert_eq!(text[0]["delta"], "still here");
+}
+
+#[tokio::test]
+async fn past_max_processes_the_longest_idle_process_is_stopped_and_none_is_while_in_a_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let mut config = config_with(dir.path(), &script, Dialect::Ndjson, 600);
+    let Some(Credential::Command(credential)) = config.credentials.get_mut("agent") else { unreachable!() };
+    credential.max_processes = 2;
+    let server = TestServer::start(config).await;
+    let pids = || -> Vec<String> {
+        std::fs::read_to_string(dir.path().join("pids.log")).unwrap().lines().map(str::to_owned).collect()
+    };
+    turn(&server, "c1", "echo one").await;
+    turn(&server, "c2", "echo two").await;
+    turn(&server, "c1", "echo one again").await;
+    // A third conversation: c2's process has been idle longest (c1 answered since).
+    let events = turn(&server, "c3", "echo three").await;
+    assert_eq!(events[events.len() - 2]["reason"], "stop", "{events:?}");
+    let started = pids();
+    assert_eq!(started.len(), 3);
+    assert!(alive(&started[0]) && !alive(&started[1]) && alive(&started[2]), "{started:?}");
+    // Both processes in a turn: a fourth conversation's turn fails, and stops neither.
+    let mut stalls = Vec::new();
+    for conversation in ["c1", "c3"] {
+        let mut stream = server.chat_stream(json!({"conversationId": conversation, "message": "stall"})).await;
+        while stream.next_event().await.unwrap()["type"] != "text-delta" {}
+        stalls.push(stream);
+    }
+    let events = turn(&server, "c4", "echo four").await;
+    let error = events.iter().find(|e| e["type"] == "error").expect("an error");
+    assert_eq!(error["code"], "agent-busy");
+    assert!(error["message"].as_str().unwrap().contains("max_processes"), "{error}");
+    assert_eq!(pids().len(), 3);
+    for conversation in ["c1", "c3"] {
+        server.post(&format!("/conversations/{conversation}/stop"), json!({})).await;
+    }
+    for stream in stalls {
+        let rest = stream.collect().await;
+        assert_eq!(rest[rest.len() - 2]["reason"], "aborted");
+    }
+    // Idle again: the next new conversation gets a place.
+    let events = turn(&server, "c4", "echo four again").await;
+    assert_eq!(events[events.len() - 2]["reason"], "stop", "{events:?}");
 }
 
 #[tokio::test]

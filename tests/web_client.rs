@@ -149,6 +149,7 @@ async fn side_panel_routes_persist_settings_that_turns_use() {
             env: BTreeMap::new(),
             idle_timeout_secs: 600,
             unattended: false,
+            max_processes: 32,
         }),
     );
     let server = TestServer::start(config).await;

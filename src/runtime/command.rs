@@ -20,6 +20,7 @@ use super::DEFAULT_REASONING_EFFORT;
 use super::claude::{ClaudeMapper, Mapped};
 use tokio::io::AsyncWriteExt;
 use tokio::process::{Child, ChildStdin, ChildStdout};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -40,6 +41,8 @@ struct Agent {
     stdin: ChildStdin,
     stdout: BoundedLines<ChildStdout>,
     pgid: Option<i32>,
+    /// Its place among the credential's `max_processes`, given back when it is dropped.
+    _place: OwnedSemaphorePermit,
 }
 
 impl Agent {
@@ -61,6 +64,8 @@ struct AgentState {
     agent: Option<Agent>,
     failures: u32,
     last_death: Option<Instant>,
+    /// When its last turn ended: the longest idle process is the first stopped for a new one.
+    idle_since: Option<Instant>,
 }
 
 pub struct CommandRuntime {
@@ -72,6 +77,8 @@ struct Inner {
     settings: CommandCredential,
     /// The longest line the program may print (`--max-runtime-line-bytes`).
     max_line: usize,
+    /// Places for the credential's processes (`max_processes`).
+    places: Arc<Semaphore>,
     agents: Mutex<HashMap<String, Arc<tokio::sync::Mutex<AgentState>>>>,
     /// Counts turns per conversation, so an idle timer knows whether a turn came since.
     uses: Mutex<HashMap<String, Arc<AtomicU64>>>,
@@ -84,6 +91,7 @@ impl CommandRuntime {
         CommandRuntime {
             inner: Arc::new(Inner {
                 name: name.to_owned(),
+                places: Arc::new(Semaphore::new(settings.max_processes.max(1))),
                 settings,
                 max_line,
                 agents: Mutex::default(),
@@ -104,7 +112,43 @@ impl Inner {
         self.uses.lock().unwrap_or_else(|p| p.into_inner()).entry(conversation_id.to_owned()).or_default().clone()
     }
 
-    fn spawn(&self, req: &TurnRequest) -> Result<Agent, RuntimeError> {
+    /// A place for a new process: a free one, else the one of the process idle longest, which
+    /// is stopped; when every process is in a turn, the turn fails.
+    async fn place(&self) -> Result<OwnedSemaphorePermit, RuntimeError> {
+        if let Ok(place) = self.places.clone().try_acquire_owned() {
+            return Ok(place);
+        }
+        let slots: Vec<_> = self.agents.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        // A slot locked is in a turn (or being started): not idle. This conversation's own
+        // slot is locked by its turn.
+        let idle = slots
+            .iter()
+            .filter_map(|slot| {
+                let state = slot.try_lock().ok()?;
+                state.agent.as_ref()?;
+                Some((state.idle_since, slot))
+            })
+            .min_by_key(|(since, _)| *since)
+            .map(|(_, slot)| slot.clone());
+        if let Some(slot) = idle
+            && let Ok(mut state) = slot.try_lock()
+            && let Some(agent) = state.agent.take()
+        {
+            tracing::info!(credential = %self.name, "stopping the agent process idle longest for a new one");
+            agent.kill().await;
+        }
+        self.places.clone().try_acquire_owned().map_err(|_| {
+            RuntimeError::turn(
+                format!(
+                    "every one of the credential's {} agent processes is in a turn (max_processes)",
+                    self.settings.max_processes.max(1)
+                ),
+                "agent-busy",
+            )
+        })
+    }
+
+    fn spawn(&self, req: &TurnRequest, place: OwnedSemaphorePermit) -> Result<Agent, RuntimeError> {
         let s = &self.settings;
         let mut command = tokio::process::Command::new(&s.program);
         command.args(&s.args);
@@ -153,7 +197,7 @@ impl Inner {
             });
         }
         let pgid = child.id().map(|id| id as i32);
-        Ok(Agent { child, stdin, stdout: BoundedLines::new(stdout, self.max_line), pgid })
+        Ok(Agent { child, stdin, stdout: BoundedLines::new(stdout, self.max_line), pgid, _place: place })
     }
 
     /// The line that submits a turn.
@@ -213,7 +257,8 @@ impl Inner {
                         _ = cancel.cancelled() => return Ok(()),
                     }
                 }
-                self.spawn(&req)?
+                let place = self.place().await?;
+                self.spawn(&req, place)?
             }
         };
 
@@ -327,6 +372,7 @@ impl Inner {
         match outcome {
             Outcome::Settled => {
                 slot.failures = 0;
+                slot.idle_since = Some(Instant::now());
                 slot.agent = Some(agent);
                 drop(slot);
                 self.arm_idle_timer(&req.conversation_id);
