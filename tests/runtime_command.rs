@@ -235,10 +235,7 @@ async fn a_garbage_line_is_a_clear_error_and_unknown_lines_are_skipped() {
     let script = agent(dir.path(), "agent.py", AGENT);
     let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
     let events = turn(&server, "c1", "garbage").await;
-    let error = events.iter().find(|e| e["type"] == "error").unwrap();
-    assert_eq!(error["code"], "agent-protocol");
-    assert!(error["message"].as_str().unwrap().contains("this is not json"), "{error}");
-    assert_eq!(events.last().unwrap()["type"], "turn-sealed");
+    turn_error(&events, "agent-protocol", "this is not json");
     let events = turn(&server, "c1", "unknown lines").await;
     assert_eq!(
         types(&events),
@@ -256,10 +253,7 @@ async fn a_line_past_the_limit_ends_the_turn_and_the_process_and_stderr_never_st
     let server = TestServer::start(config).await;
     // Output that never ends a line: the turn ends instead of the gateway's buffer growing.
     let events = turn(&server, "c1", "endless").await;
-    let error = events.iter().find(|e| e["type"] == "error").unwrap();
-    assert_eq!(error["code"], "agent-protocol");
-    assert!(error["message"].as_str().unwrap().contains("longer than 65536 bytes"), "{error}");
-    assert_eq!(events.last().unwrap()["type"], "turn-sealed");
+    turn_error(&events, "agent-protocol", "longer than 65536 bytes");
     // The process was stopped: the next turn starts another.
     let events = turn(&server, "c1", "echo again").await;
     assert!(events.iter().any(|e| e["type"] == "text-delta"), "{events:?}");
@@ -299,9 +293,7 @@ async fn past_max_processes_the_longest_idle_process_is_stopped_and_none_is_whil
         stalls.push(stream);
     }
     let events = turn(&server, "c4", "echo four").await;
-    let error = events.iter().find(|e| e["type"] == "error").expect("an error");
-    assert_eq!(error["code"], "agent-busy");
-    assert!(error["message"].as_str().unwrap().contains("max_processes"), "{error}");
+    turn_error(&events, "agent-busy", "max_processes");
     assert_eq!(pids().len(), 3);
     for conversation in ["c1", "c3"] {
         server.post(&format!("/conversations/{conversation}/stop"), json!({})).await;

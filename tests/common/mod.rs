@@ -65,6 +65,16 @@ pub fn opening<'a>(
     }
 }
 
+/// The turn's `error` event, after checking that the turn sealed and that the error has this
+/// code and says this.
+pub fn turn_error<'a>(events: &'a [Value], code: &str, says: &str) -> &'a Value {
+    let error = events.iter().find(|e| e["type"] == "error").unwrap_or_else(|| panic!("no error event: {events:?}"));
+    assert_eq!(error["code"], code, "{error}");
+    assert!(error["message"].as_str().unwrap().contains(says), "{error}");
+    assert_eq!(events.last().unwrap()["type"], "turn-sealed", "{events:?}");
+    error
+}
+
 /// The SQLite file a test config names.
 pub fn sqlite_file(config: &Config) -> PathBuf {
     match &config.database {
