@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::process::Stdio;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -66,6 +65,8 @@ struct AgentState {
     last_death: Option<Instant>,
     /// When its last turn ended: the longest idle process is the first stopped for a new one.
     idle_since: Option<Instant>,
+    /// Turns so far, so that an idle timer knows whether one came since it was armed.
+    turns: u64,
 }
 
 pub struct CommandRuntime {
@@ -79,23 +80,23 @@ struct Inner {
     max_line: usize,
     /// Places for the credential's processes (`max_processes`).
     places: Arc<Semaphore>,
+    /// Per conversation, while it has a process or had a turn within the idle timeout (the
+    /// idle timer forgets it after that: conversation ids are unbounded).
     agents: Mutex<HashMap<String, Arc<tokio::sync::Mutex<AgentState>>>>,
-    /// Counts turns per conversation, so an idle timer knows whether a turn came since.
-    uses: Mutex<HashMap<String, Arc<AtomicU64>>>,
     fence: CancellationToken,
     turns: TaskTracker,
 }
 
 impl CommandRuntime {
-    pub fn new(name: &str, settings: CommandCredential, max_line: usize) -> CommandRuntime {
+    pub fn new(name: &str, mut settings: CommandCredential, max_line: usize) -> CommandRuntime {
+        settings.max_processes = settings.max_processes.max(1);
         CommandRuntime {
             inner: Arc::new(Inner {
                 name: name.to_owned(),
-                places: Arc::new(Semaphore::new(settings.max_processes.max(1))),
+                places: Arc::new(Semaphore::new(settings.max_processes)),
                 settings,
                 max_line,
                 agents: Mutex::default(),
-                uses: Mutex::default(),
                 fence: CancellationToken::new(),
                 turns: TaskTracker::new(),
             }),
@@ -108,8 +109,16 @@ impl Inner {
         self.agents.lock().unwrap_or_else(|p| p.into_inner()).entry(conversation_id.to_owned()).or_default().clone()
     }
 
-    fn uses(&self, conversation_id: &str) -> Arc<AtomicU64> {
-        self.uses.lock().unwrap_or_else(|p| p.into_inner()).entry(conversation_id.to_owned()).or_default().clone()
+    /// Drops a conversation's entry when it has no process and nothing else holds it (a turn
+    /// takes its entry under the map's lock, so the count cannot rise meanwhile).
+    fn forget(&self, conversation_id: &str) {
+        let mut agents = self.agents.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = agents.get(conversation_id)
+            && Arc::strong_count(slot) == 1
+            && slot.try_lock().is_ok_and(|state| state.agent.is_none())
+        {
+            agents.remove(conversation_id);
+        }
     }
 
     /// A place for a new process: a free one, else the one of the process idle longest, which
@@ -141,7 +150,7 @@ impl Inner {
             RuntimeError::turn(
                 format!(
                     "every one of the credential's {} agent processes is in a turn (max_processes)",
-                    self.settings.max_processes.max(1)
+                    self.settings.max_processes
                 ),
                 "agent-busy",
             )
@@ -233,10 +242,30 @@ impl Inner {
         value.to_string() + "\n"
     }
 
-    async fn turn(&self, req: TurnRequest, sink: EventSink, cancel: CancellationToken) -> Result<(), RuntimeError> {
+    /// One turn on the conversation's process; whatever its end, the idle timer is armed.
+    async fn turn(
+        self: &Arc<Self>,
+        req: TurnRequest,
+        sink: EventSink,
+        cancel: CancellationToken,
+    ) -> Result<(), RuntimeError> {
         let slot = self.agent_state(&req.conversation_id);
-        let mut slot = slot.lock().await;
-        self.uses(&req.conversation_id).fetch_add(1, Ordering::Relaxed);
+        let mut state = slot.lock().await;
+        state.turns += 1;
+        let seen = state.turns;
+        let result = self.run(&mut state, &req, sink, cancel).await;
+        drop(state);
+        self.arm_idle_timer(&req.conversation_id, slot, seen);
+        result
+    }
+
+    async fn run(
+        &self,
+        slot: &mut AgentState,
+        req: &TurnRequest,
+        sink: EventSink,
+        cancel: CancellationToken,
+    ) -> Result<(), RuntimeError> {
         let alive = match slot.agent.as_mut() {
             Some(agent) => agent.child.try_wait().ok().flatten().is_none(),
             None => false,
@@ -258,7 +287,7 @@ impl Inner {
                     }
                 }
                 let place = self.place().await?;
-                self.spawn(&req, place)?
+                self.spawn(req, place)?
             }
         };
 
@@ -283,7 +312,7 @@ impl Inner {
                 tracing::info!(dropped, "dropped the lines of a turn the agent started itself");
             }
         }
-        let line = self.user_line(&req);
+        let line = self.user_line(req);
         let mut written = 0;
         while written < line.len() {
             match agent.stdin.write(&line.as_bytes()[written..]).await {
@@ -374,8 +403,6 @@ impl Inner {
                 slot.failures = 0;
                 slot.idle_since = Some(Instant::now());
                 slot.agent = Some(agent);
-                drop(slot);
-                self.arm_idle_timer(&req.conversation_id);
                 Ok(())
             }
             Outcome::Kill => {
@@ -395,28 +422,28 @@ impl Inner {
         }
     }
 
-    /// Stops the conversation's process after the idle timeout unless a turn came since.
-    fn arm_idle_timer(&self, conversation_id: &str) {
-        let uses = self.uses(conversation_id);
-        let seen = uses.load(Ordering::Relaxed);
-        let slot = self.agent_state(conversation_id);
+    /// After the idle timeout with no turn since this one: stops the conversation's process
+    /// and forgets the conversation.
+    fn arm_idle_timer(self: &Arc<Self>, conversation_id: &str, slot: Arc<tokio::sync::Mutex<AgentState>>, seen: u64) {
         let idle = Duration::from_secs(self.settings.idle_timeout_secs.max(1));
-        let fence = self.fence.clone();
+        let (inner, conversation_id) = (self.clone(), conversation_id.to_owned());
         tokio::spawn(async move {
             tokio::select! {
                 _ = tokio::time::sleep(idle) => {}
-                _ = fence.cancelled() => return,
+                _ = inner.fence.cancelled() => return,
             }
-            if uses.load(Ordering::Relaxed) != seen {
-                return;
-            }
-            let mut slot = slot.lock().await;
-            if uses.load(Ordering::Relaxed) == seen
-                && let Some(agent) = slot.agent.take()
             {
-                tracing::info!("stopping an idle agent process");
-                agent.kill().await;
+                let mut state = slot.lock().await;
+                if state.turns != seen {
+                    return;
+                }
+                if let Some(agent) = state.agent.take() {
+                    tracing::info!("stopping an idle agent process");
+                    agent.kill().await;
+                }
             }
+            drop(slot);
+            inner.forget(&conversation_id);
         });
     }
 }
@@ -561,7 +588,75 @@ fn claude_args(model: &str, session: Option<&str>, unattended: bool) -> Vec<Stri
 
 #[cfg(test)]
 mod tests {
-    use super::claude_args;
+    use super::*;
+
+    /// An agent that answers every turn at once.
+    const ECHO: &str = r#"
+import json, sys
+for line in sys.stdin:
+    if json.loads(line).get("type") == "user":
+        print(json.dumps({"type": "text", "delta": "hi"}), flush=True)
+        print(json.dumps({"type": "done", "reason": "stop"}), flush=True)
+"#;
+
+    fn request(conversation_id: &str) -> TurnRequest {
+        TurnRequest {
+            conversation_id: conversation_id.to_owned(),
+            turn_id: uuid::Uuid::now_v7().to_string(),
+            model: "echo".into(),
+            prompt: "hello".into(),
+            cwd: None,
+            reasoning_effort: None,
+            history: Vec::new(),
+            session_id: None,
+            last_context_size: None,
+            inbox: Arc::default(),
+        }
+    }
+
+    /// Real processes: every conversation id that ever had a turn must not keep an entry.
+    #[tokio::test]
+    async fn an_idle_conversation_is_forgotten_with_its_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("echo.py");
+        std::fs::write(&script, ECHO).unwrap();
+        let credential = CommandCredential {
+            program: "python3".into(),
+            args: vec![script.to_string_lossy().into_owned()],
+            dialect: Dialect::Ndjson,
+            models: vec!["echo".into()],
+            cwd: None,
+            env: Default::default(),
+            idle_timeout_secs: 1,
+            unattended: false,
+            max_processes: 8,
+        };
+        let runtime = CommandRuntime::new("agent", credential, 1 << 16);
+        let mut pids = Vec::new();
+        for conversation in ["c1", "c2", "c3"] {
+            let (sink, mut events) = tokio::sync::mpsc::channel(16);
+            runtime.run_turn(request(conversation), sink, CancellationToken::new()).await.unwrap();
+            assert!(matches!(events.recv().await, Some(RawEvent::TextDelta(_))));
+            let state = runtime.inner.agent_state(conversation);
+            pids.push(state.lock().await.agent.as_ref().and_then(|a| a.child.id()).expect("a live process"));
+        }
+        let inner = &runtime.inner;
+        for _ in 0..200 {
+            if inner.agents.lock().unwrap().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(inner.agents.lock().unwrap().is_empty(), "entries left after the idle timeout");
+        for pid in pids {
+            assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "process {pid} still runs");
+        }
+        // A forgotten conversation starts afresh.
+        let (sink, _events) = tokio::sync::mpsc::channel(16);
+        runtime.run_turn(request("c1"), sink, CancellationToken::new()).await.unwrap();
+        assert_eq!(inner.agents.lock().unwrap().len(), 1);
+        runtime.shutdown().await;
+    }
 
     #[test]
     fn claude_code_gets_its_permission_tool_when_unattended_and_its_session_as_one_argument() {
