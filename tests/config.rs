@@ -188,3 +188,21 @@ fn the_binary_without_the_cluster_feature_stops_at_a_postgres_url_and_says_how_t
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("postgres://") && err.contains("--features cluster"), "{err}");
 }
+
+/// An `openai` credential's URL and headers are checked at start, not at its first turn.
+#[test]
+fn a_bad_upstream_url_or_header_stops_the_start_and_names_its_credential() {
+    let cases = [
+        ("base_url = \"ftp://example.com/v1\"", "not an http:// or https:// URL"),
+        ("base_url = \"just words\"", "is not a URL"),
+        ("base_url = \"http://127.0.0.1:1/v1\"\nheaders = { \"Bad Name\" = \"x\" }", "bad header name"),
+        ("base_url = \"http://127.0.0.1:1/v1\"\nheaders = { X-Title = \"a\\nb\" }", "bad value for header"),
+    ];
+    for (lines, says) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write(dir.path(), &format!("[credentials.up]\nkind = \"openai\"\nmodels = [\"m1\"]\n{lines}\n"));
+        let config = load(&["--config", &file], &[]).unwrap();
+        let err = registry(&config).err().map(|e| e.to_string()).unwrap_or_else(|| panic!("{lines}: started"));
+        assert!(err.contains("credentials.up") && err.contains(says), "{lines}: {err}");
+    }
+}

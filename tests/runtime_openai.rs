@@ -252,6 +252,21 @@ fn raw(status: &str, headers: &str, body: &str) -> Reply {
     ))
 }
 
+/// A redirect is not followed: the turn ends with the status and where it points.
+#[tokio::test]
+async fn a_redirect_ends_the_turn_saying_where_it_points() {
+    set_key();
+    let dir = tempfile::tempdir().unwrap();
+    let location = "https://elsewhere.test/v1/chat/completions";
+    let upstream =
+        FakeUpstream::start(vec![raw("308 Permanent Redirect", &format!("location: {location}\r\n"), "")]).await;
+    let server = gateway(dir.path(), &upstream).await;
+    let events = turn(&server, "c1", "hi").await;
+    let error = turn_error(&events, "upstream", &format!("base_url moved to {location}"));
+    assert!(error["message"].as_str().unwrap().contains("308"), "{error}");
+    assert_eq!(upstream.requests().len(), 1);
+}
+
 /// Roles of a request's messages, the system prompt aside.
 fn roles(request: &Value) -> Vec<String> {
     request["messages"]
@@ -557,4 +572,193 @@ async fn an_event_past_the_limit_ends_the_turn_and_the_next_one_streams() {
     turn_error(&events, "upstream", "an event longer than 65536 bytes");
     let events = turn(&server, "big", "again").await;
     assert_eq!(events.iter().find(|e| e["type"] == "text-delta").unwrap()["delta"], "fits");
+}
+
+/// The real binary, its credentials and proxies from the environment (as an operator sets them).
+fn child_gateway(dir: &std::path::Path, env: &[(&str, String)]) -> ChildGateway {
+    let args: Vec<std::ffi::OsString> = vec!["--database".into(), dir.join("gateway.db").into()];
+    let mut env: Vec<(&str, String)> = env.to_vec();
+    env.push(("DISPATCH_TEST_UPSTREAM_KEY", "sk-test".into()));
+    let pairs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    ChildGateway::spawn_with_env(&args, &pairs)
+}
+
+/// An `openai` credential `name` for `base_url`, as environment variables.
+fn credential_env(name: &'static str, base_url: &str) -> Vec<(&'static str, String)> {
+    let key = |field: &str| -> &'static str { format!("DISPATCH_CREDENTIALS__{name}__{field}").leak() };
+    vec![
+        (key("KIND"), "openai".into()),
+        (key("BASE_URL"), base_url.into()),
+        (key("MODELS"), r#"["m1"]"#.into()),
+        (key("API_KEY_ENV"), "DISPATCH_TEST_UPSTREAM_KEY".into()),
+    ]
+}
+
+async fn chat_on(gateway: &ChildGateway, conversation: &str, model: &str) -> Vec<Value> {
+    gateway.chat_stream(json!({"conversationId": conversation, "message": "hi", "model": model})).await.collect().await
+}
+
+fn text(events: &[Value]) -> String {
+    events.iter().filter(|e| e["type"] == "text-delta").map(|e| e["delta"].as_str().unwrap()).collect()
+}
+
+/// An HTTP proxy on a real socket. It records the first request head of each connection; a
+/// plain request goes on to `upstream` as it came; a CONNECT is answered 200 and the tunnel's
+/// TLS ended here with the certificate of the host it names, the plaintext going on to
+/// `upstream`.
+struct TestProxy {
+    addr: std::net::SocketAddr,
+    heads: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl TestProxy {
+    async fn start(
+        upstream: std::net::SocketAddr,
+        hosts: BTreeMap<String, std::sync::Arc<rustls::ServerConfig>>,
+    ) -> TestProxy {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (kept, hosts) = (heads.clone(), std::sync::Arc::new(hosts));
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let (heads, hosts) = (kept.clone(), hosts.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    let end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match socket.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                    heads.lock().unwrap().push(head.clone());
+                    let mut server = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                    if let Some(target) = head.strip_prefix("CONNECT ") {
+                        let host = target.split(':').next().unwrap();
+                        let Some(config) = hosts.get(host) else { return };
+                        socket.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await.unwrap();
+                        // The gateway ends the handshake when it rejects the certificate.
+                        let Ok(mut tls) = tokio_rustls::TlsAcceptor::from(config.clone()).accept(socket).await else {
+                            return;
+                        };
+                        let _ = tokio::io::copy_bidirectional(&mut tls, &mut server).await;
+                    } else {
+                        server.write_all(&buf).await.unwrap();
+                        let _ = tokio::io::copy_bidirectional(&mut socket, &mut server).await;
+                    }
+                });
+            }
+        });
+        TestProxy { addr, heads }
+    }
+
+    fn heads(&self) -> Vec<String> {
+        self.heads.lock().unwrap().clone()
+    }
+}
+
+/// A TLS server's configuration: this certificate and its key.
+fn tls_server(cert: &rcgen::Certificate, key: &rcgen::KeyPair) -> std::sync::Arc<rustls::ServerConfig> {
+    let key = rustls::pki_types::PrivatePkcs8KeyDer::from(key.serialize_der());
+    let config =
+        rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.der().clone()], key.into())
+            .unwrap();
+    std::sync::Arc::new(config)
+}
+
+/// An HTTPS upstream goes through `HTTPS_PROXY`'s CONNECT tunnel, with the proxy's credentials,
+/// and its certificate is checked against the roots (here `SSL_CERT_FILE`'s test CA): a host
+/// whose certificate no root signed is never sent the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_upstream_is_reached_through_a_connect_tunnel_and_its_certificate_checked() {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    let dir = tempfile::tempdir().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(rcgen::DnType::CommonName, "dispatch test CA");
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    let server = |host: &str| {
+        let mut params = CertificateParams::new(vec![host.to_owned()]).unwrap();
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        (params, KeyPair::generate().unwrap())
+    };
+    let (params, key) = server("upstream.test");
+    let trusted = tls_server(&params.signed_by(&key, &ca).unwrap(), &key);
+    let (params, key) = server("rogue.test");
+    let rogue = tls_server(&params.self_signed(&key).unwrap(), &key);
+
+    let upstream =
+        FakeUpstream::start(vec![Reply::Stream(vec![delta(json!({"content": "through the tunnel"})), finish("stop")])])
+            .await;
+    let hosts = BTreeMap::from([("upstream.test".to_owned(), trusted), ("rogue.test".to_owned(), rogue)]);
+    let proxy = TestProxy::start(upstream.addr, hosts).await;
+    let mut env = vec![
+        ("HTTPS_PROXY", format!("http://tunnel:s3cret@{}", proxy.addr)),
+        ("SSL_CERT_FILE", ca_file.to_string_lossy().into_owned()),
+    ];
+    env.extend(credential_env("UP", "https://upstream.test/v1"));
+    env.extend(credential_env("ROGUE", "https://rogue.test/v1"));
+    let gateway = child_gateway(dir.path(), &env);
+
+    let events = chat_on(&gateway, "c1", "up/m1").await;
+    assert_eq!(text(&events), "through the tunnel", "{events:?}");
+    assert_eq!(events.last().unwrap()["type"], "turn-sealed");
+    let head = proxy.heads()[0].to_lowercase();
+    assert!(head.starts_with("connect upstream.test:443 http/1.1\r\n"), "{head}");
+    // base64("tunnel:s3cret")
+    assert!(head.contains("proxy-authorization: basic dhvubmvsonmzy3jlda==\r\n"), "{head}");
+    let requests = upstream.requests();
+    assert_eq!(requests.len(), 1);
+    assert_eq!(requests[0].authorization.as_deref(), Some("Bearer sk-test"));
+
+    let events = chat_on(&gateway, "c2", "rogue/m1").await;
+    turn_error(&events, "unavailable", "certificate");
+    assert!(proxy.heads().iter().any(|h| h.starts_with("CONNECT rogue.test:443 ")));
+    assert_eq!(upstream.requests().len(), 1, "the request never went out");
+    gateway.terminate();
+}
+
+/// A plain-HTTP upstream goes through `HTTP_PROXY`, the request in absolute form with the
+/// proxy's credentials, unless `NO_PROXY` names its host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_upstream_is_asked_through_the_proxy_unless_no_proxy_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let reply = || Reply::Stream(vec![delta(json!({"content": "hello"})), finish("stop")]);
+    let upstream = FakeUpstream::start(vec![reply(), reply()]).await;
+    let proxy = TestProxy::start(upstream.addr, BTreeMap::new()).await;
+    let mut env = vec![
+        ("HTTP_PROXY", format!("http://someone:pw@{}", proxy.addr)),
+        ("NO_PROXY", "localhost,127.0.0.1".to_owned()),
+    ];
+    // Only the proxy knows the first host.
+    env.extend(credential_env("VIA", "http://upstream.test/v1"));
+    env.extend(credential_env("DIRECT", &upstream.base_url()));
+    let gateway = child_gateway(dir.path(), &env);
+
+    let events = chat_on(&gateway, "c1", "via/m1").await;
+    assert_eq!(text(&events), "hello", "{events:?}");
+    let heads = proxy.heads();
+    assert_eq!(heads.len(), 1);
+    let head = heads[0].to_lowercase();
+    assert!(head.starts_with("post http://upstream.test/v1/chat/completions http/1.1\r\n"), "{head}");
+    // base64("someone:pw")
+    assert!(head.contains("proxy-authorization: basic c29tzw9uztpwdw==\r\n"), "{head}");
+
+    let events = chat_on(&gateway, "c2", "direct/m1").await;
+    assert_eq!(text(&events), "hello", "{events:?}");
+    assert_eq!(proxy.heads().len(), 1, "NO_PROXY's host was asked directly");
+    assert_eq!(upstream.requests().len(), 2);
+    gateway.terminate();
 }

@@ -13,11 +13,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures_util::StreamExt;
+use http::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use http_body_util::{BodyExt, Full};
 use serde_json::{Map, Value, json};
 use sse_stream::SseByteStream;
 use tokio_util::sync::CancellationToken;
 
+use super::http_client::{HttpClient, describe};
 use super::{EventSink, HistoryChunk, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
 use crate::config::RequestParams;
 use crate::wire::{Chunk, Role, Usage};
@@ -54,31 +58,44 @@ pub struct OpenAiSettings {
 #[derive(Debug, thiserror::Error)]
 enum Upstream {
     #[error(transparent)]
-    Transport(reqwest::Error),
+    Transport(hyper::Error),
     #[error("an event longer than {0} bytes")]
     TooLong(usize),
 }
 
+#[derive(Clone)]
 pub struct OpenAiRuntime {
-    client: reqwest::Client,
-    settings: OpenAiSettings,
+    client: HttpClient,
+    /// `base_url` + `/chat/completions`.
+    endpoint: http::Uri,
+    /// The credential's headers and its key, parsed once.
+    headers: HeaderMap,
+    settings: Arc<OpenAiSettings>,
 }
 
 impl OpenAiRuntime {
     pub fn new(settings: OpenAiSettings) -> Result<OpenAiRuntime, String> {
-        // reqwest is built without a crypto provider of its own: ring is the process's (a
-        // provider installed before, as by a test's own client, stays).
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let client = reqwest::Client::builder()
-            .connect_timeout(settings.connect_timeout)
-            .build()
-            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
-        for (name, value) in &settings.headers {
-            reqwest::header::HeaderName::from_bytes(name.as_bytes())
-                .map_err(|_| format!("bad header name {name:?}"))?;
-            reqwest::header::HeaderValue::from_str(value).map_err(|_| format!("bad value for header {name:?}"))?;
+        let url = format!("{}/chat/completions", settings.base_url.trim_end_matches('/'));
+        let endpoint: http::Uri =
+            url.parse().map_err(|e| format!("base_url {:?} is not a URL: {e}", settings.base_url))?;
+        if !matches!(endpoint.scheme_str(), Some("http" | "https")) || endpoint.host().is_none() {
+            return Err(format!("base_url {:?} is not an http:// or https:// URL", settings.base_url));
         }
-        Ok(OpenAiRuntime { client, settings })
+        let mut headers = HeaderMap::new();
+        for (name, value) in &settings.headers {
+            let name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| format!("bad header name {name:?}"))?;
+            let value = HeaderValue::from_str(value).map_err(|_| format!("bad value for header {name:?}"))?;
+            headers.append(name, value);
+        }
+        if let Some(key) = &settings.api_key {
+            let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
+                .map_err(|_| "the API key has characters a header cannot carry".to_owned())?;
+            value.set_sensitive(true);
+            headers.insert(AUTHORIZATION, value);
+        }
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        let client = HttpClient::new(&endpoint, settings.connect_timeout)?;
+        Ok(OpenAiRuntime { client, endpoint, headers, settings: Arc::new(settings) })
     }
 }
 
@@ -248,9 +265,26 @@ fn context_exceeded(body: &str) -> bool {
 }
 
 /// A `Retry-After` in seconds (the HTTP-date form is rare on these APIs and taken as absent).
-fn retry_after(headers: &reqwest::header::HeaderMap) -> Option<Duration> {
-    let value = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
     value.parse::<f64>().ok().filter(|s| s.is_finite() && *s >= 0.0).map(Duration::from_secs_f64)
+}
+
+/// An error response's body as text: at most `max` bytes of it, and what came before the
+/// upstream went quiet for `idle`.
+async fn error_body(mut body: hyper::body::Incoming, max: usize, idle: Duration) -> String {
+    let mut bytes = Vec::new();
+    while bytes.len() < max {
+        match tokio::time::timeout(idle, body.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    bytes.extend_from_slice(&data[..data.len().min(max - bytes.len())]);
+                }
+            }
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// `finish_reason` in the wire's words.
@@ -401,41 +435,42 @@ impl OpenAiRuntime {
         Value::Object(body)
     }
 
-    fn request(&self, req: &TurnRequest) -> reqwest::RequestBuilder {
-        let body = self.body(req);
-        let url = format!("{}/chat/completions", self.settings.base_url.trim_end_matches('/'));
-        let mut request = self.client.post(url).json(&body);
-        if let Some(key) = &self.settings.api_key {
-            request = request.bearer_auth(key);
-        }
-        for (name, value) in &self.settings.headers {
-            request = request.header(name, value);
-        }
+    fn request(&self, req: &TurnRequest) -> http::Request<Full<Bytes>> {
+        let body = Bytes::from(self.body(req).to_string());
+        let mut request = http::Request::post(self.endpoint.clone()).body(Full::new(body)).expect("a parsed URI");
+        *request.headers_mut() = self.headers.clone();
         request
     }
 
     async fn turn(&self, req: TurnRequest, sink: EventSink) -> Result<(), RuntimeError> {
         let idle = self.settings.idle_timeout;
         sink.send(RawEvent::StepStart).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime"))?;
-        let response = match tokio::time::timeout(idle, self.request(&req).send()).await {
+        let response = match tokio::time::timeout(idle, self.client.send(self.request(&req))).await {
             // The request went out and no answer came: the upstream may be working on it.
             Err(_) => {
                 return Err(RuntimeError::Ambiguous("the upstream took the request but did not answer in time".into()));
             }
             // Never connected (the connect timeout included): nothing reached the upstream.
             Ok(Err(e)) if e.is_connect() => {
-                return Err(RuntimeError::Failed(format!("cannot reach the upstream: {e}")));
+                return Err(RuntimeError::Failed(format!("cannot reach the upstream: {}", describe(&e))));
             }
             // The request may have been sent before the failure: it may have been taken.
-            Ok(Err(e)) => return Err(RuntimeError::Ambiguous(format!("the upstream request failed: {e}"))),
+            Ok(Err(e)) => {
+                return Err(RuntimeError::Ambiguous(format!("the upstream request failed: {}", describe(&e))));
+            }
             Ok(Ok(r)) => r,
         };
         let status = response.status();
         if !status.is_success() {
             let wait = retry_after(response.headers());
-            let body = response.text().await.unwrap_or_default();
+            let moved = status.is_redirection().then(|| response.headers().get(http::header::LOCATION).cloned());
+            let body = error_body(response.into_body(), self.settings.max_event_bytes, idle).await;
             let detail: String = body.chars().take(300).collect();
-            let message = format!("the upstream answered {status}: {detail}");
+            let mut message = format!("the upstream answered {status}: {detail}");
+            if let Some(location) = moved {
+                let to = location.as_ref().and_then(|l| l.to_str().ok()).unwrap_or("nowhere it says");
+                message = format!("{message} (redirects are not followed: base_url moved to {to}?)");
+            }
             return Err(match status.as_u16() {
                 429 => match wait {
                     Some(after) if after > MAX_RETRY_AFTER => RuntimeError::turn(
@@ -458,7 +493,7 @@ impl OpenAiRuntime {
         // event must not grow the parser's buffer without end.
         let since_event = Arc::new(AtomicUsize::new(0));
         let max = self.settings.max_event_bytes;
-        let counted = response.bytes_stream().map({
+        let counted = response.into_body().into_data_stream().map({
             let since_event = since_event.clone();
             move |chunk| {
                 let chunk = chunk.map_err(Upstream::Transport)?;
@@ -522,7 +557,7 @@ impl OpenAiRuntime {
 
 impl Runtime for OpenAiRuntime {
     fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture {
-        let runtime = OpenAiRuntime { client: self.client.clone(), settings: self.settings.clone() };
+        let runtime = self.clone();
         Box::pin(async move {
             tokio::select! {
                 result = runtime.turn(request, sink) => result,

@@ -1,0 +1,159 @@
+//! The `openai` runtime's HTTP client: hyper's pooled HTTP/1.1 client, TLS by rustls (ring, the
+//! platform's roots, `SSL_CERT_FILE`/`SSL_CERT_DIR` too), and the proxies of the environment
+//! (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`, `NO_PROXY`, read as curl reads them, once at
+//! start). A plain-HTTP upstream is asked through its proxy (the request in absolute form,
+//! with the proxy's credentials); an HTTPS one through a CONNECT tunnel, verified end to end.
+//! Redirects are not followed: an API endpoint that moved is a configuration to fix.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Uri;
+use http::uri::Scheme;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::rt::{Read, ReadBufCursor, Write};
+use hyper_util::client::legacy::connect::proxy::Tunnel;
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::client::legacy::{Client, Error};
+use hyper_util::client::proxy::matcher::Matcher;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpStream;
+use tower_service::Service;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Clone)]
+pub struct HttpClient {
+    client: Client<hyper_rustls::HttpsConnector<ProxyConnector>, Full<Bytes>>,
+    proxies: Arc<Matcher>,
+}
+
+impl HttpClient {
+    /// A client for requests to `endpoint`'s scheme: the platform's TLS roots are loaded (and
+    /// must be there) only for an `https` one.
+    pub fn new(endpoint: &Uri, connect_timeout: Duration) -> Result<HttpClient, String> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("cannot set up TLS: {e}"))?;
+        let tls = if endpoint.scheme() == Some(&Scheme::HTTPS) {
+            use rustls_platform_verifier::BuilderVerifierExt;
+            builder.with_platform_verifier().map_err(|e| format!("cannot load the TLS roots: {e}"))?
+        } else {
+            // Never used: requests go to the endpoint only, and it is plain HTTP.
+            builder.with_root_certificates(rustls::RootCertStore::empty())
+        }
+        .with_no_client_auth();
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_connect_timeout(Some(connect_timeout));
+        http.set_nodelay(true);
+        let proxies = Arc::new(Matcher::from_env());
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(ProxyConnector { http, proxies: proxies.clone() });
+        Ok(HttpClient { client: Client::builder(TokioExecutor::new()).build(connector), proxies })
+    }
+
+    pub async fn send(&self, mut request: http::Request<Full<Bytes>>) -> Result<http::Response<Incoming>, Error> {
+        // Plain HTTP through a proxy: the proxy reads the request, so it carries the proxy's
+        // credentials (a tunnel's go in its CONNECT).
+        if request.uri().scheme() == Some(&Scheme::HTTP)
+            && let Some(auth) = self.proxies.intercept(request.uri()).and_then(|p| p.basic_auth().cloned())
+        {
+            request.headers_mut().insert(http::header::PROXY_AUTHORIZATION, auth);
+        }
+        self.client.request(request).await
+    }
+}
+
+/// Connects to the destination, or to its proxy: a tunnel for HTTPS, the proxy itself for HTTP.
+#[derive(Clone)]
+struct ProxyConnector {
+    http: HttpConnector,
+    proxies: Arc<Matcher>,
+}
+
+impl Service<Uri> for ProxyConnector {
+    type Response = Stream;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Stream, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // The HTTP connector is always ready: each call clones it.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, dst: Uri) -> Self::Future {
+        let mut http = self.http.clone();
+        let proxy = self.proxies.intercept(&dst);
+        Box::pin(async move {
+            let Some(proxy) = proxy else {
+                return Ok(Stream { io: http.call(dst).await?, proxied: false });
+            };
+            if proxy.uri().scheme() != Some(&Scheme::HTTP) {
+                return Err(format!("the proxy {} is not an http:// one (the only kind supported)", proxy.uri()).into());
+            }
+            if dst.scheme() != Some(&Scheme::HTTPS) {
+                return Ok(Stream { io: http.call(proxy.uri().clone()).await?, proxied: true });
+            }
+            let mut tunnel = Tunnel::new(proxy.uri().clone(), http);
+            if let Some(auth) = proxy.basic_auth() {
+                tunnel = tunnel.with_auth(auth.clone());
+            }
+            Ok(Stream { io: tunnel.call(dst).await?, proxied: false })
+        })
+    }
+}
+
+/// A connection, and whether it is to an HTTP proxy (whose requests name their whole URL).
+struct Stream {
+    io: TokioIo<TcpStream>,
+    proxied: bool,
+}
+
+impl Connection for Stream {
+    fn connected(&self) -> Connected {
+        self.io.connected().proxy(self.proxied)
+    }
+}
+
+impl Read for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: ReadBufCursor<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl Write for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// An error and its causes on one line: hyper's own say only which step failed.
+pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
