@@ -105,7 +105,8 @@ pub struct Config {
     pub turn_buffer_bytes: usize,
 
     /// Largest line an agent program prints (the `command` runtimes) or event an
-    /// OpenAI-compatible upstream streams, in bytes: past it the turn ends with an error.
+    /// OpenAI-compatible upstream streams, in bytes: past it the turn ends with an error. Also
+    /// the most of an upstream's error response that is read.
     #[arg(long, env = "DISPATCH_MAX_RUNTIME_LINE_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_runtime_line_bytes: usize,
 
