@@ -127,24 +127,33 @@ impl Inner {
         if let Ok(place) = self.places.clone().try_acquire_owned() {
             return Ok(place);
         }
-        let slots: Vec<_> = self.agents.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
-        // A slot locked is in a turn (or being started): not idle. This conversation's own
-        // slot is locked by its turn.
-        let idle = slots
-            .iter()
-            .filter_map(|slot| {
-                let state = slot.try_lock().ok()?;
-                state.agent.as_ref()?;
-                Some((state.idle_since, slot))
-            })
-            .min_by_key(|(since, _)| *since)
-            .map(|(_, slot)| slot.clone());
-        if let Some(slot) = idle
-            && let Ok(mut state) = slot.try_lock()
-            && let Some(agent) = state.agent.take()
-        {
-            tracing::info!(credential = %self.name, "stopping the agent process idle longest for a new one");
-            agent.kill().await;
+        // Chosen under the map's lock, cloning only the one chosen: a `forget` meanwhile must
+        // not find other entries held. A slot locked is in a turn (or being started): not
+        // idle. This conversation's own slot is locked by its turn.
+        let idle = {
+            let agents = self.agents.lock().unwrap_or_else(|p| p.into_inner());
+            agents
+                .iter()
+                .filter_map(|(id, slot)| {
+                    let state = slot.try_lock().ok()?;
+                    state.agent.as_ref()?;
+                    Some((state.idle_since, id, slot))
+                })
+                .min_by_key(|(since, _, _)| *since)
+                .map(|(_, id, slot)| (id.clone(), slot.clone()))
+        };
+        if let Some((id, slot)) = idle {
+            let stopped = match slot.try_lock() {
+                Ok(mut state) => state.agent.take(),
+                Err(_) => None,
+            };
+            drop(slot);
+            if let Some(agent) = stopped {
+                tracing::info!(credential = %self.name, "stopping the agent process idle longest for a new one");
+                agent.kill().await;
+            }
+            // Its idle timer may have fired while this held the entry.
+            self.forget(&id);
         }
         self.places.clone().try_acquire_owned().map_err(|_| {
             RuntimeError::turn(
