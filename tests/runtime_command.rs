@@ -251,8 +251,11 @@ async fn a_line_past_the_limit_ends_the_turn_and_the_process_and_stderr_never_st
     let mut config = config_with(dir.path(), &script, Dialect::Ndjson, 600);
     config.max_runtime_line_bytes = 64 * 1024;
     let server = TestServer::start(config).await;
-    // Output that never ends a line: the turn ends instead of the gateway's buffer growing.
-    let events = turn(&server, "c1", "endless").await;
+    // Output that never ends a line: the turn ends instead of the gateway's buffer growing
+    // (without the bound it would never end: the guard makes that a failure, not a hang).
+    let events = tokio::time::timeout(std::time::Duration::from_secs(120), turn(&server, "c1", "endless"))
+        .await
+        .expect("the turn of an endless line ends");
     turn_error(&events, "agent-protocol", "longer than 65536 bytes");
     // The process was stopped: the next turn starts another.
     let events = turn(&server, "c1", "echo again").await;
