@@ -109,11 +109,10 @@ fn accept_key(headers: &HeaderMap) -> Result<header::HeaderValue, Handshake> {
 /// `Sec-WebSocket-Accept` for a key: the base64 of the SHA-1 of the key and the protocol's GUID.
 fn accept_value(key: &[u8]) -> String {
     use base64::Engine;
-    use sha1::Digest;
-    let mut sha = sha1::Sha1::new();
+    let mut sha = ring::digest::Context::new(&ring::digest::SHA1_FOR_LEGACY_USE_ONLY);
     sha.update(key);
     sha.update(b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11");
-    base64::engine::general_purpose::STANDARD.encode(sha.finalize())
+    base64::engine::general_purpose::STANDARD.encode(sha.finish())
 }
 
 /// Whether `origin` (`scheme://host[:port]`) names the host the request was sent to.

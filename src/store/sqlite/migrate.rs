@@ -4,8 +4,8 @@
 
 use std::time::Instant;
 
+use ring::digest::{SHA384, digest};
 use rusqlite::Connection;
-use sha2::{Digest, Sha384};
 
 use super::{StoreError, StoreResult};
 
@@ -42,7 +42,7 @@ pub(super) fn migrate(c: &mut Connection, migrations: &[(i64, &str, &str)]) -> S
                     "the database has migration {version}, which this build does not know (a newer build made it)"
                 )));
             }
-            Some((_, _, sql)) if Sha384::digest(sql)[..] != checksum[..] => {
+            Some((_, _, sql)) if digest(&SHA384, sql.as_bytes()).as_ref() != &checksum[..] => {
                 return Err(refuse(format!("migration {version} was applied with different SQL than this build's")));
             }
             Some(_) => {}
@@ -58,7 +58,7 @@ pub(super) fn migrate(c: &mut Connection, migrations: &[(i64, &str, &str)]) -> S
         tx.execute(
             "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
              VALUES (?1, ?2, TRUE, ?3, -1)",
-            (version, description, &Sha384::digest(sql)[..]),
+            (version, description, digest(&SHA384, sql.as_bytes()).as_ref()),
         )?;
         tx.commit()?;
         let nanos = started.elapsed().as_nanos().min(i64::MAX as u128) as i64;
