@@ -267,6 +267,27 @@ async fn a_redirect_ends_the_turn_saying_where_it_points() {
     assert_eq!(upstream.requests().len(), 1);
 }
 
+/// An error response whose body never ends: what is read of it is bounded
+/// (`--max-runtime-line-bytes`), and the turn ends instead of waiting for the rest.
+#[tokio::test]
+async fn an_error_body_that_never_ends_is_read_only_up_to_the_limit() {
+    set_key();
+    let dir = tempfile::tempdir().unwrap();
+    let body = "x".repeat(200 * 1024);
+    let head = "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 1000000000\r\n\r\n";
+    let upstream = FakeUpstream::start(vec![Reply::RawStall(format!("{head}{body}"))]).await;
+    // An idle timeout past the guard below: only the bound can end the read in time.
+    let mut config = config_with(dir.path(), &upstream, |c| c.idle_timeout_secs = 600);
+    config.max_runtime_line_bytes = 64 * 1024;
+    let server = TestServer::start(config).await;
+    // Without the bound the turn would wait for the rest of a gigabyte: the guard makes that
+    // a failure, not a hang.
+    let events = tokio::time::timeout(Duration::from_secs(60), turn(&server, "c1", "hi"))
+        .await
+        .expect("the turn ends without the whole body");
+    turn_error(&events, "upstream", "400 Bad Request: xxx");
+}
+
 /// Roles of a request's messages, the system prompt aside.
 fn roles(request: &Value) -> Vec<String> {
     request["messages"]
@@ -616,7 +637,7 @@ impl TestProxy {
         upstream: std::net::SocketAddr,
         hosts: BTreeMap<String, std::sync::Arc<rustls::ServerConfig>>,
     ) -> TestProxy {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -625,17 +646,7 @@ impl TestProxy {
             while let Ok((mut socket, _)) = listener.accept().await {
                 let (heads, hosts) = (kept.clone(), hosts.clone());
                 tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    let mut chunk = [0u8; 4096];
-                    let end = loop {
-                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break i + 4;
-                        }
-                        match socket.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    };
+                    let Some((buf, end)) = common::upstream::read_head(&mut socket).await else { return };
                     let head = String::from_utf8_lossy(&buf[..end]).into_owned();
                     heads.lock().unwrap().push(head.clone());
                     let mut server = tokio::net::TcpStream::connect(upstream).await.unwrap();

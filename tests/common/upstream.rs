@@ -25,6 +25,9 @@ pub enum Reply {
     Raw(String),
     /// The request is read and never answered: not even a status line.
     Silent,
+    /// This response text (head and the start of a body), then nothing: the connection stays
+    /// open until the client leaves.
+    RawStall(String),
 }
 
 #[derive(Debug, Clone)]
@@ -92,18 +95,25 @@ impl FakeUpstream {
     }
 }
 
-async fn serve(mut socket: TcpStream, state: Arc<State>) {
+/// Reads a request head: what was read (the head and whatever came after it) and where the
+/// head ends; None when the peer leaves first.
+pub async fn read_head(socket: &mut TcpStream) -> Option<(Vec<u8>, usize)> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 8192];
-    let head_end = loop {
+    loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
+            return Some((buf, i + 4));
         }
         match socket.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => return None,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
-    };
+    }
+}
+
+async fn serve(mut socket: TcpStream, state: Arc<State>) {
+    let mut chunk = [0u8; 8192];
+    let Some((mut buf, head_end)) = read_head(&mut socket).await else { return };
     let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
     let mut headers = Vec::new();
     for line in head.lines().skip(1) {
@@ -147,6 +157,15 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
         }
         Reply::Raw(text) => {
             let _ = socket.write_all(text.as_bytes()).await;
+        }
+        Reply::RawStall(text) => {
+            let _ = socket.write_all(text.as_bytes()).await;
+            let mut sink = [0u8; 64];
+            while let Ok(n) = socket.read(&mut sink).await {
+                if n == 0 {
+                    break;
+                }
+            }
         }
         Reply::Silent => {
             let mut sink = [0u8; 64];
