@@ -198,11 +198,43 @@ struct Usage {
     user_us: u64,
     sys_us: u64,
     writes: u64,
+    host: Host,
+}
+
+/// The machine's CPU time in clock ticks (the `cpu` line of /proc/stat): all of it, and the
+/// time the hypervisor ran something else while this machine had work (`steal`), during which
+/// a server's wall clock runs on without it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Host {
+    ticks: u64,
+    steal: u64,
+}
+
+impl Host {
+    fn read() -> Host {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let fields: Vec<u64> = stat
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("cpu "))
+            .map(|l| l.split_whitespace().take(8).filter_map(|f| f.parse().ok()).collect())
+            .unwrap_or_default();
+        Host { ticks: fields.iter().sum(), steal: fields.get(7).copied().unwrap_or(0) }
+    }
+
+    fn since(self, before: Host) -> Host {
+        Host { ticks: self.ticks.saturating_sub(before.ticks), steal: self.steal.saturating_sub(before.steal) }
+    }
+
+    /// The share of the machine's time the hypervisor took (`null` when /proc/stat says nothing).
+    fn steal_share(&self) -> Value {
+        if self.ticks == 0 { Value::Null } else { json!(self.steal as f64 / self.ticks as f64) }
+    }
 }
 
 impl Usage {
     fn read(pids: &[u32]) -> Usage {
-        let mut usage = Usage::default();
+        let mut usage = Usage { host: Host::read(), ..Usage::default() };
         for pid in pids {
             if let Some((user, sys)) = stat_cpu_micros(&format!("/proc/{pid}/stat")) {
                 usage.user_us += user;
@@ -221,6 +253,7 @@ impl Usage {
             user_us: self.user_us.saturating_sub(before.user_us),
             sys_us: self.sys_us.saturating_sub(before.sys_us),
             writes: self.writes.saturating_sub(before.writes),
+            host: self.host.since(before.host),
         }
     }
 
@@ -237,6 +270,7 @@ impl Usage {
             "server_writes": self.writes,
             "deliveries_per_write": per(delivered, self.writes),
             "server_sys_us_per_write": per(self.sys_us, self.writes),
+            "host_steal_share": self.host.steal_share(),
         })
     }
 }
@@ -276,6 +310,7 @@ async fn write_floor(connections: usize, rate: u64, bytes: usize, seconds: f64) 
         let (mut writes, mut sent, mut would_block, mut due, mut next) = (0u64, 0u64, 0u64, 0.0, 0);
         let (user0, sys0) = thread_cpu_micros();
         let process0 = cpu_micros(&[std::process::id()]);
+        let host0 = Host::read();
         let started = Instant::now();
         for tick in 1..=ticks {
             due += per_tick;
@@ -299,7 +334,8 @@ async fn write_floor(connections: usize, rate: u64, bytes: usize, seconds: f64) 
         let (user1, sys1) = thread_cpu_micros();
         let process = cpu_micros(&[std::process::id()]) - process0;
         let readers_cpu = process.saturating_sub((user1 - user0) + (sys1 - sys0));
-        (writes, sent, would_block, elapsed, user1 - user0, sys1 - sys0, readers_cpu)
+        let host = Host::read().since(host0);
+        (writes, sent, would_block, elapsed, user1 - user0, sys1 - sys0, readers_cpu, host)
     });
     let received = Arc::new(AtomicU64::new(0));
     let mut readers = Vec::with_capacity(connections);
@@ -313,7 +349,7 @@ async fn write_floor(connections: usize, rate: u64, bytes: usize, seconds: f64) 
             }
         }));
     }
-    let (writes, sent, would_block, elapsed, user, sys, readers_cpu) =
+    let (writes, sent, would_block, elapsed, user, sys, readers_cpu, host) =
         tokio::task::spawn_blocking(move || sender.join().expect("the sender runs")).await.expect("joins");
     for reader in readers {
         reader.await.expect("a reader ends");
@@ -335,6 +371,7 @@ async fn write_floor(connections: usize, rate: u64, bytes: usize, seconds: f64) 
         // processes): the rest of this process's CPU over the same interval.
         "readers_cpu_us_per_write": per_write(readers_cpu),
         "readers_cores": readers_cpu as f64 / 1e6 / elapsed,
+        "host_steal_share": host.steal_share(),
         "correct": received.load(Ordering::Relaxed) == sent && would_block == 0,
     })
 }
