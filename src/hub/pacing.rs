@@ -157,9 +157,7 @@ impl Pacing {
             return Decision::EVERYONE;
         }
         self.delta_at(now);
-        // A window shorter than the deltas' usual spacing gathers no share: a delta that came
-        // early would wait for the next one, a whole spacing, to save a write now and then.
-        if self.last_round.is_none_or(|last| now >= last + window) || self.spacing.is_some_and(|s| s > window) {
+        if self.last_round.is_none_or(|last| now >= last + window) {
             self.everyone(now);
             return Decision::EVERYONE;
         }
@@ -446,28 +444,6 @@ mod tests {
             rounds.push(pacing.decide(t, window, true).round);
         }
         assert!(rounds[40..].iter().all(|r| matches!(r, Round::Phases { k: 8, .. })), "{rounds:?}");
-    }
-
-    #[test]
-    fn a_window_shorter_than_the_spacing_holds_no_delta_even_one_that_comes_early() {
-        // Deltas 5 ms apart on average, every fourth 1.5 ms early (a runtime's jitter), under a
-        // 4 ms window (few watchers, cheap writes): each goes out at once.
-        let mut pacing = Pacing::default();
-        let t0 = Instant::now();
-        pacing.decide(t0, 4 * MS, false);
-        let mut t = t0;
-        let mut rounds = Vec::new();
-        for i in 0..200u32 {
-            t += [5_500, 5_500, 5_500, 3_500][(i % 4) as usize] * MS / 1_000;
-            rounds.push(pacing.decide(t, 4 * MS, true).round);
-        }
-        assert!(rounds.iter().all(|r| *r == Round::Everyone), "{rounds:?}");
-        // A window a little longer than the spacing gathers pairs again.
-        for _ in 0..20 {
-            t += 5 * MS;
-            rounds.push(pacing.decide(t, 6 * MS, true).round);
-        }
-        assert!(rounds[rounds.len() - 10..].iter().all(|r| matches!(r, Round::Phases { k: 2, .. })), "{rounds:?}");
     }
 
     #[test]
