@@ -212,7 +212,11 @@ struct Host {
 
 impl Host {
     fn read() -> Host {
-        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        Host::parse(&std::fs::read_to_string("/proc/stat").unwrap_or_default())
+    }
+
+    /// The `cpu` line's first eight fields: user, nice, system, idle, iowait, irq, softirq, steal.
+    fn parse(stat: &str) -> Host {
         let fields: Vec<u64> = stat
             .lines()
             .next()
@@ -1787,4 +1791,20 @@ async fn main() {
         Workload::Seed { database, conversation, chunks } => seed(&database, &conversation, chunks),
     };
     println!("{result}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_steal_is_the_eighth_field_of_the_cpu_line_over_all_eight() {
+        let before = Host::parse("cpu  100 0 50 800 10 0 20 20 0 0\ncpu0 50 0 25 400 5 0 10 10 0 0\n");
+        let after = Host::parse("cpu  200 0 100 1500 10 0 40 150 0 0\ncpu0 100 0 50 750 5 0 20 75 0 0\n");
+        // 1,000 ticks passed, 130 of them stolen.
+        assert_eq!(after.since(before).steal_share(), json!(0.13));
+        // Nothing passed, or nothing readable: no share rather than a division by zero.
+        assert_eq!(after.since(after).steal_share(), Value::Null);
+        assert_eq!(Host::parse("").steal_share(), Value::Null);
+    }
 }
