@@ -203,6 +203,35 @@ async fn a_stream_request_with_a_long_head_is_still_served() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_watcher_of_a_paced_turn_is_written_by_the_turns_rounds_at_the_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    // The default flush window, closed for one watcher; deltas 10 ms apart: once the turn knows
+    // its spacing, its rounds write to the parked stream instead of waking the watcher's task.
+    config.scripted_pace = 100.0;
+    let server = TestServer::start(config).await;
+    let mut conn = connect(&server).await;
+    send(&mut conn, "GET /conversations/lone/events?until=sealed HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    assert_eq!(read_head(&mut conn).await.0, 200);
+    let before = metric(&server.metrics().await, "dispatch_round_writes_total");
+    let (status, body) =
+        server.post("/conversations/lone/messages", json!({"message": "tell me something longer"})).await;
+    assert_eq!(status, 202, "{body}");
+    let (body, _) = read_chunked(&mut conn).await;
+    let text = String::from_utf8(body).unwrap();
+    assert!(text.contains(r#""type":"turn-sealed""#), "{text}");
+    let deltas = text.matches(r#""type":"text-delta""#).count();
+    let after = metric(&server.metrics().await, "dispatch_round_writes_total");
+    assert!(deltas >= 5, "{text}");
+    // The first deltas go through the task (no spacing known yet), then one write per round.
+    assert!(
+        after - before >= 3.0,
+        "the turn's rounds wrote to the watcher's socket ({before} -> {after}, {deltas} deltas)"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_after_other_reads_on_a_kept_alive_connection_is_written_by_the_turns_rounds() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = test_config(dir.path());

@@ -601,21 +601,28 @@ async fn the_same_idempotency_key_starts_one_turn_even_across_a_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_flush_flags_decide_whether_the_rounds_write_to_parked_watchers() {
+async fn the_flush_flags_set_the_window_and_only_a_burst_under_a_closed_one_keeps_watchers_off_the_rounds() {
     let dir = tempfile::tempdir().unwrap();
     let script = write_script(
         dir.path(),
-        json!({"rules": [{"match": "slow", "pace": 200, "steps": [{"text": "word ".repeat(60)}]}]}),
+        json!({"rules": [
+            {"match": "slow", "pace": 200, "steps": [{"text": "word ".repeat(60)}]},
+            {"match": "fast", "pace": 0, "steps": [{"text": "word ".repeat(600)}]},
+        ]}),
     );
     // Two watchers: as many sweeps as there are, up to 2 ms, is a 2 ms window, open; no sweeps,
-    // or a longest window of 0 ms, closes it, and then no watcher parks.
-    let runs: [&[&str]; 3] = [
-        &["--flush-sweeps", "4294967295", "--flush-max-ms", "2"],
-        &["--flush-sweeps", "0"],
-        &["--flush-sweeps", "4294967295", "--flush-max-ms", "0"],
+    // or a longest window of 0 ms, closes it. Deltas 5 ms apart reach parked watchers through
+    // the rounds either way (one round per delta under a closed window); a burst under a closed
+    // window goes to the watchers' tasks (a round per delta would be a write per delta: 1,200;
+    // a stall of the machine between the first deltas may look spaced for a few).
+    let runs: [(&[&str], &str); 4] = [
+        (&["--flush-sweeps", "4294967295", "--flush-max-ms", "2"], "slow"),
+        (&["--flush-sweeps", "0"], "slow"),
+        (&["--flush-sweeps", "4294967295", "--flush-max-ms", "0"], "slow"),
+        (&["--flush-sweeps", "0"], "fast"),
     ];
     let (mut writes, mut windows) = (Vec::new(), Vec::new());
-    for (i, flags) in runs.into_iter().enumerate() {
+    for (i, (flags, message)) in runs.into_iter().enumerate() {
         let mut args: Vec<std::ffi::OsString> = vec![
             "--database".into(),
             dir.path().join(format!("flush{i}.db")).into(),
@@ -631,7 +638,7 @@ async fn the_flush_flags_decide_whether_the_rounds_write_to_parked_watchers() {
             let r = client.get(format!("{base}/conversations/f/events?until=sealed")).send().await.unwrap();
             watchers.push(SseStream::new(r));
         }
-        let r = client.post(format!("{base}/conversations/f/messages")).json(&json!({"message": "slow"})).send().await;
+        let r = client.post(format!("{base}/conversations/f/messages")).json(&json!({"message": message})).send().await;
         assert_eq!(r.unwrap().status(), 202);
         let mut deltas = [0, 0];
         for (watcher, deltas) in watchers.iter_mut().zip(&mut deltas) {
@@ -639,7 +646,7 @@ async fn the_flush_flags_decide_whether_the_rounds_write_to_parked_watchers() {
                 *deltas += usize::from(watcher.next().await.unwrap().json()["type"] == "text-delta");
             }
         }
-        // Mid-turn (60 deltas at 200 a second): the window the gateway keeps now.
+        // Mid-turn (60 deltas at 200 a second, for the slow ones): the window the gateway keeps now.
         let text = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
         windows.push(metric(&text, "dispatch_flush_window_seconds"));
         for (watcher, deltas) in watchers.iter_mut().zip(&mut deltas) {
@@ -647,12 +654,12 @@ async fn the_flush_flags_decide_whether_the_rounds_write_to_parked_watchers() {
                 *deltas += usize::from(m.json()["type"] == "text-delta");
             }
         }
-        assert_eq!(deltas, [60, 60], "{flags:?}");
+        assert_eq!(deltas, if message == "slow" { [60, 60] } else { [600, 600] }, "{flags:?}");
         let text = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
         writes.push(metric(&text, "dispatch_round_writes_total"));
         assert!(gateway.terminate().success());
     }
-    assert_eq!(windows, [0.002, 0.0, 0.0], "the window while the turn ran, as /metrics shows it");
-    assert!(writes[0] > 0.0, "an open window: the rounds wrote to parked watchers ({writes:?})");
-    assert_eq!(writes[1..], [0.0, 0.0], "a closed window: nobody parked");
+    assert_eq!(windows, [0.002, 0.0, 0.0, 0.0], "the window while the turn ran, as /metrics shows it");
+    assert!(writes[..3].iter().all(|w| *w > 0.0), "spaced deltas: the rounds wrote to parked watchers ({writes:?})");
+    assert!(writes[3] < 100.0, "a burst under a closed window: the watchers' tasks wrote it ({writes:?})");
 }

@@ -1,7 +1,7 @@
 //! The replay buffer of one turn: its events, coalesced past a cap, and the rounds that wake
 //! its watchers (when, decided by `pacing.rs`; whom, woken tasks and parked streams).
 
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::AcqRel, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak};
 use std::time::Duration;
 
@@ -50,6 +50,8 @@ pub struct TurnBuffer {
     pub(super) next: Arc<NextTurn>,
     /// Streams a round writes to itself while they are parked (see `parked.rs`).
     pub(super) parked: Mutex<Attached>,
+    /// A round under a closed window waits for its task (see [`TurnBuffer::round_soon`]).
+    round_due: AtomicBool,
     /// Where the events of a turn this gateway runs go to other gateways (none: it runs on
     /// another gateway, or there is no bus).
     outbox: Option<Outbox>,
@@ -84,6 +86,7 @@ impl TurnBuffer {
             flush,
             next: Arc::default(),
             parked: Mutex::default(),
+            round_due: AtomicBool::new(false),
             outbox,
         }
     }
@@ -147,10 +150,13 @@ impl TurnBuffer {
         self.flush.for_readers(self.readers.load(Relaxed))
     }
 
-    /// Whether deltas are paced now (the window is open): only then may a watcher park, since
-    /// only then does a round carry what a window gathered instead of every single event.
+    /// Whether deltas are paced now: the window is open (a round carries what it gathered), or
+    /// the turn's deltas come far enough apart that a round per delta writes no more than
+    /// woken watchers would (see [`Pacing::spaced`]). Only then may a watcher park: rounds of
+    /// a burst under a closed window would write every single event.
     pub fn paced(&self) -> bool {
-        !self.window().is_zero()
+        let readers = self.readers.load(Relaxed);
+        !self.flush.for_readers(readers).is_zero() || self.pacing().spaced(self.flush.sweep(readers))
     }
 
     fn pacing(&self) -> MutexGuard<'_, Pacing> {
@@ -178,7 +184,11 @@ impl TurnBuffer {
         match round {
             Round::Everyone => {
                 self.grown.notify_waiters();
-                parked::round(self, None);
+                if self.window().is_zero() {
+                    self.round_soon();
+                } else {
+                    parked::round(self, None);
+                }
             }
             Round::Phases { k, due } => {
                 if due[0] {
@@ -188,6 +198,27 @@ impl TurnBuffer {
             }
             Round::Held => {}
         }
+    }
+
+    /// A round of everyone under a closed window: in a task of its own, which runs once the
+    /// publisher yields, so that a burst it publishes meanwhile (a runtime's events that came
+    /// together) goes out in the same round, one write per watcher, as woken watchers would
+    /// take it. Without a runtime, at once.
+    fn round_soon(self: &Arc<Self>) {
+        if self.attached().is_empty() || self.round_due.swap(true, AcqRel) {
+            return; // no stream to write, or the round to come takes this event too
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.round_due.store(false, Relaxed);
+            return parked::round(self, None);
+        };
+        let buffer = Arc::downgrade(self);
+        runtime.spawn(async move {
+            let Some(buffer) = buffer.upgrade() else { return };
+            // Before the round reads the events: one published after it looks starts another.
+            buffer.round_due.swap(false, AcqRel);
+            parked::round(&buffer, None);
+        });
     }
 
     /// Makes sure a round of everyone starts at `at` unless one starts before; false without

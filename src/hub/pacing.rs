@@ -25,6 +25,9 @@ pub struct FlushWindow {
     write_ns: AtomicU64,
 }
 
+/// The shortest window (the timer's resolution): a shorter one is none.
+const MIN_WINDOW: Duration = Duration::from_millis(1);
+
 /// What a write is taken to cost until the rounds have measured one (a loopback write on a
 /// quiet machine, BENCHMARKS.md's write floor).
 const FIRST_WRITE_NS: u64 = 4_000;
@@ -60,10 +63,15 @@ impl FlushWindow {
         if self.sweeps == 0 {
             return Duration::ZERO;
         }
-        let sweep = u128::from(self.write_ns.load(Relaxed)) * readers as u128 / u128::from(self.workers);
-        let nanos = |n: u128| Duration::from_nanos(n.min(u64::MAX.into()) as u64);
-        let window = nanos(sweep * u128::from(self.sweeps)).min(self.max).max(nanos(sweep * 2));
-        if window < Duration::from_millis(1) { Duration::ZERO } else { window }
+        let sweep = self.sweep(readers);
+        let window = sweep.saturating_mul(self.sweeps).min(self.max).max(sweep.saturating_mul(2));
+        if window < MIN_WINDOW { Duration::ZERO } else { window }
+    }
+
+    /// A sweep: the time the workers take to write one event to `readers` watchers.
+    pub(super) fn sweep(&self, readers: usize) -> Duration {
+        let nanos = u128::from(self.write_ns.load(Relaxed)) * readers as u128 / u128::from(self.workers);
+        Duration::from_nanos(nanos.min(u64::MAX.into()) as u64)
     }
 
     /// A round's part wrote to `sockets` sockets in `elapsed` (wall time, so that a worker the
@@ -152,11 +160,13 @@ impl Pacing {
     /// anything else (which always starts a round of everyone). The state moves as if the
     /// decision were carried out.
     pub(super) fn decide(&mut self, now: Instant, window: Duration, paced: bool) -> Decision {
+        if paced {
+            self.delta_at(now);
+        }
         if !paced || window.is_zero() {
             self.everyone(now);
             return Decision::EVERYONE;
         }
-        self.delta_at(now);
         if self.last_round.is_none_or(|last| now >= last + window) {
             self.everyone(now);
             return Decision::EVERYONE;
@@ -190,6 +200,15 @@ impl Pacing {
             self.deadline = deadline;
         }
         Decision { round: Round::Held, deadline }
+    }
+
+    /// Whether the turn's deltas come far enough apart, on average, that a round per delta
+    /// writes no more than woken watchers would (they batch only what arrives while they wake)
+    /// and keeps to half the workers' time: a spacing of a window's least (1 ms) and two
+    /// `sweep`s. Then the rounds write to parked streams even with the window closed (few
+    /// watchers), which spares each delivery its task's wake-up.
+    pub(super) fn spaced(&self, sweep: Duration) -> bool {
+        self.spacing.is_some_and(|spacing| spacing >= MIN_WINDOW.max(sweep.saturating_mul(2)))
     }
 
     /// A round of everyone runs at `now` (a decision's, or the deadline's): the phases start
@@ -363,6 +382,36 @@ mod tests {
         // workers.
         let window = flush.for_readers(1_000);
         assert!(window > Duration::from_millis(990) && window <= Duration::from_secs(1), "{window:?}");
+    }
+
+    #[test]
+    fn deltas_are_spaced_when_they_come_a_millisecond_and_two_sweeps_apart_window_or_not() {
+        let mut pacing = Pacing::default();
+        let t0 = Instant::now();
+        let sweep = Duration::from_micros(200);
+        // No spacing known before the second delta.
+        pacing.decide(t0, Duration::ZERO, true);
+        assert!(!pacing.spaced(sweep));
+        // Deltas 5 ms apart under a closed window: each goes at once, and they are spaced.
+        let got = deltas(&mut pacing, t0, 5 * MS, Duration::ZERO, 10);
+        assert!(got.iter().all(|d| *d == Decision::EVERYONE), "{got:?}");
+        assert!(pacing.spaced(sweep));
+        // Not when a round would take more than half the spacing.
+        assert!(!pacing.spaced(3 * MS));
+        // A burst brings the spacing under a millisecond within a few deltas.
+        let t = t0 + 50 * MS;
+        let burst: Vec<bool> = (0..20)
+            .map(|i| {
+                pacing.decide(t + Duration::from_micros(10 * i), Duration::ZERO, true);
+                pacing.spaced(sweep)
+            })
+            .collect();
+        assert!(burst[..5].iter().all(|s| *s) && !burst[19], "{burst:?}");
+        // Events that are not deltas do not move it.
+        for i in 0..20 {
+            pacing.decide(t + 10 * MS + MS * i, Duration::ZERO, false);
+        }
+        assert!(!pacing.spaced(sweep));
     }
 
     #[test]

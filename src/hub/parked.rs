@@ -278,6 +278,10 @@ impl Attached {
         self.streams.retain(|(_, s)| !Arc::ptr_eq(s, stream));
     }
 
+    pub(super) fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+
     /// The streams of the phases due in a share of `k` (all of them without).
     fn due(&self, phases: Option<(u32, [bool; PHASES])>) -> Vec<Arc<ParkedStream>> {
         let due = |phase: u32| phases.is_none_or(|(k, due)| due[(phase % k) as usize]);
@@ -289,9 +293,9 @@ impl Attached {
 /// share of `k` (see `pacing.rs`). A round of many streams is shared out among the runtime's
 /// workers (one part here, the others spawned, at most [`PART`] each), so its writes use every
 /// core as the watchers' own tasks would.
-/// With the window closed a round comes with every event, and writing each one to each socket
-/// would cost a write per event where woken tasks batch a burst: the streams go back to their
-/// tasks instead.
+/// Unless the deltas are paced (`TurnBuffer::paced`) a round comes with every event of a burst,
+/// and writing each one to each socket would cost a write per event where woken tasks batch the
+/// burst: the streams go back to their tasks instead.
 pub(super) fn round(buffer: &Arc<TurnBuffer>, phases: Option<(u32, [bool; PHASES])>) {
     let streams = buffer.attached().due(phases);
     if streams.is_empty() {
@@ -560,6 +564,46 @@ mod tests {
         assert_eq!((back.next, back.sent), (0, false));
         assert!(read_now(&mut theirs).is_empty());
         assert_eq!(metrics.round_writes.load(Relaxed), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_the_window_closed_deltas_that_come_apart_are_written_by_the_rounds_and_a_burst_by_the_tasks() {
+        let hub = Hub::new(1 << 20, FlushWindow::new(0, Duration::ZERO));
+        let buffer = hub.begin_turn("c", "t", &[]);
+        let (sink, _ours, mut theirs, metrics) = sink();
+        buffer.attach(&sink);
+        // Deltas 5 ms apart: from the second one the turn knows its spacing, and is paced.
+        buffer.publish(&text("a"));
+        tokio::time::advance(Duration::from_millis(5)).await;
+        buffer.publish(&text("b"));
+        assert!(buffer.paced());
+        sink.park(&buffer, 2);
+        for delta in ["c", "d", "e"] {
+            tokio::time::advance(Duration::from_millis(5)).await;
+            buffer.publish(&text(delta));
+            // The round runs once the publisher yields.
+            tokio::task::yield_now().await;
+        }
+        // A round per delta, each written at once.
+        assert_eq!(deltas(&dechunk(&read_now(&mut theirs))), ["c", "d", "e"]);
+        assert_eq!(metrics.round_writes.load(Relaxed), 3);
+        // Deltas published together (a burst) share the round that the first one started.
+        tokio::time::advance(Duration::from_millis(5)).await;
+        for delta in ["f", "g", "h"] {
+            buffer.publish(&text(delta));
+        }
+        tokio::task::yield_now().await;
+        assert_eq!(deltas(&dechunk(&read_now(&mut theirs))), ["f", "g", "h"]);
+        assert_eq!(metrics.round_writes.load(Relaxed), 4);
+        // A long burst brings the spacing under a millisecond: its rounds hand the sink back to
+        // its task.
+        for _ in 0..20 {
+            buffer.publish(&text("i"));
+        }
+        assert!(!buffer.paced());
+        assert!(handed_back(&sink).await);
+        assert_eq!(sink.unpark().next, 8, "the round wrote nothing of the long burst");
+        assert_eq!(metrics.round_writes.load(Relaxed), 4);
     }
 
     /// A socket whose every write takes at least 300 us, as on a machine in a slow stretch.
