@@ -162,7 +162,9 @@ async fn conversation_crud() {
     assert_eq!(list["conversations"].as_array().unwrap().len(), 1);
     let (_, list) = server.get("/conversations?status=active,closed").await;
     assert_eq!(list["conversations"].as_array().unwrap().len(), 0);
-    for bad in ["?status=busy", "?limit=0", "?limit=x", "?limit=1001"] {
+    // `q` is an id prefix: characters no id has (U+0000 among them) are refused, not searched.
+    let long = format!("?q={}", "a".repeat(129));
+    for bad in ["?status=busy", "?limit=0", "?limit=x", "?limit=1001", "?q=a%00b", "?q=two%20words", long.as_str()] {
         let (status, body) = server.get(&format!("/conversations{bad}")).await;
         assert_error(status, &body, 400, bad);
     }

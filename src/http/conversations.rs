@@ -143,11 +143,13 @@ pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<J
             .ok_or_else(|| ApiError::bad(format!("`status` takes active, idle or closed, got {s:?}")))?;
         statuses.push(status);
     }
-    let filter = ConversationFilter {
-        id_prefix: query.get("q").filter(|q| !q.is_empty()).map(str::to_owned),
-        statuses,
-        limit: limit as u32,
+    // An id prefix has an id's characters: anything else matches no id, and PostgreSQL's text
+    // cannot even hold some of it (U+0000).
+    let id_prefix = match query.get("q").filter(|q| !q.is_empty()) {
+        Some(q) => Some(check_id(q).map_err(|e| ApiError::bad(format!("`q` is an id prefix: {e}")))?.to_owned()),
+        None => None,
     };
+    let filter = ConversationFilter { id_prefix, statuses, limit: limit as u32 };
     Ok(Json(ConversationList { conversations: state.store.list_conversations(&filter).await? }))
 }
 
