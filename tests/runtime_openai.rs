@@ -773,3 +773,42 @@ async fn an_http_upstream_is_asked_through_the_proxy_unless_no_proxy_names_it() 
     assert_eq!(upstream.requests().len(), 2);
     gateway.terminate();
 }
+
+/// The idle timeout runs between the upstream's bytes: an upstream that keeps a queued request
+/// open with keep-alive comments (which the event parser swallows) is waited for, past the
+/// timeout, and once it falls silent the turn ends after it.
+#[tokio::test]
+async fn keep_alive_comments_hold_the_idle_timeout_off_and_silence_does_not() {
+    set_key();
+    let pause = Duration::from_millis(400);
+    let comments = |n: usize| (0..n).map(|_| (pause, ": PROCESSING\n\n".to_owned())).collect::<Vec<_>>();
+    let data = |payload: Value| (Duration::ZERO, format!("data: {payload}\n\n"));
+    // Six comments 0.4 s apart: 2.4 s with no event, under a timeout of 1 s.
+    let mut queued = comments(6);
+    queued.extend([
+        data(delta(json!({"content": "late"}))),
+        data(finish("stop")),
+        (Duration::ZERO, "data: [DONE]\n\n".into()),
+    ]);
+    // Content, comments, then nothing at all.
+    let mut silent = vec![data(delta(json!({"content": "partial"})))];
+    silent.extend(comments(3));
+    let upstream = FakeUpstream::start(vec![Reply::Drip(queued), Reply::Drip(silent)]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let server = gateway_with(dir.path(), &upstream, |c| c.idle_timeout_secs = 1).await;
+
+    let events = turn(&server, "keep", "hi").await;
+    assert_eq!(
+        events.iter().find(|e| e["type"] == "text-delta").map(|e| &e["delta"]),
+        Some(&json!("late")),
+        "{events:?}"
+    );
+    assert_eq!(events[events.len() - 2]["reason"], "stop", "{events:?}");
+
+    let events = turn(&server, "keep", "again").await;
+    let error = events.iter().find(|e| e["type"] == "error").expect("the silence ended the turn");
+    assert_eq!(error["code"], "upstream", "{error}");
+    assert!(error["message"].as_str().unwrap().contains("the upstream sent nothing for 1s"), "{error}");
+    assert_eq!(server.history("keep").await.last().unwrap()["chunk"]["type"], "error");
+    assert_eq!(upstream.requests().len(), 2, "one request per turn");
+}

@@ -41,7 +41,8 @@ pub struct OpenAiSettings {
     pub api_key: Option<String>,
     pub headers: Vec<(String, String)>,
     pub connect_timeout: Duration,
-    /// A stream that sends nothing for this long fails.
+    /// A stream that sends no byte for this long fails (a keep-alive comment is a byte: an
+    /// upstream that holds a queued request open with comments is still there).
     pub idle_timeout: Duration,
     /// The most bytes an event may take (`--max-runtime-line-bytes`).
     pub max_event_bytes: usize,
@@ -61,6 +62,8 @@ enum Upstream {
     Transport(hyper::Error),
     #[error("an event longer than {0} bytes")]
     TooLong(usize),
+    #[error("nothing for {}s", .0.as_secs())]
+    Idle(Duration),
 }
 
 #[derive(Clone)]
@@ -493,30 +496,33 @@ impl OpenAiRuntime {
         // event must not grow the parser's buffer without end.
         let since_event = Arc::new(AtomicUsize::new(0));
         let max = self.settings.max_event_bytes;
-        let counted = response.into_body().into_data_stream().map({
+        // The idle timeout runs between the body's bytes, not between parsed events: the parser
+        // swallows comments, which some upstreams send while a request waits in their queue.
+        let body = tokio_stream::StreamExt::timeout(response.into_body().into_data_stream(), idle);
+        let counted = body.map({
             let since_event = since_event.clone();
             move |chunk| {
-                let chunk = chunk.map_err(Upstream::Transport)?;
+                let chunk = chunk.map_err(|_| Upstream::Idle(idle))?.map_err(Upstream::Transport)?;
                 if since_event.fetch_add(chunk.len(), Ordering::Relaxed) + chunk.len() > max {
                     return Err(Upstream::TooLong(max));
                 }
                 Ok(chunk)
             }
         });
-        let mut events = SseByteStream::new(counted);
+        // Pinned: the timeout's sleep is not Unpin.
+        let mut events = std::pin::pin!(SseByteStream::new(counted));
         // Before any content a broken stream is as good as never accepted.
         let broken = |gathered: &Gathered, message: String| {
             if gathered.content { RuntimeError::turn(message, "upstream") } else { RuntimeError::Failed(message) }
         };
         loop {
-            let next = match tokio::time::timeout(idle, events.next()).await {
-                Err(_) => return Err(broken(&gathered, format!("the upstream sent nothing for {}s", idle.as_secs()))),
-                Ok(next) => next,
-            };
-            let event = match next {
+            let event = match events.next().await {
                 None => break,
                 Some(Err(sse_stream::Error::Body(e))) if matches!(e.downcast_ref(), Some(Upstream::TooLong(_))) => {
                     return Err(RuntimeError::turn(format!("the upstream sent {e}"), "upstream"));
+                }
+                Some(Err(sse_stream::Error::Body(e))) if matches!(e.downcast_ref(), Some(Upstream::Idle(_))) => {
+                    return Err(broken(&gathered, format!("the upstream sent {e}")));
                 }
                 Some(Err(sse_stream::Error::Body(e))) => {
                     tracing::debug!(error = %e, "the upstream stream ended abruptly");

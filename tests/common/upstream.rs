@@ -28,6 +28,9 @@ pub enum Reply {
     /// This response text (head and the start of a body), then nothing: the connection stays
     /// open until the client leaves.
     RawStall(String),
+    /// 200, then each piece of the body after its pause, then nothing: the connection stays
+    /// open until the client leaves.
+    Drip(Vec<(std::time::Duration, String)>),
 }
 
 #[derive(Debug, Clone)]
@@ -160,6 +163,21 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
         }
         Reply::RawStall(text) => {
             let _ = socket.write_all(text.as_bytes()).await;
+            let mut sink = [0u8; 64];
+            while let Ok(n) = socket.read(&mut sink).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        }
+        Reply::Drip(pieces) => {
+            let _ = socket.write_all(stream_head.as_bytes()).await;
+            for (pause, piece) in pieces {
+                tokio::time::sleep(pause).await;
+                if socket.write_all(piece.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
             let mut sink = [0u8; 64];
             while let Ok(n) = socket.read(&mut sink).await {
                 if n == 0 {
