@@ -431,6 +431,11 @@ async fn hand_written_paths_answer_errors_as_json() {
         (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03".to_vec(), 400),
         (format!("GET /health HTTP/1.1\r\nhost: x\r\nx-pad: {}\r\n\r\n", "p".repeat(70 * 1024)).into_bytes(), 431),
         (format!("GET /health HTTP/1.1\r\nhost: x\r\n{many}\r\n").into_bytes(), 431),
+        // Framing hyper refuses with an empty 400 (where the body ends is unknown).
+        (b"POST /conversations HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n{}".to_vec(), 400),
+        (b"POST /conversations HTTP/1.1\r\nhost: x\r\ncontent-length: +2\r\n\r\n{}".to_vec(), 400),
+        (b"GET /health HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n".to_vec(), 400),
+        (b"POST /conversations HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n".to_vec(), 400),
     ];
     for (request, status) in cases {
         let mut socket = TcpStream::connect(server.addr).await.unwrap();

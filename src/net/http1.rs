@@ -136,9 +136,7 @@ async fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, timeout: Duration,
                         "the request has too many headers",
                     );
                 }
-                Parsed::Malformed => {
-                    return Head::Refused(StatusCode::BAD_REQUEST, "the request head is not valid HTTP/1.1");
-                }
+                Parsed::Malformed(why) => return Head::Refused(StatusCode::BAD_REQUEST, why),
                 Parsed::Other => return Head::Other,
             }
         }
@@ -167,7 +165,8 @@ enum Parsed {
     Partial,
     /// A well-formed request that hyper serves.
     Other,
-    Malformed,
+    /// A head that cannot be served, and why.
+    Malformed(&'static str),
     TooManyHeaders,
 }
 
@@ -178,8 +177,11 @@ fn parse(bytes: &[u8]) -> Parsed {
         Ok(httparse::Status::Complete(length)) => length,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
         Err(httparse::Error::TooManyHeaders) => return Parsed::TooManyHeaders,
-        Err(_) => return Parsed::Malformed,
+        Err(_) => return Parsed::Malformed("the request head is not valid HTTP/1.1"),
     };
+    if let Err(why) = framing(head.version, head.headers) {
+        return Parsed::Malformed(why);
+    }
     if head.method != Some("GET") || head.version != Some(1) {
         return Parsed::Other;
     }
@@ -217,6 +219,39 @@ fn parse(bytes: &[u8]) -> Parsed {
         request.headers_mut().append(name, value);
     }
     Parsed::Complete(request, close, length)
+}
+
+/// Checks the body's framing headers as hyper reads them (RFC 9112, 6.1-6.3), so that a head
+/// hyper would answer with an empty 400 gets the gateway's `{"error"}`: every `Content-Length`
+/// one number (repeats must agree), a `Transfer-Encoding` only in HTTP/1.1 and ending in
+/// `chunked`.
+fn framing(version: Option<u8>, headers: &[httparse::Header<'_>]) -> Result<(), &'static str> {
+    let mut length: Option<&[u8]> = None;
+    let mut coding: Option<&[u8]> = None;
+    for header in headers {
+        if header.name.eq_ignore_ascii_case("content-length") {
+            let number = header.value.iter().all(u8::is_ascii_digit)
+                && std::str::from_utf8(header.value).is_ok_and(|v| v.parse::<u64>().is_ok());
+            if !number {
+                return Err("the request's Content-Length is not a number");
+            }
+            if length.is_some_and(|l| l != header.value) {
+                return Err("the request's Content-Length headers disagree");
+            }
+            length = Some(header.value);
+        } else if header.name.eq_ignore_ascii_case("transfer-encoding") {
+            if version != Some(1) {
+                return Err("an HTTP/1.0 request cannot have a Transfer-Encoding");
+            }
+            coding = header.value.rsplit(|b| *b == b',').next().map(<[u8]>::trim_ascii);
+        }
+    }
+    match coding {
+        Some(last) if !last.eq_ignore_ascii_case(b"chunked") => {
+            Err("the request's Transfer-Encoding must end in chunked")
+        }
+        _ => Ok(()),
+    }
 }
 
 /// What happened while a body was being waited for.
@@ -556,6 +591,32 @@ mod tests {
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\ncontent-length: 3\r\n\r\nabc"));
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n"));
         assert!(matches!(parse(b"GET /conversations/a/events HTTP/1.1\r\nhost"), Parsed::Partial));
+        // Framing hyper would refuse is refused here (with a reason); what it reads is its.
+        let refused = |head: &str| matches!(parse(head.as_bytes()), Parsed::Malformed(_));
+        for bad in [
+            "content-length: 2\r\ncontent-length: 3",
+            "content-length: 2, 2",
+            "content-length: +2",
+            "content-length: abc",
+            "content-length: 99999999999999999999999",
+            "transfer-encoding: gzip",
+            "transfer-encoding: chunked, gzip",
+            "transfer-encoding: chunked\r\ntransfer-encoding: gzip",
+            "transfer-encoding: ",
+        ] {
+            assert!(refused(&format!("POST /conversations HTTP/1.1\r\n{bad}\r\n\r\n")), "{bad}");
+        }
+        assert!(refused("POST /conversations HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n"));
+        for good in [
+            "content-length: 2\r\ncontent-length: 2",
+            "content-length: 02",
+            "transfer-encoding: CHUNKED",
+            "transfer-encoding: gzip, chunked",
+            "transfer-encoding: gzip\r\ntransfer-encoding: chunked",
+        ] {
+            let head = format!("POST /conversations HTTP/1.1\r\n{good}\r\n\r\n");
+            assert!(matches!(parse(head.as_bytes()), Parsed::Other), "{good}");
+        }
         let head = "GET /c/events HTTP/1.1\r\nConnection: keep-alive, Close\r\n\r\n";
         match parse(format!("{head}GET /next").as_bytes()) {
             Parsed::Complete(request, close, length) => {
