@@ -812,3 +812,29 @@ async fn keep_alive_comments_hold_the_idle_timeout_off_and_silence_does_not() {
     assert_eq!(server.history("keep").await.last().unwrap()["chunk"]["type"], "error");
     assert_eq!(upstream.requests().len(), 2, "one request per turn");
 }
+
+/// An upstream nobody listens on never took the request: the turn retries it with backoff,
+/// then ends `unavailable`, saying it cannot reach it. An upstream that answers the stream with
+/// an event that is not JSON (a proxy's page, say) ends the turn `upstream`, not retried.
+#[tokio::test]
+async fn an_unreachable_upstream_is_retried_then_unavailable_and_an_event_that_is_not_json_ends_the_turn() {
+    set_key();
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let page = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+        data: <html>upstream busy</html>\n\n";
+    let upstream = FakeUpstream::start(vec![Reply::Raw(page.into())]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let server = gateway(dir.path(), &upstream).await;
+    let events = turn(&server, "page", "hi").await;
+    turn_error(&events, "upstream", "the upstream sent an event that is not JSON");
+    assert_eq!(upstream.requests().len(), 1, "not retried");
+
+    let other = tempfile::tempdir().unwrap();
+    // The listener is gone: connecting to its port is refused.
+    let server = gateway_with(other.path(), &upstream, |c| c.base_url = format!("http://{nobody}/v1")).await;
+    let events = turn(&server, "gone", "hi").await;
+    turn_error(&events, "unavailable", "cannot reach the upstream");
+    let metrics = server.metrics().await;
+    assert_eq!(metric(&metrics, "dispatch_runtime_errors_total{kind=\"retried\"}"), 3.0, "{metrics}");
+    assert_eq!(server.history("gone").await.last().unwrap()["chunk"]["type"], "error");
+}
