@@ -320,6 +320,10 @@ pub(super) fn round(buffer: &Arc<TurnBuffer>, phases: Option<(u32, [bool; PHASES
         let (buffer, part) = (buffer.clone(), part.to_vec());
         runtime.spawn(async move { write(&buffer, &part) });
     }
+    // A task spawned on a worker waits in that worker's LIFO slot, which no other worker
+    // steals, until the spawner is done: the last part would run after this one, on this core.
+    // A spawn after it moves it to the worker's queue and wakes an idle worker to take it.
+    runtime.spawn(async {});
     write(buffer, here);
 }
 
@@ -786,5 +790,53 @@ mod tests {
         }
         let writes: u64 = sinks.iter().map(|(_, _, _, metrics)| metrics.round_writes.load(Relaxed)).sum();
         assert!(writes < 7 * 300 * 3 / 4, "deltas share writes: {writes}");
+    }
+
+    /// A socket that notes which thread wrote to it, and takes its time (so that a round's part
+    /// is still writing when another worker could take the other part).
+    struct Noted {
+        inner: UnixStream,
+        threads: Arc<Mutex<std::collections::HashSet<std::thread::ThreadId>>>,
+    }
+
+    impl Socket for Noted {
+        fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
+            self.threads.lock().unwrap().insert(std::thread::current().id());
+            std::thread::sleep(Duration::from_micros(200));
+            (&self.inner).write(bytes)
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_round_of_many_streams_is_written_from_both_workers() {
+        let (_hub, buffer, _reading) = paced(1 << 20);
+        let threads = Arc::new(Mutex::new(std::collections::HashSet::new()));
+        let mut ends = Vec::new();
+        for _ in 0..4 * SHARED_PAST {
+            let (ours, theirs) = UnixStream::pair().unwrap();
+            ours.set_nonblocking(true).unwrap();
+            theirs.set_nonblocking(true).unwrap();
+            let socket = Arc::new(Noted { inner: ours, threads: threads.clone() });
+            let sink = ParkedStream::new(socket, Encoding::Line, Arc::new(Metrics::default()));
+            buffer.attach(&sink);
+            sink.park(&buffer, 0);
+            ends.push((sink, theirs));
+        }
+        // Published from a task, as a turn publishes: the round starts on a worker.
+        let publisher = buffer.clone();
+        tokio::spawn(async move { publisher.publish(&text("a")) }).await.unwrap();
+        let wrote = |ends: &mut Vec<(Arc<ParkedStream>, UnixStream)>| {
+            ends.iter_mut().map(|(_, theirs)| read_now(theirs)).filter(|got| !got.is_empty()).count()
+        };
+        let mut written = 0;
+        for _ in 0..200 {
+            written += wrote(&mut ends);
+            if written == ends.len() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(written, ends.len());
+        assert_eq!(threads.lock().unwrap().len(), 2, "the round's parts ran on both workers");
     }
 }
