@@ -432,8 +432,17 @@ mod tests {
         assert_eq!(metrics.round_writes.load(Relaxed), 1);
         buffer.publish(&text("b"));
         buffer.publish(&text("c"));
-        settle().await;
-        assert_eq!(deltas(&dechunk(&read_now(&mut theirs))), ["a", "b", "c"]);
+        // b and c go at once or with a round the window defers (by at most 1.5 ms, or as long as
+        // a loaded machine keeps the timer's task waiting).
+        let mut got = Vec::new();
+        for _ in 0..400 {
+            settle().await;
+            got.extend(read_now(&mut theirs));
+            if deltas(&dechunk(&got)).len() >= 3 {
+                break;
+            }
+        }
+        assert_eq!(deltas(&dechunk(&got)), ["a", "b", "c"]);
         // b went at once or waited for c's round: one write or two.
         assert!((2..=3).contains(&metrics.round_writes.load(Relaxed)));
         assert_eq!(metrics.events_delivered.load(Relaxed), 3);
