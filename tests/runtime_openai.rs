@@ -275,7 +275,7 @@ async fn an_error_body_that_never_ends_is_read_only_up_to_the_limit() {
     let dir = tempfile::tempdir().unwrap();
     let body = "x".repeat(200 * 1024);
     let head = "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 1000000000\r\n\r\n";
-    let upstream = FakeUpstream::start(vec![Reply::RawStall(format!("{head}{body}"))]).await;
+    let upstream = FakeUpstream::start(vec![Reply::Drip(vec![(Duration::ZERO, format!("{head}{body}"))])]).await;
     // An idle timeout past the guard below: only the bound can end the read in time.
     let mut config = config_with(dir.path(), &upstream, |c| c.idle_timeout_secs = 600);
     config.max_runtime_line_bytes = 64 * 1024;
@@ -783,15 +783,17 @@ async fn keep_alive_comments_hold_the_idle_timeout_off_and_silence_does_not() {
     let pause = Duration::from_millis(400);
     let comments = |n: usize| (0..n).map(|_| (pause, ": PROCESSING\n\n".to_owned())).collect::<Vec<_>>();
     let data = |payload: Value| (Duration::ZERO, format!("data: {payload}\n\n"));
+    let head = (Duration::ZERO, "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n".to_owned());
     // Six comments 0.4 s apart: 2.4 s with no event, under a timeout of 1 s.
-    let mut queued = comments(6);
+    let mut queued = vec![head.clone()];
+    queued.extend(comments(6));
     queued.extend([
         data(delta(json!({"content": "late"}))),
         data(finish("stop")),
         (Duration::ZERO, "data: [DONE]\n\n".into()),
     ]);
     // Content, comments, then nothing at all.
-    let mut silent = vec![data(delta(json!({"content": "partial"})))];
+    let mut silent = vec![head, data(delta(json!({"content": "partial"})))];
     silent.extend(comments(3));
     let upstream = FakeUpstream::start(vec![Reply::Drip(queued), Reply::Drip(silent)]).await;
     let dir = tempfile::tempdir().unwrap();

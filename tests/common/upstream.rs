@@ -25,11 +25,8 @@ pub enum Reply {
     Raw(String),
     /// The request is read and never answered: not even a status line.
     Silent,
-    /// This response text (head and the start of a body), then nothing: the connection stays
-    /// open until the client leaves.
-    RawStall(String),
-    /// 200, then each piece of the body after its pause, then nothing: the connection stays
-    /// open until the client leaves.
+    /// Each piece of this response text (head and body) after its pause, then nothing: the
+    /// connection stays open until the client leaves.
     Drip(Vec<(std::time::Duration, String)>),
 }
 
@@ -161,38 +158,16 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
         Reply::Raw(text) => {
             let _ = socket.write_all(text.as_bytes()).await;
         }
-        Reply::RawStall(text) => {
-            let _ = socket.write_all(text.as_bytes()).await;
-            let mut sink = [0u8; 64];
-            while let Ok(n) = socket.read(&mut sink).await {
-                if n == 0 {
-                    break;
-                }
-            }
-        }
         Reply::Drip(pieces) => {
-            let _ = socket.write_all(stream_head.as_bytes()).await;
             for (pause, piece) in pieces {
                 tokio::time::sleep(pause).await;
                 if socket.write_all(piece.as_bytes()).await.is_err() {
                     return;
                 }
             }
-            let mut sink = [0u8; 64];
-            while let Ok(n) = socket.read(&mut sink).await {
-                if n == 0 {
-                    break;
-                }
-            }
+            until_gone(&mut socket).await;
         }
-        Reply::Silent => {
-            let mut sink = [0u8; 64];
-            while let Ok(n) = socket.read(&mut sink).await {
-                if n == 0 {
-                    break;
-                }
-            }
-        }
+        Reply::Silent => until_gone(&mut socket).await,
         Reply::Stall(payloads) => {
             let _ = socket.write_all(format!("{stream_head}{}", data(&payloads)).as_bytes()).await;
             let _ = socket.flush().await;
@@ -209,4 +184,14 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
         }
     }
     let _ = socket.shutdown().await;
+}
+
+/// Reads (and drops) whatever the client sends until it leaves.
+async fn until_gone(socket: &mut TcpStream) {
+    let mut sink = [0u8; 64];
+    while let Ok(n) = socket.read(&mut sink).await {
+        if n == 0 {
+            break;
+        }
+    }
 }
