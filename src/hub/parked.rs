@@ -417,6 +417,20 @@ mod tests {
             .collect()
     }
 
+    /// The deltas read until there are `n` of them (a deferred round waits at most a window, or
+    /// as long as a loaded machine keeps the timer's task waiting), or 2 s have passed.
+    async fn deltas_until(from: &mut UnixStream, n: usize) -> Vec<String> {
+        let mut got = Vec::new();
+        for _ in 0..400 {
+            got.extend(read_now(from));
+            if deltas(&dechunk(&got)).len() >= n {
+                break;
+            }
+            settle().await;
+        }
+        deltas(&dechunk(&got))
+    }
+
     async fn handed_back(sink: &ParkedStream) -> bool {
         tokio::time::timeout(Duration::from_secs(1), sink.handed_back()).await.is_ok()
     }
@@ -432,17 +446,8 @@ mod tests {
         assert_eq!(metrics.round_writes.load(Relaxed), 1);
         buffer.publish(&text("b"));
         buffer.publish(&text("c"));
-        // b and c go at once or with a round the window defers (by at most 1.5 ms, or as long as
-        // a loaded machine keeps the timer's task waiting).
-        let mut got = Vec::new();
-        for _ in 0..400 {
-            settle().await;
-            got.extend(read_now(&mut theirs));
-            if deltas(&dechunk(&got)).len() >= 3 {
-                break;
-            }
-        }
-        assert_eq!(deltas(&dechunk(&got)), ["a", "b", "c"]);
+        // b and c go at once or with a round the window defers.
+        assert_eq!(deltas_until(&mut theirs, 3).await, ["a", "b", "c"]);
         // b went at once or waited for c's round: one write or two.
         assert!((2..=3).contains(&metrics.round_writes.load(Relaxed)));
         assert_eq!(metrics.events_delivered.load(Relaxed), 3);
@@ -558,8 +563,7 @@ mod tests {
         round(&earlier, None);
         assert!(read_now(&mut theirs).is_empty());
         later.publish(&text("b"));
-        settle().await;
-        assert_eq!(deltas(&dechunk(&read_now(&mut theirs))), ["b"]);
+        assert_eq!(deltas_until(&mut theirs, 1).await, ["b"]);
         assert_eq!(metrics.round_writes.load(Relaxed), 1);
     }
 
@@ -801,17 +805,32 @@ mod tests {
         assert!(writes < 7 * 300 * 3 / 4, "deltas share writes: {writes}");
     }
 
-    /// A socket that notes which thread wrote to it, and takes its time (so that a round's part
-    /// is still writing when another worker could take the other part).
+    /// The threads that wrote to a set of sockets, and when the first write was.
+    #[derive(Default)]
+    struct Writers {
+        threads: Mutex<(std::collections::HashSet<std::thread::ThreadId>, Option<std::time::Instant>)>,
+        another: std::sync::Condvar,
+    }
+
+    /// A socket that notes which thread wrote to it. Until a second thread has written (or 2 s
+    /// from the first write), a write waits for one: a round's part then is still writing when
+    /// the other worker could take the other part, however slowly a loaded machine schedules it.
     struct Noted {
         inner: UnixStream,
-        threads: Arc<Mutex<std::collections::HashSet<std::thread::ThreadId>>>,
+        writers: Arc<Writers>,
     }
 
     impl Socket for Noted {
         fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
-            self.threads.lock().unwrap().insert(std::thread::current().id());
-            std::thread::sleep(Duration::from_micros(200));
+            let mut seen = self.writers.threads.lock().unwrap();
+            seen.0.insert(std::thread::current().id());
+            self.writers.another.notify_all();
+            let deadline = *seen.1.get_or_insert_with(|| std::time::Instant::now() + Duration::from_secs(2));
+            while seen.0.len() < 2 {
+                let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else { break };
+                seen = self.writers.another.wait_timeout(seen, left).unwrap().0;
+            }
+            drop(seen);
             (&self.inner).write(bytes)
         }
     }
@@ -819,13 +838,13 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_round_of_many_streams_is_written_from_both_workers() {
         let (_hub, buffer, _reading) = paced(1 << 20);
-        let threads = Arc::new(Mutex::new(std::collections::HashSet::new()));
+        let writers = Arc::new(Writers::default());
         let mut ends = Vec::new();
         for _ in 0..4 * SHARED_PAST {
             let (ours, theirs) = UnixStream::pair().unwrap();
             ours.set_nonblocking(true).unwrap();
             theirs.set_nonblocking(true).unwrap();
-            let socket = Arc::new(Noted { inner: ours, threads: threads.clone() });
+            let socket = Arc::new(Noted { inner: ours, writers: writers.clone() });
             let sink = ParkedStream::new(socket, Encoding::Line, Arc::new(Metrics::default()));
             buffer.attach(&sink);
             sink.park(&buffer, 0);
@@ -838,7 +857,7 @@ mod tests {
             ends.iter_mut().map(|(_, theirs)| read_now(theirs)).filter(|got| !got.is_empty()).count()
         };
         let mut written = 0;
-        for _ in 0..200 {
+        for _ in 0..800 {
             written += wrote(&mut ends);
             if written == ends.len() {
                 break;
@@ -846,6 +865,6 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(written, ends.len());
-        assert_eq!(threads.lock().unwrap().len(), 2, "the round's parts ran on both workers");
+        assert_eq!(writers.threads.lock().unwrap().0.len(), 2, "the round's parts ran on both workers");
     }
 }
