@@ -184,6 +184,17 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_HEADER_READ_TIMEOUT_SECS", default_value_t = 10)]
     pub header_read_timeout_secs: u64,
 
+    /// Longest request head (request line and headers) in bytes; 431 past it. At least 8 KiB
+    /// (hyper's floor for the connections it serves), at most 1 MiB.
+    #[arg(long, env = "DISPATCH_MAX_HEAD_BYTES", default_value_t = 64 * 1024,
+          value_parser = clap::value_parser!(u64).range(8 * 1024..=1024 * 1024))]
+    pub max_head_bytes: u64,
+
+    /// Most header lines a request may have; 431 past it (1 to 1000).
+    #[arg(long, env = "DISPATCH_MAX_HEADERS", default_value_t = 100,
+          value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub max_headers: u64,
+
     /// A second listener that upgrades any path to the WebSocket protocol (existing web
     /// clients open their socket on port 24205 with no path).
     #[arg(long, env = "DISPATCH_WS_LISTEN")]
@@ -603,6 +614,8 @@ impl Config {
             flush_max_ms: 15,
             drain_timeout_secs: 30,
             header_read_timeout_secs: 10,
+            max_head_bytes: 64 * 1024,
+            max_headers: 100,
             max_streams: 10_000,
             request_timeout_secs: 30,
             shutdown_timeout_secs: 10,

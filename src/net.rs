@@ -40,6 +40,10 @@ pub struct ConnectionLimits {
     pub drain_timeout: Duration,
     /// A request head must arrive complete within this long (slow-header clients).
     pub header_read_timeout: Duration,
+    /// The longest request head, in bytes (431 past it; hyper's floor is 8 KiB).
+    pub max_head_bytes: usize,
+    /// Most header lines a request may have (431 past it).
+    pub max_headers: usize,
 }
 
 /// Serves `router` on `listener` over HTTP/1.1 (with upgrades, for WebSockets) until `drained` is
@@ -99,8 +103,8 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout)
-                .max_buf_size(http1::MAX_REQUEST_HEAD)
-                .max_headers(http1::MAX_HEADERS)
+                .max_buf_size(limits.max_head_bytes)
+                .max_headers(limits.max_headers)
                 .keep_alive(true)
                 .serve_connection(io, service)
                 .with_upgrades();

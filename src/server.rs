@@ -108,6 +108,8 @@ impl Gateway {
         let limits = ConnectionLimits {
             drain_timeout: Duration::from_secs(state.config.drain_timeout_secs.max(1)),
             header_read_timeout: Duration::from_secs(state.config.header_read_timeout_secs.max(1)),
+            max_head_bytes: state.config.max_head_bytes as usize,
+            max_headers: state.config.max_headers as usize,
         };
         // Streams and listeners stop once the turns have drained.
         let drained = state.drained.clone();

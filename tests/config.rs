@@ -143,6 +143,27 @@ fn the_database_is_a_file_or_a_postgres_url_and_the_lease_has_a_floor() {
     assert!(err.contains("lease-ttl-ms"), "{err}");
 }
 
+#[test]
+fn request_head_limits_have_a_floor_and_a_ceiling() {
+    let config = load(&[], &[]).unwrap();
+    assert_eq!((config.max_head_bytes, config.max_headers), (64 * 1024, 100));
+    let config = load(&["--max-head-bytes", "8192", "--max-headers", "1000"], &[]).unwrap();
+    assert_eq!((config.max_head_bytes, config.max_headers), (8192, 1000));
+    for args in [
+        ["--max-head-bytes", "4096"],
+        ["--max-head-bytes", "2000000"],
+        ["--max-headers", "0"],
+        ["--max-headers", "1001"],
+    ] {
+        let err = load(&args, &[]).err().unwrap_or_else(|| panic!("{args:?} should fail"));
+        assert!(err.contains(args[0]) && err.contains(args[1]), "{args:?}: {err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), "max_head_bytes = 1024\n");
+    let err = load(&["--config", &file], &[]).expect_err("a 1 KiB head limit is refused");
+    assert!(err.contains("max-head-bytes"), "{err}");
+}
+
 #[cfg(feature = "cluster")]
 #[test]
 fn a_bus_is_a_nats_url_beside_a_postgres_database_and_its_limits_have_floors() {

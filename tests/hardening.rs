@@ -453,6 +453,46 @@ async fn hand_written_paths_answer_errors_as_json() {
     assert!(json_body(&mut socket, &raw).await["error"].is_string());
 }
 
+#[tokio::test]
+async fn request_heads_are_held_to_the_configured_length_and_header_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_head_bytes = 8 * 1024;
+    config.max_headers = 10;
+    let server = TestServer::start(config).await;
+    let head = |pad: usize, extra: usize| {
+        let lines: String = (0..extra).map(|i| format!("x-h{i}: v\r\n")).collect();
+        format!("GET /health HTTP/1.1\r\nhost: x\r\nx-pad: {}\r\n{lines}\r\n", "p".repeat(pad)).into_bytes()
+    };
+    // A kept-alive request with a body first: what follows on that connection is hyper's,
+    // held to the same limits (and answered with hyper's own empty 431).
+    let post =
+        b"POST /conversations HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    for after_a_body in [false, true] {
+        let connect = || async {
+            let mut socket = TcpStream::connect(server.addr).await.unwrap();
+            if after_a_body {
+                let raw = exchange(&mut socket, post).await;
+                assert_eq!(raw.status, 201, "{}", raw.head);
+                json_body(&mut socket, &raw).await;
+            }
+            socket
+        };
+        // Just inside both limits: served, and the connection goes on.
+        let mut socket = connect().await;
+        let raw = exchange(&mut socket, &head(7 * 1024, 7)).await;
+        assert_eq!(raw.status, 200, "after a body: {after_a_body}");
+        for (request, why) in [(head(9 * 1024, 0), "longer than 8 KiB"), (head(0, 9), "11 header lines")] {
+            let mut socket = connect().await;
+            let raw = exchange(&mut socket, &request).await;
+            assert_eq!(raw.status, 431, "{why}, after a body: {after_a_body}");
+            if !after_a_body {
+                assert!(json_body(&mut socket, &raw).await["error"].is_string());
+            }
+        }
+    }
+}
+
 /// Writes a value the store cannot decode into a column, from a connection of its own.
 async fn spoil(db: &std::path::Path, sql: &str) {
     rusqlite::Connection::open(db).unwrap().execute(sql, ()).unwrap();

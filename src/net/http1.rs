@@ -35,16 +35,6 @@ use crate::hub::{BATCH, Cursor, Encoding, ParkedStream, Socket, TurnBuffer, Unpa
 use crate::live::{Cancelled, Handoff, Live, Step, Wake, Watch};
 use crate::metrics::Metrics;
 
-/// The most a client may send while its stream is open (kept for its next request).
-const MAX_HEAD: usize = 16 * 1024;
-
-/// The longest request head the gateway reads (431 past it); hyper, which serves what follows
-/// on a connection, is held to the same.
-pub(super) const MAX_REQUEST_HEAD: usize = 64 * 1024;
-
-/// Most header lines a request may have (431 past it), as hyper's own limit.
-pub(super) const MAX_HEADERS: usize = 100;
-
 /// How the connection goes on after this module is done with it.
 pub enum Next {
     /// Close it.
@@ -63,7 +53,7 @@ pub async fn serve(
 ) -> Next {
     let mut pending = Vec::new();
     loop {
-        let (request, close) = match read_head(stream, &mut pending, limits.header_read_timeout, drained).await {
+        let (request, close) = match read_head(stream, &mut pending, limits, drained).await {
             Head::Direct(request, close) => (request, close),
             Head::Other => return Next::Hyper(pending),
             Head::Closed => return Next::Closed,
@@ -79,7 +69,7 @@ pub async fn serve(
             Ok(response) => response,
             Err(never) => match never {},
         };
-        match respond(stream, response, close, &mut pending, limits.drain_timeout).await {
+        match respond(stream, response, close, &mut pending, limits).await {
             Ok(true) => {}
             Ok(false) | Err(_) => return Next::Closed,
         }
@@ -113,11 +103,16 @@ async fn refuse(stream: &TcpStream, status: StatusCode, why: &str, drain: Durati
 }
 
 /// Reads until `pending` holds a complete request head and parses it.
-async fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, timeout: Duration, drained: &mut Cancelled) -> Head {
-    let deadline = Instant::now() + timeout;
+async fn read_head(
+    stream: &TcpStream,
+    pending: &mut Vec<u8>,
+    limits: &ConnectionLimits,
+    drained: &mut Cancelled,
+) -> Head {
+    let deadline = Instant::now() + limits.header_read_timeout;
     loop {
         if !pending.is_empty() {
-            match parse(pending) {
+            match parse(pending, limits.max_headers) {
                 Parsed::Complete(request, close, length) => {
                     pending.drain(..length);
                     if pending.is_empty() {
@@ -126,7 +121,7 @@ async fn read_head(stream: &TcpStream, pending: &mut Vec<u8>, timeout: Duration,
                     }
                     return Head::Direct(request, close);
                 }
-                Parsed::Partial if pending.len() < MAX_REQUEST_HEAD => {}
+                Parsed::Partial if pending.len() < limits.max_head_bytes => {}
                 Parsed::Partial => {
                     return Head::Refused(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "the request head is too large");
                 }
@@ -170,8 +165,8 @@ enum Parsed {
     TooManyHeaders,
 }
 
-fn parse(bytes: &[u8]) -> Parsed {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+fn parse(bytes: &[u8], max_headers: usize) -> Parsed {
+    let mut headers = vec![httparse::EMPTY_HEADER; max_headers];
     let mut head = httparse::Request::new(&mut headers);
     let length = match head.parse(bytes) {
         Ok(httparse::Status::Complete(length)) => length,
@@ -267,8 +262,9 @@ async fn respond(
     response: Response<Body>,
     close: bool,
     pending: &mut Vec<u8>,
-    drain: Duration,
+    limits: &ConnectionLimits,
 ) -> io::Result<bool> {
+    let drain = limits.drain_timeout;
     let (parts, mut body) = response.into_parts();
     let status = parts.status;
     let live = Handoff::take(&parts.extensions);
@@ -316,7 +312,7 @@ async fn respond(
         }
         Some(Live::Watch(watch)) => {
             drop(body);
-            if !watch_stream(stream, watch, pending, drain).await? {
+            if !watch_stream(stream, watch, pending, limits).await? {
                 return Ok(false);
             }
             write_all(stream, &mut [IoSlice::new(LAST_CHUNK)], drain).await?;
@@ -330,7 +326,7 @@ async fn respond(
     loop {
         let step = poll_fn(|cx| {
             // The client side first: its end (or reset) ends the stream at once.
-            if poll_gone(stream, pending, cx).is_ready() {
+            if poll_gone(stream, pending, limits.max_head_bytes, cx).is_ready() {
                 return Poll::Ready(BodyStep::Gone);
             }
             Pin::new(&mut body).poll_frame(cx).map(BodyStep::Frame)
@@ -358,11 +354,11 @@ async fn respond(
 
 /// Ready once the client has closed its side (or reset it, or sent more than a request head may
 /// hold); bytes it sends meanwhile (its next request) are kept in `pending`.
-fn poll_gone(stream: &TcpStream, pending: &mut Vec<u8>, cx: &mut std::task::Context<'_>) -> Poll<()> {
+fn poll_gone(stream: &TcpStream, pending: &mut Vec<u8>, most: usize, cx: &mut std::task::Context<'_>) -> Poll<()> {
     while stream.poll_read_ready(cx).is_ready() {
         let mut scratch = [0u8; 512];
         match stream.try_read(&mut scratch) {
-            Ok(n) if n > 0 && pending.len() + n <= MAX_HEAD => pending.extend_from_slice(&scratch[..n]),
+            Ok(n) if n > 0 && pending.len() + n <= most => pending.extend_from_slice(&scratch[..n]),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             _ => return Poll::Ready(()),
         }
@@ -446,8 +442,9 @@ async fn watch_stream(
     stream: &Arc<TcpStream>,
     mut watch: Watch,
     pending: &mut Vec<u8>,
-    drain: Duration,
+    limits: &ConnectionLimits,
 ) -> io::Result<bool> {
+    let drain = limits.drain_timeout;
     let mut parking = Parking::new(stream, watch.format.encoding(), watch.metrics.clone());
     let mut step = watch.opening().await;
     loop {
@@ -473,7 +470,7 @@ async fn watch_stream(
                     let woke = poll_fn(|cx| {
                         if handed.as_mut().poll(cx).is_ready() {
                             Poll::Ready(None)
-                        } else if poll_gone(stream, pending, cx).is_ready() {
+                        } else if poll_gone(stream, pending, limits.max_head_bytes, cx).is_ready() {
                             Poll::Ready(Some(Err(())))
                         } else {
                             watch.poll_timers(cx).map(|wake| Some(Ok(wake)))
@@ -499,7 +496,7 @@ async fn watch_stream(
                     tokio::select! {
                         biased;
                         wake = watch.wake() => wake,
-                        _ = poll_fn(|cx| poll_gone(stream, pending, cx)) => return Ok(false),
+                        _ = poll_fn(|cx| poll_gone(stream, pending, limits.max_head_bytes, cx)) => return Ok(false),
                     }
                 }
             },
@@ -553,8 +550,12 @@ mod tests {
     async fn a_connection_task_stays_small() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let stream = Arc::new(TcpStream::connect(listener.local_addr().unwrap()).await.unwrap());
-        let limits =
-            ConnectionLimits { drain_timeout: Duration::from_secs(1), header_read_timeout: Duration::from_secs(1) };
+        let limits = ConnectionLimits {
+            drain_timeout: Duration::from_secs(1),
+            header_read_timeout: Duration::from_secs(1),
+            max_head_bytes: 64 * 1024,
+            max_headers: 100,
+        };
         let token = tokio_util::sync::CancellationToken::new();
         let mut drained = Cancelled::new(&token);
         let router = Router::new();
@@ -568,7 +569,7 @@ mod tests {
 
     #[test]
     fn only_bodyless_http11_gets_are_taken() {
-        let taken = |head: &str| matches!(parse(head.as_bytes()), Parsed::Complete(..));
+        let taken = |head: &str| matches!(parse(head.as_bytes(), 100), Parsed::Complete(..));
         assert!(taken("GET /conversations/a/events?until=sealed HTTP/1.1\r\nhost: x\r\n\r\n"));
         assert!(taken("GET /conversations/a HTTP/1.1\r\nhost: x\r\n\r\n"));
         assert!(!taken("GET /conversations/a/events HTTP/1.0\r\nhost: x\r\n\r\n"));
@@ -577,8 +578,10 @@ mod tests {
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\nupgrade: h2c\r\n\r\n"));
         // A WebSocket upgrade, on any path (the router answers it), is taken.
         for path in ["/ws", "/", "/conversations/a/events"] {
-            match parse(format!("GET {path} HTTP/1.1\r\nupgrade: WebSocket\r\nconnection: upgrade\r\n\r\n").as_bytes())
-            {
+            match parse(
+                format!("GET {path} HTTP/1.1\r\nupgrade: WebSocket\r\nconnection: upgrade\r\n\r\n").as_bytes(),
+                100,
+            ) {
                 Parsed::Complete(request, close, _) => {
                     assert!(!close);
                     assert_eq!(request.uri().path(), path);
@@ -590,9 +593,9 @@ mod tests {
         assert!(!taken("POST /ws HTTP/1.1\r\nupgrade: websocket\r\n\r\n"));
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\ncontent-length: 3\r\n\r\nabc"));
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n"));
-        assert!(matches!(parse(b"GET /conversations/a/events HTTP/1.1\r\nhost"), Parsed::Partial));
+        assert!(matches!(parse(b"GET /conversations/a/events HTTP/1.1\r\nhost", 100), Parsed::Partial));
         // Framing hyper would refuse is refused here (with a reason); what it reads is its.
-        let refused = |head: &str| matches!(parse(head.as_bytes()), Parsed::Malformed(_));
+        let refused = |head: &str| matches!(parse(head.as_bytes(), 100), Parsed::Malformed(_));
         for bad in [
             "content-length: 2\r\ncontent-length: 3",
             "content-length: 2, 2",
@@ -615,10 +618,10 @@ mod tests {
             "transfer-encoding: gzip\r\ntransfer-encoding: chunked",
         ] {
             let head = format!("POST /conversations HTTP/1.1\r\n{good}\r\n\r\n");
-            assert!(matches!(parse(head.as_bytes()), Parsed::Other), "{good}");
+            assert!(matches!(parse(head.as_bytes(), 100), Parsed::Other), "{good}");
         }
         let head = "GET /c/events HTTP/1.1\r\nConnection: keep-alive, Close\r\n\r\n";
-        match parse(format!("{head}GET /next").as_bytes()) {
+        match parse(format!("{head}GET /next").as_bytes(), 100) {
             Parsed::Complete(request, close, length) => {
                 assert!(close);
                 assert_eq!(length, head.len());
