@@ -59,12 +59,21 @@ async fn malformed_bodies_are_rejected_and_change_nothing() {
         (json!({"message": "hi", "model": 3}), "model"),
         (json!({"message": "hi", "model": "no/such"}), "no/such"),
         (json!({"message": "hi", "cwd": false}), "cwd"),
+        (json!({"message": "hi", "cwd": "/srv/a\u{0}b"}), "cwd"),
+        (json!({"message": "hi", "cwd": format!("/{}", "d".repeat(4096))}), "cwd"),
         (json!({"message": "hi", "reasoningEffort": {}}), "reasoningEffort"),
     ];
     for (body, field) in field_cases {
         let (status, got) = server.post("/chat", body.clone()).await;
         assert_error(status, &got, 400, &body.to_string());
         assert!(got["error"].as_str().unwrap().contains(field), "{body}: {got} names {field}");
+    }
+
+    // The same bounds where the conversation's cwd is set.
+    for cwd in ["/srv/a\u{0}b".to_owned(), format!("/{}", "d".repeat(4096))] {
+        let (status, got) = server.put("/conversations/cwd-bounds/cwd", json!({ "cwd": cwd })).await;
+        assert_error(status, &got, 400, "PUT cwd");
+        assert!(got["error"].as_str().unwrap().contains("cwd"), "{got}");
     }
 
     let create_cases: Vec<(Value, &str)> = vec![

@@ -30,6 +30,7 @@ pub struct ChatRequest {
     pub message: String,
     /// `<credential>/<model>`; default: the conversation's sticky model, else the configured one.
     pub model: Option<String>,
+    /// Where agent programs start (trimmed; at most 4096 bytes, no NUL); default: the conversation's.
     pub cwd: Option<String>,
     pub reasoning_effort: Option<String>,
 }
@@ -42,7 +43,7 @@ pub fn parse_chat(body: &JsonObject) -> Result<StartTurn, ApiError> {
         conversation_id,
         message: body.message("message")?,
         model: body.optional_str("model")?.map(str::to_owned),
-        cwd: body.optional_str("cwd")?.map(str::to_owned),
+        cwd: super::settings::check_cwd(body.optional_str("cwd")?)?.map(str::to_owned),
         reasoning_effort: match body.optional_str("reasoningEffort")? {
             Some(effort) => {
                 super::settings::check_effort(effort)?;

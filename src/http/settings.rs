@@ -39,7 +39,7 @@ pub struct ModelResponse {
 #[derive(Debug, utoipa::ToSchema)]
 #[allow(dead_code)]
 pub struct CwdRequest {
-    /// A directory, or null to clear.
+    /// A directory (trimmed; at most 4096 bytes, no NUL), or null or blank to clear.
     pub cwd: Option<String>,
 }
 
@@ -83,6 +83,16 @@ pub struct LspResponse {
 
 /// Longest `cwd` accepted.
 const MAX_CWD: usize = 4096;
+
+/// A request's working directory, trimmed (blank is none) and checked: agent programs are
+/// started in it, and the system refuses a path with a NUL or past its length.
+pub fn check_cwd(cwd: Option<&str>) -> Result<Option<&str>, ApiError> {
+    let cwd = cwd.map(str::trim).filter(|c| !c.is_empty());
+    if cwd.is_some_and(|c| c.len() > MAX_CWD || c.contains('\0')) {
+        return Err(ApiError::bad(format!("`cwd` must be a path of at most {MAX_CWD} bytes")));
+    }
+    Ok(cwd)
+}
 
 /// A request's reasoning effort, checked.
 pub fn check_effort(effort: &str) -> Result<(), ApiError> {
@@ -170,10 +180,7 @@ pub async fn put_cwd(
     ConversationId(id): ConversationId,
     body: JsonObject,
 ) -> Result<Json<CwdResponse>, ApiError> {
-    let cwd = put_value(&body, "cwd")?.map(str::trim).filter(|c| !c.is_empty());
-    if cwd.is_some_and(|c| c.len() > MAX_CWD || c.contains('\0')) {
-        return Err(ApiError::bad(format!("`cwd` must be a path of at most {MAX_CWD} bytes")));
-    }
+    let cwd = check_cwd(put_value(&body, "cwd")?)?;
     state.store.set_setting(&id, Setting::Cwd, cwd, now_ms()).await?;
     Ok(Json(CwdResponse { conversation_id: id, cwd: cwd.map(str::to_owned) }))
 }
