@@ -11,8 +11,17 @@ fn seqs(body: &Value) -> Vec<u64> {
 
 #[tokio::test]
 async fn history_windows_and_parameter_rules() {
+    // Read whole (one page of up to 1000 chunks) and in pages of 2 and of 1: the same answers.
+    for page in [1000, 2, 1] {
+        history_windows(page).await;
+    }
+}
+
+async fn history_windows(page: u64) {
     let dir = tempfile::tempdir().unwrap();
-    let server = TestServer::start(test_config(dir.path())).await;
+    let mut config = test_config(dir.path());
+    config.history_page_chunks = page;
+    let server = TestServer::start(config).await;
     for i in 0..3 {
         server.chat("hist", &format!("message {i}")).await;
     }
@@ -39,10 +48,14 @@ async fn history_windows_and_parameter_rules() {
         ("?beforeSeq=18446744073709551615&limit=1", vec![9], 9),
     ];
     for (query, expected, latest) in accepted {
-        let (status, body) = server.get(&format!("/conversations/hist{query}")).await;
-        assert_eq!(status, 200, "{query}: {body}");
-        assert_eq!(seqs(&body), expected, "{query}");
-        assert_eq!(body["latestSeq"], latest, "{query}");
+        let response = server.client.get(server.url(&format!("/conversations/hist{query}"))).send().await.unwrap();
+        assert_eq!(response.status(), 200, "{query}");
+        // Several pages go out as they are read (no length); one is one body.
+        let pages = (expected.len() as u64).div_ceil(page);
+        assert_eq!(response.content_length().is_none(), pages > 1, "{query}, pages of {page}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(seqs(&body), expected, "{query}, pages of {page}");
+        assert_eq!(body["latestSeq"], latest, "{query}, pages of {page}");
     }
     // Every chunk is the full envelope.
     let (_, body) = server.get("/conversations/hist?limit=1").await;

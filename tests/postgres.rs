@@ -19,6 +19,8 @@ async fn server_on(dir: &std::path::Path, database: Database) -> TestServer {
     let mut config = test_config(dir);
     config.scripted_script = Some(write_script(dir, tool_script()));
     config.database = database;
+    // History reads of more than two chunks go out in pages, on both backends.
+    config.history_page_chunks = 2;
     TestServer::start(config).await
 }
 

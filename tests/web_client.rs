@@ -42,6 +42,8 @@ async fn history_shows_sealed_turns_only_and_never_overlaps_the_replay() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = test_config(dir.path());
     config.scripted_script = Some(tool_script(dir.path()));
+    // Reads in pages of 2 chunks: a page's end is the horizon of the read's start.
+    config.history_page_chunks = 2;
     let server = TestServer::start(config).await;
     server.chat("h", "hello").await;
     let (sealed, sealed_latest) = read(&server, "h", "").await;

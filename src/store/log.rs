@@ -78,6 +78,55 @@ impl Store {
         on_backend!(self, b => b.history(conversation_id, w).await)
     }
 
+    /// The window `w` read in pages of at most `page` chunks, one read after another, so that a
+    /// long log is never held whole. The window's end is fixed before the first page (seqs are
+    /// gap-free, so the pages are ranges of seq): the pages add up to what one read would have
+    /// returned then. A page that comes back short (the conversation was deleted meanwhile) is
+    /// the last.
+    pub fn history_pages(
+        &self,
+        conversation_id: String,
+        w: HistoryWindow,
+        page: u64,
+    ) -> impl futures_util::Stream<Item = StoreResult<HistoryPage>> + Send + 'static {
+        let page = page.max(1);
+        let start = (self.clone(), conversation_id, None::<(u64, u64)>);
+        futures_util::stream::try_unfold(start, move |(store, id, at)| async move {
+            // Pages after `lo`, up to (not including) `end`.
+            let (lo, end) = match at {
+                Some(at) => at,
+                None => {
+                    let end = store.history_end(&id, w.inflight).await?.min(w.before_seq.unwrap_or(u64::MAX));
+                    let newest = w.limit.map_or(0, |k| end.saturating_sub(k.saturating_add(1)));
+                    (w.since_seq.max(newest), end)
+                }
+            };
+            if lo.saturating_add(1) >= end {
+                return Ok(None);
+            }
+            let hi = end.min(lo.saturating_add(page).saturating_add(1));
+            let range = HistoryWindow { since_seq: lo, before_seq: Some(hi), limit: None, inflight: true };
+            let got = store.history(&id, range).await?;
+            let next = match got.last_seq {
+                Some(last) if last + 1 == hi => (hi - 1, end),
+                Some(_) => (end, end),
+                None => return Ok(None),
+            };
+            Ok(Some((got, (store, id, Some(next)))))
+        })
+    }
+
+    /// The seq just past the last chunk a history read shows now: past the sealed horizon, or
+    /// with `inflight` past the last committed chunk (1 for an empty or unknown conversation).
+    async fn history_end(&self, conversation_id: &str, inflight: bool) -> StoreResult<u64> {
+        if !inflight {
+            return Ok(self.latest_seq(conversation_id, None).await? + 1);
+        }
+        let sql = "SELECT max(seq) FROM chunks WHERE conversation_id = $1";
+        let row: Option<(Option<i64>,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
+        Ok(row.and_then(|(seq,)| seq).unwrap_or(0).max(0) as u64 + 1)
+    }
+
     /// The highest seq a history read shows now: the last sealed turn's (0 for none or unknown);
     /// with `replaying`, no further than just before that turn (a stream replays it whole).
     pub async fn latest_seq(&self, conversation_id: &str, replaying: Option<&str>) -> StoreResult<u64> {
