@@ -154,6 +154,22 @@ async fn a_stream_then_pipelined_and_later_requests_share_one_connection() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watcher_that_sends_more_than_a_next_request_while_its_stream_is_open_is_cut_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    for (sent, cut) in [(8 * 1024, false), (20 * 1024, true)] {
+        let mut conn = connect(&server).await;
+        send(&mut conn, "GET /conversations/chatty/events HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+        assert_eq!(read_head(&mut conn).await.0, 200);
+        // Kept as the start of its next request, up to 16 KiB; past that the gateway closes.
+        send(&mut conn, &format!("GET /health HTTP/1.1\r\nx-pad: {}", "p".repeat(sent))).await;
+        let mut rest = Vec::new();
+        let ended = tokio::time::timeout(Duration::from_secs(3), conn.read_to_end(&mut rest)).await;
+        assert_eq!(ended.is_ok(), cut, "{sent} bytes sent while the stream is open");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_close_is_honoured_and_a_dropped_watcher_frees_its_stream() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = test_config(dir.path());

@@ -326,7 +326,7 @@ async fn respond(
     loop {
         let step = poll_fn(|cx| {
             // The client side first: its end (or reset) ends the stream at once.
-            if poll_gone(stream, pending, limits.max_head_bytes, cx).is_ready() {
+            if poll_gone(stream, pending, limits, cx).is_ready() {
                 return Poll::Ready(BodyStep::Gone);
             }
             Pin::new(&mut body).poll_frame(cx).map(BodyStep::Frame)
@@ -352,9 +352,19 @@ async fn respond(
     Ok(!close)
 }
 
-/// Ready once the client has closed its side (or reset it, or sent more than a request head may
-/// hold); bytes it sends meanwhile (its next request) are kept in `pending`.
-fn poll_gone(stream: &TcpStream, pending: &mut Vec<u8>, most: usize, cx: &mut std::task::Context<'_>) -> Poll<()> {
+/// The most a client's next request may hold while its stream is open (or the head limit, if
+/// lower): what an idle watcher may be made to keep stays small.
+const MAX_NEXT_HEAD: usize = 16 * 1024;
+
+/// Ready once the client has closed its side (or reset it, or sent more than `MAX_NEXT_HEAD`);
+/// bytes it sends meanwhile (its next request) are kept in `pending`.
+fn poll_gone(
+    stream: &TcpStream,
+    pending: &mut Vec<u8>,
+    limits: &ConnectionLimits,
+    cx: &mut std::task::Context<'_>,
+) -> Poll<()> {
+    let most = limits.max_head_bytes.min(MAX_NEXT_HEAD);
     while stream.poll_read_ready(cx).is_ready() {
         let mut scratch = [0u8; 512];
         match stream.try_read(&mut scratch) {
@@ -470,7 +480,7 @@ async fn watch_stream(
                     let woke = poll_fn(|cx| {
                         if handed.as_mut().poll(cx).is_ready() {
                             Poll::Ready(None)
-                        } else if poll_gone(stream, pending, limits.max_head_bytes, cx).is_ready() {
+                        } else if poll_gone(stream, pending, limits, cx).is_ready() {
                             Poll::Ready(Some(Err(())))
                         } else {
                             watch.poll_timers(cx).map(|wake| Some(Ok(wake)))
@@ -496,7 +506,7 @@ async fn watch_stream(
                     tokio::select! {
                         biased;
                         wake = watch.wake() => wake,
-                        _ = poll_fn(|cx| poll_gone(stream, pending, limits.max_head_bytes, cx)) => return Ok(false),
+                        _ = poll_fn(|cx| poll_gone(stream, pending, limits, cx)) => return Ok(false),
                     }
                 }
             },
