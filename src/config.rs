@@ -198,7 +198,7 @@ pub struct Config {
 
     /// Most header lines a request may have; 431 past it (1 to 1000).
     #[arg(long, env = "DISPATCH_MAX_HEADERS", default_value_t = 100,
-          value_parser = clap::value_parser!(u64).range(1..=1000))]
+          value_parser = clap::value_parser!(u64).range(1..=crate::net::MOST_HEADERS as u64))]
     pub max_headers: u64,
 
     /// A second listener that upgrades any path to the WebSocket protocol (existing web

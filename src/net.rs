@@ -33,6 +33,9 @@ use crate::live::{Cancelled, Handoff, Live, Session};
 mod http1;
 mod websocket;
 
+/// The highest `--max-headers` takes (the head parser keeps room for this many on its stack).
+pub const MOST_HEADERS: usize = 1000;
+
 /// Limits every connection of a listener lives under.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {

@@ -29,7 +29,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
-use super::{ConnectionLimits, stalled_error};
+use super::{ConnectionLimits, MOST_HEADERS, stalled_error};
 use crate::encoding::{CHUNK_END, LAST_CHUNK, chunk_size, has_token};
 use crate::hub::{BATCH, Cursor, Encoding, ParkedStream, Socket, TurnBuffer, Unparked};
 use crate::live::{Cancelled, Handoff, Live, Step, Wake, Watch};
@@ -166,9 +166,11 @@ enum Parsed {
 }
 
 fn parse(bytes: &[u8], max_headers: usize) -> Parsed {
-    let mut headers = vec![httparse::EMPTY_HEADER; max_headers];
-    let mut head = httparse::Request::new(&mut headers);
-    let length = match head.parse(bytes) {
+    // Room for the most headers `--max-headers` allows, on the stack and left uninitialized: a
+    // head is parsed again after every read that did not complete it.
+    let mut headers = [const { std::mem::MaybeUninit::uninit() }; MOST_HEADERS];
+    let mut head = httparse::Request::new(&mut []);
+    let length = match head.parse_with_uninit_headers(bytes, &mut headers[..max_headers.min(MOST_HEADERS)]) {
         Ok(httparse::Status::Complete(length)) => length,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
         Err(httparse::Error::TooManyHeaders) => return Parsed::TooManyHeaders,
