@@ -5,7 +5,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::upstream::{FakeUpstream, Reply};
+use common::upstream::{FakeUpstream, Reply, counted_tokens};
 use common::*;
 use dispatch_gateway::config::{Config, Credential, OpenAiCredential};
 use serde_json::{Value, json};
@@ -545,10 +545,10 @@ async fn throughput_counts_only_the_time_of_steps_that_produced_tokens() {
 }
 
 #[tokio::test]
-async fn the_trimming_estimate_is_calibrated_by_the_last_context_size() {
+async fn the_trimming_estimate_is_calibrated_by_the_last_requests_prompt_tokens() {
     set_key();
-    // The upstream counts about three times the estimate (four bytes a token): 400 + 40 bytes
-    // estimated as 118 tokens were 360.
+    // The upstream counts about three times the estimate (four bytes a token): a 400-byte
+    // request estimated as 104 tokens was 300.
     let upstream = FakeUpstream::start(vec![
         Reply::Stream(vec![delta(json!({"content": "a".repeat(40)})), finish("stop"), usage(300, 60)]),
         Reply::Stream(vec![delta(json!({"content": "ok"})), finish("stop")]),
@@ -571,6 +571,33 @@ async fn the_trimming_estimate_is_calibrated_by_the_last_context_size() {
         json!([{"role": "user", "content": new}]),
         "the first turn was left out"
     );
+}
+
+/// Once older turns are left out, the last turn's `contextSize` counts only what was kept:
+/// the calibration must come from the request the estimate was made for, or the trimming
+/// keeps too much and the upstream refuses the conversation a few turns on.
+#[tokio::test]
+async fn a_long_conversation_keeps_fitting_the_context_window_once_older_turns_are_left_out() {
+    set_key();
+    let (window, answer) = (1200, "a".repeat(300));
+    let upstream = FakeUpstream::start(Vec::new()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let server = gateway_with(dir.path(), &upstream, |c| {
+        c.context_window = Some(window);
+        c.params.max_tokens = Some(100);
+    })
+    .await;
+    for n in 1..=12 {
+        upstream.push(Reply::Counted { window, answer: answer.clone() });
+        let events = turn(&server, "long", &format!("{n:03}{}", "q".repeat(297))).await;
+        assert_eq!(events[events.len() - 2]["reason"], "stop", "turn {n}: {events:?}");
+    }
+    // A message is 79 estimated tokens and 158 counted: 1100 counted tokens of room keep
+    // the new message and the two turns before it (790), not a third (1106).
+    let last = &upstream.requests()[11].body["messages"];
+    assert_eq!(last.as_array().unwrap().len(), 5, "{last}");
+    assert!(last[0]["content"].as_str().unwrap().starts_with("010"), "{last}");
+    assert!(counted_tokens(last) + 100 <= window);
 }
 
 #[tokio::test]

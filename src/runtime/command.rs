@@ -618,7 +618,7 @@ for line in sys.stdin:
             reasoning_effort: None,
             history: Vec::new(),
             session_id: None,
-            last_context_size: None,
+            tokens_per_estimate: None,
             inbox: Arc::default(),
         }
     }

@@ -61,6 +61,9 @@ pub enum RawEvent {
     },
     /// The runtime's native session, to resume on the next turn.
     SessionId(String),
+    /// How many tokens the upstream counted per token the runtime estimated in the request it
+    /// sent: kept with the conversation and handed to its next turn.
+    TokensPerEstimate(f64),
     /// The runtime took a steering message from its inbox and passes it to its model now.
     UserInput(String),
 }
@@ -80,9 +83,9 @@ pub struct TurnRequest {
     pub history: Vec<HistoryChunk>,
     /// The runtime's native session of this conversation, to resume.
     pub session_id: Option<String>,
-    /// The `contextSize` of the conversation's last sealed turn, when it reported one: how
-    /// many tokens its upstream counted, for runtimes that estimate a request's size.
-    pub last_context_size: Option<u64>,
+    /// What the conversation's last turn reported as [`RawEvent::TokensPerEstimate`], for
+    /// runtimes that estimate a request's size.
+    pub tokens_per_estimate: Option<f64>,
     /// Steering messages queued while the turn runs; a runtime that can take them drains it at
     /// each step boundary and reports each as [`RawEvent::UserInput`].
     pub inbox: Arc<Inbox>,

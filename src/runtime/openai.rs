@@ -218,20 +218,6 @@ fn estimated_tokens(message: &Value) -> u64 {
     (text as u64).div_ceil(4) + 4
 }
 
-/// How many real tokens one estimated token was in this conversation: the last turn's
-/// `contextSize` (what the upstream counted for everything before the new message) over the
-/// estimate of those same messages. 1 when unknown; bounded, so one odd report cannot make
-/// the trimming keep everything or nothing.
-fn tokens_per_estimate(messages: &[Value], last_context_size: Option<u64>) -> f64 {
-    let Some(counted) = last_context_size.filter(|c| *c > 0) else { return 1.0 };
-    let Some(newest) = messages.iter().rposition(|m| m["role"] == "user") else { return 1.0 };
-    let estimated: u64 = messages[..newest].iter().map(estimated_tokens).sum();
-    if estimated == 0 {
-        return 1.0;
-    }
-    (counted as f64 / estimated as f64).clamp(0.25, 8.0)
-}
-
 /// Leaves out the oldest turns (a user message and what answered it) until the messages fit
 /// `budget` tokens; never the system prompt, nor the last user message (the new one) and what
 /// follows it. Returns how many messages were left out.
@@ -321,6 +307,8 @@ struct Gathered {
     calls: BTreeMap<u64, PartialCall>,
     finish: Option<String>,
     usage: Option<Usage>,
+    /// The estimated tokens of the request's messages, to calibrate by the usage.
+    estimate: u64,
 }
 
 impl Gathered {
@@ -381,6 +369,11 @@ impl Gathered {
             events.push(RawEvent::ToolCall { id, name: call.name, input });
         }
         if let Some(u) = self.usage {
+            // The request's own count: once older turns are left out, the last turn's
+            // `contextSize` counts only what was kept, and calibrates nothing.
+            if u.input_tokens > 0 && self.estimate > 0 {
+                events.push(RawEvent::TokensPerEstimate(u.input_tokens as f64 / self.estimate as f64));
+            }
             events.push(RawEvent::Usage(u));
         }
         events.push(RawEvent::StepEnd);
@@ -394,8 +387,8 @@ impl Gathered {
 
 impl OpenAiRuntime {
     /// The request body: the rebuilt conversation, trimmed to the context window, and the
-    /// model's parameters.
-    pub fn body(&self, req: &TurnRequest) -> Value {
+    /// model's parameters; and the estimated tokens of its messages.
+    fn body(&self, req: &TurnRequest) -> (Value, u64) {
         let params = match self.settings.model_params.get(&req.model) {
             Some(model) => self.settings.params.overlaid(model),
             None => self.settings.params.clone(),
@@ -404,7 +397,10 @@ impl OpenAiRuntime {
         if let Some(window) = self.settings.context_window {
             // Room for the answer: what `max_tokens` asks, else an eighth of the window.
             let reserve = params.max_tokens.unwrap_or(window / 8).min(window / 2);
-            let budget = (window - reserve) as f64 / tokens_per_estimate(&messages, req.last_context_size);
+            // The estimate scaled by what the upstream counted for the last request; bounded,
+            // so one odd report cannot make the trimming keep everything or nothing.
+            let ratio = req.tokens_per_estimate.filter(|r| r.is_finite()).map_or(1.0, |r| r.clamp(0.25, 8.0));
+            let budget = (window - reserve) as f64 / ratio;
             let left_out = trim_to_fit(&mut messages, budget as u64);
             if left_out > 0 {
                 tracing::info!(
@@ -414,6 +410,7 @@ impl OpenAiRuntime {
                 );
             }
         }
+        let estimate = messages.iter().map(estimated_tokens).sum();
         let mut body = Map::new();
         body.insert("model".into(), json!(req.model));
         body.insert("messages".into(), Value::Array(messages));
@@ -435,20 +432,23 @@ impl OpenAiRuntime {
             }
         }
         body.extend(params.extra_body.unwrap_or_default());
-        Value::Object(body)
+        (Value::Object(body), estimate)
     }
 
-    fn request(&self, req: &TurnRequest) -> http::Request<Full<Bytes>> {
-        let body = Bytes::from(self.body(req).to_string());
+    /// The request, and the estimated tokens of its messages.
+    fn request(&self, req: &TurnRequest) -> (http::Request<Full<Bytes>>, u64) {
+        let (body, estimate) = self.body(req);
+        let body = Bytes::from(body.to_string());
         let mut request = http::Request::post(self.endpoint.clone()).body(Full::new(body)).expect("a parsed URI");
         *request.headers_mut() = self.headers.clone();
-        request
+        (request, estimate)
     }
 
     async fn turn(&self, req: TurnRequest, sink: EventSink) -> Result<(), RuntimeError> {
         let idle = self.settings.idle_timeout;
         sink.send(RawEvent::StepStart).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime"))?;
-        let response = match tokio::time::timeout(idle, self.client.send(self.request(&req))).await {
+        let (request, estimate) = self.request(&req);
+        let response = match tokio::time::timeout(idle, self.client.send(request)).await {
             // The request went out and no answer came: the upstream may be working on it.
             Err(_) => {
                 return Err(RuntimeError::Ambiguous("the upstream took the request but did not answer in time".into()));
@@ -491,7 +491,7 @@ impl OpenAiRuntime {
                 _ => RuntimeError::turn(message, "upstream"),
             });
         }
-        let mut gathered = Gathered::default();
+        let mut gathered = Gathered { estimate, ..Gathered::default() };
         // The bytes since the last whole event, bounded: an upstream that never ends an
         // event must not grow the parser's buffer without end.
         let since_event = Arc::new(AtomicUsize::new(0));

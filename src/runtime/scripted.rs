@@ -324,7 +324,7 @@ mod tests {
             reasoning_effort: None,
             history: Vec::new(),
             session_id: None,
-            last_context_size: None,
+            tokens_per_estimate: None,
             inbox: Default::default(),
         };
         let (sink, mut events) = tokio::sync::mpsc::channel(1024);

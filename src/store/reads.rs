@@ -59,6 +59,20 @@ impl Store {
             .map(drop)
     }
 
+    /// How many tokens the upstream counted per estimated token in the conversation's last
+    /// counted request (a runtime's calibration of its own estimate; `None` until one).
+    pub async fn tokens_per_estimate(&self, conversation_id: &str) -> StoreResult<Option<f64>> {
+        let sql = "SELECT tokens_per_estimate FROM conversations WHERE id = $1";
+        let ratio: Option<(Option<f64>,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
+        Ok(ratio.and_then(|(ratio,)| ratio))
+    }
+
+    /// Remembers a runtime's calibration for the conversation's next turn.
+    pub async fn set_tokens_per_estimate(&self, conversation_id: &str, ratio: f64) -> StoreResult<()> {
+        let sql = "UPDATE conversations SET tokens_per_estimate = $2 WHERE id = $1";
+        self.execute(Query::new(sql).bind(conversation_id).bind(ratio)).await.map(drop)
+    }
+
     /// The text of the last assistant message that has text, in the latest finished turn.
     pub async fn last_text(&self, conversation_id: &str) -> StoreResult<LastText> {
         let sql = "SELECT turn_id FROM turns WHERE conversation_id = $1
@@ -94,5 +108,25 @@ impl Store {
             .into_iter()
             .map(|(model, output_tokens, gen_ms, turns)| ModelThroughput { model, output_tokens, gen_ms, turns })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::store::testing::every_backend;
+
+    /// A runtime's calibration outlives the gateway in the conversation's row (a REAL column,
+    /// bound and read back on both backends).
+    #[tokio::test]
+    async fn a_calibration_is_kept_with_its_conversation() {
+        for t in every_backend().await {
+            assert_eq!(t.store.tokens_per_estimate("c").await.unwrap(), None, "{}: no conversation", t.backend);
+            t.store.begin_test_turn("c", "t1").await;
+            assert_eq!(t.store.tokens_per_estimate("c").await.unwrap(), None, "{}: none reported", t.backend);
+            t.store.set_tokens_per_estimate("c", 2.375).await.unwrap();
+            t.store.set_tokens_per_estimate("other", 9.0).await.unwrap();
+            assert_eq!(t.store.tokens_per_estimate("c").await.unwrap(), Some(2.375), "{}", t.backend);
+            assert_eq!(t.store.tokens_per_estimate("other").await.unwrap(), None, "{}", t.backend);
+        }
     }
 }

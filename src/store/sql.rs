@@ -10,6 +10,7 @@ use super::{Backend, Store, StoreResult};
 #[derive(Debug)]
 pub(super) enum Value {
     Int(i64),
+    Real(f64),
     /// Text, or NULL (typed as text for PostgreSQL).
     Text(Option<String>),
 }
@@ -17,6 +18,12 @@ pub(super) enum Value {
 impl From<i64> for Value {
     fn from(v: i64) -> Value {
         Value::Int(v)
+    }
+}
+
+impl From<f64> for Value {
+    fn from(v: f64) -> Value {
+        Value::Real(v)
     }
 }
 
@@ -54,6 +61,7 @@ impl rusqlite::ToSql for Value {
     fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
         match self {
             Value::Int(v) => v.to_sql(),
+            Value::Real(v) => v.to_sql(),
             Value::Text(v) => v.to_sql(),
         }
     }
@@ -165,6 +173,7 @@ impl Query {
         for value in &self.values {
             q = match value {
                 Value::Int(v) => q.bind(*v),
+                Value::Real(v) => q.bind(*v),
                 Value::Text(v) => q.bind(v.as_deref()),
             };
         }

@@ -132,18 +132,6 @@ impl Store {
         let rows: Vec<(String,)> = self.fetch_all(Query::new(sql).bind(conversation_id)).await?;
         rows.iter().map(|(json,)| parse_metrics(json)).collect()
     }
-
-    /// The `contextSize` of the conversation's last sealed turn (`None`: no turn, or none
-    /// reported one).
-    pub async fn last_context_size(&self, conversation_id: &str) -> StoreResult<Option<u64>> {
-        let sql = "SELECT metrics FROM turns WHERE conversation_id = $1 AND metrics IS NOT NULL
-                   ORDER BY ordinal DESC LIMIT 1";
-        let last: Option<(String,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
-        Ok(match last {
-            Some((json,)) => parse_metrics(&json)?.context_size,
-            None => None,
-        })
-    }
 }
 
 #[cfg(test)]

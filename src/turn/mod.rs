@@ -292,19 +292,19 @@ impl Turns {
         // fails ends the turn (`storage`): a runtime must never go on with a made-up history,
         // nor start a fresh session where a resume was due.
         let context = async {
-            let (history, last_context_size) = if runtime.needs_history() {
+            let (history, tokens_per_estimate) = if runtime.needs_history() {
                 let history = self.store.history_chunks(&req.conversation_id).await?;
-                (history, self.store.last_context_size(&req.conversation_id).await?)
+                (history, self.store.tokens_per_estimate(&req.conversation_id).await?)
             } else {
                 (Vec::new(), None)
             };
-            Ok::<_, StoreError>((history, last_context_size, self.store.session_id(&req.conversation_id).await?))
+            Ok::<_, StoreError>((history, tokens_per_estimate, self.store.session_id(&req.conversation_id).await?))
         }
         .await;
         let span = tracing::info_span!("turn", conversation = %ids.0, turn = %ids.1, model = %model);
         let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone());
         match context {
-            Ok((history, last_context_size, session_id)) => {
+            Ok((history, tokens_per_estimate, session_id)) => {
                 let request = TurnRequest {
                     conversation_id: req.conversation_id.clone(),
                     turn_id: turn_id.clone(),
@@ -314,7 +314,7 @@ impl Turns {
                     reasoning_effort,
                     history,
                     session_id,
-                    last_context_size,
+                    tokens_per_estimate,
                     inbox,
                 };
                 tokio::spawn(run.drive(runtime, request).instrument(span));

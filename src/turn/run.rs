@@ -204,6 +204,12 @@ impl TurnRun {
                         tracing::error!(error = %e, "could not store the runtime session");
                     }
                 }
+                // Lost, the next turn estimates uncalibrated: not worth failing this one.
+                Effect::TokensPerEstimate(ratio) => {
+                    if let Err(e) = self.store.set_tokens_per_estimate(&self.conversation_id, ratio).await {
+                        tracing::error!(error = %e, "could not store the runtime's token calibration");
+                    }
+                }
             }
         }
         failed

@@ -38,6 +38,8 @@ pub(super) enum Effect {
     Persist,
     /// Remember the runtime's session, to resume it on the next turn.
     SessionId(String),
+    /// Remember the runtime's calibration, for its next turn.
+    TokensPerEstimate(f64),
 }
 
 /// A turn's state between raw events.
@@ -79,13 +81,12 @@ impl TurnSteps {
 
     /// Handles one raw event published at `now`; the end, when it is a terminal.
     pub(super) fn handle(&mut self, event: RawEvent, now: Instant, out: &mut Vec<Effect>) -> Option<End> {
-        if !matches!(event, RawEvent::StepStart | RawEvent::SessionId(_)) {
+        let bookkeeping =
+            matches!(event, RawEvent::StepStart | RawEvent::SessionId(_) | RawEvent::TokensPerEstimate(_));
+        if !bookkeeping {
             self.published_content = true;
         }
-        self.step_content |= !matches!(
-            event,
-            RawEvent::StepStart | RawEvent::SessionId(_) | RawEvent::Error { .. } | RawEvent::Finish { .. }
-        );
+        self.step_content |= !bookkeeping && !matches!(event, RawEvent::Error { .. } | RawEvent::Finish { .. });
         let (conversation_id, turn_id) = self.ids();
         match event {
             RawEvent::StepStart => {
@@ -180,6 +181,7 @@ impl TurnSteps {
                 self.boundary = now;
             }
             RawEvent::SessionId(id) => out.push(Effect::SessionId(id)),
+            RawEvent::TokensPerEstimate(ratio) => out.push(Effect::TokensPerEstimate(ratio)),
         }
         None
     }
@@ -298,6 +300,7 @@ mod tests {
             })),
             Just(RawEvent::UserInput("steer".into())),
             Just(RawEvent::SessionId("s".into())),
+            Just(RawEvent::TokensPerEstimate(1.5)),
         ]
     }
 

@@ -28,6 +28,17 @@ pub enum Reply {
     /// Each piece of this response text (head and body) after its pause, then nothing: the
     /// connection stays open until the client leaves.
     Drip(Vec<(std::time::Duration, String)>),
+    /// A model with a context of `window` tokens that counts as [`counted_tokens`] does: a
+    /// request whose messages and `max_tokens` do not fit is refused as OpenAI refuses it;
+    /// one that fits is answered `answer`, with its usage.
+    Counted { window: u64, answer: String },
+}
+
+/// How the `Counted` model counts a request's messages: a token per two bytes of content
+/// (twice the gateway's four-byte estimate) and eight a message.
+pub fn counted_tokens(messages: &Value) -> u64 {
+    let messages = messages.as_array().map_or(&[][..], Vec::as_slice);
+    messages.iter().map(|m| (m["content"].as_str().map_or(0, str::len) as u64).div_ceil(2) + 8).sum()
 }
 
 #[derive(Debug, Clone)]
@@ -131,7 +142,12 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
     }
     let body: Value = serde_json::from_slice(&buf[head_end..head_end + length]).unwrap_or(Value::Null);
     let authorization = headers.iter().find(|(k, _)| k == "authorization").map(|(_, v)| v.clone());
-    state.requests.lock().unwrap().push(Recorded { body, authorization, headers, at: std::time::Instant::now() });
+    state.requests.lock().unwrap().push(Recorded {
+        body: body.clone(),
+        authorization,
+        headers,
+        at: std::time::Instant::now(),
+    });
     let reply = state.replies.lock().unwrap().pop_front().unwrap_or(Reply::Status(500));
     let stream_head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
     let data = |payloads: &[Value]| payloads.iter().map(|p| format!("data: {p}\n\n")).collect::<String>();
@@ -168,6 +184,31 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
             until_gone(&mut socket).await;
         }
         Reply::Silent => until_gone(&mut socket).await,
+        Reply::Counted { window, answer } => {
+            let prompt = counted_tokens(&body["messages"]);
+            let asked = body["max_tokens"].as_u64().unwrap_or(0);
+            let response = if prompt + asked > window {
+                let error = serde_json::json!({"error": {
+                    "message": format!("This model's maximum context length is {window} tokens. However, you requested {} tokens.", prompt + asked),
+                    "type": "invalid_request_error",
+                    "code": "context_length_exceeded",
+                }})
+                .to_string();
+                format!(
+                    "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{error}",
+                    error.len()
+                )
+            } else {
+                let completion = (answer.len() as u64).div_ceil(2);
+                let payloads = [
+                    serde_json::json!({"choices": [{"index": 0, "delta": {"content": answer}, "finish_reason": null}]}),
+                    serde_json::json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                    serde_json::json!({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion}}),
+                ];
+                format!("{stream_head}{}data: [DONE]\n\n", data(&payloads))
+            };
+            let _ = socket.write_all(response.as_bytes()).await;
+        }
         Reply::Stall(payloads) => {
             let _ = socket.write_all(format!("{stream_head}{}", data(&payloads)).as_bytes()).await;
             let _ = socket.flush().await;

@@ -21,6 +21,7 @@ use super::{StoreError, StoreOptions, StoreResult};
 pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "initial", include_str!("../../../migrations/postgres/0001_initial.sql")),
     (2, "turn leases", include_str!("../../../migrations/postgres/0002_turn_leases.sql")),
+    (3, "token calibration", include_str!("../../../migrations/postgres/0003_token_calibration.sql")),
 ];
 
 /// The database server's clock in epoch ms, for lease times: every gateway compares them on
