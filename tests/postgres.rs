@@ -188,7 +188,7 @@ async fn writers_on_two_stores_share_one_gap_free_seq() {
     for writer in writers.collect::<Vec<_>>() {
         answered.extend(writer.await.unwrap());
     }
-    let log = a.history_chunks("shared").await.unwrap();
+    let log = dispatch_gateway::store::History::new(a.clone(), "shared", 241).range(1, 241).await.unwrap();
     // 1 user chunk + 2 writers x (20 x (1 + 2 + 3)) chunks.
     assert_eq!(log.len(), 1 + 2 * 120);
     let window = dispatch_gateway::store::HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: true };

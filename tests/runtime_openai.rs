@@ -600,6 +600,47 @@ async fn a_long_conversation_keeps_fitting_the_context_window_once_older_turns_a
     assert!(counted_tokens(last) + 100 <= window);
 }
 
+/// A turn reads the log from its end only as far back as the context window needs: the
+/// oldest chunk, made unreadable, is never read once the conversation outgrew the window,
+/// and the request is the one trimming the whole log would make.
+#[tokio::test]
+async fn a_trimmed_request_reads_only_the_tail_of_a_long_conversation() {
+    set_key();
+    let (window, answer) = (1200, "a".repeat(300));
+    let upstream = FakeUpstream::start(Vec::new()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let server = gateway_with(dir.path(), &upstream, |c| {
+        c.context_window = Some(window);
+        c.params.max_tokens = Some(100);
+    })
+    .await;
+    // 40 turns: 80 chunks, more than the first tail read's 64.
+    for n in 1..=40 {
+        upstream.push(Reply::Counted { window, answer: answer.clone() });
+        let events = turn(&server, "tail", &format!("{n:03}{}", "q".repeat(297))).await;
+        assert_eq!(events[events.len() - 2]["reason"], "stop", "turn {n}");
+    }
+    let db = dir.path().join("gateway.db");
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let changed = conn
+        .execute(r#"UPDATE chunks SET chunk = '{"not":"a chunk"}' WHERE conversation_id = 'tail' AND seq = 1"#, ())
+        .unwrap();
+    assert_eq!(changed, 1);
+    upstream.push(Reply::Counted { window, answer: answer.clone() });
+    let events = turn(&server, "tail", &format!("041{}", "q".repeat(297))).await;
+    assert_eq!(events[events.len() - 2]["reason"], "stop", "{events:?}");
+    let sent = &upstream.requests()[40].body["messages"];
+    assert_eq!(sent.as_array().unwrap().len(), 5, "{sent}");
+    assert!(sent[0]["content"].as_str().unwrap().starts_with("039"), "{sent}");
+    // A conversation that fits is read whole, so the same damage in it is a storage error.
+    upstream.push(Reply::Counted { window, answer: answer.clone() });
+    turn(&server, "short", "hi").await;
+    conn.execute(r#"UPDATE chunks SET chunk = '{"not":"a chunk"}' WHERE conversation_id = 'short' AND seq = 1"#, ())
+        .unwrap();
+    let events = turn(&server, "short", "again").await;
+    turn_error(&events, "storage", "could not be read");
+}
+
 #[tokio::test]
 async fn an_event_past_the_limit_ends_the_turn_and_the_next_one_streams() {
     set_key();

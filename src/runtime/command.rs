@@ -616,7 +616,7 @@ for line in sys.stdin:
             prompt: "hello".into(),
             cwd: None,
             reasoning_effort: None,
-            history: Vec::new(),
+            history: None,
             session_id: None,
             tokens_per_estimate: None,
             inbox: Arc::default(),

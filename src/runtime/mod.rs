@@ -78,9 +78,10 @@ pub struct TurnRequest {
     pub prompt: String,
     pub cwd: Option<String>,
     pub reasoning_effort: Option<String>,
-    /// The conversation's log so far, the user's message of this turn included (for runtimes
-    /// that send the whole conversation, such as chat completion endpoints).
-    pub history: Vec<HistoryChunk>,
+    /// The conversation's log so far, the user's message of this turn included, to read as
+    /// far back as needed (for runtimes that send the conversation, such as chat completion
+    /// endpoints: `None` unless [`Runtime::needs_history`]).
+    pub history: Option<History>,
     /// The runtime's native session of this conversation, to resume.
     pub session_id: Option<String>,
     /// What the conversation's last turn reported as [`RawEvent::TokensPerEstimate`], for
@@ -92,7 +93,7 @@ pub struct TurnRequest {
 }
 
 /// The conversation so far, as the store reads it for a turn.
-pub use crate::store::HistoryChunk;
+pub use crate::store::{History, HistoryChunk};
 
 /// A message waiting to be delivered to a running turn (or to start the next one).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -213,7 +214,7 @@ impl RuntimeError {
 pub trait Runtime: Send + Sync + 'static {
     fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture;
 
-    /// Whether `TurnRequest::history` should be filled (it costs a read of the whole log).
+    /// Whether `TurnRequest::history` should be given.
     fn needs_history(&self) -> bool {
         false
     }

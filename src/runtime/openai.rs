@@ -105,19 +105,25 @@ impl OpenAiRuntime {
 /// The conversation as Chat Completions messages, always one a strict chat template takes
 /// (alternating user and assistant turns):
 /// - a message per log message; thinking and error chunks stay home, and each tool result is
-///   a `tool` message; a tool call no result answered is left out (the API rejects it);
+///   a `tool` message; a tool call no later result answered is left out (the API rejects it);
 /// - an assistant message that had only reasoning is kept, with empty content;
 /// - the message of a turn the upstream refused as too long for the context is left out;
 /// - consecutive user messages (a turn that failed or was stopped before any answer, then the
 ///   next one) are merged into one, and so are consecutive assistant messages.
 pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Value> {
-    let answered: std::collections::HashSet<&str> = history
-        .iter()
-        .filter_map(|c| match &c.chunk {
-            Chunk::ToolResult(r) => Some(r.tool_call_id.as_str()),
-            _ => None,
-        })
-        .collect();
+    // A call is answered by a result that follows it (ids may repeat across turns: an
+    // upstream that sends none gets `call_<index>`).
+    let mut answered = vec![false; history.len()];
+    let mut results = std::collections::HashSet::new();
+    for (i, c) in history.iter().enumerate().rev() {
+        match &c.chunk {
+            Chunk::ToolResult(r) => {
+                results.insert(r.tool_call_id.as_str());
+            }
+            Chunk::ToolCall(call) => answered[i] = results.contains(call.tool_call_id.as_str()),
+            _ => {}
+        }
+    }
     let mut out: Vec<Value> = Vec::new();
     if let Some(system) = system_prompt {
         out.push(json!({"role": "system", "content": system}));
@@ -126,6 +132,7 @@ pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Va
     while i < history.len() {
         let id = history[i].message_id;
         let role = history[i].role;
+        let start = i;
         let group: Vec<&HistoryChunk> = history[i..].iter().take_while(|c| c.message_id == id).collect();
         i += group.len();
         let text: String = group
@@ -154,8 +161,9 @@ pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Va
             Role::Assistant => {
                 let calls: Vec<Value> = group
                     .iter()
-                    .filter_map(|c| match &c.chunk {
-                        Chunk::ToolCall(call) if answered.contains(call.tool_call_id.as_str()) => Some(json!({
+                    .zip(&answered[start..])
+                    .filter_map(|(c, answered)| match &c.chunk {
+                        Chunk::ToolCall(call) if *answered => Some(json!({
                             "id": call.tool_call_id,
                             "type": "function",
                             "function": {"name": call.tool_name, "arguments": call.input.to_string()},
@@ -219,11 +227,11 @@ fn estimated_tokens(message: &Value) -> u64 {
 }
 
 /// Leaves out the oldest turns (a user message and what answered it) until the messages fit
-/// `budget` tokens; never the system prompt, nor the last user message (the new one) and what
-/// follows it. Returns how many messages were left out.
-pub fn trim_to_fit(messages: &mut Vec<Value>, budget: u64) -> usize {
-    let first = usize::from(messages.first().is_some_and(|m| m["role"] == "system"));
-    let Some(newest) = messages.iter().rposition(|m| m["role"] == "user") else { return 0 };
+/// `budget` tokens; never the `keep` first (the system prompt), nor the last user message (the
+/// new one) and what follows it. Returns how many messages were left out.
+fn trim_to_fit(messages: &mut Vec<Value>, keep: usize, budget: u64) -> usize {
+    let first = keep.min(messages.len());
+    let Some(newest) = messages.iter().rposition(|m| m["role"] == "user").filter(|n| *n >= first) else { return 0 };
     let mut total: u64 = messages.iter().map(estimated_tokens).sum();
     let mut end = first;
     // Whole turns from the oldest, while what remains is over budget.
@@ -235,6 +243,43 @@ pub fn trim_to_fit(messages: &mut Vec<Value>, budget: u64) -> usize {
     }
     messages.drain(first..end);
     end - first
+}
+
+/// How many of the log's last chunks the first read for a trimmed request takes; each read
+/// after it goes twice as far back.
+const FIRST_TAIL: u64 = 64;
+
+/// The request's messages from a log of `len` chunks that `read(from, to)` reads (seqs
+/// `from..=to`): all of it without a `budget`; with one, the oldest turns left out until the
+/// estimate fits, reading from the log's end only as far back as that needs. Once a read's
+/// tail has a turn left out, nothing older could be kept (an older message only adds to every
+/// longer tail), so the log before it is never read: docs/upstreams.md has the argument.
+/// Also returns how many messages of the read tail were left out.
+async fn fitting_messages<F, Fut, E>(
+    len: u64,
+    mut read: F,
+    system_prompt: Option<&str>,
+    budget: Option<u64>,
+) -> Result<(Vec<Value>, usize), E>
+where
+    F: FnMut(u64, u64) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<HistoryChunk>, E>>,
+{
+    let keep = usize::from(system_prompt.is_some());
+    let Some(budget) = budget else { return Ok((messages(&read(1, len).await?, system_prompt), 0)) };
+    let (mut tail, mut from, mut page) = (Vec::new(), len + 1, FIRST_TAIL);
+    loop {
+        let start = from.saturating_sub(page).max(1);
+        let mut older = read(start, from - 1).await?;
+        older.append(&mut tail);
+        (tail, from) = (older, start);
+        let mut messages = messages(&tail, system_prompt);
+        let left_out = trim_to_fit(&mut messages, keep, budget);
+        if left_out > 0 || from == 1 {
+            return Ok((messages, left_out));
+        }
+        page = page.saturating_mul(2);
+    }
 }
 
 /// Whether an upstream's 400 says the request does not fit the model's context (OpenAI,
@@ -388,27 +433,28 @@ impl Gathered {
 impl OpenAiRuntime {
     /// The request body: the rebuilt conversation, trimmed to the context window, and the
     /// model's parameters; and the estimated tokens of its messages.
-    fn body(&self, req: &TurnRequest) -> (Value, u64) {
+    async fn body(&self, req: &TurnRequest) -> Result<(Value, u64), RuntimeError> {
         let params = match self.settings.model_params.get(&req.model) {
             Some(model) => self.settings.params.overlaid(model),
             None => self.settings.params.clone(),
         };
-        let mut messages = messages(&req.history, self.settings.system_prompt.as_deref());
-        if let Some(window) = self.settings.context_window {
+        let budget = self.settings.context_window.map(|window| {
             // Room for the answer: what `max_tokens` asks, else an eighth of the window.
             let reserve = params.max_tokens.unwrap_or(window / 8).min(window / 2);
             // The estimate scaled by what the upstream counted for the last request; bounded,
             // so one odd report cannot make the trimming keep everything or nothing.
             let ratio = req.tokens_per_estimate.filter(|r| r.is_finite()).map_or(1.0, |r| r.clamp(0.25, 8.0));
-            let budget = (window - reserve) as f64 / ratio;
-            let left_out = trim_to_fit(&mut messages, budget as u64);
-            if left_out > 0 {
-                tracing::info!(
-                    left_out,
-                    window,
-                    "left the oldest messages out of the request to fit the context window"
-                );
-            }
+            ((window - reserve) as f64 / ratio) as u64
+        });
+        let history =
+            req.history.as_ref().ok_or_else(|| RuntimeError::turn("the turn came without its history", "runtime"))?;
+        let read = |from, to| history.range(from, to);
+        let system_prompt = self.settings.system_prompt.as_deref();
+        let (messages, left_out) = fitting_messages(history.len(), read, system_prompt, budget).await.map_err(|e| {
+            RuntimeError::turn(format!("the conversation could not be read for the runtime: {e}"), "storage")
+        })?;
+        if left_out > 0 {
+            tracing::info!(left_out, "left the oldest messages out of the request to fit the context window");
         }
         let estimate = messages.iter().map(estimated_tokens).sum();
         let mut body = Map::new();
@@ -432,22 +478,22 @@ impl OpenAiRuntime {
             }
         }
         body.extend(params.extra_body.unwrap_or_default());
-        (Value::Object(body), estimate)
+        Ok((Value::Object(body), estimate))
     }
 
     /// The request, and the estimated tokens of its messages.
-    fn request(&self, req: &TurnRequest) -> (http::Request<Full<Bytes>>, u64) {
-        let (body, estimate) = self.body(req);
+    async fn request(&self, req: &TurnRequest) -> Result<(http::Request<Full<Bytes>>, u64), RuntimeError> {
+        let (body, estimate) = self.body(req).await?;
         let body = Bytes::from(body.to_string());
         let mut request = http::Request::post(self.endpoint.clone()).body(Full::new(body)).expect("a parsed URI");
         *request.headers_mut() = self.headers.clone();
-        (request, estimate)
+        Ok((request, estimate))
     }
 
     async fn turn(&self, req: TurnRequest, sink: EventSink) -> Result<(), RuntimeError> {
         let idle = self.settings.idle_timeout;
         sink.send(RawEvent::StepStart).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime"))?;
-        let (request, estimate) = self.request(&req);
+        let (request, estimate) = self.request(&req).await?;
         let response = match tokio::time::timeout(idle, self.client.send(request)).await {
             // The request went out and no answer came: the upstream may be working on it.
             Err(_) => {
@@ -581,7 +627,74 @@ impl Runtime for OpenAiRuntime {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::{TextChunk, ThinkingChunk, ToolCallChunk, ToolResultChunk};
+    use crate::wire::{ErrorChunk, SystemChunk, TextChunk, ThinkingChunk, ToolCallChunk, ToolResultChunk};
+    use futures_util::FutureExt;
+    use proptest::prelude::*;
+
+    /// One log message's chunks, by kind: what the turns of a real log are made of, failed,
+    /// stopped and refused ones included.
+    fn message() -> impl Strategy<Value = (Role, Vec<Chunk>)> {
+        let text = |n: usize| "x".repeat(n);
+        let call = |i: u8| {
+            Chunk::ToolCall(ToolCallChunk {
+                tool_call_id: format!("c{i}"),
+                tool_name: "t".into(),
+                input: json!({"q": i}),
+                step_id: None,
+            })
+        };
+        let result = |i: u8, n: usize| {
+            Chunk::ToolResult(ToolResultChunk {
+                tool_call_id: format!("c{i}"),
+                tool_name: "t".into(),
+                content: "r".repeat(n),
+                is_error: false,
+                step_id: None,
+            })
+        };
+        let assistant_chunk = prop_oneof![
+            4 => (0usize..120).prop_map(move |n| Chunk::Text(TextChunk { text: text(n) })),
+            1 => (0usize..40).prop_map(move |n| Chunk::Thinking(ThinkingChunk { text: text(n) })),
+            2 => (0u8..6).prop_map(call),
+            1 => prop_oneof![Just(Some(CONTEXT_EXCEEDED.to_owned())), Just(None)]
+                .prop_map(|code| Chunk::Error(ErrorChunk { message: "e".into(), code })),
+        ];
+        prop_oneof![
+            4 => (0usize..200).prop_map(move |n| (Role::User, vec![Chunk::Text(TextChunk { text: text(n) })])),
+            4 => proptest::collection::vec(assistant_chunk, 1..4).prop_map(|c| (Role::Assistant, c)),
+            2 => proptest::collection::vec((0u8..6, 0usize..80).prop_map(move |(i, n)| result(i, n)), 1..3)
+                .prop_map(|c| (Role::Tool, c)),
+            1 => (1usize..30).prop_map(move |n| (Role::System, vec![Chunk::System(SystemChunk { text: text(n) })])),
+        ]
+    }
+
+    proptest! {
+        /// Reading the log's tail as far back as the trimming needs sends exactly what
+        /// trimming the whole log would, whatever the log's turns and the budget.
+        #[test]
+        fn the_tail_read_sends_what_trimming_the_whole_log_sends(
+            log in proptest::collection::vec(message(), 0..300),
+            budget in 0u64..3000,
+            prompt in prop_oneof![Just(None), Just(Some("be brief"))],
+        ) {
+            let mut history = Vec::new();
+            for (id, (role, chunks)) in log.into_iter().enumerate() {
+                history.extend(chunks.into_iter().map(|c| chunk(id as i64 + 1, role, c)));
+            }
+            history.push(chunk(1_000, Role::User, Chunk::Text(TextChunk { text: "new".into() })));
+            let mut whole = messages(&history, prompt);
+            trim_to_fit(&mut whole, usize::from(prompt.is_some()), budget);
+            let reads = std::cell::Cell::new(0);
+            let read = |from: u64, to: u64| {
+                reads.set(reads.get() + 1);
+                std::future::ready(Ok::<_, ()>(history[from as usize - 1..to as usize].to_vec()))
+            };
+            let len = history.len() as u64;
+            let (tail, _) = fitting_messages(len, read, prompt, Some(budget)).now_or_never().unwrap().unwrap();
+            prop_assert_eq!(tail, whole);
+            prop_assert!(reads.get() <= 1 + (len / FIRST_TAIL + 1).ilog2() as usize + 1);
+        }
+    }
 
     fn chunk(message_id: i64, role: Role, chunk: Chunk) -> HistoryChunk {
         HistoryChunk { message_id, role, chunk }

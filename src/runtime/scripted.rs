@@ -322,7 +322,7 @@ mod tests {
             prompt: "p".into(),
             cwd: None,
             reasoning_effort: None,
-            history: Vec::new(),
+            history: None,
             session_id: None,
             tokens_per_estimate: None,
             inbox: Default::default(),

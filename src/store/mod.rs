@@ -30,7 +30,7 @@ use std::time::Duration;
 use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation, Setting, Settings};
 pub use log::{HistoryPage, HistoryWindow, NewChunk};
-pub use reads::{HistoryChunk, LastText, ModelThroughput};
+pub use reads::{History, HistoryChunk, LastText, ModelThroughput, RuntimeMemory};
 pub use turns::{BeginTurn, INTERRUPTED_MESSAGE, IdempotencyRecord, SealTurn, user_chunk};
 
 /// Where the data lives: a SQLite file or a PostgreSQL database, chosen by the configuration's

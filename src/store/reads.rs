@@ -13,6 +13,67 @@ pub struct HistoryChunk {
     pub chunk: Chunk,
 }
 
+/// What runtimes left with a conversation for its next turn.
+#[derive(Debug, Default)]
+pub struct RuntimeMemory {
+    /// The runtime's native session, to resume.
+    pub session_id: Option<String>,
+    /// How many tokens the upstream counted per estimated token in the last counted request.
+    pub tokens_per_estimate: Option<f64>,
+}
+
+/// A conversation's log up to a turn's user message, read from its end backwards as far as a
+/// runtime needs: a request that keeps only the conversation's tail never reads it whole.
+#[derive(Clone)]
+pub struct History {
+    store: Store,
+    conversation_id: String,
+    /// The seq of the last chunk (seqs are gap-free from 1).
+    last: u64,
+}
+
+impl std::fmt::Debug for History {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("History").field("conversation_id", &self.conversation_id).field("last", &self.last).finish()
+    }
+}
+
+impl History {
+    pub fn new(store: Store, conversation_id: &str, last: u64) -> History {
+        History { store, conversation_id: conversation_id.to_owned(), last }
+    }
+
+    /// How many chunks the history holds.
+    pub fn len(&self) -> u64 {
+        self.last
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.last == 0
+    }
+
+    /// The chunks of seqs `from..=to` (1-based), with their message ids, in order.
+    pub async fn range(&self, from: u64, to: u64) -> StoreResult<Vec<HistoryChunk>> {
+        let to = to.min(self.last);
+        let sql = "SELECT seq, message_id, role, chunk FROM chunks
+                   WHERE conversation_id = $1 AND seq >= $2 AND seq <= $3 ORDER BY seq";
+        let q = Query::new(sql).bind(self.conversation_id.as_str()).bind(from as i64).bind(to as i64);
+        let rows: Vec<(i64, i64, String, String)> = self.store.fetch_all(q).await?;
+        if rows.len() as u64 != (to + 1).saturating_sub(from) {
+            return Err(StoreError::Corrupt(format!("seqs {from} to {to} are not all in the log")));
+        }
+        rows.into_iter()
+            .map(|(seq, message_id, role, chunk)| {
+                let role =
+                    Role::parse(&role).ok_or_else(|| StoreError::Corrupt(format!("unknown role at seq {seq}")))?;
+                let chunk = serde_json::from_str(&chunk)
+                    .map_err(|e| StoreError::Corrupt(format!("chunk at seq {seq}: {e}")))?;
+                Ok(HistoryChunk { message_id, role, chunk })
+            })
+            .collect()
+    }
+}
+
 /// The last assistant text of a conversation's most recent finished turn.
 #[derive(Debug, Default)]
 pub struct LastText {
@@ -30,26 +91,13 @@ pub struct ModelThroughput {
 }
 
 impl Store {
-    /// The whole log with message ids, for runtimes that send the conversation upstream.
-    pub async fn history_chunks(&self, conversation_id: &str) -> StoreResult<Vec<HistoryChunk>> {
-        let sql = "SELECT seq, message_id, role, chunk FROM chunks WHERE conversation_id = $1 ORDER BY seq";
-        let rows: Vec<(i64, i64, String, String)> = self.fetch_all(Query::new(sql).bind(conversation_id)).await?;
-        rows.into_iter()
-            .map(|(seq, message_id, role, chunk)| {
-                let role =
-                    Role::parse(&role).ok_or_else(|| StoreError::Corrupt(format!("unknown role at seq {seq}")))?;
-                let chunk = serde_json::from_str(&chunk)
-                    .map_err(|e| StoreError::Corrupt(format!("chunk at seq {seq}: {e}")))?;
-                Ok(HistoryChunk { message_id, role, chunk })
-            })
-            .collect()
-    }
-
-    /// The runtime session stored for a conversation.
-    pub async fn session_id(&self, conversation_id: &str) -> StoreResult<Option<String>> {
-        let sql = "SELECT session_id FROM conversations WHERE id = $1";
-        let id: Option<(Option<String>,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
-        Ok(id.and_then(|(id,)| id))
+    /// What runtimes left with a conversation for its next turn.
+    pub async fn runtime_memory(&self, conversation_id: &str) -> StoreResult<RuntimeMemory> {
+        let sql = "SELECT session_id, tokens_per_estimate FROM conversations WHERE id = $1";
+        let row: Option<(Option<String>, Option<f64>)> =
+            self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
+        let (session_id, tokens_per_estimate) = row.unwrap_or_default();
+        Ok(RuntimeMemory { session_id, tokens_per_estimate })
     }
 
     /// Remembers the runtime session a conversation's next turn resumes.
@@ -57,14 +105,6 @@ impl Store {
         self.update("UPDATE conversations SET session_id = $2 WHERE id = $1", conversation_id, Some(session_id))
             .await
             .map(drop)
-    }
-
-    /// How many tokens the upstream counted per estimated token in the conversation's last
-    /// counted request (a runtime's calibration of its own estimate; `None` until one).
-    pub async fn tokens_per_estimate(&self, conversation_id: &str) -> StoreResult<Option<f64>> {
-        let sql = "SELECT tokens_per_estimate FROM conversations WHERE id = $1";
-        let ratio: Option<(Option<f64>,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
-        Ok(ratio.and_then(|(ratio,)| ratio))
     }
 
     /// Remembers a runtime's calibration for the conversation's next turn.
@@ -115,18 +155,22 @@ impl Store {
 mod tests {
     use crate::store::testing::every_backend;
 
-    /// A runtime's calibration outlives the gateway in the conversation's row (a REAL column,
-    /// bound and read back on both backends).
+    /// A runtime's calibration and session outlive the gateway in the conversation's row (a
+    /// REAL column, bound and read back on both backends).
     #[tokio::test]
-    async fn a_calibration_is_kept_with_its_conversation() {
+    async fn what_a_runtime_leaves_is_kept_with_its_conversation() {
         for t in every_backend().await {
-            assert_eq!(t.store.tokens_per_estimate("c").await.unwrap(), None, "{}: no conversation", t.backend);
+            let store = &t.store;
+            let ratio = |c: &'static str| async move { store.runtime_memory(c).await.unwrap().tokens_per_estimate };
+            assert_eq!(ratio("c").await, None, "{}: no conversation", t.backend);
             t.store.begin_test_turn("c", "t1").await;
-            assert_eq!(t.store.tokens_per_estimate("c").await.unwrap(), None, "{}: none reported", t.backend);
+            assert_eq!(ratio("c").await, None, "{}: none reported", t.backend);
             t.store.set_tokens_per_estimate("c", 2.375).await.unwrap();
             t.store.set_tokens_per_estimate("other", 9.0).await.unwrap();
-            assert_eq!(t.store.tokens_per_estimate("c").await.unwrap(), Some(2.375), "{}", t.backend);
-            assert_eq!(t.store.tokens_per_estimate("other").await.unwrap(), None, "{}", t.backend);
+            t.store.set_session_id("c", "s1").await.unwrap();
+            let memory = t.store.runtime_memory("c").await.unwrap();
+            assert_eq!((memory.session_id.as_deref(), memory.tokens_per_estimate), (Some("s1"), Some(2.375)));
+            assert_eq!(ratio("other").await, None, "{}", t.backend);
         }
     }
 }

@@ -28,7 +28,7 @@ use crate::bus::Bus;
 use crate::hub::{Hub, TurnBuffer};
 use crate::metrics::Metrics;
 use crate::runtime::{Inbox, QueueFull, QueueLimits, QueuedMessage, Registry, TurnRequest};
-use crate::store::{BeginTurn, IdempotencyRecord, Store, StoreError, now_ms};
+use crate::store::{BeginTurn, History, IdempotencyRecord, RuntimeMemory, Store, StoreError, now_ms};
 use crate::wire::{AgentEvent, ConversationStatus, TurnInputEvent, TurnStartEvent};
 
 /// A request to start a turn, already validated for shape.
@@ -256,7 +256,8 @@ impl Turns {
             (Some((body_hash, response)), Some(key)) => Some(IdempotencyRecord { key, body_hash, response }),
             _ => None,
         };
-        self.store
+        let user_seq = self
+            .store
             .begin_turn(BeginTurn {
                 conversation_id: &req.conversation_id,
                 turn_id: &turn_id,
@@ -288,23 +289,16 @@ impl Turns {
         self.announce(&req.conversation_id, ConversationStatus::Active);
         self.metrics.turns_started.fetch_add(1, Relaxed);
 
-        // What the runtime is owed: the conversation so far and its agent session. A read that
-        // fails ends the turn (`storage`): a runtime must never go on with a made-up history,
-        // nor start a fresh session where a resume was due.
-        let context = async {
-            let (history, tokens_per_estimate) = if runtime.needs_history() {
-                let history = self.store.history_chunks(&req.conversation_id).await?;
-                (history, self.store.tokens_per_estimate(&req.conversation_id).await?)
-            } else {
-                (Vec::new(), None)
-            };
-            Ok::<_, StoreError>((history, tokens_per_estimate, self.store.session_id(&req.conversation_id).await?))
-        }
-        .await;
+        // What the runtime is owed: the conversation so far (read by the runtime, as far back
+        // as it needs) and what its last turn left. A read that fails ends the turn
+        // (`storage`): a runtime must never go on with a made-up history, nor start a fresh
+        // session where a resume was due.
+        let history = runtime.needs_history().then(|| History::new(self.store.clone(), &req.conversation_id, user_seq));
+        let memory = self.store.runtime_memory(&req.conversation_id).await;
         let span = tracing::info_span!("turn", conversation = %ids.0, turn = %ids.1, model = %model);
         let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone());
-        match context {
-            Ok((history, tokens_per_estimate, session_id)) => {
+        match memory {
+            Ok(RuntimeMemory { session_id, tokens_per_estimate }) => {
                 let request = TurnRequest {
                     conversation_id: req.conversation_id.clone(),
                     turn_id: turn_id.clone(),
