@@ -111,8 +111,8 @@ impl OpenAiRuntime {
 /// - consecutive user messages (a turn that failed or was stopped before any answer, then the
 ///   next one) are merged into one, and so are consecutive assistant messages.
 pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Value> {
-    // A call is answered by a result that follows it (ids may repeat across turns: an
-    // upstream that sends none gets `call_<index>`).
+    // A call is answered by the next result with its id that follows it, and a result answers
+    // one call (ids may repeat across turns: an upstream that sends none gets `call_<index>`).
     let mut answered = vec![false; history.len()];
     let mut results = std::collections::HashSet::new();
     for (i, c) in history.iter().enumerate().rev() {
@@ -120,7 +120,7 @@ pub fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Va
             Chunk::ToolResult(r) => {
                 results.insert(r.tool_call_id.as_str());
             }
-            Chunk::ToolCall(call) => answered[i] = results.contains(call.tool_call_id.as_str()),
+            Chunk::ToolCall(call) => answered[i] = results.remove(call.tool_call_id.as_str()),
             _ => {}
         }
     }
@@ -666,6 +666,41 @@ mod tests {
                 .prop_map(|c| (Role::Tool, c)),
             1 => (1usize..30).prop_map(move |n| (Role::System, vec![Chunk::System(SystemChunk { text: text(n) })])),
         ]
+    }
+
+    /// An upstream that names no call ids gets `call_0` in every turn: a call nobody answered
+    /// stays home even when a later turn's call of the same id was answered.
+    #[test]
+    fn a_result_answers_the_call_before_it_not_an_older_one_with_the_same_id() {
+        let call = |n| {
+            Chunk::ToolCall(ToolCallChunk {
+                tool_call_id: "call_0".into(),
+                tool_name: "t".into(),
+                input: json!({"n": n}),
+                step_id: None,
+            })
+        };
+        let result = Chunk::ToolResult(ToolResultChunk {
+            tool_call_id: "call_0".into(),
+            tool_name: "t".into(),
+            content: "r".into(),
+            is_error: false,
+            step_id: None,
+        });
+        let text = |t: &str| Chunk::Text(TextChunk { text: t.into() });
+        let history = vec![
+            chunk(1, Role::User, text("one")),
+            chunk(2, Role::Assistant, text("a")),
+            chunk(2, Role::Assistant, call(1)),
+            chunk(3, Role::User, text("two")),
+            chunk(4, Role::Assistant, call(2)),
+            chunk(5, Role::Tool, result),
+            chunk(6, Role::User, text("three")),
+        ];
+        let sent = messages(&history, None);
+        assert_eq!(sent[1], json!({"role": "assistant", "content": "a"}), "{sent:?}");
+        assert_eq!(sent[3]["tool_calls"][0]["function"]["arguments"], "{\"n\":2}");
+        assert_eq!(sent.len(), 6);
     }
 
     proptest! {
