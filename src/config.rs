@@ -106,6 +106,12 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub history_page_chunks: u64,
 
+    /// Most turns a metrics read holds at once: a longer read is sent in pages of this many,
+    /// each read when the previous one is written.
+    #[arg(long, env = "DISPATCH_METRICS_PAGE_TURNS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub metrics_page_turns: u64,
+
     /// Bytes a turn's replay buffer may hold before runs of deltas in it are coalesced.
     #[arg(long, env = "DISPATCH_TURN_BUFFER_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub turn_buffer_bytes: usize,
@@ -614,6 +620,7 @@ impl Config {
             scripted_script: None,
             max_body_bytes: 1024 * 1024,
             history_page_chunks: 1000,
+            metrics_page_turns: 1000,
             turn_buffer_bytes: 16 * 1024 * 1024,
             max_runtime_line_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,

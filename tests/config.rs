@@ -144,7 +144,7 @@ fn the_database_is_a_file_or_a_postgres_url_and_the_lease_has_a_floor() {
 }
 
 #[test]
-fn request_head_and_history_page_limits_have_a_floor_and_a_ceiling() {
+fn request_head_and_read_page_limits_have_a_floor_and_a_ceiling() {
     let config = load(&[], &[]).unwrap();
     assert_eq!((config.max_head_bytes, config.max_headers), (64 * 1024, 100));
     let config = load(&["--max-head-bytes", "8192", "--max-headers", "1000"], &[]).unwrap();
@@ -156,6 +156,8 @@ fn request_head_and_history_page_limits_have_a_floor_and_a_ceiling() {
         ["--max-headers", "1001"],
         ["--history-page-chunks", "0"],
         ["--history-page-chunks", "1000001"],
+        ["--metrics-page-turns", "0"],
+        ["--metrics-page-turns", "1000001"],
     ] {
         let err = load(&args, &[]).err().unwrap_or_else(|| panic!("{args:?} should fail"));
         assert!(err.contains(args[0]) && err.contains(args[1]), "{args:?}: {err}");

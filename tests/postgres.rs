@@ -21,6 +21,7 @@ async fn server_on(dir: &std::path::Path, database: Database) -> TestServer {
     config.database = database;
     // History reads of more than two chunks go out in pages, on both backends.
     config.history_page_chunks = 2;
+    config.metrics_page_turns = 2;
     TestServer::start(config).await
 }
 

@@ -174,6 +174,35 @@ async fn a_runtime_error_ends_with_error_done_and_sealed_and_logs_an_error_chunk
     assert_eq!(metrics["turns"].as_array().unwrap().len(), 1);
 }
 
+/// A metrics read longer than `--metrics-page-turns` goes out in pages, as they are read (no
+/// length), and says what one read says: every sealed turn, in turn order.
+#[tokio::test]
+async fn a_metrics_read_in_pages_is_every_sealed_turn_in_order() {
+    for page in [1000, 2, 1] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = test_config(dir.path());
+        config.metrics_page_turns = page;
+        let server = TestServer::start(config).await;
+        let url = server.url("/conversations/paged/metrics");
+        let response = server.client.get(url.clone()).send().await.unwrap();
+        assert!(response.content_length().is_some());
+        assert_eq!(response.json::<Value>().await.unwrap(), json!({"turns": []}));
+        let mut turn_ids = Vec::new();
+        for i in 0..5 {
+            let events = server.chat("paged", &format!("message {i}")).await;
+            turn_ids.push(events.iter().find(|e| e["type"] == "done").unwrap()["turnId"].clone());
+        }
+        let response = server.client.get(url).send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.content_length().is_none(), 5u64.div_ceil(page) > 1, "pages of {page}");
+        let metrics: Value = response.json().await.unwrap();
+        let turns = metrics["turns"].as_array().unwrap();
+        let ids: Vec<Value> = turns.iter().map(|t| t["turnId"].clone()).collect();
+        assert_eq!(ids, turn_ids, "pages of {page}");
+        assert!(turns.iter().all(|t| t["steps"].as_array().is_some_and(|s| !s.is_empty())), "{metrics}");
+    }
+}
+
 #[tokio::test]
 async fn a_second_turn_while_one_runs_is_409_and_the_conversation_stays_consistent() {
     let dir = tempfile::tempdir().unwrap();

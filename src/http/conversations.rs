@@ -1,12 +1,9 @@
 //! `/conversations`: create, list, history, metrics, title, delete.
 
 use axum::Json;
-use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
-use futures_util::{StreamExt, TryStreamExt};
 use serde::Serialize;
 
 use super::AppState;
@@ -14,7 +11,8 @@ use super::error::ApiError;
 #[cfg(feature = "openapi")]
 use super::error::ErrorBody;
 use super::extract::{ConversationId, JsonObject, QueryParams, check_id};
-use crate::store::{ConversationFilter, HistoryWindow, NewConversation, StoreError, now_ms};
+use super::paged::{Document, json, paged};
+use crate::store::{ConversationFilter, HistoryPage, HistoryWindow, NewConversation, now_ms};
 use crate::turn::StartError;
 #[cfg(feature = "openapi")]
 use crate::wire::StoredChunk;
@@ -56,8 +54,10 @@ pub struct HistoryResponse {
     pub latest_seq: u64,
 }
 
-#[derive(Debug, Serialize)]
-#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+// Documents the body for OpenAPI; the handler writes it a page of turns at a time.
+/// `GET /conversations/:id/metrics`.
+#[cfg(feature = "openapi")]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct MetricsResponse {
     /// Every sealed turn, in turn order.
     pub turns: Vec<TurnMetrics>,
@@ -189,65 +189,57 @@ pub async fn history(
     let most = state.config.history_page_chunks;
     if window.limit.is_some_and(|limit| limit <= most) {
         let page = state.store.history(&id, window).await?;
-        return Ok(json(page_body(br#"{"chunks":["#, &page.items, page.last_seq.unwrap_or(window.since_seq))));
+        let mut body = [HistoryDocument::HEAD, &page.items].concat();
+        body.extend(HistoryDocument { latest: page.last_seq.unwrap_or(window.since_seq) }.tail());
+        return Ok(json(body));
     }
-    // A window that may be longer is read a page at a time as the client takes it; the first
-    // two are read before the answer starts, so that a failed read is still an error status,
-    // and a window that fits in one page is still one body with a length.
-    let mut pages = Box::pin(state.store.history_pages(id, window, most));
-    let Some(first) = pages.try_next().await? else {
-        return Ok(json(page_body(br#"{"chunks":["#, &[], window.since_seq)));
-    };
-    let Some(second) = pages.try_next().await? else {
-        return Ok(json(page_body(br#"{"chunks":["#, &first.items, first.last_seq.unwrap_or(window.since_seq))));
-    };
-    let mut start = br#"{"chunks":["#.to_vec();
-    start.extend_from_slice(&first.items);
-    // The next page is read while the one before it is written (a channel of one page).
-    let (next, pages_read) = tokio::sync::mpsc::channel(1);
-    tokio::spawn(async move {
-        let _ = next.send(Ok(second)).await;
-        while let Some(page) = pages.next().await {
-            // Gone: the client left (the body was dropped).
-            if next.send(page).await.is_err() {
-                return;
+    let document = HistoryDocument { latest: window.since_seq };
+    paged(document, state.store.history_pages(id, window, most)).await
+}
+
+/// `{"chunks": [...], "latestSeq": n}`, `latestSeq` the last chunk's seq (or `sinceSeq`).
+struct HistoryDocument {
+    latest: u64,
+}
+
+impl Document for HistoryDocument {
+    type Page = HistoryPage;
+    const HEAD: &'static [u8] = br#"{"chunks":["#;
+
+    fn items(&mut self, page: HistoryPage) -> Vec<u8> {
+        self.latest = page.last_seq.unwrap_or(self.latest);
+        page.items
+    }
+
+    fn tail(&self) -> Vec<u8> {
+        let mut tail = br#"],"latestSeq":"#.to_vec();
+        let _ = serde_json::to_writer(&mut tail, &self.latest);
+        tail.push(b'}');
+        tail
+    }
+}
+
+/// `{"turns": [...]}`.
+struct MetricsDocument;
+
+impl Document for MetricsDocument {
+    type Page = Vec<TurnMetrics>;
+    const HEAD: &'static [u8] = br#"{"turns":["#;
+
+    fn items(&mut self, turns: Vec<TurnMetrics>) -> Vec<u8> {
+        let mut items = Vec::new();
+        for (i, turn) in turns.iter().enumerate() {
+            if i > 0 {
+                items.push(b',');
             }
+            serde_json::to_writer(&mut items, turn).expect("metrics serialize");
         }
-    });
-    let latest = first.last_seq.unwrap_or_default();
-    let rest = futures_util::stream::unfold(Some((pages_read, latest)), |state| async move {
-        let (mut pages_read, latest) = state?;
-        Some(match pages_read.recv().await {
-            // A comma before each page after the first.
-            Some(Ok(page)) => {
-                let bytes = Bytes::from([b",".as_slice(), &page.items].concat());
-                (Ok(bytes), Some((pages_read, page.last_seq.unwrap_or(latest))))
-            }
-            Some(Err(e)) => {
-                // The answer has started: the connection ends without the last chunk.
-                tracing::warn!(error = %e, "a history read failed part way");
-                (Err(e), None)
-            }
-            None => (Ok(Bytes::from(page_body(b"", &[], latest))), None),
-        })
-    });
-    let body = futures_util::stream::once(async { Ok::<_, StoreError>(Bytes::from(start)) }).chain(rest);
-    Ok(([(CONTENT_TYPE, "application/json")], Body::from_stream(body)).into_response())
-}
+        items
+    }
 
-/// A history document's bytes from `start` on: `start`, the chunks, and its end.
-fn page_body(start: &[u8], items: &[u8], latest_seq: u64) -> Vec<u8> {
-    let mut body = Vec::with_capacity(start.len() + items.len() + 48);
-    body.extend_from_slice(start);
-    body.extend_from_slice(items);
-    body.extend_from_slice(br#"],"latestSeq":"#);
-    let _ = serde_json::to_writer(&mut body, &latest_seq);
-    body.push(b'}');
-    body
-}
-
-fn json(body: Vec<u8>) -> Response {
-    ([(CONTENT_TYPE, "application/json")], body).into_response()
+    fn tail(&self) -> Vec<u8> {
+        b"]}".to_vec()
+    }
 }
 
 /// Metrics of every sealed turn, in turn order.
@@ -258,11 +250,8 @@ fn json(body: Vec<u8>) -> Response {
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = MetricsResponse), (status = 400, body = ErrorBody))
 ))]
-pub async fn metrics(
-    State(state): State<AppState>,
-    ConversationId(id): ConversationId,
-) -> Result<Json<MetricsResponse>, ApiError> {
-    Ok(Json(MetricsResponse { turns: state.store.turn_metrics(&id).await? }))
+pub async fn metrics(State(state): State<AppState>, ConversationId(id): ConversationId) -> Result<Response, ApiError> {
+    paged(MetricsDocument, state.store.turn_metrics_pages(id, state.config.metrics_page_turns)).await
 }
 
 /// Renames a conversation.

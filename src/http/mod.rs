@@ -12,6 +12,7 @@ mod models;
 #[cfg(feature = "openapi")]
 mod openapi;
 mod ops;
+mod paged;
 mod settings;
 pub(crate) mod stream;
 mod throughput;

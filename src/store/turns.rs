@@ -126,16 +126,39 @@ impl Store {
         self.write(job).await?.status()
     }
 
-    /// Every sealed turn's metrics, in turn order.
-    pub async fn turn_metrics(&self, conversation_id: &str) -> StoreResult<Vec<TurnMetrics>> {
-        let sql = "SELECT metrics FROM turns WHERE conversation_id = $1 AND metrics IS NOT NULL ORDER BY ordinal";
-        let rows: Vec<(String,)> = self.fetch_all(Query::new(sql).bind(conversation_id)).await?;
-        rows.iter().map(|(json,)| parse_metrics(json)).collect()
+    /// Every sealed turn's metrics, in turn order, `page` turns at a time: each page is read
+    /// when the stream is polled for it, after the turns of the one before.
+    pub fn turn_metrics_pages(
+        &self,
+        conversation_id: String,
+        page: u64,
+    ) -> impl futures_util::Stream<Item = StoreResult<Vec<TurnMetrics>>> + Send + 'static {
+        let page = page.clamp(1, i64::MAX as u64) as i64;
+        let start = (self.clone(), conversation_id, Some(0i64));
+        futures_util::stream::try_unfold(start, move |(store, id, after)| async move {
+            let Some(after) = after else { return Ok(None) };
+            let sql = "SELECT ordinal, metrics FROM turns
+                       WHERE conversation_id = $1 AND metrics IS NOT NULL AND ordinal > $2
+                       ORDER BY ordinal LIMIT $3";
+            let rows: Vec<(i64, String)> =
+                store.fetch_all(Query::new(sql).bind(id.as_str()).bind(after).bind(page)).await?;
+            let Some(&(last, _)) = rows.last() else { return Ok(None) };
+            let next = (rows.len() as i64 == page).then_some(last);
+            let metrics = rows.iter().map(|(_, json)| parse_metrics(json)).collect::<StoreResult<Vec<_>>>()?;
+            Ok(Some((metrics, (store, id, next))))
+        })
     }
 }
 
 #[cfg(test)]
 impl Store {
+    /// Every sealed turn's metrics in one list (for tests).
+    pub(crate) async fn turn_metrics(&self, conversation_id: &str) -> StoreResult<Vec<TurnMetrics>> {
+        use futures_util::TryStreamExt;
+        let pages: Vec<Vec<TurnMetrics>> = self.turn_metrics_pages(conversation_id.to_owned(), 2).try_collect().await?;
+        Ok(pages.concat())
+    }
+
     /// Opens a turn whose user message is "hi" (for tests).
     pub(crate) async fn begin_test_turn(&self, conversation_id: &str, turn_id: &str) {
         let begin = BeginTurn {
