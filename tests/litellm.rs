@@ -19,6 +19,8 @@ model_list:
     litellm_params: {model: openai/mock-429, api_key: fake, mock_response: "litellm.RateLimitError"}
   - model_name: mock-500
     litellm_params: {model: openai/mock-500, api_key: fake, mock_response: "litellm.InternalServerError"}
+  - model_name: mock-too-long
+    litellm_params: {model: openai/mock-too-long, api_key: fake, mock_response: "litellm.ContextWindowExceededError"}
 litellm_settings:
   num_retries: 0
 general_settings:
@@ -70,7 +72,7 @@ async fn a_real_litellm_proxy_streams_turns_and_its_errors_are_retried_then_repo
         Credential::Openai(OpenAiCredential {
             base_url: format!("http://127.0.0.1:{port}/v1"),
             api_key_env: Some("DISPATCH_TEST_LITELLM_KEY".into()),
-            models: vec!["mock-text".into(), "mock-429".into(), "mock-500".into()],
+            models: vec!["mock-text".into(), "mock-429".into(), "mock-500".into(), "mock-too-long".into()],
             headers: BTreeMap::new(),
             connect_timeout_secs: 5,
             idle_timeout_secs: 30,
@@ -109,6 +111,15 @@ async fn a_real_litellm_proxy_streams_turns_and_its_errors_are_retried_then_repo
     }
     let metrics = server.metrics().await;
     assert!(metrics.contains("dispatch_runtime_errors_total{kind=\"retried\"} 6"), "three retries each: {metrics}");
+
+    // A refusal as too long for the context is LiteLLM's ContextWindowExceededError: the
+    // request is trimmed again while there is something to leave out, then the turn fails
+    // with `context_length`, and is not retried as an unavailable upstream.
+    let events: Vec<Value> = turn("too long", "litellm/mock-too-long").await;
+    let error = events.iter().find(|e| e["type"] == "error").expect("an error event");
+    assert_eq!(error["code"], "context_length", "{error}");
+    let metrics = server.metrics().await;
+    assert!(metrics.contains("dispatch_runtime_errors_total{kind=\"retried\"} 6"), "not retried: {metrics}");
 
     // The failed turns do not break the conversation: the next one goes up alternating.
     let events: Vec<Value> = turn("last", "litellm/mock-text").await;

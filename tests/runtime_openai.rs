@@ -588,7 +588,7 @@ async fn a_long_conversation_keeps_fitting_the_context_window_once_older_turns_a
     })
     .await;
     for n in 1..=12 {
-        upstream.push(Reply::Counted { window, answer: answer.clone() });
+        upstream.push(Reply::Counted { window, answer: answer.clone(), says_count: true });
         let events = turn(&server, "long", &format!("{n:03}{}", "q".repeat(297))).await;
         assert_eq!(events[events.len() - 2]["reason"], "stop", "turn {n}: {events:?}");
     }
@@ -616,7 +616,7 @@ async fn a_trimmed_request_reads_only_the_tail_of_a_long_conversation() {
     .await;
     // 40 turns: 80 chunks, more than the first tail read's 64.
     for n in 1..=40 {
-        upstream.push(Reply::Counted { window, answer: answer.clone() });
+        upstream.push(Reply::Counted { window, answer: answer.clone(), says_count: true });
         let events = turn(&server, "tail", &format!("{n:03}{}", "q".repeat(297))).await;
         assert_eq!(events[events.len() - 2]["reason"], "stop", "turn {n}");
     }
@@ -626,19 +626,65 @@ async fn a_trimmed_request_reads_only_the_tail_of_a_long_conversation() {
         .execute(r#"UPDATE chunks SET chunk = '{"not":"a chunk"}' WHERE conversation_id = 'tail' AND seq = 1"#, ())
         .unwrap();
     assert_eq!(changed, 1);
-    upstream.push(Reply::Counted { window, answer: answer.clone() });
+    upstream.push(Reply::Counted { window, answer: answer.clone(), says_count: true });
     let events = turn(&server, "tail", &format!("041{}", "q".repeat(297))).await;
     assert_eq!(events[events.len() - 2]["reason"], "stop", "{events:?}");
     let sent = &upstream.requests()[40].body["messages"];
     assert_eq!(sent.as_array().unwrap().len(), 5, "{sent}");
     assert!(sent[0]["content"].as_str().unwrap().starts_with("039"), "{sent}");
     // A conversation that fits is read whole, so the same damage in it is a storage error.
-    upstream.push(Reply::Counted { window, answer: answer.clone() });
+    upstream.push(Reply::Counted { window, answer: answer.clone(), says_count: true });
     turn(&server, "short", "hi").await;
     conn.execute(r#"UPDATE chunks SET chunk = '{"not":"a chunk"}' WHERE conversation_id = 'short' AND seq = 1"#, ())
         .unwrap();
     let events = turn(&server, "short", "again").await;
     turn_error(&events, "storage", "could not be read");
+}
+
+/// An upstream that refuses a request as too long for its context is asked again within the
+/// turn with older turns left out, as if tokens were as dear as it says it counted (or twice
+/// the last guess when it does not say): a conversation whose calibration is unknown or wrong
+/// does not fail turn after turn. A message that cannot fit alone still fails.
+#[tokio::test]
+async fn a_request_refused_as_too_long_is_trimmed_again_within_the_turn() {
+    set_key();
+    for says_count in [true, false] {
+        let (window, answer) = (1200, "a".repeat(300));
+        let upstream = FakeUpstream::start(Vec::new()).await;
+        let dir = tempfile::tempdir().unwrap();
+        let server = gateway_with(dir.path(), &upstream, |c| {
+            c.context_window = Some(window);
+            c.params.max_tokens = Some(100);
+        })
+        .await;
+        // Ten turns from an upstream that reports no usage: nothing calibrates the estimate.
+        for n in 1..=10 {
+            upstream.push(Reply::Stream(vec![delta(json!({"content": answer})), finish("stop")]));
+            turn(&server, "refit", &format!("{n:03}{}", "q".repeat(297))).await;
+        }
+        // At one real token an estimated one, 13 messages (1027 estimated tokens) fit 1100,
+        // but the model counts twice as many: refused, then sent again with 5.
+        upstream.push(Reply::Counted { window, answer: answer.clone(), says_count });
+        let events = turn(&server, "refit", &format!("011{}", "q".repeat(297))).await;
+        assert_eq!(events[events.len() - 2]["reason"], "stop", "says_count {says_count}: {events:?}");
+        let requests = upstream.requests();
+        assert_eq!(requests.len(), 12, "says_count {says_count}: one refused request, one taken");
+        assert_eq!(requests[10].body["messages"].as_array().unwrap().len(), 13);
+        assert_eq!(requests[11].body["messages"].as_array().unwrap().len(), 5);
+        // The next turn starts calibrated: one request.
+        upstream.push(Reply::Counted { window, answer: answer.clone(), says_count });
+        let events = turn(&server, "refit", &format!("012{}", "q".repeat(297))).await;
+        assert_eq!(events[events.len() - 2]["reason"], "stop");
+        assert_eq!(upstream.requests().len(), 13);
+        // A message longer than the window alone: sent alone and refused, with nothing more to
+        // leave out, the turn fails without another try.
+        upstream.push(Reply::Counted { window, answer: answer.clone(), says_count });
+        let events = turn(&server, "refit", &"x".repeat(3000)).await;
+        turn_error(&events, "context_length", "does not fit the model's context");
+        let tries = upstream.requests().len() - 13;
+        assert_eq!(upstream.requests().last().unwrap().body["messages"].as_array().unwrap().len(), 1);
+        assert_eq!(tries, 1, "says_count {says_count}");
+    }
 }
 
 #[tokio::test]

@@ -29,9 +29,11 @@ pub enum Reply {
     /// connection stays open until the client leaves.
     Drip(Vec<(std::time::Duration, String)>),
     /// A model with a context of `window` tokens that counts as [`counted_tokens`] does: a
-    /// request whose messages and `max_tokens` do not fit is refused as OpenAI refuses it;
-    /// one that fits is answered `answer`, with its usage.
-    Counted { window: u64, answer: String },
+    /// request whose messages and `max_tokens` do not fit is refused as OpenAI refuses it
+    /// (saying how many tokens the messages were when `says_count`); one that fits is answered
+    /// `answer`, with its usage. Each refusal takes the next reply's place: the reply stays
+    /// for the request that fits.
+    Counted { window: u64, answer: String, says_count: bool },
 }
 
 /// How the `Counted` model counts a request's messages: a token per two bytes of content
@@ -184,12 +186,22 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
             until_gone(&mut socket).await;
         }
         Reply::Silent => until_gone(&mut socket).await,
-        Reply::Counted { window, answer } => {
+        Reply::Counted { window, answer, says_count } => {
             let prompt = counted_tokens(&body["messages"]);
             let asked = body["max_tokens"].as_u64().unwrap_or(0);
             let response = if prompt + asked > window {
+                state.replies.lock().unwrap().push_front(Reply::Counted { window, answer, says_count });
+                let message = match says_count {
+                    true => format!(
+                        "This model's maximum context length is {window} tokens. However, you requested {} tokens ({prompt} in the messages, {asked} in the completion). Please reduce the length of the messages or completion.",
+                        prompt + asked
+                    ),
+                    false => format!(
+                        "This model's maximum context length is {window} tokens. Please reduce the length of the messages."
+                    ),
+                };
                 let error = serde_json::json!({"error": {
-                    "message": format!("This model's maximum context length is {window} tokens. However, you requested {} tokens.", prompt + asked),
+                    "message": message,
                     "type": "invalid_request_error",
                     "code": "context_length_exceeded",
                 }})

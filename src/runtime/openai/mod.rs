@@ -1,0 +1,495 @@
+//! The `openai` runtime: any OpenAI-compatible Chat Completions endpoint with streaming.
+//!
+//! One turn is one request (one step; sent again with older turns left out when the upstream
+//! refuses it as too long): the conversation rebuilt from the log (always a valid Chat
+//! Completions conversation, trimmed to the context window when one is configured) goes up
+//! with `stream: true`, usage asked for unless switched off, and the credential's (and the
+//! model's) parameters; `delta.content` comes back as text, `delta.refusal` as text too,
+//! `delta.reasoning_content` (else `delta.reasoning`) as reasoning, tool calls as tool calls,
+//! the usage chunk as usage, `finish_reason` as `done.reason`. Cancelling drops the request,
+//! which closes its connection at once.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use http_body_util::{BodyExt, Full};
+use serde_json::{Map, Value, json};
+use sse_stream::SseByteStream;
+use tokio_util::sync::CancellationToken;
+
+mod context;
+
+use self::context::{CONTEXT_EXCEEDED, context_exceeded, estimated_tokens, fitting_messages, prompt_tokens_counted};
+use super::http_client::{HttpClient, describe};
+use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
+use crate::config::RequestParams;
+use crate::wire::Usage;
+
+/// The most real tokens an estimated one may be taken for (and a quarter the least).
+const MOST_PER_ESTIMATE: f64 = 8.0;
+
+/// How many times a turn's request is trimmed again after the upstream refused it as too long.
+const MAX_REFITS: u32 = 3;
+
+/// The longest `Retry-After` a 429 may ask for and still be retried within the turn.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone)]
+pub struct OpenAiSettings {
+    /// Up to and excluding `/chat/completions`, e.g. `https://api.openai.com/v1`.
+    pub base_url: String,
+    /// The key itself, read from the configured environment variable at start.
+    pub api_key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub connect_timeout: Duration,
+    /// A stream that sends no byte for this long fails (a keep-alive comment is a byte: an
+    /// upstream that holds a queued request open with comments is still there).
+    pub idle_timeout: Duration,
+    /// The most bytes an event may take (`--max-runtime-line-bytes`).
+    pub max_event_bytes: usize,
+    pub system_prompt: Option<String>,
+    /// Tokens the models take; the oldest turns are left out so a request fits.
+    pub context_window: Option<u64>,
+    /// The credential's request parameters.
+    pub params: RequestParams,
+    /// Each model's, over the credential's.
+    pub model_params: BTreeMap<String, RequestParams>,
+}
+
+/// What the event parser reads: the upstream's bytes, or why it stopped.
+#[derive(Debug, thiserror::Error)]
+enum Upstream {
+    #[error(transparent)]
+    Transport(hyper::Error),
+    #[error("an event longer than {0} bytes")]
+    TooLong(usize),
+    #[error("nothing for {}s", .0.as_secs())]
+    Idle(Duration),
+}
+
+#[derive(Clone)]
+pub struct OpenAiRuntime {
+    client: HttpClient,
+    /// `base_url` + `/chat/completions`.
+    endpoint: http::Uri,
+    /// The credential's headers and its key, parsed once.
+    headers: HeaderMap,
+    settings: Arc<OpenAiSettings>,
+}
+
+impl OpenAiRuntime {
+    pub fn new(settings: OpenAiSettings) -> Result<OpenAiRuntime, String> {
+        let url = format!("{}/chat/completions", settings.base_url.trim_end_matches('/'));
+        let endpoint: http::Uri =
+            url.parse().map_err(|e| format!("base_url {:?} is not a URL: {e}", settings.base_url))?;
+        if !matches!(endpoint.scheme_str(), Some("http" | "https")) || endpoint.host().is_none() {
+            return Err(format!("base_url {:?} is not an http:// or https:// URL", settings.base_url));
+        }
+        let mut headers = HeaderMap::new();
+        for (name, value) in &settings.headers {
+            let name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| format!("bad header name {name:?}"))?;
+            let value = HeaderValue::from_str(value).map_err(|_| format!("bad value for header {name:?}"))?;
+            headers.append(name, value);
+        }
+        if let Some(key) = &settings.api_key {
+            let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
+                .map_err(|_| "the API key has characters a header cannot carry".to_owned())?;
+            value.set_sensitive(true);
+            headers.insert(AUTHORIZATION, value);
+        }
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        let client = HttpClient::new(&endpoint, settings.connect_timeout)?;
+        Ok(OpenAiRuntime { client, endpoint, headers, settings: Arc::new(settings) })
+    }
+}
+
+/// A `Retry-After` in seconds (the HTTP-date form is rare on these APIs and taken as absent).
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    value.parse::<f64>().ok().filter(|s| s.is_finite() && *s >= 0.0).map(Duration::from_secs_f64)
+}
+
+/// An error response's body as text: at most `max` bytes of it, and what came before the
+/// upstream went quiet for `idle`.
+async fn error_body(mut body: hyper::body::Incoming, max: usize, idle: Duration) -> String {
+    let mut bytes = Vec::new();
+    while bytes.len() < max {
+        match tokio::time::timeout(idle, body.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    bytes.extend_from_slice(&data[..data.len().min(max - bytes.len())]);
+                }
+            }
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// `finish_reason` in the wire's words.
+fn reason(finish: &str) -> String {
+    match finish {
+        "tool_calls" | "function_call" => "tool-calls".to_owned(),
+        "content_filter" => "content-filter".to_owned(),
+        other => other.to_owned(),
+    }
+}
+
+fn usage(u: &Value) -> Option<Usage> {
+    let input = u.get("prompt_tokens")?.as_u64()?;
+    let output = u.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0);
+    let cached = u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64);
+    Some(Usage { input_tokens: input, output_tokens: output, cache_read_tokens: cached, cache_write_tokens: None })
+}
+
+/// A tool call being streamed in pieces, by its index.
+#[derive(Default)]
+struct PartialCall {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+/// What one streamed turn has gathered.
+#[derive(Default)]
+struct Gathered {
+    content: bool,
+    calls: BTreeMap<u64, PartialCall>,
+    finish: Option<String>,
+    usage: Option<Usage>,
+    /// The estimated tokens of the request's messages, to calibrate by the usage.
+    estimate: u64,
+}
+
+impl Gathered {
+    /// Maps one `data:` chunk, sending what it carries.
+    async fn chunk(&mut self, sink: &EventSink, data: &Value) -> Result<(), RuntimeError> {
+        if let Some(error) = data.get("error") {
+            let message = error.get("message").and_then(Value::as_str).unwrap_or("the upstream reported an error");
+            return Err(RuntimeError::turn(message, "upstream"));
+        }
+        if let Some(u) = data.get("usage").and_then(usage) {
+            self.usage = Some(u);
+        }
+        let Some(choice) = data.get("choices").and_then(|c| c.get(0)) else { return Ok(()) };
+        let delta = choice.get("delta").cloned().unwrap_or(Value::Null);
+        let send =
+            |event| async { sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime")) };
+        // Servers that send both say the same thing twice: one is taken.
+        let reasoning = ["reasoning_content", "reasoning"]
+            .iter()
+            .find_map(|key| delta.get(*key).and_then(Value::as_str).filter(|t| !t.is_empty()));
+        if let Some(text) = reasoning {
+            self.content = true;
+            send(RawEvent::ReasoningDelta(text.to_owned())).await?;
+        }
+        // A refusal is what the model answered: the user reads it as the reply.
+        for key in ["content", "refusal"] {
+            if let Some(text) = delta.get(key).and_then(Value::as_str).filter(|t| !t.is_empty()) {
+                self.content = true;
+                send(RawEvent::TextDelta(text.to_owned())).await?;
+            }
+        }
+        for call in delta.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
+            self.content = true;
+            let index = call.get("index").and_then(Value::as_u64).unwrap_or(0);
+            let partial = self.calls.entry(index).or_default();
+            if let Some(id) = call.get("id").and_then(Value::as_str) {
+                partial.id = id.to_owned();
+            }
+            if let Some(name) = call.pointer("/function/name").and_then(Value::as_str) {
+                partial.name.push_str(name);
+            }
+            if let Some(args) = call.pointer("/function/arguments").and_then(Value::as_str) {
+                partial.arguments.push_str(args);
+            }
+        }
+        if let Some(finish) = choice.get("finish_reason").and_then(Value::as_str) {
+            self.finish = Some(reason(finish));
+        }
+        Ok(())
+    }
+
+    /// Ends the step: tool calls, usage, the step's end, the finish.
+    async fn finish(self, sink: &EventSink) -> Result<(), RuntimeError> {
+        let mut events = Vec::new();
+        for (index, call) in self.calls {
+            let input = serde_json::from_str(&call.arguments).unwrap_or(Value::String(call.arguments));
+            let id = if call.id.is_empty() { format!("call_{index}") } else { call.id };
+            events.push(RawEvent::ToolCall { id, name: call.name, input });
+        }
+        if let Some(u) = self.usage {
+            // The request's own count: once older turns are left out, the last turn's
+            // `contextSize` counts only what was kept, and calibrates nothing.
+            if u.input_tokens > 0 && self.estimate > 0 {
+                events.push(RawEvent::TokensPerEstimate(u.input_tokens as f64 / self.estimate as f64));
+            }
+            events.push(RawEvent::Usage(u));
+        }
+        events.push(RawEvent::StepEnd);
+        events.push(RawEvent::Finish { reason: self.finish.unwrap_or_else(|| "stop".to_owned()) });
+        for e in events {
+            sink.send(e).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime"))?;
+        }
+        Ok(())
+    }
+}
+
+impl OpenAiRuntime {
+    /// The request body: the rebuilt conversation, trimmed to the context window at `ratio`
+    /// real tokens an estimated one, and the model's parameters; and the estimated tokens of
+    /// its messages, and how many there are.
+    async fn body(&self, req: &TurnRequest, ratio: f64) -> Result<(Value, u64, usize), RuntimeError> {
+        let params = match self.settings.model_params.get(&req.model) {
+            Some(model) => self.settings.params.overlaid(model),
+            None => self.settings.params.clone(),
+        };
+        let budget = self.settings.context_window.map(|window| {
+            // Room for the answer: what `max_tokens` asks, else an eighth of the window.
+            let reserve = params.max_tokens.unwrap_or(window / 8).min(window / 2);
+            ((window - reserve) as f64 / ratio) as u64
+        });
+        let history =
+            req.history.as_ref().ok_or_else(|| RuntimeError::turn("the turn came without its history", "runtime"))?;
+        let read = |from, to| history.range(from, to);
+        let system_prompt = self.settings.system_prompt.as_deref();
+        let (messages, left_out) = fitting_messages(history.len(), read, system_prompt, budget).await.map_err(|e| {
+            RuntimeError::turn(format!("the conversation could not be read for the runtime: {e}"), "storage")
+        })?;
+        if left_out > 0 {
+            tracing::info!(left_out, "left the oldest messages out of the request to fit the context window");
+        }
+        let (estimate, count) = (messages.iter().map(estimated_tokens).sum(), messages.len());
+        let mut body = Map::new();
+        body.insert("model".into(), json!(req.model));
+        body.insert("messages".into(), Value::Array(messages));
+        body.insert("stream".into(), json!(true));
+        if params.include_usage.unwrap_or(true) {
+            body.insert("stream_options".into(), json!({"include_usage": true}));
+        }
+        if let Some(effort) = &req.reasoning_effort {
+            body.insert("reasoning_effort".into(), json!(effort));
+        }
+        for (key, value) in [
+            ("max_tokens", params.max_tokens.map(|v| json!(v))),
+            ("temperature", params.temperature.map(|v| json!(v))),
+            ("top_p", params.top_p.map(|v| json!(v))),
+            ("stop", params.stop.as_ref().map(|v| json!(v))),
+        ] {
+            if let Some(value) = value {
+                body.insert(key.into(), value);
+            }
+        }
+        body.extend(params.extra_body.unwrap_or_default());
+        Ok((Value::Object(body), estimate, count))
+    }
+
+    /// The request (see [`OpenAiRuntime::body`]), the estimated tokens of its messages and
+    /// how many there are.
+    async fn request(
+        &self,
+        req: &TurnRequest,
+        ratio: f64,
+    ) -> Result<(http::Request<Full<Bytes>>, u64, usize), RuntimeError> {
+        let (body, estimate, count) = self.body(req, ratio).await?;
+        let body = Bytes::from(body.to_string());
+        let mut request = http::Request::post(self.endpoint.clone()).body(Full::new(body)).expect("a parsed URI");
+        *request.headers_mut() = self.headers.clone();
+        Ok((request, estimate, count))
+    }
+
+    /// Sends the turn's request, trimmed again while the upstream refuses it as too long for
+    /// its context; the response to stream, and the estimated tokens of its request.
+    async fn open<F, Fut>(
+        &self,
+        req: &TurnRequest,
+        send: F,
+    ) -> Result<(http::Response<hyper::body::Incoming>, u64), RuntimeError>
+    where
+        F: Fn(RawEvent) -> Fut,
+        Fut: std::future::Future<Output = Result<(), RuntimeError>>,
+    {
+        let idle = self.settings.idle_timeout;
+        // The estimate scaled by what the upstream counted for the last request; bounded, so
+        // one odd report cannot make the trimming keep everything or nothing.
+        let mut ratio =
+            req.tokens_per_estimate.filter(|r| r.is_finite()).map_or(1.0, |r| r.clamp(0.25, MOST_PER_ESTIMATE));
+        // A request the upstream refused as too long for its context, and how many messages
+        // it had: the next one must have fewer.
+        let mut refused: Option<(usize, RuntimeError)> = None;
+        let mut refits = 0;
+        loop {
+            let (request, estimate, count) = self.request(req, ratio).await?;
+            if let Some((before, error)) = refused.take()
+                && count >= before
+            {
+                return Err(error);
+            }
+            let response = match tokio::time::timeout(idle, self.client.send(request)).await {
+                // The request went out and no answer came: the upstream may be working on it.
+                Err(_) => {
+                    return Err(RuntimeError::Ambiguous(
+                        "the upstream took the request but did not answer in time".into(),
+                    ));
+                }
+                // Never connected (the connect timeout included): nothing reached the upstream.
+                Ok(Err(e)) if e.is_connect() => {
+                    return Err(RuntimeError::Failed(format!("cannot reach the upstream: {}", describe(&e))));
+                }
+                // The request may have been sent before the failure: it may have been taken.
+                Ok(Err(e)) => {
+                    return Err(RuntimeError::Ambiguous(format!("the upstream request failed: {}", describe(&e))));
+                }
+                Ok(Ok(r)) => r,
+            };
+            let status = response.status();
+            if !status.is_success() {
+                let wait = retry_after(response.headers());
+                let moved = status.is_redirection().then(|| response.headers().get(http::header::LOCATION).cloned());
+                let body = error_body(response.into_body(), self.settings.max_event_bytes, idle).await;
+                let detail: String = body.chars().take(300).collect();
+                let mut message = format!("the upstream answered {status}: {detail}");
+                if let Some(location) = moved {
+                    let to = location.as_ref().and_then(|l| l.to_str().ok()).unwrap_or("nowhere it says");
+                    message = format!("{message} (redirects are not followed: base_url moved to {to}?)");
+                }
+                return Err(match status.as_u16() {
+                    429 => match wait {
+                        Some(after) if after > MAX_RETRY_AFTER => RuntimeError::turn(
+                            format!("{message} (it asks to retry in {}s)", after.as_secs()),
+                            "rate_limited",
+                        ),
+                        Some(after) => RuntimeError::Throttled { message, retry_after: after },
+                        None => RuntimeError::Failed(message),
+                    },
+                    400 if context_exceeded(&body) => {
+                        let error = RuntimeError::turn(
+                            format!("the conversation does not fit the model's context: {detail}"),
+                            CONTEXT_EXCEEDED,
+                        );
+                        // Refused, so never run: trimmed again as if tokens were dearer (what the
+                        // upstream says it counted, else twice the last guess), until the request
+                        // has nothing more to leave out.
+                        let counted = prompt_tokens_counted(&body).filter(|_| estimate > 0);
+                        let measured = counted.map(|c| c as f64 / estimate as f64);
+                        if let Some(measured) = measured {
+                            send(RawEvent::TokensPerEstimate(measured)).await?;
+                        }
+                        let next = measured.filter(|m| *m > ratio).unwrap_or(ratio * 2.0).min(MOST_PER_ESTIMATE);
+                        if self.settings.context_window.is_none() || refits == MAX_REFITS || next <= ratio {
+                            error
+                        } else {
+                            tracing::info!(
+                                ratio,
+                                next,
+                                "the upstream refused the request as too long; trimming it again"
+                            );
+                            (refits, ratio, refused) = (refits + 1, next, Some((count, error)));
+                            continue;
+                        }
+                    }
+                    _ if status.is_server_error() => RuntimeError::Failed(message),
+                    _ => RuntimeError::turn(message, "upstream"),
+                });
+            }
+            return Ok((response, estimate));
+        }
+    }
+
+    async fn turn(&self, req: TurnRequest, sink: EventSink) -> Result<(), RuntimeError> {
+        let idle = self.settings.idle_timeout;
+        let send =
+            |event| async { sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime")) };
+        send(RawEvent::StepStart).await?;
+        let (response, estimate) = self.open(&req, &send).await?;
+        let mut gathered = Gathered { estimate, ..Gathered::default() };
+        // The bytes since the last whole event, bounded: an upstream that never ends an
+        // event must not grow the parser's buffer without end.
+        let since_event = Arc::new(AtomicUsize::new(0));
+        let max = self.settings.max_event_bytes;
+        // The idle timeout runs between the body's bytes, not between parsed events: the parser
+        // swallows comments, which some upstreams send while a request waits in their queue.
+        let body = tokio_stream::StreamExt::timeout(response.into_body().into_data_stream(), idle);
+        let counted = body.map({
+            let since_event = since_event.clone();
+            move |chunk| {
+                let chunk = chunk.map_err(|_| Upstream::Idle(idle))?.map_err(Upstream::Transport)?;
+                if since_event.fetch_add(chunk.len(), Ordering::Relaxed) + chunk.len() > max {
+                    return Err(Upstream::TooLong(max));
+                }
+                Ok(chunk)
+            }
+        });
+        // Pinned: the timeout's sleep is not Unpin.
+        let mut events = std::pin::pin!(SseByteStream::new(counted));
+        // Before any content a broken stream is as good as never accepted.
+        let broken = |gathered: &Gathered, message: String| {
+            if gathered.content { RuntimeError::turn(message, "upstream") } else { RuntimeError::Failed(message) }
+        };
+        loop {
+            let event = match events.next().await {
+                None => break,
+                Some(Err(sse_stream::Error::Body(e))) if matches!(e.downcast_ref(), Some(Upstream::TooLong(_))) => {
+                    return Err(RuntimeError::turn(format!("the upstream sent {e}"), "upstream"));
+                }
+                Some(Err(sse_stream::Error::Body(e))) if matches!(e.downcast_ref(), Some(Upstream::Idle(_))) => {
+                    return Err(broken(&gathered, format!("the upstream sent {e}")));
+                }
+                Some(Err(sse_stream::Error::Body(e))) => {
+                    tracing::debug!(error = %e, "the upstream stream ended abruptly");
+                    return Err(broken(&gathered, "the upstream closed the stream before the turn finished".into()));
+                }
+                Some(Err(e)) => {
+                    return Err(broken(&gathered, format!("the upstream's event stream is malformed: {e}")));
+                }
+                Some(Ok(event)) => {
+                    since_event.store(0, Ordering::Relaxed);
+                    event
+                }
+            };
+            let data = event.data.as_deref().unwrap_or_default().trim();
+            if data.is_empty() {
+                continue;
+            }
+            if data == "[DONE]" {
+                return gathered.finish(&sink).await;
+            }
+            match serde_json::from_str::<Value>(data) {
+                Ok(value) => gathered.chunk(&sink, &value).await?,
+                Err(e) => {
+                    return Err(RuntimeError::turn(
+                        format!("the upstream sent an event that is not JSON: {e}"),
+                        "upstream",
+                    ));
+                }
+            }
+        }
+        if gathered.finish.is_some() {
+            // Some servers close without `[DONE]` after the last chunk.
+            return gathered.finish(&sink).await;
+        }
+        Err(broken(&gathered, "the upstream closed the stream before the turn finished".into()))
+    }
+}
+
+impl Runtime for OpenAiRuntime {
+    fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture {
+        let runtime = self.clone();
+        Box::pin(async move {
+            tokio::select! {
+                result = runtime.turn(request, sink) => result,
+                // Dropping the request future closes its connection now, not at the next chunk.
+                _ = cancel.cancelled() => Ok(()),
+            }
+        })
+    }
+
+    fn needs_history(&self) -> bool {
+        true
+    }
+}
