@@ -296,7 +296,14 @@ mod tests {
             steps: vec![],
             context_size: None,
         };
-        let seal = SealTurn { conversation_id: "c", turn_id, reason: "stop", metrics: &metrics, now: 2 };
+        let seal = SealTurn {
+            conversation_id: "c",
+            turn_id,
+            reason: "stop",
+            metrics: &metrics,
+            now: 2,
+            tokens_per_estimate: None,
+        };
         store.seal_turn(seal, &[]).await.unwrap();
     }
 

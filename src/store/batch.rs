@@ -53,6 +53,7 @@ pub(super) enum Write {
         metrics: TurnMetrics,
         now: i64,
         chunks: Vec<NewChunk>,
+        tokens_per_estimate: Option<f64>,
     },
     /// A turn found cut off: its one `interrupted` marker, the history horizon moved past it,
     /// its lease released. With `only_expired`, only when the turn's lease has ended (another

@@ -186,7 +186,14 @@ mod tests {
                 steps: vec![],
                 context_size: None,
             };
-            let seal = SealTurn { conversation_id: "c", turn_id: "t1", reason: "stop", metrics: &metrics, now: 3 };
+            let seal = SealTurn {
+                conversation_id: "c",
+                turn_id: "t1",
+                reason: "stop",
+                metrics: &metrics,
+                now: 3,
+                tokens_per_estimate: None,
+            };
             assert!(matches!(store.seal_turn(seal, &[text]).await, Err(StoreError::LeaseLost)), "{b}");
             let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: false };
             let page = store.history("c", all).await.unwrap();

@@ -107,12 +107,6 @@ impl Store {
             .map(drop)
     }
 
-    /// Remembers a runtime's calibration for the conversation's next turn.
-    pub async fn set_tokens_per_estimate(&self, conversation_id: &str, ratio: f64) -> StoreResult<()> {
-        let sql = "UPDATE conversations SET tokens_per_estimate = $2 WHERE id = $1";
-        self.execute(Query::new(sql).bind(conversation_id).bind(ratio)).await.map(drop)
-    }
-
     /// The text of the last assistant message that has text, in the latest finished turn.
     pub async fn last_text(&self, conversation_id: &str) -> StoreResult<LastText> {
         let sql = "SELECT turn_id FROM turns WHERE conversation_id = $1
@@ -153,24 +147,52 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
+    use crate::store::SealTurn;
     use crate::store::testing::every_backend;
+    use crate::wire::TurnMetrics;
 
     /// A runtime's calibration and session outlive the gateway in the conversation's row (a
-    /// REAL column, bound and read back on both backends).
+    /// REAL column, bound and read back on both backends); a seal without a calibration keeps
+    /// the last one.
     #[tokio::test]
     async fn what_a_runtime_leaves_is_kept_with_its_conversation() {
         for t in every_backend().await {
             let store = &t.store;
             let ratio = |c: &'static str| async move { store.runtime_memory(c).await.unwrap().tokens_per_estimate };
+            let seal = |turn_id: &'static str, tokens_per_estimate| async move {
+                let metrics = TurnMetrics {
+                    turn_id: turn_id.into(),
+                    usage: Default::default(),
+                    duration_ms: None,
+                    steps: vec![],
+                    context_size: None,
+                };
+                let seal = SealTurn {
+                    conversation_id: "c",
+                    turn_id,
+                    reason: "stop",
+                    metrics: &metrics,
+                    now: 2,
+                    tokens_per_estimate,
+                };
+                store.seal_turn(seal, &[]).await.unwrap();
+            };
             assert_eq!(ratio("c").await, None, "{}: no conversation", t.backend);
-            t.store.begin_test_turn("c", "t1").await;
+            store.begin_test_turn("c", "t1").await;
+            seal("t1", None).await;
             assert_eq!(ratio("c").await, None, "{}: none reported", t.backend);
-            t.store.set_tokens_per_estimate("c", 2.375).await.unwrap();
-            t.store.set_tokens_per_estimate("other", 9.0).await.unwrap();
-            t.store.set_session_id("c", "s1").await.unwrap();
-            let memory = t.store.runtime_memory("c").await.unwrap();
-            assert_eq!((memory.session_id.as_deref(), memory.tokens_per_estimate), (Some("s1"), Some(2.375)));
-            assert_eq!(ratio("other").await, None, "{}", t.backend);
+            store.begin_test_turn("c", "t2").await;
+            seal("t2", Some(2.375)).await;
+            store.begin_test_turn("c", "t3").await;
+            seal("t3", None).await;
+            store.set_session_id("c", "s1").await.unwrap();
+            let memory = store.runtime_memory("c").await.unwrap();
+            assert_eq!(
+                (memory.session_id.as_deref(), memory.tokens_per_estimate),
+                (Some("s1"), Some(2.375)),
+                "{}",
+                t.backend
+            );
         }
     }
 }

@@ -27,6 +27,12 @@ impl From<f64> for Value {
     }
 }
 
+impl From<Option<f64>> for Value {
+    fn from(v: Option<f64>) -> Value {
+        v.map_or(Value::Text(None), Value::Real)
+    }
+}
+
 impl From<bool> for Value {
     fn from(v: bool) -> Value {
         Value::Int(i64::from(v))

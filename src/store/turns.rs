@@ -45,6 +45,9 @@ pub struct SealTurn<'a> {
     pub reason: &'a str,
     pub metrics: &'a TurnMetrics,
     pub now: i64,
+    /// What the runtime reported as `TokensPerEstimate`, kept with the conversation for its
+    /// next turn (`None` keeps what was there).
+    pub tokens_per_estimate: Option<f64>,
 }
 
 /// The error chunk that marks a turn cut off (spec 1.5: one per turn, then it is history).
@@ -122,6 +125,7 @@ impl Store {
             metrics: s.metrics.clone(),
             now: s.now,
             chunks: final_chunks.to_vec(),
+            tokens_per_estimate: s.tokens_per_estimate,
         };
         self.write(job).await?.status()
     }
@@ -211,7 +215,14 @@ mod tests {
         let writes = metrics.writes();
         // All 20 are queued before the writer task runs (one thread): one transaction takes them.
         let seals = ids.iter().zip(&turn_metrics).map(|((c, t), m)| {
-            let seal = SealTurn { conversation_id: c, turn_id: t, reason: "stop", metrics: m, now: 2 };
+            let seal = SealTurn {
+                conversation_id: c,
+                turn_id: t,
+                reason: "stop",
+                metrics: m,
+                now: 2,
+                tokens_per_estimate: None,
+            };
             let store = store.clone();
             async move { store.seal_turn(seal, &[user_chunk("the end")]).await }
         });
@@ -238,7 +249,14 @@ mod tests {
         begun[1].0 = "never-begun".into(); // no conversation row: its seal fails
         let m = &turn_metrics[0];
         let seals = begun.iter().map(|(c, t)| {
-            let seal = SealTurn { conversation_id: c, turn_id: t, reason: "stop", metrics: m, now: 3 };
+            let seal = SealTurn {
+                conversation_id: c,
+                turn_id: t,
+                reason: "stop",
+                metrics: m,
+                now: 3,
+                tokens_per_estimate: None,
+            };
             let store = store.clone();
             async move { store.seal_turn(seal, &[]).await }
         });

@@ -47,6 +47,7 @@ struct PendingSeal {
     reason: String,
     metrics: TurnMetrics,
     rest: Vec<NewChunk>,
+    tokens_per_estimate: Option<f64>,
 }
 
 impl PendingSeal {
@@ -63,6 +64,7 @@ impl PendingSeal {
                 reason: &self.reason,
                 metrics: &self.metrics,
                 now: now_ms(),
+                tokens_per_estimate: self.tokens_per_estimate,
             };
             match self.store.seal_turn(seal, &self.rest).await {
                 Ok(status) => {
@@ -204,12 +206,6 @@ impl TurnRun {
                         tracing::error!(error = %e, "could not store the runtime session");
                     }
                 }
-                // Lost, the next turn estimates uncalibrated: not worth failing this one.
-                Effect::TokensPerEstimate(ratio) => {
-                    if let Err(e) = self.store.set_tokens_per_estimate(&self.conversation_id, ratio).await {
-                        tracing::error!(error = %e, "could not store the runtime's token calibration");
-                    }
-                }
             }
         }
         failed
@@ -270,6 +266,7 @@ impl TurnRun {
             reason: &reason,
             metrics: &turn_metrics,
             now: now_ms(),
+            tokens_per_estimate: self.steps.tokens_per_estimate,
         };
         let sealed_now = match self.store.seal_turn(seal, &rest).await {
             Ok(status) => Some(status),
@@ -316,6 +313,7 @@ impl TurnRun {
                 reason,
                 metrics: turn_metrics,
                 rest,
+                tokens_per_estimate: self.steps.tokens_per_estimate,
             };
             tokio::spawn(pending.retry());
             return;

@@ -38,8 +38,6 @@ pub(super) enum Effect {
     Persist,
     /// Remember the runtime's session, to resume it on the next turn.
     SessionId(String),
-    /// Remember the runtime's calibration, for its next turn.
-    TokensPerEstimate(f64),
 }
 
 /// A turn's state between raw events.
@@ -58,6 +56,8 @@ pub(super) struct TurnSteps {
     /// The open step produced something (a delta, a tool call, usage): a failed turn whose
     /// step produced nothing leaves no step behind.
     step_content: bool,
+    /// The runtime's last calibration, written with the seal.
+    pub(super) tokens_per_estimate: Option<f64>,
 }
 
 impl TurnSteps {
@@ -72,6 +72,7 @@ impl TurnSteps {
             call_steps: HashMap::new(),
             published_content: false,
             step_content: false,
+            tokens_per_estimate: None,
         }
     }
 
@@ -181,7 +182,7 @@ impl TurnSteps {
                 self.boundary = now;
             }
             RawEvent::SessionId(id) => out.push(Effect::SessionId(id)),
-            RawEvent::TokensPerEstimate(ratio) => out.push(Effect::TokensPerEstimate(ratio)),
+            RawEvent::TokensPerEstimate(ratio) => self.tokens_per_estimate = Some(ratio),
         }
         None
     }

@@ -21,8 +21,15 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
         Write::Append { conversation_id, turn_id, chunks, now } => {
             append(conn, conversation_id, turn_id, chunks, *now).await.map(Written::Seq)
         }
-        Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks } => {
-            let seal = SealTurn { conversation_id, turn_id, reason, metrics, now: *now };
+        Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks, tokens_per_estimate } => {
+            let seal = SealTurn {
+                conversation_id,
+                turn_id,
+                reason,
+                metrics,
+                now: *now,
+                tokens_per_estimate: *tokens_per_estimate,
+            };
             if !chunks.is_empty() {
                 append(conn, conversation_id, turn_id, chunks, *now).await?;
             }
@@ -138,7 +145,8 @@ async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<cra
          )
          UPDATE conversations SET last_activity_at = $3, sealed_seq = last_seq,
              status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END,
-             lease_turn = NULL, lease_expires_at = NULL
+             lease_turn = NULL, lease_expires_at = NULL,
+             tokens_per_estimate = coalesce($8, tokens_per_estimate)
          WHERE id = $1 AND lease_turn = $2 RETURNING status",
     )
     .bind(s.conversation_id)
@@ -148,6 +156,7 @@ async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<cra
     .bind(metrics)
     .bind(s.metrics.usage.output_tokens as i64)
     .bind(gen_total_ms(s.metrics))
+    .bind(s.tokens_per_estimate)
     .fetch_optional(&mut *conn)
     .await?;
     // None: the turn does not hold the lease (an error: the seal's other statements roll back).

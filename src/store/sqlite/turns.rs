@@ -29,8 +29,15 @@ pub(super) fn apply(conn: &Connection, write: &Write) -> StoreResult<Written> {
             append_to(&mut script, conversation_id, turn_id, chunks, *now)?;
             appended_seq(&script.run(conn)?).map(Written::Seq)
         }
-        Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks } => {
-            let seal = SealTurn { conversation_id, turn_id, reason, metrics, now: *now };
+        Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks, tokens_per_estimate } => {
+            let seal = SealTurn {
+                conversation_id,
+                turn_id,
+                reason,
+                metrics,
+                now: *now,
+                tokens_per_estimate: *tokens_per_estimate,
+            };
             seal_to(&mut script, &seal, chunks)?;
             sealed_status(&script.run(conn)?).map(Written::Status)
         }
@@ -150,7 +157,8 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
              WHERE conversation_id = ? AND turn_id = ?;
              UPDATE conversations SET last_activity_at = ?, sealed_seq = last_seq,
                  status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END,
-                 lease_turn = NULL, lease_expires_at = NULL
+                 lease_turn = NULL, lease_expires_at = NULL,
+                 tokens_per_estimate = coalesce(?, tokens_per_estimate)
              WHERE id = ? AND lease_turn = ? RETURNING status;",
         )
         .bind(s.now)
@@ -161,6 +169,7 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
         .bind(s.conversation_id)
         .bind(s.turn_id)
         .bind(s.now)
+        .bind(s.tokens_per_estimate)
         .bind(s.conversation_id)
         .bind(s.turn_id);
     Ok(())
