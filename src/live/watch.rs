@@ -281,30 +281,13 @@ pub async fn horizon(store: &Store, conversation_id: &str, cursor: &Cursor) -> c
 mod tests {
     use super::*;
     use crate::hub::{FlushWindow, Hub};
-    use crate::store::SealTurn;
-    use crate::wire::{TurnMetrics, Usage};
 
     async fn begin(store: &Store, turn_id: &str) {
         store.begin_test_turn("c", turn_id).await;
     }
 
     async fn seal(store: &Store, turn_id: &str) {
-        let metrics = TurnMetrics {
-            turn_id: turn_id.into(),
-            usage: Usage::default(),
-            duration_ms: Some(1),
-            steps: vec![],
-            context_size: None,
-        };
-        let seal = SealTurn {
-            conversation_id: "c",
-            turn_id,
-            reason: "stop",
-            metrics: &metrics,
-            now: 2,
-            tokens_per_estimate: None,
-        };
-        store.seal_turn(seal, &[]).await.unwrap();
+        store.seal_test_turn("c", turn_id, None, &[]).await.unwrap();
     }
 
     #[tokio::test]

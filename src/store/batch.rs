@@ -17,7 +17,7 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
 use super::log::NewChunk;
-use super::turns::{BeginTurn, IdempotencyRecord};
+use super::turns::{BeginTurn, IdempotencyRecord, SealTurn};
 use super::{Store, StoreError, StoreResult, on_backend};
 use crate::wire::TurnMetrics;
 
@@ -142,6 +142,22 @@ impl Write {
             }),
             now: *now,
         })
+    }
+
+    /// The parts of a seal, borrowed, and the chunks it appends first.
+    pub(super) fn as_seal(&self) -> Option<(SealTurn<'_>, &[NewChunk])> {
+        let Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks, tokens_per_estimate } = self else {
+            return None;
+        };
+        let seal = SealTurn {
+            conversation_id,
+            turn_id,
+            reason,
+            metrics,
+            now: *now,
+            tokens_per_estimate: *tokens_per_estimate,
+        };
+        Some((seal, chunks))
     }
 }
 

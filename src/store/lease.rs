@@ -127,8 +127,8 @@ impl Store {
 mod tests {
     use super::*;
     use crate::store::testing::every_backend_with;
-    use crate::store::{BeginTurn, HistoryWindow, NewChunk, SealTurn, StoreOptions, now_ms};
-    use crate::wire::{Chunk, Role, TextChunk, TurnMetrics, Usage};
+    use crate::store::{BeginTurn, HistoryWindow, NewChunk, StoreOptions, now_ms};
+    use crate::wire::{Chunk, Role, TextChunk};
 
     #[tokio::test]
     async fn a_turns_lease_admits_one_turn_and_fences_a_turn_marked_interrupted() {
@@ -179,22 +179,8 @@ mod tests {
             };
             let late = store.append_chunks("c", "t1", std::slice::from_ref(&text)).await;
             assert!(matches!(late, Err(StoreError::LeaseLost)), "{b}: {late:?}");
-            let metrics = TurnMetrics {
-                turn_id: "t1".into(),
-                usage: Usage::default(),
-                duration_ms: None,
-                steps: vec![],
-                context_size: None,
-            };
-            let seal = SealTurn {
-                conversation_id: "c",
-                turn_id: "t1",
-                reason: "stop",
-                metrics: &metrics,
-                now: 3,
-                tokens_per_estimate: None,
-            };
-            assert!(matches!(store.seal_turn(seal, &[text]).await, Err(StoreError::LeaseLost)), "{b}");
+            let sealed = store.seal_test_turn("c", "t1", None, &[text]).await;
+            assert!(matches!(sealed, Err(StoreError::LeaseLost)), "{b}");
             let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: false };
             let page = store.history("c", all).await.unwrap();
             let items: serde_json::Value =

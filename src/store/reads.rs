@@ -147,9 +147,7 @@ impl Store {
 
 #[cfg(test)]
 mod tests {
-    use crate::store::SealTurn;
     use crate::store::testing::every_backend;
-    use crate::wire::TurnMetrics;
 
     /// A runtime's calibration and session outlive the gateway in the conversation's row (a
     /// REAL column, bound and read back on both backends); a seal without a calibration keeps
@@ -159,23 +157,8 @@ mod tests {
         for t in every_backend().await {
             let store = &t.store;
             let ratio = |c: &'static str| async move { store.runtime_memory(c).await.unwrap().tokens_per_estimate };
-            let seal = |turn_id: &'static str, tokens_per_estimate| async move {
-                let metrics = TurnMetrics {
-                    turn_id: turn_id.into(),
-                    usage: Default::default(),
-                    duration_ms: None,
-                    steps: vec![],
-                    context_size: None,
-                };
-                let seal = SealTurn {
-                    conversation_id: "c",
-                    turn_id,
-                    reason: "stop",
-                    metrics: &metrics,
-                    now: 2,
-                    tokens_per_estimate,
-                };
-                store.seal_turn(seal, &[]).await.unwrap();
+            let seal = |turn_id: &'static str, ratio| async move {
+                store.seal_test_turn("c", turn_id, ratio, &[]).await.unwrap();
             };
             assert_eq!(ratio("c").await, None, "{}: no conversation", t.backend);
             store.begin_test_turn("c", "t1").await;

@@ -177,6 +177,26 @@ impl Store {
         };
         self.begin_turn(begin).await.unwrap();
     }
+
+    /// Seals a turn with empty metrics, appending `chunks` first (for tests).
+    pub(crate) async fn seal_test_turn(
+        &self,
+        conversation_id: &str,
+        turn_id: &str,
+        tokens_per_estimate: Option<f64>,
+        chunks: &[NewChunk],
+    ) -> StoreResult<ConversationStatus> {
+        let metrics = TurnMetrics {
+            turn_id: turn_id.into(),
+            usage: Default::default(),
+            duration_ms: None,
+            steps: vec![],
+            context_size: None,
+        };
+        let seal =
+            SealTurn { conversation_id, turn_id, reason: "stop", metrics: &metrics, now: 2, tokens_per_estimate };
+        self.seal_turn(seal, chunks).await
+    }
 }
 
 #[cfg(test)]

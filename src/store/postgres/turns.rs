@@ -21,17 +21,10 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
         Write::Append { conversation_id, turn_id, chunks, now } => {
             append(conn, conversation_id, turn_id, chunks, *now).await.map(Written::Seq)
         }
-        Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks, tokens_per_estimate } => {
-            let seal = SealTurn {
-                conversation_id,
-                turn_id,
-                reason,
-                metrics,
-                now: *now,
-                tokens_per_estimate: *tokens_per_estimate,
-            };
+        Write::Seal { .. } => {
+            let (seal, chunks) = write.as_seal().expect("a seal");
             if !chunks.is_empty() {
-                append(conn, conversation_id, turn_id, chunks, *now).await?;
+                append(conn, seal.conversation_id, seal.turn_id, chunks, seal.now).await?;
             }
             seal_turn(conn, &seal).await.map(Written::Status)
         }

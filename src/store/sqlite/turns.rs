@@ -29,15 +29,8 @@ pub(super) fn apply(conn: &Connection, write: &Write) -> StoreResult<Written> {
             append_to(&mut script, conversation_id, turn_id, chunks, *now)?;
             appended_seq(&script.run(conn)?).map(Written::Seq)
         }
-        Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks, tokens_per_estimate } => {
-            let seal = SealTurn {
-                conversation_id,
-                turn_id,
-                reason,
-                metrics,
-                now: *now,
-                tokens_per_estimate: *tokens_per_estimate,
-            };
+        Write::Seal { .. } => {
+            let (seal, chunks) = write.as_seal().expect("a seal");
             seal_to(&mut script, &seal, chunks)?;
             sealed_status(&script.run(conn)?).map(Written::Status)
         }
