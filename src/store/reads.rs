@@ -43,13 +43,9 @@ impl History {
         History { store, conversation_id: conversation_id.to_owned(), last }
     }
 
-    /// How many chunks the history holds.
-    pub fn len(&self) -> u64 {
+    /// The seq of its last chunk: how many chunks it holds.
+    pub fn last_seq(&self) -> u64 {
         self.last
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.last == 0
     }
 
     /// The chunks of seqs `from..=to` (1-based), with their message ids, in order.

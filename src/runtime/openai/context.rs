@@ -340,6 +340,14 @@ mod tests {
             ),
             ("This model's maximum context length is 1200 tokens. Please reduce the length of the messages.", None),
             (r#"{"error":{"message":"context_length_exceeded"}}"#, None),
+            // Hostile or odd: a count past u64, a marker with no number or at the very start,
+            // a negative or fractional n_prompt_tokens, text that is not UTF-8-clean JSON.
+            ("you requested 99999999999999999999999 tokens in the messages", None),
+            (" in the messages (no number before it)", None),
+            ("your messages resulted in tokens", None),
+            (r#"{"error":{"n_prompt_tokens":-5,"message":"x"}}"#, None),
+            (r#"{"error":{"n_prompt_tokens":1.5,"message":"x (7 in the messages"}}"#, Some(7)),
+            ("\u{0}\u{ffff} request (12 tokens) exceeds", Some(12)),
         ];
         for (body, count) in said {
             assert_eq!(prompt_tokens_counted(body), count, "{body}");

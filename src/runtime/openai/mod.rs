@@ -258,9 +258,10 @@ impl OpenAiRuntime {
             req.history.as_ref().ok_or_else(|| RuntimeError::turn("the turn came without its history", "runtime"))?;
         let read = |from, to| history.range(from, to);
         let system_prompt = self.settings.system_prompt.as_deref();
-        let (messages, left_out) = fitting_messages(history.len(), read, system_prompt, budget).await.map_err(|e| {
-            RuntimeError::turn(format!("the conversation could not be read for the runtime: {e}"), "storage")
-        })?;
+        let (messages, left_out) =
+            fitting_messages(history.last_seq(), read, system_prompt, budget).await.map_err(|e| {
+                RuntimeError::turn(format!("the conversation could not be read for the runtime: {e}"), "storage")
+            })?;
         if left_out > 0 {
             tracing::info!(left_out, "left the oldest messages out of the request to fit the context window");
         }
