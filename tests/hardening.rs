@@ -498,6 +498,36 @@ async fn spoil(db: &std::path::Path, sql: &str) {
     rusqlite::Connection::open(db).unwrap().execute(sql, ()).unwrap();
 }
 
+/// A paged read that fails is an error status while its answer has not started, and a cut
+/// connection (never a document that looks whole) once pages have gone out.
+#[tokio::test]
+async fn a_metrics_read_that_fails_is_an_error_or_a_cut_never_a_short_document() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.metrics_page_turns = 1;
+    let server = TestServer::start(config).await;
+    let db = dir.path().join("gateway.db");
+    for i in 0..4 {
+        server.chat("m", &format!("message {i}")).await;
+    }
+    let first = "(SELECT min(ordinal) FROM turns WHERE conversation_id = 'm')";
+    spoil(&db, &format!("UPDATE turns SET metrics = 'not json' WHERE conversation_id = 'm' AND ordinal = {first}"))
+        .await;
+    let (status, body) = server.get("/conversations/m/metrics").await;
+    assert_eq!(status, 500, "{body}");
+    assert!(body["error"].is_string(), "{body}");
+    // The first pages are fine and go out; the fourth cannot be read.
+    let last = "(SELECT max(ordinal) FROM turns WHERE conversation_id = 'm')";
+    spoil(&db, &format!("UPDATE turns SET metrics = (SELECT metrics FROM turns WHERE conversation_id = 'm' AND ordinal = {last}) WHERE conversation_id = 'm' AND ordinal = {first}")).await;
+    spoil(&db, &format!("UPDATE turns SET metrics = 'not json' WHERE conversation_id = 'm' AND ordinal = {last}"))
+        .await;
+    let response = server.client.get(server.url("/conversations/m/metrics")).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.content_length().is_none());
+    let body = response.bytes().await;
+    assert!(body.is_err(), "the connection is cut, not ended: {body:?}");
+}
+
 #[tokio::test]
 async fn a_failed_read_ends_the_turn_or_the_stream_instead_of_making_up_a_value() {
     let dir = tempfile::tempdir().unwrap();
