@@ -112,6 +112,12 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub metrics_page_turns: u64,
 
+    /// Most rows one write of a conversation's deletion removes: a long conversation goes in
+    /// batches of this many, so the writes of other conversations wait for one batch at most.
+    #[arg(long, env = "DISPATCH_DELETE_BATCH_ROWS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub delete_batch_rows: u64,
+
     /// Bytes a turn's replay buffer may hold before runs of deltas in it are coalesced.
     #[arg(long, env = "DISPATCH_TURN_BUFFER_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub turn_buffer_bytes: usize,
@@ -621,6 +627,7 @@ impl Config {
             max_body_bytes: 1024 * 1024,
             history_page_chunks: 1000,
             metrics_page_turns: 1000,
+            delete_batch_rows: 1000,
             turn_buffer_bytes: 16 * 1024 * 1024,
             max_runtime_line_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,

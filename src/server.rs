@@ -47,6 +47,7 @@ impl Gateway {
             max_pages: config.sqlite_max_pages,
             max_connections: config.postgres_max_connections,
             lease_ttl: Duration::from_millis(config.lease_ttl_ms),
+            delete_batch_rows: config.delete_batch_rows,
         };
         let store = Store::open_with(&config.database, metrics.clone(), limits).await?;
         let flush = crate::hub::FlushWindow::new(config.flush_sweeps, Duration::from_millis(config.flush_max_ms));

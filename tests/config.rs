@@ -158,6 +158,8 @@ fn request_head_and_read_page_limits_have_a_floor_and_a_ceiling() {
         ["--history-page-chunks", "1000001"],
         ["--metrics-page-turns", "0"],
         ["--metrics-page-turns", "1000001"],
+        ["--delete-batch-rows", "0"],
+        ["--delete-batch-rows", "1000001"],
     ] {
         let err = load(&args, &[]).err().unwrap_or_else(|| panic!("{args:?} should fail"));
         assert!(err.contains(args[0]) && err.contains(args[1]), "{args:?}: {err}");

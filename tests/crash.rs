@@ -234,3 +234,73 @@ async fn sigkill_at_random_moments_loses_nothing_sealed_and_leaves_no_turn_open(
         sealed.len()
     );
 }
+
+/// A deletion goes in batches and a crash can come between two: the conversation is gone for
+/// every reader from the first write on, no turn opens in it meanwhile, and the sweep after the
+/// restart finishes it, freeing the id for a new log from seq 1.
+#[tokio::test]
+async fn a_deletion_cut_off_by_a_crash_is_finished_after_the_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.delete_batch_rows = 1;
+    config.lease_ttl_ms = 300;
+    let server = TestServer::start(config).await;
+    for (id, message) in [("doomed", "one"), ("doomed", "two"), ("whole", "three"), ("kept", "four")] {
+        assert_eq!(server.chat(id, message).await.last().unwrap()["type"], "turn-sealed");
+    }
+    let kept = server.history("kept").await;
+    // A deletion that runs through: one row a write.
+    let (status, _) = server.delete("/conversations/whole").await;
+    assert_eq!(status, 204);
+    let (status, body) = server.get("/conversations/whole/metrics").await;
+    assert_eq!((status, body), (200, json!({"turns": []})));
+    let db = sqlite_file(&server.config);
+    server.stop().await;
+
+    // What a gateway killed after marking "doomed" and removing a batch or two leaves.
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let marked = conn
+        .execute(
+            "UPDATE conversations SET deleted_at = 1, lease_turn = 'a-dead-gateway', lease_expires_at = 0
+             WHERE id = 'doomed'",
+            (),
+        )
+        .unwrap();
+    assert_eq!(marked, 1);
+    let last: i64 =
+        conn.query_row("SELECT max(seq) FROM chunks WHERE conversation_id = 'doomed'", (), |r| r.get(0)).unwrap();
+    conn.execute("DELETE FROM chunks WHERE conversation_id = 'doomed' AND seq > ?", [last - 2]).unwrap();
+    drop(conn);
+
+    let mut config = test_config(dir.path());
+    config.lease_ttl_ms = 300;
+    let server = TestServer::start(config).await;
+    let (status, body) = server.get("/conversations").await;
+    assert_eq!(status, 200);
+    let ids: Vec<&str> = body["conversations"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["kept"], "{body}");
+    assert_eq!(server.history("doomed").await, Vec::<Value>::new());
+    let (status, _) = server.delete("/conversations/doomed").await;
+    assert_eq!(status, 404, "deleted already");
+    // Until the sweep has finished it, a message to it is refused as such; then it starts anew.
+    let mut refused = 0;
+    loop {
+        let (status, body) = server.post("/conversations/doomed/messages", json!({"message": "anew"})).await;
+        if status == 202 {
+            break;
+        }
+        assert_eq!((status, body), (409, json!({"error": "the conversation is being deleted"})));
+        refused += 1;
+        assert!(refused < 1000, "the deletion was never finished");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    while server.get("/conversations?q=doomed").await.1["conversations"][0]["status"] != "idle" {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let history = server.history("doomed").await;
+    let seqs: Vec<u64> = history.iter().map(|c| c["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+    assert_eq!(history[0]["chunk"]["text"], "anew");
+    assert_eq!(server.history("kept").await, kept, "another conversation is untouched");
+    println!("messages refused while the deletion was unfinished: {refused}");
+}

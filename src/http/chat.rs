@@ -68,7 +68,7 @@ pub fn parse_chat(body: &JsonObject) -> Result<StartTurn, ApiError> {
             ),
             headers(("X-Conversation-Id" = String, description = "The conversation the turn runs in"))),
         (status = 400, description = "Bad body or unknown model", body = ErrorBody),
-        (status = 409, description = "A turn is already running in this conversation", body = ErrorBody),
+        (status = 409, description = "A turn is already running in this conversation, or it is being deleted", body = ErrorBody),
         (status = 413, description = "Body too large", body = ErrorBody),
     )
 ))]

@@ -133,7 +133,7 @@ async fn replay(state: &AppState, id: &str, key: &str, hash: &str) -> Result<Opt
         (status = 202, description = "The turn started", body = TurnAccepted),
         (status = 200, description = "A repeated Idempotency-Key: the first answer", body = TurnAccepted),
         (status = 400, body = ErrorBody),
-        (status = 409, description = "A turn is running, or the key was used with another body", body = ErrorBody),
+        (status = 409, description = "A turn is running, the conversation is being deleted, or the key was used with another body", body = ErrorBody),
         (status = 413, body = ErrorBody),
         (status = 503, description = "Shutting down", body = ErrorBody),
     )

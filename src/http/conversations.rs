@@ -286,9 +286,9 @@ pub async fn set_title(
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     responses(
-        (status = 204, description = "Deleted"),
+        (status = 204, description = "Deleted: its rows are gone and its id is free (it left every read when the deletion began)"),
         (status = 400, body = ErrorBody),
-        (status = 404, description = "Unknown conversation", body = ErrorBody),
+        (status = 404, description = "Unknown conversation, or one being deleted", body = ErrorBody),
         (status = 409, description = "A turn is running", body = ErrorBody),
     )
 ))]

@@ -133,7 +133,7 @@ pub async fn get_model(
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     request_body = ModelRequest,
-    responses((status = 200, body = ModelResponse), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody))
+    responses((status = 200, body = ModelResponse), (status = 400, body = ErrorBody), (status = 409, description = "The conversation is being deleted", body = ErrorBody), (status = 413, body = ErrorBody))
 ))]
 pub async fn put_model(
     State(state): State<AppState>,
@@ -173,7 +173,7 @@ pub async fn get_cwd(
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     request_body = CwdRequest,
-    responses((status = 200, body = CwdResponse), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody))
+    responses((status = 200, body = CwdResponse), (status = 400, body = ErrorBody), (status = 409, description = "The conversation is being deleted", body = ErrorBody), (status = 413, body = ErrorBody))
 ))]
 pub async fn put_cwd(
     State(state): State<AppState>,
@@ -208,7 +208,7 @@ pub async fn get_reasoning_effort(
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
     request_body = ReasoningEffortRequest,
-    responses((status = 200, body = ReasoningEffortResponse), (status = 400, body = ErrorBody), (status = 413, body = ErrorBody))
+    responses((status = 200, body = ReasoningEffortResponse), (status = 400, body = ErrorBody), (status = 409, description = "The conversation is being deleted", body = ErrorBody), (status = 413, body = ErrorBody))
 ))]
 pub async fn put_reasoning_effort(
     State(state): State<AppState>,

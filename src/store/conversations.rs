@@ -1,4 +1,5 @@
-//! Conversation rows: create, read, list, rename, delete.
+//! Conversation rows: create, read, list, rename, settings (deletion: `deletion`). A
+//! conversation marked deleted is left out of every read and write here.
 
 use super::sql::Query;
 use super::{Store, StoreError, StoreResult};
@@ -46,14 +47,14 @@ impl Store {
     }
 
     pub async fn conversation(&self, id: &str) -> StoreResult<Option<ConversationMeta>> {
-        let sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE id = $1");
+        let sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE id = $1 AND deleted_at IS NULL");
         let row: Option<ConversationRow> = self.fetch_optional(Query::new(sql).bind(id)).await?;
         row.map(meta).transpose()
     }
 
     /// Newest activity first.
     pub async fn list_conversations(&self, f: &ConversationFilter) -> StoreResult<Vec<ConversationMeta>> {
-        let mut sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE 1 = 1");
+        let mut sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE deleted_at IS NULL");
         let mut n = 0;
         let mut next = || {
             n += 1;
@@ -84,28 +85,12 @@ impl Store {
 
     /// Returns false when the conversation does not exist.
     pub async fn set_title(&self, id: &str, title: &str) -> StoreResult<bool> {
-        self.update("UPDATE conversations SET title = $2 WHERE id = $1", id, Some(title)).await
-    }
-
-    /// Deletes the conversation with its log and turns; false when it did not exist, `Busy`
-    /// while a turn holds its lease (on any gateway).
-    pub async fn delete_conversation(&self, id: &str) -> StoreResult<bool> {
-        let sql = format!(
-            "DELETE FROM conversations WHERE id = $1 AND (lease_turn IS NULL OR lease_expires_at < {})",
-            self.clock()
-        );
-        if self.execute(Query::new(sql).bind(id)).await? > 0 {
-            return Ok(true);
-        }
-        match self.conversation(id).await? {
-            Some(_) => Err(StoreError::Busy),
-            None => Ok(false),
-        }
+        self.update("UPDATE conversations SET title = $2 WHERE id = $1 AND deleted_at IS NULL", id, Some(title)).await
     }
 
     /// Marks a conversation closed; false when it does not exist.
     pub async fn close_conversation(&self, id: &str) -> StoreResult<bool> {
-        self.update("UPDATE conversations SET status = 'closed' WHERE id = $1", id, None).await
+        self.update("UPDATE conversations SET status = 'closed' WHERE id = $1 AND deleted_at IS NULL", id, None).await
     }
 
     /// Runs a write of one conversation's row (`$1` its id, `$2` the value, when there is one);
@@ -119,14 +104,17 @@ impl Store {
     }
 
     /// Sets (or clears) one of the conversation's settings, creating the conversation when
-    /// missing.
+    /// missing; `Deleting` while it is being deleted.
     pub async fn set_setting(&self, id: &str, setting: Setting, value: Option<&str>, now: i64) -> StoreResult<()> {
         let column = setting.column();
         let sql = format!(
             "INSERT INTO conversations (id, {column}, created_at, last_activity_at) VALUES ($1, $2, $3, $3)
-             ON CONFLICT (id) DO UPDATE SET {column} = $2"
+             ON CONFLICT (id) DO UPDATE SET {column} = $2 WHERE conversations.deleted_at IS NULL"
         );
-        self.execute(Query::new(sql).bind(id).bind(value).bind(now)).await.map(drop)
+        match self.execute(Query::new(sql).bind(id).bind(value).bind(now)).await? {
+            0 => Err(StoreError::Deleting),
+            _ => Ok(()),
+        }
     }
 
     /// One of the conversation's settings (`None` for an unknown conversation, or one without
@@ -137,7 +125,7 @@ impl Store {
 
     /// Every setting of the conversation (all `None` for an unknown one).
     pub async fn settings(&self, id: &str) -> StoreResult<Settings> {
-        let sql = "SELECT model, cwd, reasoning_effort FROM conversations WHERE id = $1";
+        let sql = "SELECT model, cwd, reasoning_effort FROM conversations WHERE id = $1 AND deleted_at IS NULL";
         let row: Option<(Option<String>, Option<String>, Option<String>)> =
             self.fetch_optional(Query::new(sql).bind(id)).await?;
         let (model, cwd, reasoning_effort) = row.unwrap_or_default();

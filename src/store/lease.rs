@@ -72,11 +72,13 @@ impl Store {
         Ok(row.is_some())
     }
 
-    /// The turns whose lease has ended: (conversation, turn).
+    /// The turns whose lease has ended: (conversation, turn). (A deletion's is in
+    /// `expired_deletions`.)
     pub async fn expired_leases(&self) -> StoreResult<Vec<(String, String)>> {
         let sql = format!(
             "SELECT id, lease_turn FROM conversations
-             WHERE lease_turn IS NOT NULL AND lease_expires_at < {} ORDER BY lease_expires_at",
+             WHERE lease_turn IS NOT NULL AND lease_expires_at < {} AND deleted_at IS NULL
+             ORDER BY lease_expires_at",
             self.clock()
         );
         self.fetch_all(Query::new(sql)).await
@@ -110,8 +112,11 @@ impl Store {
             }
             return Ok(marked);
         }
+        // A deleted conversation's open turn goes with it.
         let sql = "SELECT conversation_id, turn_id FROM turns
-                   WHERE sealed_at IS NULL AND interrupted_at IS NULL ORDER BY conversation_id, ordinal";
+                   WHERE sealed_at IS NULL AND interrupted_at IS NULL
+                     AND NOT EXISTS (SELECT 1 FROM conversations c WHERE c.id = turns.conversation_id AND c.deleted_at IS NOT NULL)
+                   ORDER BY conversation_id, ordinal";
         let open: Vec<(String, String)> = self.fetch_all(Query::new(sql)).await?;
         for (conversation_id, turn_id) in open.iter().cloned() {
             self.write(Write::Interrupt { conversation_id, turn_id, now, only_expired: false }).await?;
@@ -150,7 +155,7 @@ mod tests {
                 now: 2,
             };
             assert!(matches!(store.begin_turn(second).await, Err(StoreError::Busy)), "{b}");
-            assert!(matches!(store.delete_conversation("c").await, Err(StoreError::Busy)), "{b}");
+            assert!(matches!(store.delete_conversation("c", "d1").await, Err(StoreError::Busy)), "{b}");
             assert!(store.leased("c").await.unwrap(), "{b}");
             // Renewing names turns; an unknown one renews nothing.
             assert_eq!(store.renew_leases(&["t1".into(), "nobody".into()]).await.unwrap(), 1, "{b}");

@@ -117,14 +117,15 @@ impl Store {
     }
 
     /// The seq just past the last chunk a history read shows now: past the sealed horizon, or
-    /// with `inflight` past the last committed chunk (1 for an empty or unknown conversation).
+    /// with `inflight` past the last committed chunk (1 for an empty, unknown or deleted
+    /// conversation).
     async fn history_end(&self, conversation_id: &str, inflight: bool) -> StoreResult<u64> {
         if !inflight {
             return Ok(self.latest_seq(conversation_id, None).await? + 1);
         }
-        let sql = "SELECT max(seq) FROM chunks WHERE conversation_id = $1";
-        let row: Option<(Option<i64>,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
-        Ok(row.and_then(|(seq,)| seq).unwrap_or(0).max(0) as u64 + 1)
+        let sql = "SELECT last_seq FROM conversations WHERE id = $1 AND deleted_at IS NULL";
+        let row: Option<(i64,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
+        Ok(row.map_or(0, |(seq,)| seq).max(0) as u64 + 1)
     }
 
     /// The highest seq a history read shows now: the last sealed turn's (0 for none or unknown);
@@ -132,7 +133,7 @@ impl Store {
     pub async fn latest_seq(&self, conversation_id: &str, replaying: Option<&str>) -> StoreResult<u64> {
         let sql = "SELECT c.sealed_seq, t.first_seq FROM conversations c
                    LEFT JOIN turns t ON t.conversation_id = c.id AND t.turn_id = $2
-                   WHERE c.id = $1";
+                   WHERE c.id = $1 AND c.deleted_at IS NULL";
         let row: Option<(i64, Option<i64>)> =
             self.fetch_optional(Query::new(sql).bind(conversation_id).bind(replaying)).await?;
         Ok(match row {

@@ -12,6 +12,7 @@
 
 mod batch;
 mod conversations;
+mod deletion;
 mod lease;
 mod log;
 #[cfg(feature = "cluster")]
@@ -104,6 +105,9 @@ pub enum StoreError {
     /// Another turn holds the conversation's lease (on this gateway or another).
     #[error("a turn is already generating for this conversation")]
     Busy,
+    /// The conversation is being deleted (its id is free once it is gone).
+    #[error("the conversation is being deleted")]
+    Deleting,
     /// A turn's write was refused: the turn no longer holds its conversation's lease (it
     /// expired and another gateway marked the turn interrupted, or the conversation is gone).
     #[error("the turn no longer holds its conversation (its lease ended)")]
@@ -129,6 +133,8 @@ pub struct StoreOptions {
     pub max_connections: u32,
     /// How long a turn's lease on its conversation lasts unless renewed (see `lease`).
     pub lease_ttl: Duration,
+    /// Most rows one write of a conversation's deletion removes (see `deletion`).
+    pub delete_batch_rows: u64,
 }
 
 impl Default for StoreOptions {
@@ -138,6 +144,7 @@ impl Default for StoreOptions {
             max_pages: 0,
             max_connections: 16,
             lease_ttl: Duration::from_secs(10),
+            delete_batch_rows: 1000,
         }
     }
 }
@@ -165,6 +172,7 @@ use on_backend;
 pub struct Store {
     backend: Backend,
     lease_ttl: Duration,
+    delete_batch_rows: u64,
     metrics: Arc<Metrics>,
     /// Why the last write failed, while writes fail (for `/ready`).
     write_fault: Arc<Mutex<Option<String>>>,
@@ -189,8 +197,14 @@ impl Store {
             #[cfg(not(feature = "cluster"))]
             Database::Postgres(_) => return Err(StoreError::NotBuilt),
         };
-        let mut store =
-            Store { backend, lease_ttl: limits.lease_ttl, metrics, write_fault: Arc::default(), queue: None };
+        let mut store = Store {
+            backend,
+            lease_ttl: limits.lease_ttl,
+            delete_batch_rows: limits.delete_batch_rows.max(1),
+            metrics,
+            write_fault: Arc::default(),
+            queue: None,
+        };
         let (queue, writes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(store.clone().run_writer(writes));
         store.queue = Some(queue);

@@ -105,7 +105,17 @@ impl Store {
             now: t.now,
             lease_ms: self.lease_ms(),
         };
-        self.write(job).await?.seq()
+        match self.write(job).await {
+            // What holds the lease: another turn, or the conversation's deletion.
+            Err(StoreError::Busy) if self.being_deleted(t.conversation_id).await? => Err(StoreError::Deleting),
+            written => written?.seq(),
+        }
+    }
+
+    async fn being_deleted(&self, conversation_id: &str) -> StoreResult<bool> {
+        let sql = "SELECT 1 FROM conversations WHERE id = $1 AND deleted_at IS NOT NULL";
+        let row: Option<(i32,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
+        Ok(row.is_some())
     }
 
     /// The first answer to an idempotency key, with the hash of the body it came with.
@@ -143,6 +153,7 @@ impl Store {
             let Some(after) = after else { return Ok(None) };
             let sql = "SELECT ordinal, metrics FROM turns
                        WHERE conversation_id = $1 AND metrics IS NOT NULL AND ordinal > $2
+                         AND EXISTS (SELECT 1 FROM conversations WHERE id = $1 AND deleted_at IS NULL)
                        ORDER BY ordinal LIMIT $3";
             let rows: Vec<(i64, String)> =
                 store.fetch_all(Query::new(sql).bind(id.as_str()).bind(after).bind(page)).await?;

@@ -123,8 +123,10 @@ enum Busy {
         cancel: CancellationToken,
         inbox: Arc<Inbox>,
     },
-    /// Reserved while the conversation is deleted.
-    Deleting,
+    /// Reserved while the conversation is deleted, under the lease of `holder`.
+    Deleting {
+        holder: String,
+    },
     /// The turn ended but the database has not taken its seal yet.
     Sealing {
         turn_id: String,
@@ -376,7 +378,7 @@ impl Turns {
                     Some(ControlReply::Stopped(true))
                 }
                 Busy::Sealing { .. } => Some(ControlReply::Stopped(false)),
-                Busy::Starting | Busy::Deleting => None,
+                Busy::Starting | Busy::Deleting { .. } => None,
             },
             Control::Queue { conversation_id, message } => match busy.get(&conversation_id)? {
                 Busy::Running { inbox, .. } => Some(ControlReply::Queued(inbox.push(message, self.queue_limits))),
@@ -427,8 +429,24 @@ impl Turns {
 
     /// Deletes a conversation unless a turn runs in it. `Ok(false)` when it did not exist.
     pub async fn delete(&self, conversation_id: &str) -> Result<bool, StartError> {
-        let _reservation = self.reserve(conversation_id, Busy::Deleting)?;
-        Ok(self.store.delete_conversation(conversation_id).await?)
+        let holder = uuid::Uuid::now_v7().to_string();
+        let _reservation = self.reserve(conversation_id, Busy::Deleting { holder: holder.clone() })?;
+        Ok(self.store.delete_conversation(conversation_id, &holder).await?)
+    }
+
+    /// Finishes a deletion whose lease (held by `expired`) ended; see `keep_leases`.
+    async fn resume_deletion(&self, conversation_id: &str, expired: &str) {
+        let holder = uuid::Uuid::now_v7().to_string();
+        let Ok(_reservation) = self.reserve(conversation_id, Busy::Deleting { holder: holder.clone() }) else {
+            return;
+        };
+        match self.store.resume_deletion(conversation_id, expired, &holder).await {
+            Ok(true) => tracing::warn!(conversation = %conversation_id, "finished a deletion that was cut off"),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(conversation = %conversation_id, error = %e, "could not finish a deletion that was cut off")
+            }
+        }
     }
 
     /// The stop fence of every runtime: after the turns have sealed, let each runtime settle
@@ -479,12 +497,13 @@ impl Turns {
         self.lock().insert(conversation_id.to_owned(), Busy::Sealing { turn_id: turn_id.to_owned() });
     }
 
-    /// The turns this gateway holds leases for: running, or sealing.
+    /// The leases this gateway holds: of turns running or sealing, and of deletions.
     fn leased(&self) -> Vec<String> {
         let busy = self.lock();
         busy.values()
             .filter_map(|b| match b {
                 Busy::Running { turn_id, .. } | Busy::Sealing { turn_id } => Some(turn_id.clone()),
+                Busy::Deleting { holder } => Some(holder.clone()),
                 _ => None,
             })
             .collect()
@@ -499,9 +518,10 @@ impl Turns {
     }
 }
 
-/// Every third of the lease's time: renews the leases of this gateway's turns, and, when other
-/// gateways may share the database, marks the turns whose lease ended (their gateway died, or
-/// lost the database for longer than a lease) interrupted; one gateway of several does each
+/// Every third of the lease's time: renews the leases of this gateway's turns and deletions,
+/// finishes the deletions whose lease ended (store/deletion.rs), and, when other gateways may
+/// share the database, marks the turns whose lease ended (their gateway died, or lost the
+/// database for longer than a lease) interrupted; one gateway of several does each
 /// (store/lease.rs). Ends when the gateway is dropped.
 async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
     let mut tick = tokio::time::interval(store.lease_ttl() / 3);
@@ -516,6 +536,20 @@ async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
         {
             tracing::warn!(error = %e, turns = held.len(), "could not renew the leases of running turns");
         }
+        // This gateway's own conversations are not swept by it (those busy now: a turn may have
+        // started since `held` was taken): a turn whose renewal failed learns of a lost lease
+        // at its next write.
+        let mine = |conversation_id: &str| turns.lock().contains_key(conversation_id);
+        match store.expired_deletions().await {
+            // Each in a task of its own: a long one must not hold up the renewals.
+            Ok(cut) => {
+                for (conversation_id, holder) in cut.into_iter().filter(|(c, _)| !mine(c)) {
+                    let turns = turns.clone();
+                    tokio::spawn(async move { turns.resume_deletion(&conversation_id, &holder).await });
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not look for deletions whose lease ended"),
+        }
         if store.exclusive() {
             continue;
         }
@@ -527,10 +561,6 @@ async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
                 continue;
             }
         };
-        // This gateway's own conversations are not swept by it (those busy now: a turn may have
-        // started since `held` was taken): a turn whose renewal failed learns of a lost lease
-        // at its next write.
-        let mine = |conversation_id: &str| turns.lock().contains_key(conversation_id);
         for (conversation_id, turn_id) in expired.into_iter().filter(|(c, _)| !mine(c)) {
             match store.interrupt_expired(&conversation_id, &turn_id, now).await {
                 Ok(true) => {

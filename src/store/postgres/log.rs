@@ -27,15 +27,14 @@ impl Postgres {
 
 /// The statement of a history window (parameters: conversation id, sinceSeq, beforeSeq), as
 /// SQLite's (`sqlite/log.rs`): the newest `limit` rows are those above the (limit+1)th newest,
-/// found by walking the primary key back, so the window is one ascending range scan. Without
-/// `inflight`, beforeSeq is lowered to just past the sealed horizon (none for an unknown
-/// conversation).
+/// found by walking the primary key back, so the window is one ascending range scan. beforeSeq
+/// is lowered to just past the sealed horizon, or with `inflight` the last committed chunk
+/// (neither for an unknown or deleted conversation).
 fn window_sql(limit: Option<u64>, inflight: bool) -> String {
-    let upper = if inflight {
-        "$3"
-    } else {
-        "LEAST($3, coalesce((SELECT sealed_seq + 1 FROM conversations WHERE id = $1), 0))"
-    };
+    let horizon = if inflight { "last_seq" } else { "sealed_seq" };
+    let upper = format!(
+        "coalesce((SELECT LEAST($3, {horizon} + 1) FROM conversations WHERE id = $1 AND deleted_at IS NULL), 0)"
+    );
     let floor = match limit.map(|l| l.min(i64::MAX as u64)) {
         Some(limit) => format!(
             "GREATEST($2, coalesce((SELECT seq FROM chunks WHERE conversation_id = $1 AND seq < {upper}

@@ -22,6 +22,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "initial", include_str!("../../../migrations/postgres/0001_initial.sql")),
     (2, "turn leases", include_str!("../../../migrations/postgres/0002_turn_leases.sql")),
     (3, "token calibration", include_str!("../../../migrations/postgres/0003_token_calibration.sql")),
+    (4, "deletion", include_str!("../../../migrations/postgres/0004_deletion.sql")),
 ];
 
 /// The database server's clock in epoch ms, for lease times: every gateway compares them on

@@ -27,9 +27,9 @@ impl Sqlite {
 }
 
 /// The statement of a history window (parameters: conversation id, sinceSeq, beforeSeq):
-/// its rows' seq, role and chunk in ascending seq order. Without `inflight`, beforeSeq is
-/// lowered to just past the conversation's sealed horizon (an unknown conversation has none:
-/// no rows).
+/// its rows' seq, role and chunk in ascending seq order. beforeSeq is lowered to just past the
+/// conversation's sealed horizon, or with `inflight` its last committed chunk (an unknown or
+/// deleted conversation has neither: no rows).
 ///
 /// The newest `limit` chunks of the selection are those above the (limit+1)th newest one: that
 /// bound is found by walking the index back `limit` entries, so the window itself is one
@@ -38,7 +38,8 @@ impl Sqlite {
 /// and then recompiles the statement at every execution (one cached statement per distinct
 /// limit instead).
 fn window_sql(limit: Option<u64>, inflight: bool) -> String {
-    let upper = if inflight { "?3" } else { "min(?3, (SELECT sealed_seq + 1 FROM conversations WHERE id = ?1))" };
+    let horizon = if inflight { "last_seq" } else { "sealed_seq" };
+    let upper = format!("(SELECT min(?3, {horizon} + 1) FROM conversations WHERE id = ?1 AND deleted_at IS NULL)");
     let floor = match limit.map(|l| l.min(i64::MAX as u64)) {
         Some(limit) => format!(
             "max(?2, coalesce((SELECT seq FROM chunks WHERE conversation_id = ?1 AND seq < {upper}
