@@ -168,7 +168,7 @@ pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<J
         ("limit" = Option<u64>, Query, description = "Keep the newest `limit` of the selection (integer > 0)"),
         ("include" = Option<String>, Query, description = "`inflight`: also the running turn's committed chunks (its user message, its finished steps). Without it a read shows sealed turns only: the running turn is the live stream's, never both"),
     ),
-    responses((status = 200, description = "The sealed turns' chunks in the window (and the running turn's with `include=inflight`); `latestSeq` is the seq of the last one returned, or `sinceSeq`", body = HistoryResponse), (status = 400, body = ErrorBody))
+    responses((status = 200, description = "The sealed turns' chunks in the window (and the running turn's with `include=inflight`); `latestSeq` is the seq of the last one returned, or `sinceSeq`. A long read goes out in pages; one a deletion overtakes after the answer began is cut off before its end", body = HistoryResponse), (status = 400, body = ErrorBody), (status = 409, description = "The conversation was deleted while it was read", body = ErrorBody))
 ))]
 pub async fn history(
     State(state): State<AppState>,
@@ -248,7 +248,7 @@ impl Document for MetricsDocument {
     path = "/conversations/{id}/metrics",
     tag = "conversations",
     params(("id" = String, Path, description = "Conversation id")),
-    responses((status = 200, body = MetricsResponse), (status = 400, body = ErrorBody))
+    responses((status = 200, body = MetricsResponse), (status = 400, body = ErrorBody), (status = 409, description = "The conversation was deleted while it was read", body = ErrorBody))
 ))]
 pub async fn metrics(State(state): State<AppState>, ConversationId(id): ConversationId) -> Result<Response, ApiError> {
     paged(MetricsDocument, state.store.turn_metrics_pages(id, state.config.metrics_page_turns)).await

@@ -87,7 +87,7 @@ impl From<StoreError> for ApiError {
         match e {
             StoreError::Exists => ApiError::Conflict("a conversation with this id already exists".into()),
             StoreError::Busy => ApiError::Conflict(StoreError::Busy.to_string()),
-            StoreError::Deleting => ApiError::Conflict(StoreError::Deleting.to_string()),
+            e @ (StoreError::Deleting | StoreError::DeletedDuringRead) => ApiError::Conflict(e.to_string()),
             StoreError::Unwritable(why) => ApiError::Unavailable(format!("the database cannot take writes now: {why}")),
             other => ApiError::Internal(other.to_string()),
         }

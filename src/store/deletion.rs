@@ -72,6 +72,27 @@ impl Store {
         Ok(true)
     }
 
+    /// Which log of this id a read in pages began with: the turn id of its first chunk (a
+    /// turn's id is new for every turn, so a conversation deleted and created again under the
+    /// id has another); `None` for no conversation, one marked deleted, or an empty log. Each
+    /// page checks it after its read, so a read that a deletion overtook ends with
+    /// `DeletedDuringRead` instead of passing for the whole log, or going on in another.
+    pub(super) async fn incarnation(&self, id: &str) -> StoreResult<Option<String>> {
+        let sql = "SELECT ch.turn_id FROM conversations c JOIN chunks ch ON ch.conversation_id = c.id AND ch.seq = 1
+                   WHERE c.id = $1 AND c.deleted_at IS NULL";
+        let row: Option<(String,)> = self.fetch_optional(Query::new(sql).bind(id)).await?;
+        Ok(row.map(|(turn_id,)| turn_id))
+    }
+
+    /// Checks that the log a page was read from is still the one a read began with (`born`; a
+    /// read that began with no log has nothing to mix up).
+    pub(super) async fn still(&self, id: &str, born: &Option<String>) -> StoreResult<()> {
+        if born.is_some() && self.incarnation(id).await? != *born {
+            return Err(StoreError::DeletedDuringRead);
+        }
+        Ok(())
+    }
+
     /// Removes a marked conversation's rows a batch at a time, then its row, while `holder`
     /// holds its lease. A holder that lost it stops removing (its batches touch nothing); the
     /// gateway that took the lease over finishes.
@@ -186,6 +207,44 @@ mod tests {
             assert_eq!(store.append_chunks("c", "t4", &[]).await.unwrap(), 1, "{b}");
             assert_eq!(rows(store, "chunks", "other").await, 12, "{b}: another conversation is untouched");
             assert_eq!(store.turn_metrics("other").await.unwrap().len(), 2, "{b}");
+            store.close().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_read_in_pages_that_a_deletion_overtakes_fails_instead_of_ending_short_or_going_on_in_another_log() {
+        use futures_util::TryStreamExt;
+        let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: false };
+        for t in every_backend_with(StoreOptions::default()).await {
+            let (store, b) = (&t.store, t.backend);
+            conversation(store, "c").await;
+            // Overtaken by a deletion under way: the next page is an error, not the end.
+            let mut chunks = Box::pin(store.history_pages("c".into(), all, 5));
+            let mut turns = Box::pin(store.turn_metrics_pages("c".into(), 1));
+            assert_eq!(chunks.try_next().await.unwrap().unwrap().last_seq, Some(5), "{b}");
+            assert_eq!(turns.try_next().await.unwrap().unwrap().len(), 1, "{b}");
+            assert!(store.mark_deleted("c", "d1").await.unwrap(), "{b}");
+            assert!(matches!(chunks.try_next().await, Err(StoreError::DeletedDuringRead)), "{b}");
+            assert!(matches!(turns.try_next().await, Err(StoreError::DeletedDuringRead)), "{b}");
+            store.remove("c", "d1").await.unwrap();
+            // Overtaken by a deletion and a longer log under the same id: not a page of it.
+            conversation(store, "c").await;
+            let mut chunks = Box::pin(store.history_pages("c".into(), all, 5));
+            let mut turns = Box::pin(store.turn_metrics_pages("c".into(), 1));
+            assert_eq!(chunks.try_next().await.unwrap().unwrap().last_seq, Some(5), "{b}");
+            assert_eq!(turns.try_next().await.unwrap().unwrap().len(), 1, "{b}");
+            assert!(store.delete_conversation("c", "d2").await.unwrap(), "{b}");
+            for turn in ["a", "b", "c"] {
+                store.begin_test_turn("c", turn).await;
+                store.seal_test_turn("c", turn, None, &(0..5).map(text).collect::<Vec<_>>()).await.unwrap();
+            }
+            assert!(matches!(chunks.try_next().await, Err(StoreError::DeletedDuringRead)), "{b}");
+            assert!(matches!(turns.try_next().await, Err(StoreError::DeletedDuringRead)), "{b}");
+            // Untouched, the same reads run to their end.
+            let pages: Vec<_> = store.history_pages("c".into(), all, 5).try_collect().await.unwrap();
+            assert_eq!(pages.iter().map(|p| p.last_seq.unwrap()).collect::<Vec<_>>(), [5, 10, 15, 18], "{b}");
+            let pages: Vec<_> = store.turn_metrics_pages("c".into(), 1).try_collect().await.unwrap();
+            assert_eq!(pages.len(), 3, "{b}");
             store.close().await;
         }
     }

@@ -1,7 +1,7 @@
 //! The append-only chunk log: gap-free `seq` per conversation, a message id per chunk.
 
 use super::sql::Query;
-use super::{Store, StoreResult, on_backend};
+use super::{Store, StoreError, StoreResult, on_backend};
 use crate::wire::{Chunk, Role};
 
 /// A chunk about to be appended.
@@ -81,8 +81,7 @@ impl Store {
     /// The window `w` read in pages of at most `page` chunks, one read after another, so that a
     /// long log is never held whole. The window's end is fixed before the first page (seqs are
     /// gap-free, so the pages are ranges of seq): the pages add up to what one read would have
-    /// returned then. A page that comes back short (the conversation was deleted meanwhile) is
-    /// the last.
+    /// returned then. A deletion that overtakes the read ends it with `DeletedDuringRead`.
     pub fn history_pages(
         &self,
         conversation_id: String,
@@ -90,15 +89,16 @@ impl Store {
         page: u64,
     ) -> impl futures_util::Stream<Item = StoreResult<HistoryPage>> + Send + 'static {
         let page = page.max(1);
-        let start = (self.clone(), conversation_id, None::<(u64, u64)>);
+        let start = (self.clone(), conversation_id, None::<(u64, u64, Option<String>)>);
         futures_util::stream::try_unfold(start, move |(store, id, at)| async move {
-            // Pages after `lo`, up to (not including) `end`.
-            let (lo, end) = match at {
+            // Pages after `lo`, up to (not including) `end`, of the conversation born then.
+            let (lo, end, born) = match at {
                 Some(at) => at,
                 None => {
+                    let born = store.incarnation(&id).await?;
                     let end = store.history_end(&id, w.inflight).await?.min(w.before_seq.unwrap_or(u64::MAX));
                     let newest = w.limit.map_or(0, |k| end.saturating_sub(k.saturating_add(1)));
-                    (w.since_seq.max(newest), end)
+                    (w.since_seq.max(newest), end, born)
                 }
             };
             if lo.saturating_add(1) >= end {
@@ -107,12 +107,13 @@ impl Store {
             let hi = end.min(lo.saturating_add(page).saturating_add(1));
             let range = HistoryWindow { since_seq: lo, before_seq: Some(hi), limit: None, inflight: true };
             let got = store.history(&id, range).await?;
-            let next = match got.last_seq {
-                Some(last) if last + 1 == hi => (hi - 1, end),
-                Some(_) => (end, end),
-                None => return Ok(None),
-            };
-            Ok(Some((got, (store, id, Some(next)))))
+            store.still(&id, &born).await?;
+            // Rows below the fixed end only go with the conversation's deletion, which `still`
+            // reports: a short page is a log that lost rows otherwise.
+            if got.last_seq != Some(hi - 1) {
+                return Err(StoreError::Corrupt(format!("seqs {} to {} are not all in the log", lo + 1, hi - 1)));
+            }
+            Ok(Some((got, (store, id, Some((hi - 1, end, born))))))
         })
     }
 
@@ -147,7 +148,6 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::StoreError;
     use crate::store::testing::every_backend;
     use crate::wire::TextChunk;
 

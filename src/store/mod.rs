@@ -108,6 +108,9 @@ pub enum StoreError {
     /// The conversation is being deleted (its id is free once it is gone).
     #[error("the conversation is being deleted")]
     Deleting,
+    /// A read in pages found its conversation deleted (or deleted and created again) part way.
+    #[error("the conversation was deleted while it was read")]
+    DeletedDuringRead,
     /// A turn's write was refused: the turn no longer holds its conversation's lease (it
     /// expired and another gateway marked the turn interrupted, or the conversation is gone).
     #[error("the turn no longer holds its conversation (its lease ended)")]

@@ -148,19 +148,27 @@ impl Store {
         page: u64,
     ) -> impl futures_util::Stream<Item = StoreResult<Vec<TurnMetrics>>> + Send + 'static {
         let page = page.clamp(1, i64::MAX as u64) as i64;
-        let start = (self.clone(), conversation_id, Some(0i64));
-        futures_util::stream::try_unfold(start, move |(store, id, after)| async move {
-            let Some(after) = after else { return Ok(None) };
+        // After which ordinal the next page starts, and the log the read began with
+        // (`Store::incarnation`); `None` once the last page is out.
+        let start = (self.clone(), conversation_id, None::<Option<(i64, Option<String>)>>);
+        futures_util::stream::try_unfold(start, move |(store, id, at)| async move {
+            let (after, born) = match at {
+                Some(Some(at)) => at,
+                Some(None) => return Ok(None),
+                None => (0, store.incarnation(&id).await?),
+            };
             let sql = "SELECT ordinal, metrics FROM turns
                        WHERE conversation_id = $1 AND metrics IS NOT NULL AND ordinal > $2
                          AND EXISTS (SELECT 1 FROM conversations WHERE id = $1 AND deleted_at IS NULL)
                        ORDER BY ordinal LIMIT $3";
             let rows: Vec<(i64, String)> =
                 store.fetch_all(Query::new(sql).bind(id.as_str()).bind(after).bind(page)).await?;
+            // A page cut short by a deletion must not pass for the last.
+            store.still(&id, &born).await?;
             let Some(&(last, _)) = rows.last() else { return Ok(None) };
-            let next = (rows.len() as i64 == page).then_some(last);
+            let next = (rows.len() as i64 == page).then_some((last, born));
             let metrics = rows.iter().map(|(_, json)| parse_metrics(json)).collect::<StoreResult<Vec<_>>>()?;
-            Ok(Some((metrics, (store, id, next))))
+            Ok(Some((metrics, (store, id, Some(next)))))
         })
     }
 }
