@@ -47,6 +47,11 @@ pub struct ConnectionLimits {
     pub max_head_bytes: usize,
     /// Most header lines a request may have (431 past it).
     pub max_headers: usize,
+    /// The largest request body the gateway reads itself (a larger one is hyper's, whose
+    /// handler answers 413).
+    pub max_body_bytes: usize,
+    /// A request body read by the gateway must arrive complete within this long after its head.
+    pub body_read_timeout: Duration,
 }
 
 /// Serves `router` on `listener` over HTTP/1.1 (with upgrades, for WebSockets) until `drained` is

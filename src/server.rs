@@ -111,6 +111,8 @@ impl Gateway {
             header_read_timeout: Duration::from_secs(state.config.header_read_timeout_secs.max(1)),
             max_head_bytes: state.config.max_head_bytes as usize,
             max_headers: state.config.max_headers as usize,
+            max_body_bytes: state.config.max_body_bytes,
+            body_read_timeout: Duration::from_secs(state.config.request_timeout_secs.max(1)),
         };
         // Streams and listeners stop once the turns have drained.
         let drained = state.drained.clone();

@@ -271,3 +271,44 @@ async fn a_watch_after_other_reads_on_a_kept_alive_connection_is_written_by_the_
     assert!(written > 0.0, "the turn's rounds wrote to the watcher's socket ({written} writes)");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_after_requests_with_bodies_on_a_kept_alive_connection_is_written_by_the_turns_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.scripted_pace = 100.0;
+    let server = TestServer::start(config).await;
+    let mut conn = connect(&server).await;
+    // A web client's writes first: a body in one piece, one in two (the socket's read ends
+    // inside it), a request with none pipelined with the next.
+    send(&mut conn, "POST /conversations HTTP/1.1\r\nhost: gateway\r\ncontent-length: 15\r\n\r\n{\"id\":\"posted\"}")
+        .await;
+    let created = read_response(&mut conn).await;
+    assert_eq!(created.status, 201, "{}", created.text());
+    let title = r#"{"title":"in two pieces"}"#;
+    let head =
+        format!("PUT /conversations/posted/title HTTP/1.1\r\nhost: gateway\r\ncontent-length: {}\r\n\r\n", title.len());
+    send(&mut conn, &format!("{head}{}", &title[..9])).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    send(&mut conn, &title[9..]).await;
+    let renamed = read_response(&mut conn).await;
+    assert_eq!(
+        (renamed.status, renamed.text()),
+        (200, r#"{"conversationId":"posted","title":"in two pieces"}"#.into())
+    );
+    send(
+        &mut conn,
+        "DELETE /conversations/nobody HTTP/1.1\r\nhost: gateway\r\n\r\nGET /health HTTP/1.1\r\nhost: gateway\r\n\r\n",
+    )
+    .await;
+    let missing = read_response(&mut conn).await;
+    assert_eq!(missing.status, 404, "{}", missing.text());
+    assert!(serde_json::from_slice::<serde_json::Value>(&missing.body).unwrap()["error"].is_string());
+    assert_eq!(read_response(&mut conn).await.status, 200);
+    // Then its EventSource, on the same connection: parked like any other watch.
+    send(&mut conn, "GET /conversations/posted/events?until=sealed HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    assert_eq!(read_head(&mut conn).await.0, 200);
+    let (_, written) = watched_turn(&server, &mut conn, "posted").await;
+    assert!(written > 0.0, "the turn's rounds wrote to the watcher's socket ({written} writes)");
+    server.stop().await;
+}

@@ -1,17 +1,19 @@
 //! HTTP/1.1 written by the gateway itself, for the requests live streams come in.
 //!
 //! A connection's request heads are read here first. A `GET` over HTTP/1.1 with no body (an
-//! SSE or NDJSON watcher, a WebSocket upgrade, and the reads a web client makes between them)
-//! runs through the same router, middleware and handler as any request; only the response is
-//! written here. A response that hands over a live stream ([`Handoff`]) is served on the socket
+//! SSE or NDJSON watcher, a WebSocket upgrade, and the reads a web client makes between them),
+//! and a `POST`, `PUT`, `DELETE`, `PATCH` or `OPTIONS` whose body has a `Content-Length` within
+//! the body limit (a web client's messages), run through the same router, middleware and
+//! handler as any request; only the body is read and the response written here. A response that hands over a live stream ([`Handoff`]) is served on the socket
 //! next: a watch as chunks, each batch in one vectored write, a session by `net::websocket`.
 //! Such a stream holds no per-connection read or write buffer while it is open (a generic
 //! HTTP/1.1 connection keeps several KiB of each for its whole life, which is most of what an
 //! idle watcher costs), and a batch goes from the hub to the socket without being queued a
 //! second time.
 //!
-//! Any other request (one with a body, another method or version), and everything after it on
-//! the same connection, is served by hyper, which is handed the bytes read so far.
+//! Any other request (a chunked body or one past the limit, `Expect`, another method or
+//! version), and everything after it on the same connection, is served by hyper, which is
+//! handed the bytes read so far: a web client's watch after its `POST` is parked as any other.
 
 use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice};
@@ -54,7 +56,16 @@ pub async fn serve(
     let mut pending = Vec::new();
     loop {
         let (request, close) = match read_head(stream, &mut pending, limits, drained).await {
-            Head::Direct(request, close) => (request, close),
+            Head::Direct(request, close, 0) => (request, close),
+            // Boxed: inline, its timers and its 408 would grow every connection's task, idle
+            // watchers' too.
+            Head::Direct(mut request, close, length) => {
+                let Some(body) = Box::pin(read_body(stream, &mut pending, length, limits)).await else {
+                    return Next::Closed;
+                };
+                *request.body_mut() = Body::from(body);
+                (request, close)
+            }
             Head::Other => return Next::Hyper(pending),
             Head::Closed => return Next::Closed,
             Head::Refused(status, why) => {
@@ -79,8 +90,9 @@ pub async fn serve(
 // Built and moved once per request: not worth a box.
 #[allow(clippy::large_enum_variant)]
 enum Head {
-    /// A bodyless `GET`, and whether the client asked to close after it.
-    Direct(Request<Body>, bool),
+    /// A request served here, whether the client asked to close after it, and the length of
+    /// its body (still to be read).
+    Direct(Request<Body>, bool, usize),
     /// Anything else (or something this module does not parse): hyper's.
     Other,
     /// The client went away, sent nothing in time, or the server is stopping.
@@ -112,14 +124,14 @@ async fn read_head(
     let deadline = Instant::now() + limits.header_read_timeout;
     loop {
         if !pending.is_empty() {
-            match parse(pending, limits.max_headers) {
-                Parsed::Complete(request, close, length) => {
+            match parse(pending, limits.max_headers, limits.max_body_bytes) {
+                Parsed::Complete(request, close, length, body) => {
                     pending.drain(..length);
                     if pending.is_empty() {
                         // Give the head's buffer back: the stream may stay open for hours.
                         *pending = Vec::new();
                     }
-                    return Head::Direct(request, close);
+                    return Head::Direct(request, close, body);
                 }
                 Parsed::Partial if pending.len() < limits.max_head_bytes => {}
                 Parsed::Partial => {
@@ -153,10 +165,57 @@ async fn read_head(
     }
 }
 
+/// How much a body's buffer grows at a time while the body arrives.
+const BODY_STEP: usize = 64 * 1024;
+
+/// Reads a request body of `length` bytes that follows its head: the bytes already read first,
+/// then the socket's, no further than the body's end (what follows is the next request's).
+/// `None` when the client left, or the body did not arrive within the body timeout (answered
+/// 408 here): the connection ends.
+async fn read_body(
+    stream: &TcpStream,
+    pending: &mut Vec<u8>,
+    length: usize,
+    limits: &ConnectionLimits,
+) -> Option<Vec<u8>> {
+    let deadline = Instant::now() + limits.body_read_timeout;
+    let mut filled = length.min(pending.len());
+    let mut body: Vec<u8> = pending.drain(..filled).collect();
+    if pending.is_empty() {
+        *pending = Vec::new();
+    }
+    while filled < length {
+        // The buffer grows with what arrives, a step at a time: a declared length costs
+        // nothing until its bytes come.
+        if filled == body.len() {
+            body.resize(filled + (length - filled).min(BODY_STEP), 0);
+        }
+        match stream.try_read(&mut body[filled..]) {
+            Ok(0) => return None,
+            Ok(n) => {
+                filled += n;
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => return None,
+        }
+        tokio::select! {
+            ready = stream.readable() => if ready.is_err() { return None },
+            _ = tokio::time::sleep_until(deadline) => {
+                let why = "the request body did not arrive in time";
+                let _ = refuse(stream, StatusCode::REQUEST_TIMEOUT, why, limits.drain_timeout).await;
+                return None;
+            }
+        }
+    }
+    Some(body)
+}
+
 #[allow(clippy::large_enum_variant)]
 enum Parsed {
-    /// A bodyless `GET`, whether to close after it, and the length of its head.
-    Complete(Request<Body>, bool, usize),
+    /// A request served here, whether to close after it, the length of its head, and of its
+    /// body.
+    Complete(Request<Body>, bool, usize, usize),
     Partial,
     /// A well-formed request that hyper serves.
     Other,
@@ -165,7 +224,10 @@ enum Parsed {
     TooManyHeaders,
 }
 
-fn parse(bytes: &[u8], max_headers: usize) -> Parsed {
+/// Methods whose requests are served here with a body (GET only without one).
+const WITH_BODY: [&str; 5] = ["POST", "PUT", "DELETE", "PATCH", "OPTIONS"];
+
+fn parse(bytes: &[u8], max_headers: usize, max_body: usize) -> Parsed {
     // Room for the most headers `--max-headers` allows, on the stack and left uninitialized: a
     // head is parsed again after every read that did not complete it.
     let mut headers = [const { std::mem::MaybeUninit::uninit() }; MOST_HEADERS];
@@ -179,35 +241,49 @@ fn parse(bytes: &[u8], max_headers: usize) -> Parsed {
     if let Err(why) = framing(head.version, head.headers) {
         return Parsed::Malformed(why);
     }
-    if head.method != Some("GET") || head.version != Some(1) {
+    let get = head.method == Some("GET");
+    let Some(method) = head.method.filter(|m| get || WITH_BODY.contains(m)) else { return Parsed::Other };
+    if head.version != Some(1) {
         return Parsed::Other;
     }
-    let Some(uri) = head.path.and_then(|p| p.parse::<Uri>().ok()) else { return Parsed::Other };
-    // An upgrade to anything but WebSocket is hyper's (it refuses h2c).
-    let websocket = head
-        .headers
-        .iter()
-        .filter(|h| h.name.eq_ignore_ascii_case("upgrade"))
-        .all(|h| h.value.eq_ignore_ascii_case(b"websocket"));
+    // Origin-form only (`OPTIONS *` and absolute forms are hyper's).
+    let Some(uri) = head.path.filter(|p| p.starts_with('/')).and_then(|p| p.parse::<Uri>().ok()) else {
+        return Parsed::Other;
+    };
+    // An upgrade to anything but WebSocket, or of anything but a GET, is hyper's (it refuses
+    // h2c).
+    let websocket = get
+        && head
+            .headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("upgrade"))
+            .all(|h| h.value.eq_ignore_ascii_case(b"websocket"));
     let mut request = Request::new(Body::empty());
-    *request.method_mut() = Method::GET;
+    *request.method_mut() = Method::from_bytes(method.as_bytes()).expect("a listed method");
     *request.uri_mut() = uri;
     *request.version_mut() = Version::HTTP_11;
     let mut close = false;
+    let mut body = 0;
     for header in head.headers.iter() {
         let (Ok(name), Ok(value)) =
             (HeaderName::from_bytes(header.name.as_bytes()), HeaderValue::from_bytes(header.value))
         else {
             return Parsed::Other;
         };
-        // A body, or a switch to another protocol, is hyper's to handle.
-        let bodyless = match name.as_str() {
-            "content-length" => value.as_bytes() == b"0",
+        // A chunked body, one past the limit (hyper's handler answers 413), a GET's, a switch
+        // to another protocol or `Expect` (a `100 Continue` to send) is hyper's to handle.
+        let ours = match name.as_str() {
+            // `framing` checked it is one number.
+            "content-length" => {
+                body =
+                    std::str::from_utf8(header.value).ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(usize::MAX);
+                body <= max_body && (body == 0 || !get)
+            }
             "upgrade" => websocket,
             "transfer-encoding" | "expect" => false,
             _ => true,
         };
-        if !bodyless {
+        if !ours {
             return Parsed::Other;
         }
         if name == CONNECTION {
@@ -215,7 +291,7 @@ fn parse(bytes: &[u8], max_headers: usize) -> Parsed {
         }
         request.headers_mut().append(name, value);
     }
-    Parsed::Complete(request, close, length)
+    Parsed::Complete(request, close, length, body)
 }
 
 /// Checks the body's framing headers as hyper reads them (RFC 9112, 6.1-6.3), so that a head
@@ -567,6 +643,8 @@ mod tests {
             header_read_timeout: Duration::from_secs(1),
             max_head_bytes: 64 * 1024,
             max_headers: 100,
+            max_body_bytes: 1024 * 1024,
+            body_read_timeout: Duration::from_secs(1),
         };
         let token = tokio_util::sync::CancellationToken::new();
         let mut drained = Cancelled::new(&token);
@@ -580,21 +658,40 @@ mod tests {
     }
 
     #[test]
-    fn only_bodyless_http11_gets_are_taken() {
-        let taken = |head: &str| matches!(parse(head.as_bytes(), 100), Parsed::Complete(..));
+    fn bodyless_gets_and_bodies_within_the_limit_are_taken() {
+        let taken = |head: &str| matches!(parse(head.as_bytes(), 100, 1000), Parsed::Complete(..));
         assert!(taken("GET /conversations/a/events?until=sealed HTTP/1.1\r\nhost: x\r\n\r\n"));
         assert!(taken("GET /conversations/a HTTP/1.1\r\nhost: x\r\n\r\n"));
         assert!(!taken("GET /conversations/a/events HTTP/1.0\r\nhost: x\r\n\r\n"));
-        assert!(!taken("POST /conversations/a/events HTTP/1.1\r\nhost: x\r\n\r\n"));
         assert!(!taken("HEAD /conversations/a HTTP/1.1\r\nhost: x\r\n\r\n"));
+        assert!(!taken("CONNECT gateway:443 HTTP/1.1\r\nhost: x\r\n\r\n"));
+        assert!(!taken("OPTIONS * HTTP/1.1\r\nhost: x\r\n\r\n"));
+        assert!(!taken("POST http://gateway/conversations HTTP/1.1\r\nhost: x\r\n\r\n"));
+        // A body with a length within the limit is read here; GET's is not.
+        let length = |head: &str| match parse(head.as_bytes(), 100, 1000) {
+            Parsed::Complete(request, _, _, body) => Some((request.method().clone(), body)),
+            _ => None,
+        };
+        for method in ["POST", "PUT", "DELETE", "PATCH", "OPTIONS"] {
+            let bodyless = format!("{method} /conversations/a HTTP/1.1\r\nhost: x\r\n\r\n");
+            assert_eq!(length(&bodyless), Some((Method::from_bytes(method.as_bytes()).unwrap(), 0)), "{method}");
+            let full = format!("{method} /conversations/a HTTP/1.1\r\ncontent-length: 1000\r\n\r\n");
+            assert_eq!(length(&full).map(|(_, n)| n), Some(1000), "{method}");
+            let over = format!("{method} /conversations/a HTTP/1.1\r\ncontent-length: 1001\r\n\r\n");
+            assert_eq!(length(&over), None, "{method}: past the limit, hyper's (and its 413)");
+        }
+        assert!(!taken("POST /conversations HTTP/1.1\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n"));
+        assert!(!taken("POST /conversations HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n"));
+        assert!(!taken("POST /conversations HTTP/1.0\r\ncontent-length: 2\r\n\r\n"));
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\nupgrade: h2c\r\n\r\n"));
         // A WebSocket upgrade, on any path (the router answers it), is taken.
         for path in ["/ws", "/", "/conversations/a/events"] {
             match parse(
                 format!("GET {path} HTTP/1.1\r\nupgrade: WebSocket\r\nconnection: upgrade\r\n\r\n").as_bytes(),
                 100,
+                1000,
             ) {
-                Parsed::Complete(request, close, _) => {
+                Parsed::Complete(request, close, _, _) => {
                     assert!(!close);
                     assert_eq!(request.uri().path(), path);
                 }
@@ -605,9 +702,9 @@ mod tests {
         assert!(!taken("POST /ws HTTP/1.1\r\nupgrade: websocket\r\n\r\n"));
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\ncontent-length: 3\r\n\r\nabc"));
         assert!(!taken("GET /conversations/a/events HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n"));
-        assert!(matches!(parse(b"GET /conversations/a/events HTTP/1.1\r\nhost", 100), Parsed::Partial));
+        assert!(matches!(parse(b"GET /conversations/a/events HTTP/1.1\r\nhost", 100, 1000), Parsed::Partial));
         // Framing hyper would refuse is refused here (with a reason); what it reads is its.
-        let refused = |head: &str| matches!(parse(head.as_bytes(), 100), Parsed::Malformed(_));
+        let refused = |head: &str| matches!(parse(head.as_bytes(), 100, 1000), Parsed::Malformed(_));
         for bad in [
             "content-length: 2\r\ncontent-length: 3",
             "content-length: 2, 2",
@@ -622,19 +719,21 @@ mod tests {
             assert!(refused(&format!("POST /conversations HTTP/1.1\r\n{bad}\r\n\r\n")), "{bad}");
         }
         assert!(refused("POST /conversations HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n"));
-        for good in [
-            "content-length: 2\r\ncontent-length: 2",
-            "content-length: 02",
+        for good in ["content-length: 2\r\ncontent-length: 2", "content-length: 02"] {
+            let head = format!("POST /conversations HTTP/1.1\r\n{good}\r\n\r\n");
+            assert!(matches!(parse(head.as_bytes(), 100, 1000), Parsed::Complete(_, _, _, 2)), "{good}");
+        }
+        for chunked in [
             "transfer-encoding: CHUNKED",
             "transfer-encoding: gzip, chunked",
             "transfer-encoding: gzip\r\ntransfer-encoding: chunked",
         ] {
-            let head = format!("POST /conversations HTTP/1.1\r\n{good}\r\n\r\n");
-            assert!(matches!(parse(head.as_bytes(), 100), Parsed::Other), "{good}");
+            let head = format!("POST /conversations HTTP/1.1\r\n{chunked}\r\n\r\n");
+            assert!(matches!(parse(head.as_bytes(), 100, 1000), Parsed::Other), "{chunked}");
         }
         let head = "GET /c/events HTTP/1.1\r\nConnection: keep-alive, Close\r\n\r\n";
-        match parse(format!("{head}GET /next").as_bytes(), 100) {
-            Parsed::Complete(request, close, length) => {
+        match parse(format!("{head}GET /next").as_bytes(), 100, 1000) {
+            Parsed::Complete(request, close, length, 0) => {
                 assert!(close);
                 assert_eq!(length, head.len());
                 assert_eq!(request.uri().path(), "/c/events");
