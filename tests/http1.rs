@@ -218,6 +218,15 @@ async fn a_stream_request_with_a_long_head_is_still_served() {
     assert_eq!(read_response(&mut conn).await.status, 400);
 }
 
+/// A gateway whose scripted turns stream deltas 10 ms apart (paced), and a connection to it.
+async fn paced(dir: &std::path::Path) -> (TestServer, BufReader<TcpStream>) {
+    let mut config = test_config(dir);
+    config.scripted_pace = 100.0;
+    let server = TestServer::start(config).await;
+    let conn = connect(&server).await;
+    (server, conn)
+}
+
 /// Runs a paced turn in conversation `id` while `conn` watches it until it seals: its text, and
 /// how many writes the turn's rounds made to parked streams meanwhile.
 async fn watched_turn(server: &TestServer, conn: &mut BufReader<TcpStream>, id: &str) -> (String, f64) {
@@ -235,12 +244,9 @@ async fn watched_turn(server: &TestServer, conn: &mut BufReader<TcpStream>, id: 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_watcher_of_a_paced_turn_is_written_by_the_turns_rounds_at_the_defaults() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = test_config(dir.path());
-    // The default flush window, closed for one watcher; deltas 10 ms apart: once the turn knows
-    // its spacing, its rounds write to the parked stream instead of waking the watcher's task.
-    config.scripted_pace = 100.0;
-    let server = TestServer::start(config).await;
-    let mut conn = connect(&server).await;
+    // The default flush window, closed for one watcher: once the turn knows its spacing, its
+    // rounds write to the parked stream instead of waking the watcher's task.
+    let (server, mut conn) = paced(dir.path()).await;
     send(&mut conn, "GET /conversations/lone/events?until=sealed HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
     assert_eq!(read_head(&mut conn).await.0, 200);
     let (text, written) = watched_turn(&server, &mut conn, "lone").await;
@@ -254,12 +260,9 @@ async fn a_lone_watcher_of_a_paced_turn_is_written_by_the_turns_rounds_at_the_de
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_after_other_reads_on_a_kept_alive_connection_is_written_by_the_turns_rounds() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = test_config(dir.path());
-    // Deltas 10 ms apart are paced, so a parked stream is written by the turn's rounds (which
-    // only a stream the gateway writes itself can be).
-    config.scripted_pace = 100.0;
-    let server = TestServer::start(config).await;
-    let mut conn = connect(&server).await;
+    // A parked stream is written by the turn's rounds (which only a stream the gateway writes
+    // itself can be).
+    let (server, mut conn) = paced(dir.path()).await;
     // A web client's reads first, then its EventSource, on the same connection.
     send(&mut conn, "GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
     assert_eq!(read_response(&mut conn).await.status, 200);
@@ -275,10 +278,7 @@ async fn a_watch_after_other_reads_on_a_kept_alive_connection_is_written_by_the_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_after_requests_with_bodies_on_a_kept_alive_connection_is_written_by_the_turns_rounds() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = test_config(dir.path());
-    config.scripted_pace = 100.0;
-    let server = TestServer::start(config).await;
-    let mut conn = connect(&server).await;
+    let (server, mut conn) = paced(dir.path()).await;
     // A web client's writes first: a body in one piece, one in two (the socket's read ends
     // inside it), a request with none pipelined with the next.
     send(&mut conn, "POST /conversations HTTP/1.1\r\nhost: gateway\r\ncontent-length: 15\r\n\r\n{\"id\":\"posted\"}")

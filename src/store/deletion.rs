@@ -119,7 +119,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::store::testing::every_backend_with;
+    use crate::store::testing::{every_backend_with, once_some};
     use crate::store::{ConversationFilter, HistoryWindow, NewChunk, Setting, StoreOptions};
     use crate::wire::{Chunk, Role, TextChunk};
 
@@ -186,14 +186,7 @@ mod tests {
             store.remove("c", "d2").await.unwrap();
             assert_eq!(rows(store, "chunks", "c").await, 12, "{b}");
             // Its lease ends unrenewed; it is a deletion's, not a turn's to interrupt.
-            let mut cut = Vec::new();
-            for _ in 0..100 {
-                cut = store.expired_deletions().await.unwrap();
-                if !cut.is_empty() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            let cut = once_some(|| store.expired_deletions()).await;
             assert_eq!(cut, vec![("c".to_owned(), "d1".to_owned())], "{b}");
             assert_eq!(store.expired_leases().await.unwrap(), vec![], "{b}");
             assert!(!store.resume_deletion("c", "someone", "d3").await.unwrap(), "{b}: only the expired holder's");
@@ -211,6 +204,20 @@ mod tests {
         }
     }
 
+    type Pages<T> = std::pin::Pin<Box<dyn futures_util::Stream<Item = StoreResult<T>> + Send>>;
+
+    /// A history read of "c" in pages of 5 chunks and a metrics read in pages of one turn, each
+    /// with its first page read.
+    async fn reads_begun(store: &Store) -> (Pages<crate::store::HistoryPage>, Pages<Vec<crate::wire::TurnMetrics>>) {
+        use futures_util::TryStreamExt;
+        let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: false };
+        let mut chunks: Pages<_> = Box::pin(store.history_pages("c".into(), all, 5));
+        let mut turns: Pages<_> = Box::pin(store.turn_metrics_pages("c".into(), 1));
+        assert_eq!(chunks.try_next().await.unwrap().unwrap().last_seq, Some(5));
+        assert_eq!(turns.try_next().await.unwrap().unwrap().len(), 1);
+        (chunks, turns)
+    }
+
     #[tokio::test]
     async fn a_read_in_pages_that_a_deletion_overtakes_fails_instead_of_ending_short_or_going_on_in_another_log() {
         use futures_util::TryStreamExt;
@@ -219,20 +226,14 @@ mod tests {
             let (store, b) = (&t.store, t.backend);
             conversation(store, "c").await;
             // Overtaken by a deletion under way: the next page is an error, not the end.
-            let mut chunks = Box::pin(store.history_pages("c".into(), all, 5));
-            let mut turns = Box::pin(store.turn_metrics_pages("c".into(), 1));
-            assert_eq!(chunks.try_next().await.unwrap().unwrap().last_seq, Some(5), "{b}");
-            assert_eq!(turns.try_next().await.unwrap().unwrap().len(), 1, "{b}");
+            let (mut chunks, mut turns) = reads_begun(store).await;
             assert!(store.mark_deleted("c", "d1").await.unwrap(), "{b}");
             assert!(matches!(chunks.try_next().await, Err(StoreError::DeletedDuringRead)), "{b}");
             assert!(matches!(turns.try_next().await, Err(StoreError::DeletedDuringRead)), "{b}");
             store.remove("c", "d1").await.unwrap();
             // Overtaken by a deletion and a longer log under the same id: not a page of it.
             conversation(store, "c").await;
-            let mut chunks = Box::pin(store.history_pages("c".into(), all, 5));
-            let mut turns = Box::pin(store.turn_metrics_pages("c".into(), 1));
-            assert_eq!(chunks.try_next().await.unwrap().unwrap().last_seq, Some(5), "{b}");
-            assert_eq!(turns.try_next().await.unwrap().unwrap().len(), 1, "{b}");
+            let (mut chunks, mut turns) = reads_begun(store).await;
             assert!(store.delete_conversation("c", "d2").await.unwrap(), "{b}");
             for turn in ["a", "b", "c"] {
                 store.begin_test_turn("c", turn).await;

@@ -131,7 +131,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::testing::every_backend_with;
+    use crate::store::testing::{every_backend_with, once_some};
     use crate::store::{BeginTurn, HistoryWindow, NewChunk, StoreOptions, now_ms};
     use crate::wire::{Chunk, Role, TextChunk};
 
@@ -162,14 +162,7 @@ mod tests {
             assert_eq!(store.expired_leases().await.unwrap(), vec![], "{b}");
             assert!(!store.interrupt_expired("c", "t1", now_ms()).await.unwrap(), "{b}: not expired yet");
             // Unrenewed, it ends (on the database's clock).
-            let mut expired = Vec::new();
-            for _ in 0..100 {
-                expired = store.expired_leases().await.unwrap();
-                if !expired.is_empty() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            let expired = once_some(|| store.expired_leases()).await;
             assert_eq!(expired, vec![("c".into(), "t1".into())], "{b}");
             assert!(!store.leased("c").await.unwrap(), "{b}");
             // One marker, however many gateways sweep.

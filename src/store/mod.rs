@@ -292,6 +292,24 @@ pub(crate) mod testing {
         _database: Option<dispatch_testkit::postgres::FreshDatabase>,
     }
 
+    /// What `read` returns once it returns something: polled every 50 ms for up to 5 s (a
+    /// lease ends on the database's clock).
+    pub(crate) async fn once_some<T, F, Fut>(mut read: F) -> Vec<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = StoreResult<Vec<T>>>,
+    {
+        let mut got = Vec::new();
+        for _ in 0..100 {
+            got = read().await.unwrap();
+            if !got.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        got
+    }
+
     pub(crate) async fn every_backend() -> Vec<TestStore> {
         every_backend_with(StoreOptions::default()).await
     }
