@@ -430,7 +430,11 @@ impl Turns {
     /// Deletes a conversation unless a turn runs in it. `Ok(false)` when it did not exist.
     pub async fn delete(&self, conversation_id: &str) -> Result<bool, StartError> {
         let holder = uuid::Uuid::now_v7().to_string();
-        let _reservation = self.reserve(conversation_id, Busy::Deleting { holder: holder.clone() })?;
+        let _reservation = match self.reserve(conversation_id, Busy::Deleting { holder: holder.clone() }) {
+            // Being deleted here already: gone, as the database says on any other gateway.
+            Err(StartError::Store(StoreError::Deleting)) => return Ok(false),
+            reserved => reserved?,
+        };
         Ok(self.store.delete_conversation(conversation_id, &holder).await?)
     }
 
@@ -479,8 +483,10 @@ impl Turns {
 
     fn reserve<'a>(&'a self, conversation_id: &'a str, what: Busy) -> Result<Reservation<'a>, StartError> {
         let mut busy = self.lock();
-        if busy.contains_key(conversation_id) {
-            return Err(StartError::Busy);
+        match busy.get(conversation_id) {
+            Some(Busy::Deleting { .. }) => return Err(StartError::Store(StoreError::Deleting)),
+            Some(_) => return Err(StartError::Busy),
+            None => {}
         }
         busy.insert(conversation_id.to_owned(), what);
         Ok(Reservation { turns: self, conversation_id, armed: true })
