@@ -343,6 +343,9 @@ async fn a_slow_body_is_cut_on_streaming_routes_too() {
     let server = TestServer::start(config).await;
     for head in [
         "POST /chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mess",
+        // A body the gateway reads itself, on a route that is not streaming: 408, not the
+        // handler's 503 for a request that ran out of time.
+        "PUT /conversations/s/title HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"tit",
         "GET /ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\ncontent-length: 50\r\n\r\nab",
         "GET /conversations/s/events HTTP/1.1\r\nhost: x\r\ncontent-length: 50\r\n\r\nab",
     ] {
@@ -350,7 +353,17 @@ async fn a_slow_body_is_cut_on_streaming_routes_too() {
         let raw = exchange(&mut socket, head.as_bytes()).await;
         assert_eq!(raw.status, 408, "{head:?}: {}", raw.head);
         assert!(json_body(&mut socket, &raw).await["error"].as_str().unwrap().contains("in time"));
+        assert!(closed_by_peer(&mut socket, Duration::from_secs(5)).await, "{head:?}");
     }
+    // A client that leaves part way through a body gets nothing, and the gateway goes on.
+    let mut socket = TcpStream::connect(server.addr).await.unwrap();
+    socket.write_all(b"PUT /conversations/s/title HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{").await.unwrap();
+    socket.shutdown().await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), socket.read_to_end(&mut answer)).await.unwrap().unwrap();
+    assert!(answer.is_empty(), "{}", String::from_utf8_lossy(&answer));
+    let (status, _) = server.get("/conversations?q=s").await;
+    assert_eq!(status, 200);
 }
 
 #[tokio::test]
