@@ -257,11 +257,13 @@ async fn a_deletion_cut_off_by_a_crash_is_finished_after_the_restart() {
     let db = sqlite_file(&server.config);
     server.stop().await;
 
-    // What a gateway killed after marking "doomed" and removing a batch or two leaves.
+    // What a gateway killed after marking "doomed" and removing a batch or two leaves, its
+    // lease running 3 s more (on the database's clock).
     let conn = rusqlite::Connection::open(&db).unwrap();
     let marked = conn
         .execute(
-            "UPDATE conversations SET deleted_at = 1, lease_turn = 'a-dead-gateway', lease_expires_at = 0
+            "UPDATE conversations SET deleted_at = 1, lease_turn = 'a-dead-gateway',
+                 lease_expires_at = CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) + 3000
              WHERE id = 'doomed'",
             (),
         )
@@ -282,7 +284,10 @@ async fn a_deletion_cut_off_by_a_crash_is_finished_after_the_restart() {
     assert_eq!(server.history("doomed").await, Vec::<Value>::new());
     let (status, _) = server.delete("/conversations/doomed").await;
     assert_eq!(status, 404, "deleted already");
-    // Until the sweep has finished it, a message to it is refused as such; then it starts anew.
+    // While its lease runs and until the sweep has finished it, a message to it is refused as
+    // such; then it starts anew.
+    let (status, body) = server.post("/conversations/doomed/messages", json!({"message": "too soon"})).await;
+    assert_eq!((status, body), (409, json!({"error": "the conversation is being deleted"})));
     let mut refused = 0;
     loop {
         let (status, body) = server.post("/conversations/doomed/messages", json!({"message": "anew"})).await;
