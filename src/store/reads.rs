@@ -128,11 +128,14 @@ impl Store {
     }
 
     /// Per model: output tokens, generation time and turns of the turns sealed in
-    /// `[start, end)` (epoch ms).
+    /// `[start, end)` (epoch ms), those of a conversation being deleted left out like every
+    /// other read of it (the few marked rows, from their partial index).
     pub async fn throughput(&self, start: i64, end: i64) -> StoreResult<Vec<ModelThroughput>> {
         let sql = "SELECT model, CAST(coalesce(sum(output_tokens), 0) AS BIGINT),
                           CAST(coalesce(sum(gen_total_ms), 0) AS BIGINT), count(*)
-                   FROM turns WHERE sealed_at >= $1 AND sealed_at < $2 GROUP BY model";
+                   FROM turns WHERE sealed_at >= $1 AND sealed_at < $2
+                   AND conversation_id NOT IN (SELECT id FROM conversations WHERE deleted_at IS NOT NULL)
+                   GROUP BY model";
         let rows: Vec<(String, i64, i64, i64)> = self.fetch_all(Query::new(sql).bind(start).bind(end)).await?;
         Ok(rows
             .into_iter()
