@@ -194,7 +194,7 @@ impl Store {
 
     pub async fn open_with(database: &Database, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Store> {
         let backend = match database {
-            Database::Sqlite(path) => Backend::Sqlite(sqlite::Sqlite::open(path, metrics.clone(), limits).await?),
+            Database::Sqlite(path) => Backend::Sqlite(sqlite::Sqlite::open(path, limits).await?),
             #[cfg(feature = "cluster")]
             Database::Postgres(url) => Backend::Postgres(postgres::Postgres::open(url, limits).await?),
             #[cfg(not(feature = "cluster"))]

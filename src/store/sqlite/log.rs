@@ -171,7 +171,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn committed_writes_reach_the_database_file_by_background_checkpoints() {
+    async fn committed_writes_of_every_kind_reach_the_database_file_by_background_checkpoints() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("checkpoint.db");
         let store = open(&path).await;
@@ -197,6 +197,21 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         assert!(grown > before + 1_000_000, "the database file went from {before} to {grown} bytes");
+        // A write that is no turn's (a rename here; a deletion's batches alike) is copied out
+        // too: the database file alone, as a copy of it without its WAL, has the new title.
+        assert!(store.set_title("c", "renamed").await.unwrap());
+        let copy = dir.path().join("copy.db");
+        let mut title = String::new();
+        for _ in 0..100 {
+            std::fs::copy(&path, &copy).unwrap();
+            let file = rusqlite::Connection::open(&copy).unwrap();
+            title = file.query_row("SELECT title FROM conversations WHERE id = 'c'", [], |r| r.get(0)).unwrap();
+            if title == "renamed" {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert_eq!(title, "renamed", "the rename never reached the database file");
         store.close().await;
     }
 

@@ -22,7 +22,6 @@ use rusqlite::{Connection, OpenFlags};
 
 use super::batch::{Write, Writes, Written};
 use super::{StoreError, StoreOptions, StoreResult};
-use crate::metrics::Metrics;
 
 /// The schema's migrations (`migrations/sqlite`), compiled in, oldest first: version,
 /// description (the file name's, with spaces for underscores) and SQL.
@@ -53,15 +52,18 @@ const WRITER_STATEMENTS: usize = 64;
 
 /// Copies committed WAL frames into the database file after every period with commits, without
 /// blocking the writer or readers (a passive checkpoint), on a thread and connection of its
-/// own. Ends when `stop` is dropped.
-fn checkpoints(connection: Connection, metrics: Arc<Metrics>, stop: mpsc::Receiver<()>) {
-    let mut seen = metrics.writes();
+/// own. Any commit counts (`data_version` moves with every other connection's), a rename or a
+/// deletion's batch as much as a turn's: a WAL left to the writer's own threshold is copied in
+/// one commit, which every write queued behind it waits for. Ends when `stop` is dropped.
+fn checkpoints(connection: Connection, stop: mpsc::Receiver<()>) {
+    let version = || connection.query_row("PRAGMA data_version", [], |row| row.get::<_, i64>(0)).ok();
+    let mut seen = version();
     while let Err(mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(CHECKPOINT_EVERY) {
-        let writes = metrics.writes();
-        if writes == seen {
+        let now = version();
+        if now.is_some() && now == seen {
             continue;
         }
-        seen = writes;
+        seen = now;
         if let Err(e) = connection.execute_batch("PRAGMA wal_checkpoint(PASSIVE)") {
             tracing::debug!(error = %e, "a background checkpoint failed; the next one retries");
         }
@@ -95,16 +97,16 @@ fn connect(path: &Path, limits: &StoreOptions) -> StoreResult<Connection> {
 
 impl Sqlite {
     /// Opens (creating when missing) the database file and applies the migrations.
-    pub(crate) async fn open(path: &Path, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Sqlite> {
+    pub(crate) async fn open(path: &Path, limits: StoreOptions) -> StoreResult<Sqlite> {
         let path = path.to_owned();
-        match tokio::task::spawn_blocking(move || Self::open_here(&path, metrics, limits)).await {
+        match tokio::task::spawn_blocking(move || Self::open_here(&path, limits)).await {
             Ok(opened) => opened,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             Err(_) => Err(StoreError::Cancelled),
         }
     }
 
-    fn open_here(path: &Path, metrics: Arc<Metrics>, limits: StoreOptions) -> StoreResult<Sqlite> {
+    fn open_here(path: &Path, limits: StoreOptions) -> StoreResult<Sqlite> {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent)
                 .map_err(|source| StoreError::Folder { path: parent.display().to_string(), source })?;
@@ -130,7 +132,7 @@ impl Sqlite {
         let (stop, stopped) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("sqlite-checkpoints".into())
-            .spawn(move || checkpoints(checkpointer, metrics, stopped))
+            .spawn(move || checkpoints(checkpointer, stopped))
             .map_err(|e| StoreError::Unwritable(format!("could not start the checkpointer: {e}")))?;
         Ok(Sqlite {
             writer: Arc::new(writer::Writer::start(writer)?),
