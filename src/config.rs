@@ -128,6 +128,13 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_MAX_RUNTIME_LINE_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_runtime_line_bytes: usize,
 
+    /// Most bytes of conversation an OpenAI-compatible request carries (its messages' text
+    /// and tool calls, as the context trimming counts them): past it the oldest turns are left
+    /// out, with or without a `context_window`, so a turn never reads or sends a whole long log.
+    #[arg(long, env = "DISPATCH_MAX_RUNTIME_REQUEST_BYTES", default_value_t = 16 * 1024 * 1024,
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 30))]
+    pub max_runtime_request_bytes: u64,
+
     /// Seconds between keep-alives on idle streams (SSE comment, NDJSON empty line, WebSocket
     /// ping).
     #[arg(long, env = "DISPATCH_KEEPALIVE_SECS", default_value_t = 15)]
@@ -630,6 +637,7 @@ impl Config {
             delete_batch_rows: 1000,
             turn_buffer_bytes: 16 * 1024 * 1024,
             max_runtime_line_bytes: 16 * 1024 * 1024,
+            max_runtime_request_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
             flush_sweeps: 4,
             flush_max_ms: 15,

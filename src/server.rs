@@ -219,6 +219,7 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                     connect_timeout: Duration::from_secs(c.connect_timeout_secs.max(1)),
                     idle_timeout: Duration::from_secs(c.idle_timeout_secs.max(1)),
                     max_event_bytes: config.max_runtime_line_bytes,
+                    max_request_bytes: config.max_runtime_request_bytes,
                     system_prompt: c.system_prompt.clone(),
                     context_window: c.context_window,
                     params: c.params.clone(),

@@ -658,6 +658,38 @@ async fn a_trimmed_request_reads_only_the_tail_of_a_long_conversation() {
     turn_error(&events, "storage", "could not be read");
 }
 
+/// Without a `context_window` a request is still bounded by `--max-runtime-request-bytes`:
+/// the oldest turns are left out past it, and the log is read from its end only as far back
+/// as that needs (the oldest chunk, made unreadable, is never read), however long it grew.
+#[tokio::test]
+async fn without_a_context_window_the_request_size_bound_trims_and_reads_only_the_tail() {
+    set_key();
+    let upstream = FakeUpstream::start(Vec::new()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_with(dir.path(), &upstream, |c| c.context_window = None);
+    // 2000 bytes are 500 estimated tokens; each 300-byte message is 79: the new message and
+    // the two turns before it (395), not a third (553).
+    config.max_runtime_request_bytes = 2000;
+    let server = TestServer::start(config).await;
+    let answer = || Reply::Stream(vec![delta(json!({"content": "a".repeat(300)})), finish("stop")]);
+    for n in 1..=40 {
+        upstream.push(answer());
+        turn(&server, "bounded", &question(n)).await;
+    }
+    let conn = rusqlite::Connection::open(dir.path().join("gateway.db")).unwrap();
+    let changed = conn
+        .execute(r#"UPDATE chunks SET chunk = '{"not":"a chunk"}' WHERE conversation_id = 'bounded' AND seq = 1"#, ())
+        .unwrap();
+    assert_eq!(changed, 1);
+    upstream.push(answer());
+    let events = turn(&server, "bounded", &question(41)).await;
+    assert_eq!(events[events.len() - 2]["reason"], "stop", "{events:?}");
+    let sent = &upstream.requests()[40].body["messages"];
+    assert_eq!(sent.as_array().unwrap().len(), 5, "{sent}");
+    assert!(sent[0]["content"].as_str().unwrap().starts_with("039"), "{sent}");
+    assert_eq!(sent[4]["content"], question(41));
+}
+
 /// An upstream that refuses a request as too long for its context is asked again within the
 /// turn with older turns left out, as if tokens were as dear as it says it counted (or twice
 /// the last guess when it does not say): a conversation whose calibration is unknown or wrong

@@ -159,8 +159,8 @@ fn trim_to_fit(messages: &mut Vec<Value>, keep: usize, budget: u64) -> usize {
 const FIRST_TAIL: u64 = 64;
 
 /// The request's messages from a log of `len` chunks that `read(from, to)` reads (seqs
-/// `from..=to`): all of it without a `budget`; with one, the oldest turns left out until the
-/// estimate fits, reading from the log's end only as far back as that needs. Once a read's
+/// `from..=to`): the oldest turns left out until the estimate fits `budget`, reading from the
+/// log's end only as far back as that needs. Once a read's
 /// tail has a turn left out, nothing older could be kept (an older message only adds to every
 /// longer tail), so the log before it is never read: docs/upstreams.md has the argument.
 /// Also returns how many messages of the read tail were left out.
@@ -168,14 +168,13 @@ pub(super) async fn fitting_messages<F, Fut, E>(
     len: u64,
     mut read: F,
     system_prompt: Option<&str>,
-    budget: Option<u64>,
+    budget: u64,
 ) -> Result<(Vec<Value>, usize), E>
 where
     F: FnMut(u64, u64) -> Fut,
     Fut: std::future::Future<Output = Result<Vec<HistoryChunk>, E>>,
 {
     let keep = usize::from(system_prompt.is_some());
-    let Some(budget) = budget else { return Ok((messages(&read(1, len).await?, system_prompt), 0)) };
     let (mut tail, mut from, mut page) = (Vec::new(), len + 1, FIRST_TAIL);
     loop {
         let start = from.saturating_sub(page).max(1);
@@ -376,7 +375,7 @@ mod tests {
                 std::future::ready(Ok::<_, ()>(history[from as usize - 1..to as usize].to_vec()))
             };
             let len = history.len() as u64;
-            let (tail, _) = fitting_messages(len, read, prompt, Some(budget)).now_or_never().unwrap().unwrap();
+            let (tail, _) = fitting_messages(len, read, prompt, budget).now_or_never().unwrap().unwrap();
             prop_assert_eq!(tail, whole);
             prop_assert!(reads.get() <= 1 + (len / FIRST_TAIL + 1).ilog2() as usize + 1);
         }

@@ -52,6 +52,8 @@ pub struct OpenAiSettings {
     pub idle_timeout: Duration,
     /// The most bytes an event may take (`--max-runtime-line-bytes`).
     pub max_event_bytes: usize,
+    /// The most bytes of messages a request carries (`--max-runtime-request-bytes`).
+    pub max_request_bytes: u64,
     pub system_prompt: Option<String>,
     /// Tokens the models take; the oldest turns are left out so a request fits.
     pub context_window: Option<u64>,
@@ -242,18 +244,23 @@ impl Gathered {
 
 impl OpenAiRuntime {
     /// The request body: the rebuilt conversation, trimmed to the context window at `ratio`
-    /// real tokens an estimated one, and the model's parameters; and the estimated tokens of
+    /// real tokens an estimated one and to `--max-runtime-request-bytes`, and the model's
+    /// parameters; and the estimated tokens of
     /// its messages, and how many there are.
     async fn body(&self, req: &TurnRequest, ratio: f64) -> Result<(Value, u64, usize), RuntimeError> {
         let params = match self.settings.model_params.get(&req.model) {
             Some(model) => self.settings.params.overlaid(model),
             None => self.settings.params.clone(),
         };
-        let budget = self.settings.context_window.map(|window| {
+        let window = self.settings.context_window.map(|window| {
             // Room for the answer: what `max_tokens` asks, else an eighth of the window.
             let reserve = params.max_tokens.unwrap_or(window / 8).min(window / 2);
             ((window - reserve) as f64 / ratio) as u64
         });
+        // The size bound, in the estimate's own units (four bytes a token), holds whatever the
+        // calibration: it bounds the gateway's read and the request, not the model's count.
+        let size = self.settings.max_request_bytes / 4;
+        let budget = window.map_or(size, |w| w.min(size));
         let history =
             req.history.as_ref().ok_or_else(|| RuntimeError::turn("the turn came without its history", "runtime"))?;
         let read = |from, to| history.range(from, to);
