@@ -87,11 +87,13 @@ pub struct ModelThroughput {
 }
 
 impl Store {
-    /// What runtimes left with a conversation for its next turn.
-    pub async fn runtime_memory(&self, conversation_id: &str) -> StoreResult<RuntimeMemory> {
-        let sql = "SELECT session_id, tokens_per_estimate FROM conversations WHERE id = $1";
+    /// What runtimes left with a conversation for its next turn on `model` (a calibration
+    /// only when that model's request measured it: tokenizers differ).
+    pub async fn runtime_memory(&self, conversation_id: &str, model: &str) -> StoreResult<RuntimeMemory> {
+        let sql = "SELECT session_id, CASE WHEN calibrated_model = $2 THEN tokens_per_estimate END
+                   FROM conversations WHERE id = $1";
         let row: Option<(Option<String>, Option<f64>)> =
-            self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
+            self.fetch_optional(Query::new(sql).bind(conversation_id).bind(model)).await?;
         let (session_id, tokens_per_estimate) = row.unwrap_or_default();
         Ok(RuntimeMemory { session_id, tokens_per_estimate })
     }
@@ -150,31 +152,50 @@ mod tests {
 
     /// A runtime's calibration and session outlive the gateway in the conversation's row (a
     /// REAL column, bound and read back on both backends); a seal without a calibration keeps
-    /// the last one.
+    /// the last one; a turn on another model than the one it was measured on gets none.
     #[tokio::test]
     async fn what_a_runtime_leaves_is_kept_with_its_conversation() {
+        const MODEL: &str = "demo/scripted";
         for t in every_backend().await {
             let store = &t.store;
-            let ratio = |c: &'static str| async move { store.runtime_memory(c).await.unwrap().tokens_per_estimate };
+            let ratio = |c: &'static str, model: &'static str| async move {
+                store.runtime_memory(c, model).await.unwrap().tokens_per_estimate
+            };
             let seal = |turn_id: &'static str, ratio| async move {
                 store.seal_test_turn("c", turn_id, ratio, &[]).await.unwrap();
             };
-            assert_eq!(ratio("c").await, None, "{}: no conversation", t.backend);
+            assert_eq!(ratio("c", MODEL).await, None, "{}: no conversation", t.backend);
             store.begin_test_turn("c", "t1").await;
             seal("t1", None).await;
-            assert_eq!(ratio("c").await, None, "{}: none reported", t.backend);
+            assert_eq!(ratio("c", MODEL).await, None, "{}: none reported", t.backend);
             store.begin_test_turn("c", "t2").await;
             seal("t2", Some(2.375)).await;
             store.begin_test_turn("c", "t3").await;
             seal("t3", None).await;
             store.set_session_id("c", "s1").await.unwrap();
-            let memory = store.runtime_memory("c").await.unwrap();
+            let memory = store.runtime_memory("c", MODEL).await.unwrap();
             assert_eq!(
                 (memory.session_id.as_deref(), memory.tokens_per_estimate),
                 (Some("s1"), Some(2.375)),
                 "{}",
                 t.backend
             );
+            assert_eq!(ratio("c", "other/model").await, None, "{}: measured on another model", t.backend);
+            // A turn on the other model measures its own; the first model's is gone with it.
+            let begin = crate::store::BeginTurn {
+                conversation_id: "c",
+                turn_id: "t4",
+                model: "other/model",
+                sticky_model: None,
+                user_text: "hi",
+                default_title: "hi",
+                idempotency: None,
+                now: 1,
+            };
+            store.begin_turn(begin).await.unwrap();
+            seal("t4", Some(1.25)).await;
+            assert_eq!(ratio("c", "other/model").await, Some(1.25), "{}", t.backend);
+            assert_eq!(ratio("c", MODEL).await, None, "{}", t.backend);
         }
     }
 }

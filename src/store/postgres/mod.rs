@@ -23,6 +23,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (2, "turn leases", include_str!("../../../migrations/postgres/0002_turn_leases.sql")),
     (3, "token calibration", include_str!("../../../migrations/postgres/0003_token_calibration.sql")),
     (4, "deletion", include_str!("../../../migrations/postgres/0004_deletion.sql")),
+    (5, "calibrated model", include_str!("../../../migrations/postgres/0005_calibrated_model.sql")),
 ];
 
 /// The database server's clock in epoch ms, for lease times: every gateway compares them on

@@ -139,7 +139,9 @@ async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<cra
          UPDATE conversations SET last_activity_at = $3, sealed_seq = last_seq,
              status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END,
              lease_turn = NULL, lease_expires_at = NULL,
-             tokens_per_estimate = coalesce($8, tokens_per_estimate)
+             tokens_per_estimate = coalesce($8, tokens_per_estimate),
+             calibrated_model = CASE WHEN $8 IS NULL THEN calibrated_model
+                 ELSE (SELECT model FROM turns WHERE conversation_id = $1 AND turn_id = $2) END
          WHERE id = $1 AND lease_turn = $2 RETURNING status",
     )
     .bind(s.conversation_id)

@@ -35,6 +35,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (7, "turn leases", include_str!("../../../migrations/sqlite/0007_turn_leases.sql")),
     (8, "token calibration", include_str!("../../../migrations/sqlite/0008_token_calibration.sql")),
     (9, "deletion", include_str!("../../../migrations/sqlite/0009_deletion.sql")),
+    (10, "calibrated model", include_str!("../../../migrations/sqlite/0010_calibrated_model.sql")),
 ];
 
 /// The database's clock in epoch ms, for lease times (see `store/lease.rs`).

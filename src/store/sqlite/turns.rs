@@ -151,7 +151,9 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
              UPDATE conversations SET last_activity_at = ?, sealed_seq = last_seq,
                  status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END,
                  lease_turn = NULL, lease_expires_at = NULL,
-                 tokens_per_estimate = coalesce(?, tokens_per_estimate)
+                 tokens_per_estimate = coalesce(?, tokens_per_estimate),
+                 calibrated_model = CASE WHEN ? IS NULL THEN calibrated_model
+                     ELSE (SELECT model FROM turns WHERE conversation_id = ? AND turn_id = ?) END
              WHERE id = ? AND lease_turn = ? RETURNING status;",
         )
         .bind(s.now)
@@ -163,6 +165,9 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
         .bind(s.turn_id)
         .bind(s.now)
         .bind(s.tokens_per_estimate)
+        .bind(s.tokens_per_estimate)
+        .bind(s.conversation_id)
+        .bind(s.turn_id)
         .bind(s.conversation_id)
         .bind(s.turn_id);
     Ok(())
