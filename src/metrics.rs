@@ -65,7 +65,7 @@ impl Metrics {
         self.open_streams.iter().map(|g| g.load(Relaxed)).sum()
     }
 
-    /// Records one SQLite write transaction's duration.
+    /// Records the duration of one write transaction of turns (either backend).
     pub fn observe_write(&self, took: Duration) {
         let seconds = took.as_secs_f64();
         for (bucket, bound) in self.write_buckets.iter().zip(WRITE_BUCKETS) {
@@ -77,7 +77,7 @@ impl Metrics {
         self.write_micros.fetch_add(took.as_micros() as u64, Relaxed);
     }
 
-    /// SQLite write transactions so far.
+    /// Write transactions of turns so far.
     pub fn writes(&self) -> u64 {
         self.write_count.load(Relaxed)
     }
@@ -164,7 +164,7 @@ impl Metrics {
         }
         let _ = writeln!(
             out,
-            "# HELP dispatch_sqlite_write_seconds SQLite write transaction latency.\n# TYPE dispatch_sqlite_write_seconds histogram"
+            "# HELP dispatch_sqlite_write_seconds Latency of the write transactions of turns (opens, appends, seals; group-committed) on either backend.\n# TYPE dispatch_sqlite_write_seconds histogram"
         );
         for (bucket, bound) in self.write_buckets.iter().zip(WRITE_BUCKETS) {
             let _ = writeln!(out, "dispatch_sqlite_write_seconds_bucket{{le=\"{bound}\"}} {}", bucket.load(Relaxed));
