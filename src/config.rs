@@ -56,10 +56,26 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_LEASE_TTL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..))]
     pub lease_ttl_ms: u64,
 
-    /// `nats://` URL of the bus that gateways sharing a PostgreSQL database watch each other's
-    /// turns through (NATS with JetStream; none: this gateway alone).
+    /// `nats://` (or `tls://`, TLS required) URL of the bus that gateways sharing a PostgreSQL
+    /// database watch each other's turns through (NATS with JetStream; none: this gateway
+    /// alone); several, comma-separated, for a cluster. `user:password@` or `token@` before the
+    /// host authenticates (put it in DISPATCH_BUS rather than on the command line).
     #[arg(long, env = "DISPATCH_BUS")]
     pub bus: Option<String>,
+
+    /// PEM file of the certificate authorities the bus's TLS certificate is checked against
+    /// (besides the system's); TLS is then required.
+    #[arg(long, env = "DISPATCH_BUS_CA_FILE")]
+    pub bus_ca_file: Option<std::path::PathBuf>,
+
+    /// PEM certificate this gateway presents to the bus (with `--bus-client-key`), for a NATS
+    /// server that verifies its clients; TLS is then required.
+    #[arg(long, env = "DISPATCH_BUS_CLIENT_CERT", requires = "bus_client_key")]
+    pub bus_client_cert: Option<std::path::PathBuf>,
+
+    /// The PEM private key of `--bus-client-cert`.
+    #[arg(long, env = "DISPATCH_BUS_CLIENT_KEY", requires = "bus_client_cert")]
+    pub bus_client_key: Option<std::path::PathBuf>,
 
     /// Seconds a turn's events stay in the bus's stream (a late joiner elsewhere replays from
     /// it).
@@ -559,6 +575,20 @@ fn credentials_from(
 
 /// The 1-based line where `key` is set in a TOML text (for error messages).
 /// A scalar value of the file as its flag would spell it; `None` for a table, an array or a date.
+/// `urls` (comma-separated) with what stands before each host's `@` (a password, a token)
+/// replaced by `***`, for errors and logs.
+pub fn redacted(urls: &str) -> String {
+    let one = |url: &str| -> String {
+        let (scheme, rest) = url.split_once("://").map_or(("", url), |(s, r)| (&url[..s.len() + 3], r));
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+        match authority.rfind('@') {
+            Some(at) => format!("{scheme}***{}", &rest[at..]),
+            None => url.to_owned(),
+        }
+    };
+    urls.split(',').map(one).collect::<Vec<_>>().join(",")
+}
+
 fn scalar_text(value: &toml::Value) -> Option<String> {
     Some(match value {
         toml::Value::String(s) => s.clone(),
@@ -594,9 +624,13 @@ impl Config {
                 return Err(ConfigError::NotBuilt("a bus"));
             }
         }
+        let tls = self.bus_ca_file.is_some() || self.bus_client_cert.is_some();
+        if tls && self.bus.is_none() {
+            return Err(ConfigError::Bus("a bus certificate or authority is set, but no --bus".into()));
+        }
         if let Some(bus) = &self.bus {
-            if !bus.starts_with("nats://") {
-                return Err(ConfigError::Bus(format!("a nats:// URL, got {bus:?}")));
+            if !bus.split(',').all(|url| url.trim().starts_with("nats://") || url.trim().starts_with("tls://")) {
+                return Err(ConfigError::Bus(format!("nats:// or tls:// URLs, got {:?}", redacted(bus))));
             }
             if !matches!(self.database, crate::store::Database::Postgres(_)) {
                 return Err(ConfigError::Bus(
@@ -625,6 +659,9 @@ impl Config {
             postgres_max_connections: 16,
             lease_ttl_ms: 10_000,
             bus: None,
+            bus_ca_file: None,
+            bus_client_cert: None,
+            bus_client_key: None,
             bus_max_age_secs: 3600,
             bus_max_bytes: 1 << 30,
             bus_timeout_ms: 5000,
@@ -681,5 +718,20 @@ mod tests {
         }
         let parsed = Config::try_parse_from(["dispatch-gateway"]).expect("no flags parse");
         assert_eq!(format!("{parsed:?}"), format!("{:?}", Config::defaults()));
+    }
+
+    /// A bus URL's credentials never reach an error or a log line, whatever the URL holds.
+    #[test]
+    fn a_bus_urls_credentials_are_redacted() {
+        for (url, shown) in [
+            ("nats://u:s3cret@127.0.0.1:4222", "nats://***@127.0.0.1:4222"),
+            ("tls://t0ken@nats.example:4222/x?y=1", "tls://***@nats.example:4222/x?y=1"),
+            ("nats://u:p@ss:w@h:1,nats://h2:2", "nats://***@h:1,nats://h2:2"),
+            ("nats://h:1/a@b", "nats://h:1/a@b"),
+            ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
+            ("u:secret@host", "***@host"),
+        ] {
+            assert_eq!(super::redacted(url), shown, "{url}");
+        }
     }
 }

@@ -157,6 +157,8 @@ async fn connect_bus(config: &Config) -> Result<Option<Bus>, StartupError> {
         max_age: Duration::from_secs(config.bus_max_age_secs),
         max_bytes: i64::try_from(config.bus_max_bytes).unwrap_or(i64::MAX),
         timeout: Duration::from_millis(config.bus_timeout_ms),
+        ca_file: config.bus_ca_file.clone(),
+        client_cert: config.bus_client_cert.clone().zip(config.bus_client_key.clone()),
     };
     Ok(Some(Bus::connect(url, options).await?))
 }

@@ -5,12 +5,13 @@
 //! interrupted by another for every watcher; every gateway then reads the same history and
 //! metrics. Needs both servers: `DISPATCH_TEST_POSTGRES` (see `dispatch_testkit::postgres`) and a
 //! `nats-server` binary (see `dispatch_testkit::nats`); skipped without them unless
-//! `DISPATCH_REQUIRE_POSTGRES=1` / `DISPATCH_REQUIRE_NATS=1`.
+//! `DISPATCH_REQUIRE_POSTGRES=1` / `DISPATCH_REQUIRE_NATS=1`. Then gateways on a bus that asks
+//! for a password and verified TLS both ways.
 
 mod common;
 
 use common::*;
-use dispatch_testkit::nats::nats_server;
+use dispatch_testkit::nats::{nats_server, nats_server_with};
 use dispatch_testkit::postgres::fresh_database;
 use serde_json::{Value, json};
 
@@ -179,4 +180,58 @@ async fn scenario(database: &str, bus: &str) {
     assert_eq!(c.get("/conversations/killed/metrics").await, b.get("/conversations/killed/metrics").await);
     let (_, status) = c.get("/conversations/killed/status").await;
     assert_eq!((&status["isActive"], &status["status"]), (&json!(false), &json!("idle")), "{status}");
+}
+
+/// The output of a gateway that must refuse to start with `args`.
+fn refused_start(args: &[String]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .output()
+        .expect("the gateway binary runs");
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "started with {args:?}: {said}");
+    said
+}
+
+/// A NATS server that asks for a user and password over TLS and checks its clients'
+/// certificates: gateways with all three join it and watch each other's turns; a wrong
+/// password, a server certificate they cannot check, or no client certificate stop a gateway
+/// at start with an error that names the bus without its secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_join_a_bus_that_asks_for_a_password_and_verified_tls() {
+    let Some(database) = fresh_database().await else { return };
+    let file = |name: &str| format!("{}/tests/fixtures/bus-tls/{name}", env!("CARGO_MANIFEST_DIR"));
+    let (ca, cert, key) = (file("ca.pem"), file("client.pem"), file("client-key.pem"));
+    let server = ["--user", "gw", "--pass", "s3cret", "--tls", "--tlsverify"];
+    let server_tls = ["--tlscert", &file("server.pem"), "--tlskey", &file("server-key.pem"), "--tlscacert", &ca];
+    let Some(nats) = nats_server_with(&[&server[..], &server_tls[..]].concat()) else { return };
+    let host = nats.url.strip_prefix("tls://").expect("a server that requires TLS");
+    let bus = |password: &str| format!("tls://gw:{password}@{host}");
+    let (good, wrong) = (bus("s3cret"), bus("wrong"));
+    let common = ["--database", database.url.as_str(), "--bus-timeout-ms", "3000"];
+    let with = |url: &str, tls: &[&str]| -> Vec<String> {
+        common.iter().copied().chain(["--bus", url]).chain(tls.iter().copied()).map(str::to_owned).collect()
+    };
+    let all = ["--bus-ca-file", ca.as_str(), "--bus-client-cert", cert.as_str(), "--bus-client-key", key.as_str()];
+
+    let args: Vec<std::ffi::OsString> = with(&good, &all).into_iter().map(Into::into).collect();
+    let a = ChildGateway::spawn(&args);
+    let b = ChildGateway::spawn(&args);
+    let mut on_a = a.sse("secured", "").await;
+    let mut on_b = b.sse("secured", "").await;
+    start_turn(&a, "secured", "over TLS").await;
+    let everything = read(&on_a.until_sealed().await);
+    assert!(everything.iter().any(|(_, e)| e["type"] == "text-delta"));
+    assert_eq!(read(&on_b.until_sealed().await), everything, "B watched A's turn over the bus");
+
+    for (args, why) in [
+        (with(&wrong, &all), "a wrong password"),
+        (with(&good, &all[2..]), "no authority for the server's certificate"),
+        (with(&good, &all[..2]), "no client certificate"),
+    ] {
+        let said = tokio::task::spawn_blocking(move || refused_start(&args)).await.unwrap();
+        assert!(said.contains(&format!("cannot connect to NATS at tls://***@{host}")), "{why}: {said}");
+        assert!(!said.contains("s3cret") && !said.contains("wrong"), "{why}: the password is out: {said}");
+    }
 }

@@ -8,11 +8,13 @@
 //! control requests go over plain NATS (`status.rs`, `control.rs`). Every message names the gateway whose turn it carries, so none
 //! reads its own turns back. `docs/cluster.md` explains the design and its limits.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::Weak;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
+use async_nats::{ConnectOptions, ServerAddr};
 
 use crate::hub::{Following, Hub, Outbox, Remote};
 
@@ -37,6 +39,10 @@ pub struct BusOptions {
     pub max_bytes: i64,
     /// How long a request to NATS (and a new watcher's catch-up) may take.
     pub timeout: Duration,
+    /// Certificate authorities for the server's certificate, besides the system's.
+    pub ca_file: Option<PathBuf>,
+    /// The certificate and key this gateway presents.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -73,13 +79,18 @@ impl Bus {
     /// use it as it is).
     pub async fn connect(url: &str, options: BusOptions) -> Result<Bus, BusError> {
         let node = uuid::Uuid::now_v7().to_string();
-        let client = async_nats::ConnectOptions::new()
+        // async-nats takes TLS's crypto from rustls's process default, which a build with two
+        // providers compiled in (tests unify reqwest's aws-lc) leaves unset: ring, as upstreams use.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let failed = |reason: String| BusError::Connect { url: crate::config::redacted(url), reason };
+        let (servers, connect) = connect_options(url, &options).map_err(failed)?;
+        let client = connect
             .name(format!("dispatch-gateway {node}"))
             .connection_timeout(options.timeout)
             .request_timeout(Some(options.timeout))
-            .connect(url)
+            .connect(servers)
             .await
-            .map_err(|e| BusError::Connect { url: url.to_owned(), reason: e.to_string() })?;
+            .map_err(|e| failed(e.to_string()))?;
         let js = jetstream::new(client.clone());
         let config = stream::Config {
             name: STREAM.to_owned(),
@@ -143,6 +154,33 @@ fn conversation_filter(conversation_id: &str) -> String {
 }
 
 /// A message's gateway, turn and first index, from its headers.
+/// The servers `urls` (comma-separated) name, and the options that authenticate to them: the
+/// first URL's `user:password@` or `token@` (NATS takes one identity per client), TLS required
+/// when a certificate file is given.
+fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<ServerAddr>, ConnectOptions), String> {
+    let servers = urls
+        .split(',')
+        .map(|url| url.trim().parse::<ServerAddr>().map_err(|e| format!("not a NATS URL: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let decoded = |part: &str| percent_encoding::percent_decode_str(part).decode_utf8_lossy().into_owned();
+    let mut connect = ConnectOptions::new();
+    if let Some(first) = servers.first()
+        && let Some(user) = first.username()
+    {
+        connect = match first.password() {
+            Some(password) => connect.user_and_password(decoded(user), decoded(password)),
+            None => connect.token(decoded(user)),
+        };
+    }
+    if let Some(ca) = &options.ca_file {
+        connect = connect.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    if let Some((cert, key)) = &options.client_cert {
+        connect = connect.add_client_certificate(cert.clone(), key.clone()).require_tls(true);
+    }
+    Ok((servers, connect))
+}
+
 fn message_head(headers: Option<&async_nats::HeaderMap>) -> Option<(String, String, u32)> {
     let headers = headers?;
     let node = headers.get(NODE)?.as_str().to_owned();

@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub struct NatsServer {
-    /// `nats://127.0.0.1:<port>`.
+    /// `nats://127.0.0.1:<port>` (`tls://` when the server requires TLS).
     pub url: String,
     child: Child,
     dir: PathBuf,
@@ -29,6 +29,12 @@ fn binary() -> Option<PathBuf> {
 
 /// A running server, or `None` when none is installed (see the module's note).
 pub fn nats_server() -> Option<NatsServer> {
+    nats_server_with(&[])
+}
+
+/// A running server started with `args` besides the test's own (authentication, TLS), or
+/// `None` when none is installed.
+pub fn nats_server_with(args: &[&str]) -> Option<NatsServer> {
     let Some(binary) = binary() else {
         assert!(
             std::env::var("DISPATCH_REQUIRE_NATS").as_deref() != Ok("1"),
@@ -46,6 +52,7 @@ pub fn nats_server() -> Option<NatsServer> {
         .arg(dir.join("data"))
         .arg("--ports_file_dir")
         .arg(dir.join("ports"))
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -60,8 +67,8 @@ fn wait_for_port(dir: &Path, within: Duration) -> Option<String> {
     while Instant::now() < deadline {
         for entry in std::fs::read_dir(dir).ok()?.flatten() {
             let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            // {"nats":["nats://127.0.0.1:PORT"], ...}
-            if let Some(start) = text.find("nats://") {
+            // {"nats":["nats://127.0.0.1:PORT"], ...} (or "tls://...")
+            if let Some(start) = text.find("nats://").or_else(|| text.find("tls://")) {
                 let rest = &text[start..];
                 if let Some(end) = rest.find('"') {
                     return Some(rest[..end].to_owned());
