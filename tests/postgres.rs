@@ -392,3 +392,18 @@ async fn a_read_only_postgres_database_refuses_writes_with_503_and_the_gateway_r
     assert_eq!(server.chat("after", "hello again").await.last().unwrap()["type"], "turn-sealed");
     server.stop().await;
 }
+
+/// A database the gateway cannot connect to stops it at start with the reason PostgreSQL gave
+/// (not the pool's "timed out"), and the URL named without its password.
+#[tokio::test]
+async fn a_database_it_cannot_connect_to_is_named_with_the_reason_and_without_its_password() {
+    let Some(database) = postgres().await else { return };
+    let host = database.url.split_once("://").map(|(_, rest)| rest.rsplit_once('@').map_or(rest, |(_, h)| h)).unwrap();
+    let url = format!("postgres://dispatch_nobody:hunter2@{host}");
+    let metrics = std::sync::Arc::new(dispatch_gateway::metrics::Metrics::default());
+    let refused = Store::open(&Database::Postgres(url), metrics).await.err().expect("no such role");
+    let said = refused.to_string();
+    assert!(said.starts_with(&format!("cannot connect to PostgreSQL at postgres://***@{host}: ")), "{said}");
+    assert!(said.contains("dispatch_nobody"), "PostgreSQL's reason: {said}");
+    assert!(!said.contains("hunter2") && !said.contains("timed out"), "{said}");
+}

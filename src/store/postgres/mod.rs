@@ -43,11 +43,26 @@ impl Postgres {
     /// Connects and applies the migrations (sqlx holds an advisory lock meanwhile, so gateways
     /// starting together migrate once).
     pub(crate) async fn open(url: &str, limits: StoreOptions) -> StoreResult<Postgres> {
-        let pool = PgPoolOptions::new()
+        let connected = PgPoolOptions::new()
             .max_connections(limits.max_connections.max(2))
             .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect(url)
-            .await?;
+            .connect(url);
+        let pool = match connected.await {
+            Ok(pool) => pool,
+            Err(e) => {
+                // The pool only says it timed out; a connection of its own says why (refused,
+                // no such database, a wrong password), and the URL is named without its secret.
+                let why =
+                    match tokio::time::timeout(ACQUIRE_TIMEOUT, <sqlx::PgConnection as sqlx::Connection>::connect(url))
+                        .await
+                    {
+                        Ok(Err(direct)) => direct.to_string(),
+                        _ => e.to_string(),
+                    };
+                let url = crate::config::redacted(url);
+                return Err(StoreError::Unwritable(format!("cannot connect to PostgreSQL at {url}: {why}")));
+            }
+        };
         migrator().run(&pool).await.map_err(|e| StoreError::Migrate(e.to_string()))?;
         Ok(Postgres { pool })
     }
