@@ -573,8 +573,6 @@ fn credentials_from(
     Ok(out)
 }
 
-/// The 1-based line where `key` is set in a TOML text (for error messages).
-/// A scalar value of the file as its flag would spell it; `None` for a table, an array or a date.
 /// `urls` (comma-separated) with what stands before each host's `@` (a password, a token)
 /// replaced by `***`, for errors and logs.
 pub fn redacted(urls: &str) -> String {
@@ -589,6 +587,7 @@ pub fn redacted(urls: &str) -> String {
     urls.split(',').map(one).collect::<Vec<_>>().join(",")
 }
 
+/// A scalar value of the file as its flag would spell it; `None` for a table, an array or a date.
 fn scalar_text(value: &toml::Value) -> Option<String> {
     Some(match value {
         toml::Value::String(s) => s.clone(),
@@ -599,6 +598,7 @@ fn scalar_text(value: &toml::Value) -> Option<String> {
     })
 }
 
+/// The 1-based line where `key` is set in a TOML text (for error messages).
 fn line_of(text: &str, key: &str) -> usize {
     text.lines()
         .position(|l| l.trim_start().strip_prefix(key).is_some_and(|rest| rest.trim_start().starts_with('=')))

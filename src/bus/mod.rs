@@ -153,7 +153,6 @@ fn conversation_filter(conversation_id: &str) -> String {
     format!("dispatch.events.*.{}", token(conversation_id))
 }
 
-/// A message's gateway, turn and first index, from its headers.
 /// The servers `urls` (comma-separated) name, and the options that authenticate to them: the
 /// first URL's `user:password@` or `token@` (NATS takes one identity per client), TLS required
 /// when a certificate file is given.
@@ -181,6 +180,7 @@ fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<ServerAddr>,
     Ok((servers, connect))
 }
 
+/// A message's gateway, turn and first index, from its headers.
 fn message_head(headers: Option<&async_nats::HeaderMap>) -> Option<(String, String, u32)> {
     let headers = headers?;
     let node = headers.get(NODE)?.as_str().to_owned();
