@@ -201,17 +201,21 @@ mod tests {
         // too: the database file alone, as a copy of it without its WAL, has the new title.
         assert!(store.set_title("c", "renamed").await.unwrap());
         let copy = dir.path().join("copy.db");
-        let mut title = String::new();
+        let title = || -> rusqlite::Result<String> {
+            std::fs::copy(&path, &copy).expect("a copy of the database file");
+            let file = rusqlite::Connection::open(&copy)?;
+            file.query_row("SELECT title FROM conversations WHERE id = 'c'", [], |r| r.get(0))
+        };
+        let mut seen = Err(rusqlite::Error::QueryReturnedNoRows);
         for _ in 0..100 {
-            std::fs::copy(&path, &copy).unwrap();
-            let file = rusqlite::Connection::open(&copy).unwrap();
-            title = file.query_row("SELECT title FROM conversations WHERE id = 'c'", [], |r| r.get(0)).unwrap();
-            if title == "renamed" {
+            // A copy taken while a checkpoint writes the file can be torn: read again.
+            seen = title();
+            if seen.as_deref().is_ok_and(|t| t == "renamed") {
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
-        assert_eq!(title, "renamed", "the rename never reached the database file");
+        assert_eq!(seen.as_deref().ok(), Some("renamed"), "the rename never reached the database file: {seen:?}");
         store.close().await;
     }
 
