@@ -573,14 +573,17 @@ fn credentials_from(
     Ok(out)
 }
 
-/// `urls` (comma-separated) with what stands before each host's `@` (a password, a token)
-/// replaced by `***`, for errors and logs.
-pub fn redacted(urls: &str) -> String {
+/// `urls` (comma-separated) with each one's password shown as `***` (`user:***@host`), for
+/// errors and logs. A bare `name@host` is hidden whole when `bare_is_secret` (a NATS token),
+/// kept otherwise (a PostgreSQL user).
+pub fn redacted(urls: &str, bare_is_secret: bool) -> String {
     let one = |url: &str| -> String {
         let (scheme, rest) = url.split_once("://").map_or(("", url), |(s, r)| (&url[..s.len() + 3], r));
         let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
-        match authority.rfind('@') {
-            Some(at) => format!("{scheme}***{}", &rest[at..]),
+        let Some(at) = authority.rfind('@') else { return url.to_owned() };
+        match rest[..at].split_once(':') {
+            Some((user, _)) => format!("{scheme}{user}:***{}", &rest[at..]),
+            None if bare_is_secret => format!("{scheme}***{}", &rest[at..]),
             None => url.to_owned(),
         }
     };
@@ -630,7 +633,7 @@ impl Config {
         }
         if let Some(bus) = &self.bus {
             if !bus.split(',').all(|url| url.trim().starts_with("nats://") || url.trim().starts_with("tls://")) {
-                return Err(ConfigError::Bus(format!("nats:// or tls:// URLs, got {:?}", redacted(bus))));
+                return Err(ConfigError::Bus(format!("nats:// or tls:// URLs, got {:?}", redacted(bus, true))));
             }
             if !matches!(self.database, crate::store::Database::Postgres(_)) {
                 return Err(ConfigError::Bus(
@@ -724,14 +727,17 @@ mod tests {
     #[test]
     fn a_bus_urls_credentials_are_redacted() {
         for (url, shown) in [
-            ("nats://u:s3cret@127.0.0.1:4222", "nats://***@127.0.0.1:4222"),
+            ("nats://u:s3cret@127.0.0.1:4222", "nats://u:***@127.0.0.1:4222"),
             ("tls://t0ken@nats.example:4222/x?y=1", "tls://***@nats.example:4222/x?y=1"),
-            ("nats://u:p@ss:w@h:1,nats://h2:2", "nats://***@h:1,nats://h2:2"),
+            ("nats://u:p@ss:w@h:1,nats://h2:2", "nats://u:***@h:1,nats://h2:2"),
             ("nats://h:1/a@b", "nats://h:1/a@b"),
             ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
-            ("u:secret@host", "***@host"),
+            ("u:secret@host", "u:***@host"),
+            ("s3cret@host", "***@host"),
         ] {
-            assert_eq!(super::redacted(url), shown, "{url}");
+            assert_eq!(super::redacted(url, true), shown, "{url}");
         }
+        // A PostgreSQL user alone is no secret.
+        assert_eq!(super::redacted("postgres://u@h/db", false), "postgres://u@h/db");
     }
 }

@@ -231,7 +231,7 @@ async fn gateways_join_a_bus_that_asks_for_a_password_and_verified_tls() {
         (with(&good, &all[..2]), "no client certificate"),
     ] {
         let said = tokio::task::spawn_blocking(move || refused_start(&args)).await.unwrap();
-        assert!(said.contains(&format!("cannot connect to NATS at tls://***@{host}")), "{why}: {said}");
+        assert!(said.contains(&format!("cannot connect to NATS at tls://gw:***@{host}")), "{why}: {said}");
         assert!(!said.contains("s3cret") && !said.contains("wrong"), "{why}: the password is out: {said}");
     }
 }

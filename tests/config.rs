@@ -160,6 +160,8 @@ fn request_head_and_read_page_limits_have_a_floor_and_a_ceiling() {
         ["--metrics-page-turns", "1000001"],
         ["--delete-batch-rows", "0"],
         ["--delete-batch-rows", "1000001"],
+        ["--max-runtime-request-bytes", "1023"],
+        ["--max-runtime-request-bytes", "1073741825"],
     ] {
         let err = load(&args, &[]).err().unwrap_or_else(|| panic!("{args:?} should fail"));
         assert!(err.contains(args[0]) && err.contains(args[1]), "{args:?}: {err}");
@@ -187,6 +189,15 @@ fn a_bus_is_a_nats_url_beside_a_postgres_database_and_its_limits_have_floors() {
         let err = load(&[flag, "0"], &[]).err().unwrap_or_else(|| panic!("{flag} 0 should fail"));
         assert!(err.contains(flag), "{err}");
     }
+    // A refused bus URL is named without its password; TLS files need a bus, a certificate
+    // its key.
+    let mut config = load(&["--bus", "nats://h:1,http://u:s3cret@h:2", "--database", "postgres://h/db"], &[]).unwrap();
+    let err = config.check().unwrap_err().to_string();
+    assert!(err.contains("http://u:***@h:2") && !err.contains("s3cret"), "{err}");
+    let mut config = load(&["--bus-ca-file", "/ca.pem", "--database", "postgres://h/db"], &[]).unwrap();
+    assert!(config.check().unwrap_err().to_string().contains("no --bus"));
+    let err = load(&["--bus", "nats://h:1", "--bus-client-cert", "/c.pem"], &[]).unwrap_err();
+    assert!(err.contains("--bus-client-key"), "{err}");
 }
 
 #[cfg(not(feature = "cluster"))]

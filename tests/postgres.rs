@@ -403,7 +403,10 @@ async fn a_database_it_cannot_connect_to_is_named_with_the_reason_and_without_it
     let metrics = std::sync::Arc::new(dispatch_gateway::metrics::Metrics::default());
     let refused = Store::open(&Database::Postgres(url), metrics).await.err().expect("no such role");
     let said = refused.to_string();
-    assert!(said.starts_with(&format!("cannot connect to PostgreSQL at postgres://***@{host}: ")), "{said}");
+    assert!(
+        said.starts_with(&format!("cannot connect to PostgreSQL at postgres://dispatch_nobody:***@{host}: ")),
+        "{said}"
+    );
     assert!(said.contains("dispatch_nobody"), "PostgreSQL's reason: {said}");
     assert!(!said.contains("hunter2") && !said.contains("timed out"), "{said}");
 }

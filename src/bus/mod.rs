@@ -82,7 +82,7 @@ impl Bus {
         // async-nats takes TLS's crypto from rustls's process default, which a build with two
         // providers compiled in (tests unify reqwest's aws-lc) leaves unset: ring, as upstreams use.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let failed = |reason: String| BusError::Connect { url: crate::config::redacted(url), reason };
+        let failed = |reason: String| BusError::Connect { url: crate::config::redacted(url, true), reason };
         let (servers, connect) = connect_options(url, &options).map_err(failed)?;
         let client = connect
             .name(format!("dispatch-gateway {node}"))
@@ -192,3 +192,29 @@ fn message_head(headers: Option<&async_nats::HeaderMap>) -> Option<(String, Stri
 pub use control::serve_control;
 pub use publish::end_interrupted;
 pub use status::relay_statuses;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A URL NATS cannot parse stops the connection before any network, and the error names
+    /// every URL without its password.
+    #[tokio::test]
+    async fn a_malformed_bus_url_is_refused_without_its_password() {
+        let options = BusOptions {
+            max_age: Duration::from_secs(1),
+            max_bytes: 1,
+            timeout: Duration::from_secs(1),
+            ca_file: None,
+            client_cert: None,
+        };
+        let urls = "nats://gw:s3cret@127.0.0.1:1,nats://gw:s3cret@[::1";
+        let Err(refused) = Bus::connect(urls, options).await else { panic!("a malformed URL connected") };
+        let said = refused.to_string();
+        assert!(
+            said.starts_with("cannot connect to NATS at nats://gw:***@127.0.0.1:1,nats://gw:***@[::1: not a NATS URL"),
+            "{said}"
+        );
+        assert!(!said.contains("s3cret"), "{said}");
+    }
+}

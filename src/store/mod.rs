@@ -67,16 +67,7 @@ impl fmt::Display for Database {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Database::Sqlite(path) => write!(f, "{}", path.display()),
-            Database::Postgres(url) => {
-                let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
-                match rest.split_once('@') {
-                    Some((user, host)) if user.contains(':') => {
-                        let user = user.split(':').next().unwrap_or_default();
-                        write!(f, "{scheme}://{user}:***@{host}")
-                    }
-                    _ => write!(f, "{url}"),
-                }
-            }
+            Database::Postgres(url) => f.write_str(&crate::config::redacted(url, false)),
         }
     }
 }

@@ -59,7 +59,7 @@ impl Postgres {
                         Ok(Err(direct)) => direct.to_string(),
                         _ => e.to_string(),
                     };
-                let url = crate::config::redacted(url);
+                let url = crate::config::redacted(url, false);
                 return Err(StoreError::Unwritable(format!("cannot connect to PostgreSQL at {url}: {why}")));
             }
         };
