@@ -596,6 +596,11 @@ mod tests {
             at = end.max(at);
             loop {
                 match frames.next() {
+                    // Nothing after a close is read, as in `all` and on a connection.
+                    Ok(Some(m @ Incoming::Close(_))) => {
+                        got.push(Ok(m));
+                        return got;
+                    }
                     Ok(Some(m)) => got.push(Ok(m)),
                     Ok(None) => break,
                     Err(code) => {
