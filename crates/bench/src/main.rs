@@ -388,11 +388,11 @@ fn rss_kib(pids: &[u32]) -> u64 {
         .sum()
 }
 
-fn percentile(sorted: &[u64], p: f64) -> u64 {
+fn percentile<T: Copy + Into<u64>>(sorted: &[T], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
     }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize].into()
 }
 
 /// The transport a watcher reads the gateway with.
@@ -726,9 +726,35 @@ struct Seen {
     stamped: u64,
     out_of_order: u64,
     latencies: Vec<u64>,
+    /// For each latency, in the same order: how much of it the event spent waiting for the
+    /// newest event of the read that brought it (that one's send time minus its own). What
+    /// is left, the latency minus this, is the time from the newest one's send to the read:
+    /// a server that batches shows its batching in the first part, its writing in the second.
+    held: Vec<u32>,
+    /// The read the last latencies came in (its time) and where its latencies start.
+    read: (u64, usize),
     /// The send times of the first stamped events (as many as `watch` was asked to keep).
     early: Vec<u64>,
     sealed: bool,
+}
+
+impl Seen {
+    /// A stamped event read at `now` with `latency`.
+    fn latency(&mut self, now: u64, latency: u64) {
+        if now != self.read.0 {
+            self.end_read();
+            self.read = (now, self.latencies.len());
+        }
+        self.latencies.push(latency);
+    }
+
+    /// The latencies of the last read: each one's wait for the newest (the smallest latency).
+    fn end_read(&mut self) {
+        let read = &self.latencies[self.read.1.min(self.latencies.len())..];
+        let newest = read.iter().copied().min().unwrap_or(0);
+        self.held.extend(read.iter().map(|l| (l - newest).min(u64::from(u32::MAX)) as u32));
+        self.read.1 = self.latencies.len();
+    }
 }
 
 /// A stamped delta's `<micros>:<index>:` prefix.
@@ -754,12 +780,17 @@ impl Watcher {
         // Sized and touched now, before the workload's clock starts: grown as events arrive,
         // the lists would be copied a dozen times and fault their pages in while latencies are
         // measured.
-        let touched = |n: usize| {
+        fn touched<T: Copy + Default>(n: usize) -> Vec<T> {
             let mut v = Vec::with_capacity(n);
-            v.spare_capacity_mut().fill(std::mem::MaybeUninit::new(0));
+            v.spare_capacity_mut().fill(std::mem::MaybeUninit::new(T::default()));
             v
+        }
+        let seen = Seen {
+            latencies: touched(events),
+            held: touched(events),
+            early: touched(keep.min(events)),
+            ..Seen::default()
         };
-        let seen = Seen { latencies: touched(events), early: touched(keep.min(events)), ..Seen::default() };
         Watcher { server, transport, events, keep, seen, last_index: None }
     }
 
@@ -785,7 +816,7 @@ impl Watcher {
                         seen.out_of_order += 1;
                     }
                     seen.stamped += 1;
-                    seen.latencies.push(now.saturating_sub(stamp));
+                    seen.latency(now, now.saturating_sub(stamp));
                     if seen.early.len() < self.keep {
                         seen.early.push(stamp);
                     }
@@ -805,7 +836,7 @@ impl Watcher {
                 self.last_index = seq;
                 if let Some(stamp) = stamp {
                     seen.stamped += 1;
-                    seen.latencies.push(now.saturating_sub(stamp));
+                    seen.latency(now, now.saturating_sub(stamp));
                 }
                 if seq == Some(self.events as u64 - 1) {
                     seen.sealed = true;
@@ -988,6 +1019,10 @@ struct Tally {
     out_of_order: u64,
     incomplete: u64,
     latencies: Vec<u64>,
+    /// Each latency's two parts (see `Seen::held`): the wait for the newest event of its read,
+    /// and the time from that one's send to the read.
+    held: Vec<u32>,
+    since_newest: Vec<u32>,
     /// Send time and latency of the events each watcher kept the send time of (see `watch`).
     early: Vec<(u64, u64)>,
     /// With a split asked for (`head` > 0): the latencies of each watcher's first `head`
@@ -1005,7 +1040,11 @@ impl Tally {
         if groups > 1 {
             tally.by_group = vec![(0, Vec::new()); groups];
         }
-        for seen in seen_all {
+        for mut seen in seen_all {
+            seen.end_read();
+            let since = seen.latencies.iter().zip(&seen.held).map(|(l, h)| (l - u64::from(*h)).min(u32::MAX.into()) as u32);
+            tally.since_newest.extend(since);
+            tally.held.extend_from_slice(&seen.held);
             if let Some((delivered, latencies)) = tally.by_group.get_mut(seen.group) {
                 *delivered += seen.delivered;
                 latencies.extend_from_slice(&seen.latencies);
@@ -1078,6 +1117,8 @@ impl Tally {
         let elapsed = started.elapsed().as_secs_f64();
         let used = Usage::read(pids).since(before);
         tally.latencies.sort_unstable();
+        tally.held.sort_unstable();
+        tally.since_newest.sort_unstable();
         (tally, elapsed, used)
     }
 
@@ -1087,6 +1128,14 @@ impl Tally {
 
     fn p(&self, p: f64) -> f64 {
         percentile(&self.latencies, p) as f64 / 1000.0
+    }
+
+    /// The p99 of each part of the latencies (see `held`), in milliseconds.
+    fn parts_p99(&self) -> Value {
+        json!({
+            "latency_held_p99_ms": percentile(&self.held, 0.99) as f64 / 1000.0,
+            "latency_since_newest_p99_ms": percentile(&self.since_newest, 0.99) as f64 / 1000.0,
+        })
     }
 }
 
@@ -1144,6 +1193,7 @@ async fn fanout(
         "correct": tally.correct(),
     });
     merge(&mut result, used.split(tally.delivered));
+    merge(&mut result, tally.parts_p99());
     if nodes.len() > 1 {
         let per_node: Vec<Value> = tally
             .by_group
@@ -1249,6 +1299,7 @@ async fn scale(
         "correct": tally.correct(),
     });
     merge(&mut result, used.split(tally.delivered));
+    merge(&mut result, tally.parts_p99());
     result
 }
 
