@@ -9,6 +9,7 @@ mod http_client;
 mod lines;
 pub mod openai;
 pub mod scripted;
+mod timer;
 
 use std::collections::BTreeMap;
 use std::future::Future;

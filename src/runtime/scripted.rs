@@ -13,6 +13,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::timer::Timer;
 use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
 use crate::wire::{OutputStream, Usage};
 
@@ -155,12 +156,17 @@ pub fn split_tokens(text: &str) -> Vec<&str> {
 struct Pacer {
     interval: Option<Duration>,
     next: Instant,
+    /// The kernel's timer, so that deltas come `interval` apart to the microsecond rather than
+    /// to tokio's millisecond (`timer.rs`); tokio's where there is none, and in unit tests,
+    /// which pace on tokio's paused clock.
+    timer: Option<Timer>,
 }
 
 impl Pacer {
     fn new(tokens_per_second: f64) -> Pacer {
         let interval = (tokens_per_second > 0.0).then(|| Duration::from_secs_f64(1.0 / tokens_per_second));
-        Pacer { interval, next: Instant::now() }
+        let timer = interval.filter(|_| !cfg!(test)).and_then(|_| Timer::new().ok());
+        Pacer { interval, next: Instant::now(), timer }
     }
 
     /// Paces from now on: after a stall (or a step's tool calls) the next delta comes one
@@ -172,8 +178,15 @@ impl Pacer {
     async fn tick(&mut self, cancel: &CancellationToken) -> Result<(), Stop> {
         if let Some(interval) = self.interval {
             self.next += interval;
+            let (next, timer) = (self.next, self.timer.as_ref());
+            let sleep = async move {
+                match timer {
+                    Some(timer) if timer.sleep_until(next).await.is_ok() => {}
+                    _ => tokio::time::sleep_until(next).await,
+                }
+            };
             tokio::select! {
-                _ = tokio::time::sleep_until(self.next) => {}
+                _ = sleep => {}
                 _ = cancel.cancelled() => return Err(Stop),
             }
         }

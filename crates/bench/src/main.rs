@@ -1042,7 +1042,8 @@ impl Tally {
         }
         for mut seen in seen_all {
             seen.end_read();
-            let since = seen.latencies.iter().zip(&seen.held).map(|(l, h)| (l - u64::from(*h)).min(u32::MAX.into()) as u32);
+            let since =
+                seen.latencies.iter().zip(&seen.held).map(|(l, h)| (l - u64::from(*h)).min(u32::MAX.into()) as u32);
             tally.since_newest.extend(since);
             tally.held.extend_from_slice(&seen.held);
             if let Some((delivered, latencies)) = tally.by_group.get_mut(seen.group) {
