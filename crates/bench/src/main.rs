@@ -750,7 +750,7 @@ impl Seen {
 
     /// The latencies of the last read: each one's wait for the newest (the smallest latency).
     fn end_read(&mut self) {
-        let read = &self.latencies[self.read.1.min(self.latencies.len())..];
+        let read = &self.latencies[self.read.1..];
         let newest = read.iter().copied().min().unwrap_or(0);
         self.held.extend(read.iter().map(|l| (l - newest).min(u64::from(u32::MAX)) as u32));
         self.read.1 = self.latencies.len();
