@@ -77,6 +77,16 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_BUS_CLIENT_KEY", requires = "bus_client_cert")]
     pub bus_client_key: Option<std::path::PathBuf>,
 
+    /// A NATS credentials file (a user JWT and its NKEY seed, as `nsc` writes them) this
+    /// gateway authenticates to the bus with: a NATS server in operator (JWT) mode.
+    #[arg(long, env = "DISPATCH_BUS_CREDS", conflicts_with = "bus_nkey")]
+    pub bus_creds: Option<std::path::PathBuf>,
+
+    /// A file holding the user NKEY seed (`SU...`) this gateway authenticates to the bus with:
+    /// a NATS server whose `authorization` lists the key's public half.
+    #[arg(long, env = "DISPATCH_BUS_NKEY")]
+    pub bus_nkey: Option<std::path::PathBuf>,
+
     /// Seconds a turn's events stay in the bus's stream (a late joiner elsewhere replays from
     /// it).
     #[arg(long, env = "DISPATCH_BUS_MAX_AGE_SECS", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
@@ -631,9 +641,23 @@ impl Config {
         if tls && self.bus.is_none() {
             return Err(ConfigError::Bus("a bus certificate or authority is set, but no --bus".into()));
         }
+        let key = self.bus_creds.is_some() || self.bus_nkey.is_some();
+        if key && self.bus.is_none() {
+            return Err(ConfigError::Bus("a bus credentials or NKEY file is set, but no --bus".into()));
+        }
         if let Some(bus) = &self.bus {
             if !bus.split(',').all(|url| url.trim().starts_with("nats://") || url.trim().starts_with("tls://")) {
                 return Err(ConfigError::Bus(format!("nats:// or tls:// URLs, got {:?}", redacted(bus, true))));
+            }
+            // NATS takes one identity per client.
+            let names_someone = bus.split(',').any(|url| {
+                let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+                rest.split(['/', '?', '#']).next().is_some_and(|authority| authority.contains('@'))
+            });
+            if key && names_someone {
+                return Err(ConfigError::Bus(
+                    "the bus URL names a user or token and a credentials or NKEY file is set: NATS takes one".into(),
+                ));
             }
             if !matches!(self.database, crate::store::Database::Postgres(_)) {
                 return Err(ConfigError::Bus(
@@ -665,6 +689,8 @@ impl Config {
             bus_ca_file: None,
             bus_client_cert: None,
             bus_client_key: None,
+            bus_creds: None,
+            bus_nkey: None,
             bus_max_age_secs: 3600,
             bus_max_bytes: 1 << 30,
             bus_timeout_ms: 5000,

@@ -159,6 +159,11 @@ async fn connect_bus(config: &Config) -> Result<Option<Bus>, StartupError> {
         timeout: Duration::from_millis(config.bus_timeout_ms),
         ca_file: config.bus_ca_file.clone(),
         client_cert: config.bus_client_cert.clone().zip(config.bus_client_key.clone()),
+        key: match (&config.bus_creds, &config.bus_nkey) {
+            (Some(creds), _) => Some(crate::bus::BusKey::Creds(creds.clone())),
+            (None, Some(nkey)) => Some(crate::bus::BusKey::Nkey(nkey.clone())),
+            (None, None) => None,
+        },
     };
     Ok(Some(Bus::connect(url, options).await?))
 }

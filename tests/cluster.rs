@@ -6,7 +6,8 @@
 //! metrics. Needs both servers: `DISPATCH_TEST_POSTGRES` (see `dispatch_testkit::postgres`) and a
 //! `nats-server` binary (see `dispatch_testkit::nats`); skipped without them unless
 //! `DISPATCH_REQUIRE_POSTGRES=1` / `DISPATCH_REQUIRE_NATS=1`. Then gateways on a bus that asks
-//! for a password and verified TLS both ways.
+//! for a password and verified TLS both ways, and on buses that know them by NKEY and by a
+//! `.creds` file.
 
 mod common;
 
@@ -234,4 +235,132 @@ async fn gateways_join_a_bus_that_asks_for_a_password_and_verified_tls() {
         assert!(said.contains(&format!("cannot connect to NATS at tls://gw:***@{host}")), "{why}: {said}");
         assert!(!said.contains("s3cret") && !said.contains("wrong"), "{why}: the password is out: {said}");
     }
+}
+
+/// A NATS credentials file, as `nsc` writes one: the user's JWT and seed.
+fn creds_file(jwt: &str, seed: &str) -> String {
+    format!(
+        "-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n\
+         ************************* IMPORTANT *************************\n\
+         NKEY Seed printed below can be used to sign and prove identity.\n\
+         NKEYs are sensitive and should be treated as secrets.\n\n\
+         -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n\n\
+         *************************************************************\n"
+    )
+}
+
+/// A NATS JWT (`ed25519-nkey`, as nats-io/jwt v2 encodes one): `claims` about `subject`,
+/// signed by `issuer`.
+fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, nats: Value) -> String {
+    use base64::Engine as _;
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let claims = json!({
+        "jti": format!("{subject}{now}"), "iat": now, "iss": issuer.public_key(), "name": name, "sub": subject,
+        "nats": nats,
+    });
+    let input = format!("{}.{}", b64(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#), b64(claims.to_string().as_bytes()));
+    let signature = issuer.sign(input.as_bytes()).expect("a seed signs");
+    format!("{input}.{}", b64(&signature))
+}
+
+/// A NATS server that knows its clients by NKEY, and one in operator mode that knows them by
+/// the JWTs in their `.creds` files: gateways with the right key file join each and watch each
+/// other's turns; a key the server does not know or a file that holds no user seed stop a
+/// gateway at start with an error that shows no seed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_join_a_bus_by_nkey_and_by_a_creds_file() {
+    let Some(database) = fresh_database().await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let common = ["--database", database.url.as_str(), "--bus-timeout-ms", "3000"];
+    let with = |bus: &str, flag: &str, file: &str| -> Vec<String> {
+        common.iter().copied().chain(["--bus", bus, flag, file]).map(str::to_owned).collect()
+    };
+    let watched_across = |args: Vec<String>, conversation: &'static str| async move {
+        let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+        let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+        let mut on_a = a.sse(conversation, "").await;
+        let mut on_b = b.sse(conversation, "").await;
+        start_turn(&a, conversation, "signed in").await;
+        let everything = read(&on_a.until_sealed().await);
+        assert!(everything.iter().any(|(_, e)| e["type"] == "text-delta"));
+        assert_eq!(read(&on_b.until_sealed().await), everything, "B watched A's turn over the bus");
+    };
+    let refused =
+        |args: Vec<String>| async move { tokio::task::spawn_blocking(move || refused_start(&args)).await.unwrap() };
+
+    // NKEY: the server lists the user's public key.
+    let user = nkeys::KeyPair::new_user();
+    let seed = user.seed().unwrap();
+    let config =
+        write("nkey.conf", &format!("authorization {{ users = [ {{ nkey: \"{}\" }} ] }}\n", user.public_key()));
+    let Some(nats) = nats_server_with(&["-c", &config]) else { return };
+    watched_across(with(&nats.url, "--bus-nkey", &write("gw.nk", &format!("{seed}\n"))), "by-nkey").await;
+
+    let stranger = nkeys::KeyPair::new_user().seed().unwrap();
+    let account = nkeys::KeyPair::new_account().seed().unwrap();
+    for (file, why, says) in [
+        (write("stranger.nk", &stranger), "a key the server does not list", "cannot connect to NATS at"),
+        (write("account.nk", &account), "an account's seed", "holds a seed, but not a user's"),
+        (write("garbage.nk", "SUnot-a-seed"), "no seed", "does not hold an NKEY seed"),
+    ] {
+        let said = refused(with(&nats.url, "--bus-nkey", &file)).await;
+        assert!(said.contains(says), "{why}: {said}");
+        for secret in [&stranger, &account, "SUnot-a-seed"] {
+            assert!(!said.contains(secret), "{why}: a seed is out: {said}");
+        }
+    }
+
+    // Operator mode: the server trusts an operator, which signed the account, which signed the
+    // user's JWT; JetStream is on for the account.
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let operator_jwt = nats_jwt(&operator, &operator.public_key(), "op", json!({"type": "operator", "version": 2}));
+    let unlimited = json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": true, "conn": -1,
+        "leaf": -1, "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+    });
+    let account_jwt = nats_jwt(
+        &operator,
+        &account.public_key(),
+        "dispatch",
+        json!({"limits": unlimited, "type": "account", "version": 2}),
+    );
+    let user_claims =
+        json!({"pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2});
+    let user = nkeys::KeyPair::new_user();
+    let user_jwt = nats_jwt(&account, &user.public_key(), "gw", user_claims.clone());
+    // JetStream needs the server's own (system) account.
+    let system = nkeys::KeyPair::new_account();
+    let system_jwt = nats_jwt(&operator, &system.public_key(), "SYS", json!({"type": "account", "version": 2}));
+    let config = write(
+        "operator.conf",
+        &format!(
+            "operator: {operator_jwt}\nsystem_account: {system}\nresolver: MEMORY\n\
+             resolver_preload: {{ {system}: {system_jwt}, {account}: {account_jwt} }}\n",
+            system = system.public_key(),
+            account = account.public_key(),
+        ),
+    );
+    let Some(nats) = nats_server_with(&["-c", &config]) else { return };
+    let creds = write("gw.creds", &creds_file(&user_jwt, &user.seed().unwrap()));
+    watched_across(with(&nats.url, "--bus-creds", &creds), "by-creds").await;
+
+    // A user signed by an account the operator never signed.
+    let elsewhere = nkeys::KeyPair::new_account();
+    let stranger = nkeys::KeyPair::new_user();
+    let stranger_jwt = nats_jwt(&elsewhere, &stranger.public_key(), "stranger", user_claims);
+    let stranger_seed = stranger.seed().unwrap();
+    let said =
+        refused(with(&nats.url, "--bus-creds", &write("stranger.creds", &creds_file(&stranger_jwt, &stranger_seed))))
+            .await;
+    assert!(said.contains("cannot connect to NATS at"), "{said}");
+    assert!(!said.contains(&stranger_seed), "the seed is out: {said}");
+    let said = refused(with(&nats.url, "--bus-creds", &write("empty.creds", ""))).await;
+    assert!(said.contains("cannot connect to NATS at") && said.contains("JWT"), "{said}");
 }

@@ -198,6 +198,21 @@ fn a_bus_is_a_nats_url_beside_a_postgres_database_and_its_limits_have_floors() {
     assert!(config.check().unwrap_err().to_string().contains("no --bus"));
     let err = load(&["--bus", "nats://h:1", "--bus-client-cert", "/c.pem"], &[]).unwrap_err();
     assert!(err.contains("--bus-client-key"), "{err}");
+    // A key file needs a bus, is one of two kinds, and is the client's one identity: not beside
+    // a user or token in any of the URLs.
+    let mut config = load(&["--bus-nkey", "/gw.nk", "--database", "postgres://h/db"], &[]).unwrap();
+    assert!(config.check().unwrap_err().to_string().contains("no --bus"));
+    let err = load(&["--bus", "nats://h:1", "--bus-creds", "/gw.creds", "--bus-nkey", "/gw.nk"], &[]).unwrap_err();
+    assert!(err.contains("--bus-creds") && err.contains("--bus-nkey"), "{err}");
+    for bus in ["nats://gw:s3cret@h:1", "nats://h:1,nats://t0ken@h:2"] {
+        let mut config =
+            load(&["--bus", bus, "--bus-creds", "/gw.creds", "--database", "postgres://h/db"], &[]).unwrap();
+        let err = config.check().unwrap_err().to_string();
+        assert!(err.contains("NATS takes one") && !err.contains("s3cret") && !err.contains("t0ken"), "{bus}: {err}");
+    }
+    let mut config =
+        load(&["--bus", "nats://h:1", "--bus-creds", "/gw.creds", "--database", "postgres://h/db"], &[]).unwrap();
+    config.check().expect("a credentials file beside a bus URL without a user");
 }
 
 #[cfg(not(feature = "cluster"))]

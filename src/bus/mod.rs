@@ -43,6 +43,18 @@ pub struct BusOptions {
     pub ca_file: Option<PathBuf>,
     /// The certificate and key this gateway presents.
     pub client_cert: Option<(PathBuf, PathBuf)>,
+    /// A key file this gateway authenticates with, instead of a URL's user or token.
+    pub key: Option<BusKey>,
+}
+
+/// A key file the bus authenticates a gateway by (the server sends a nonce, the gateway signs
+/// it with the seed).
+#[derive(Debug, Clone)]
+pub enum BusKey {
+    /// A `.creds` file: a user JWT (operator mode) and its NKEY seed.
+    Creds(PathBuf),
+    /// A file holding a user NKEY seed.
+    Nkey(PathBuf),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -83,7 +95,7 @@ impl Bus {
         // providers compiled in (tests unify reqwest's aws-lc) leaves unset: ring, as upstreams use.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let failed = |reason: String| BusError::Connect { url: crate::config::redacted(url, true), reason };
-        let (servers, connect) = connect_options(url, &options).map_err(failed)?;
+        let (servers, connect) = connect_options(url, &options).await.map_err(failed)?;
         let client = connect
             .name(format!("dispatch-gateway {node}"))
             .connection_timeout(options.timeout)
@@ -154,9 +166,9 @@ fn conversation_filter(conversation_id: &str) -> String {
 }
 
 /// The servers `urls` (comma-separated) name, and the options that authenticate to them: the
-/// first URL's `user:password@` or `token@` (NATS takes one identity per client), TLS required
-/// when a certificate file is given.
-fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<ServerAddr>, ConnectOptions), String> {
+/// first URL's `user:password@` or `token@`, or a key file (NATS takes one identity per client;
+/// `Config::check` refuses both), TLS required when a certificate file is given.
+async fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<ServerAddr>, ConnectOptions), String> {
     let servers = urls
         .split(',')
         .map(|url| url.trim().parse::<ServerAddr>().map_err(|e| format!("not a NATS URL: {e}")))
@@ -171,6 +183,14 @@ fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<ServerAddr>,
             None => connect.token(decoded(user)),
         };
     }
+    match &options.key {
+        Some(BusKey::Creds(path)) => {
+            // The client's own reader: its errors name the file and what is wrong, never the seed.
+            connect = connect.credentials_file(path).await.map_err(|e| e.to_string())?;
+        }
+        Some(BusKey::Nkey(path)) => connect = connect.nkey(nkey_seed(path)?),
+        None => {}
+    }
     if let Some(ca) = &options.ca_file {
         connect = connect.add_root_certificates(ca.clone()).require_tls(true);
     }
@@ -178,6 +198,18 @@ fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<ServerAddr>,
         connect = connect.add_client_certificate(cert.clone(), key.clone()).require_tls(true);
     }
     Ok((servers, connect))
+}
+
+/// The user NKEY seed in the file at `path`, checked: the client would only read it when
+/// connecting, and say less. The errors never hold the file's text.
+fn nkey_seed(path: &std::path::Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading the NKEY file {}: {e}", path.display()))?;
+    let seed = text.trim();
+    match nkeys::KeyPair::from_seed(seed) {
+        Ok(pair) if pair.key_pair_type() == nkeys::KeyPairType::User => Ok(seed.to_owned()),
+        Ok(_) => Err(format!("the NKEY file {} holds a seed, but not a user's (SU...)", path.display())),
+        Err(_) => Err(format!("the NKEY file {} does not hold an NKEY seed", path.display())),
+    }
 }
 
 /// A message's gateway, turn and first index, from its headers.
@@ -207,6 +239,7 @@ mod tests {
             timeout: Duration::from_secs(1),
             ca_file: None,
             client_cert: None,
+            key: None,
         };
         let urls = "nats://gw:s3cret@127.0.0.1:1,nats://gw:s3cret@[::1";
         let Err(refused) = Bus::connect(urls, options).await else { panic!("a malformed URL connected") };
