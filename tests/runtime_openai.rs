@@ -931,6 +931,61 @@ async fn an_http_upstream_is_asked_through_the_proxy_unless_no_proxy_names_it() 
     gateway.terminate();
 }
 
+/// A SOCKS5 proxy (Debian's microsocks, asking for a user and password, its connections out
+/// made from 127.0.0.2) in `ALL_PROXY`: the upstream is reached through it whether the proxy
+/// resolves the host (`socks5h://`) or the gateway does (`socks5://`); wrong credentials, or no
+/// proxy there, fail the turn `unavailable`, naming the proxy and never its password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_is_reached_through_a_socks5_proxy() {
+    let Some(microsocks) = installed("DISPATCH_TEST_MICROSOCKS", "microsocks") else {
+        assert!(std::env::var_os("DISPATCH_REQUIRE_MICROSOCKS").is_none(), "microsocks is required but not found");
+        eprintln!("no microsocks installed: skipping the SOCKS5 proxy test");
+        return;
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut proxy = std::process::Command::new(microsocks)
+        .args(["-i", "127.0.0.1", "-p", &port, "-u", "socks", "-P", "s3cret", "-b", "127.0.0.2"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("microsocks starts");
+    let up = eventually(100, || async { tokio::net::TcpStream::connect(format!("127.0.0.1:{port}")).await.is_ok() });
+    assert!(up.await, "microsocks listens");
+
+    let reply = || Reply::Stream(vec![delta(json!({"content": "through socks"})), finish("stop")]);
+    let upstream = FakeUpstream::start(vec![reply(), reply()]).await;
+    // A name, not an address: the socks5h proxy resolves it.
+    let base_url = format!("http://localhost:{}/v1", upstream.addr.port());
+    let dir = tempfile::tempdir().unwrap();
+    let through = |scheme: &str, password: &str, name: &str| {
+        let mut env = vec![("ALL_PROXY", format!("{scheme}://socks:{password}@127.0.0.1:{port}"))];
+        env.extend(credential_env("UP", &base_url));
+        child_gateway(&dir.path().join(name), &env)
+    };
+    let remote_dns = through("socks5h", "s3cret", "a");
+    let local_dns = through("socks5", "s3cret", "b");
+    for (gateway, conversation) in [(&remote_dns, "c1"), (&local_dns, "c2")] {
+        let events = chat_on(gateway, conversation, "up/m1").await;
+        assert_eq!(text(&events), "through socks", "{events:?}");
+    }
+    let peers: Vec<_> = upstream.requests().iter().map(|r| r.peer.unwrap().ip().to_string()).collect();
+    assert_eq!(peers, ["127.0.0.2", "127.0.0.2"], "both requests came from the proxy");
+
+    let refused = through("socks5h", "wrong", "c");
+    let error = turn_error(&chat_on(&refused, "c3", "up/m1").await, "unavailable", "credentials not accepted").clone();
+    let _ = proxy.kill();
+    let _ = proxy.wait();
+    let gone = turn_error(&chat_on(&remote_dns, "c4", "up/m1").await, "unavailable", "refused").clone();
+    for error in [error, gone] {
+        let message = error["message"].as_str().unwrap();
+        assert!(message.contains(&format!("the proxy socks5h://127.0.0.1:{port}/")), "{message}");
+        assert!(!message.contains("s3cret") && !message.contains("wrong"), "{message}");
+    }
+    assert_eq!(upstream.requests().len(), 2, "no request went out without the proxy");
+    for gateway in [remote_dns, local_dns, refused] {
+        gateway.terminate();
+    }
+}
+
 /// The idle timeout runs between the upstream's bytes: an upstream that keeps a queued request
 /// open with keep-alive comments (which the event parser swallows) is waited for, past the
 /// timeout, and once it falls silent the turn ends after it.

@@ -1,8 +1,9 @@
 //! The `openai` runtime's HTTP client: hyper's pooled HTTP/1.1 client, TLS by rustls (ring, the
 //! platform's roots, `SSL_CERT_FILE`/`SSL_CERT_DIR` too), and the proxies of the environment
 //! (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`, `NO_PROXY`, read as curl reads them, once at
-//! start). A plain-HTTP upstream is asked through its proxy (the request in absolute form,
-//! with the proxy's credentials); an HTTPS one through a CONNECT tunnel, verified end to end.
+//! start). A plain-HTTP upstream is asked through its HTTP proxy (the request in absolute form,
+//! with the proxy's credentials); an HTTPS one through a CONNECT tunnel, verified end to end;
+//! either through a SOCKS5 proxy's tunnel.
 //! Redirects are not followed: an API endpoint that moved is a configuration to fix.
 
 use std::future::Future;
@@ -18,7 +19,7 @@ use http::uri::Scheme;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::rt::{Read, ReadBufCursor, Write};
-use hyper_util::client::legacy::connect::proxy::Tunnel;
+use hyper_util::client::legacy::connect::proxy::{SocksV5, Tunnel};
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::{Client, Error};
 use hyper_util::client::proxy::matcher::Matcher;
@@ -99,8 +100,33 @@ impl Service<Uri> for ProxyConnector {
             let Some(proxy) = proxy else {
                 return Ok(Stream { io: http.call(dst).await?, proxied: false });
             };
-            if proxy.uri().scheme() != Some(&Scheme::HTTP) {
-                return Err(format!("the proxy {} is not an http:// one (the only kind supported)", proxy.uri()).into());
+            match proxy.uri().scheme_str() {
+                Some("http") => {}
+                Some(scheme @ ("socks5" | "socks5h")) => {
+                    // `socks5h`: the proxy resolves the host; `socks5`: the gateway does, as curl.
+                    let dst = if scheme == "socks5" { resolved(&dst).await? } else { dst };
+                    // Connected here, so that a proxy that cannot be reached is said with its
+                    // cause (the SOCKS connector's error only names the step).
+                    let to_proxy = http.call(proxy.uri().clone()).await;
+                    let mut to_proxy =
+                        Some(to_proxy.map_err(|e| format!("the proxy {}: {}", proxy.uri(), describe(&e)))?);
+                    let connected = tower::service_fn(move |_: Uri| {
+                        let io = to_proxy.take();
+                        async move { io.ok_or("the SOCKS connector asked for a second connection") }
+                    });
+                    let mut socks = SocksV5::new(proxy.uri().clone(), connected);
+                    if let Some((user, password)) = proxy.raw_auth() {
+                        socks = socks.with_auth(user.to_owned(), password.to_owned());
+                    }
+                    let io = socks.call(dst).await.map_err(|e| format!("through the proxy {}: {e}", proxy.uri()))?;
+                    return Ok(Stream { io, proxied: false });
+                }
+                _ => {
+                    let kinds = "http://, socks5:// and socks5h:// are supported";
+                    return Err(
+                        format!("the proxy {} is not of a kind the gateway speaks ({kinds})", proxy.uri()).into()
+                    );
+                }
             }
             if dst.scheme() != Some(&Scheme::HTTPS) {
                 return Ok(Stream { io: http.call(proxy.uri().clone()).await?, proxied: true });
@@ -112,6 +138,20 @@ impl Service<Uri> for ProxyConnector {
             Ok(Stream { io: tunnel.call(dst).await?, proxied: false })
         })
     }
+}
+
+/// `dst` with its host resolved to an address (here, on tokio's resolver: the SOCKS connector's
+/// own lookup would block a worker).
+async fn resolved(dst: &Uri) -> Result<Uri, BoxError> {
+    let host = dst.host().ok_or("a URL without a host")?.trim_start_matches('[').trim_end_matches(']');
+    let port = dst.port_u16().unwrap_or(if dst.scheme() == Some(&Scheme::HTTPS) { 443 } else { 80 });
+    let mut addresses = tokio::net::lookup_host((host, port)).await.map_err(|e| format!("resolving {host}: {e}"))?;
+    let address = addresses.next().ok_or_else(|| format!("{host} resolves to no address"))?;
+    Ok(Uri::builder()
+        .scheme(dst.scheme_str().unwrap_or("http"))
+        .authority(address.to_string())
+        .path_and_query("/")
+        .build()?)
 }
 
 /// A connection, and whether it is to an HTTP proxy (whose requests name their whole URL).

@@ -48,6 +48,8 @@ pub struct Recorded {
     pub body: Value,
     pub authorization: Option<String>,
     pub headers: Vec<(String, String)>,
+    /// Where the connection came from.
+    pub peer: Option<SocketAddr>,
     /// When the request had arrived whole.
     pub at: std::time::Instant,
 }
@@ -148,6 +150,7 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
         body: body.clone(),
         authorization,
         headers,
+        peer: socket.peer_addr().ok(),
         at: std::time::Instant::now(),
     });
     let reply = state.replies.lock().unwrap().pop_front().unwrap_or(Reply::Status(500));
