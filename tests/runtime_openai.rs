@@ -931,10 +931,32 @@ async fn an_http_upstream_is_asked_through_the_proxy_unless_no_proxy_names_it() 
     gateway.terminate();
 }
 
+/// A proxy that is not there fails the turn `unavailable`, naming the proxy (not the upstream,
+/// which was never asked), for a plain-HTTP upstream and for a tunnel alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_cannot_be_reached_fails_the_turn_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let mut env = vec![
+        ("HTTP_PROXY", format!("http://someone:pw@{nobody}")),
+        ("HTTPS_PROXY", format!("http://someone:pw@{nobody}")),
+    ];
+    env.extend(credential_env("PLAIN", "http://upstream.test/v1"));
+    env.extend(credential_env("TLS", "https://upstream.test/v1"));
+    let gateway = child_gateway(dir.path(), &env);
+    for (conversation, model) in [("c1", "plain/m1"), ("c2", "tls/m1")] {
+        let events = chat_on(&gateway, conversation, model).await;
+        let error = turn_error(&events, "unavailable", &format!("the proxy http://{nobody}/: "));
+        assert!(error["message"].as_str().unwrap().contains("refused"), "{error}");
+    }
+    gateway.terminate();
+}
+
 /// A SOCKS5 proxy (Debian's microsocks, asking for a user and password, its connections out
 /// made from 127.0.0.2) in `ALL_PROXY`: the upstream is reached through it whether the proxy
-/// resolves the host (`socks5h://`) or the gateway does (`socks5://`); wrong credentials, or no
-/// proxy there, fail the turn `unavailable`, naming the proxy and never its password.
+/// resolves the host (`socks5h://`: it is sent the name) or the gateway does (`socks5://`: the
+/// address); wrong credentials, or no proxy there, fail the turn `unavailable`, naming the
+/// proxy and never its password.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_is_reached_through_a_socks5_proxy() {
     let Some(microsocks) = installed("DISPATCH_TEST_MICROSOCKS", "microsocks") else {
@@ -943,9 +965,12 @@ async fn an_upstream_is_reached_through_a_socks5_proxy() {
         return;
     };
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    // It logs each connection's target as the client named it.
+    let log = tempfile::NamedTempFile::new().unwrap();
     let mut proxy = std::process::Command::new(microsocks)
         .args(["-i", "127.0.0.1", "-p", &port, "-u", "socks", "-P", "s3cret", "-b", "127.0.0.2"])
         .stdout(std::process::Stdio::null())
+        .stderr(log.reopen().unwrap())
         .spawn()
         .expect("microsocks starts");
     let up = eventually(100, || async { tokio::net::TcpStream::connect(format!("127.0.0.1:{port}")).await.is_ok() });
@@ -969,6 +994,14 @@ async fn an_upstream_is_reached_through_a_socks5_proxy() {
     }
     let peers: Vec<_> = upstream.requests().iter().map(|r| r.peer.unwrap().ip().to_string()).collect();
     assert_eq!(peers, ["127.0.0.2", "127.0.0.2"], "both requests came from the proxy");
+    let targets: Vec<String> = std::fs::read_to_string(log.path())
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_once("connected to ").map(|(_, target)| target.to_owned()))
+        .collect();
+    let upstream_port = upstream.addr.port();
+    let expected = [format!("localhost:{upstream_port}"), format!("127.0.0.1:{upstream_port}")];
+    assert_eq!(targets, expected, "socks5h sent the name, socks5 the address the gateway resolved");
 
     let refused = through("socks5h", "wrong", "c");
     let error = turn_error(&chat_on(&refused, "c3", "up/m1").await, "unavailable", "credentials not accepted").clone();

@@ -100,6 +100,8 @@ impl Service<Uri> for ProxyConnector {
             let Some(proxy) = proxy else {
                 return Ok(Stream { io: http.call(dst).await?, proxied: false });
             };
+            // Errors name the proxy: a turn that cannot reach it is not the upstream's fault.
+            let through = |e: &(dyn std::error::Error + 'static)| format!("the proxy {}: {}", proxy.uri(), describe(e));
             match proxy.uri().scheme_str() {
                 Some("http") => {}
                 Some(scheme @ ("socks5" | "socks5h")) => {
@@ -108,8 +110,7 @@ impl Service<Uri> for ProxyConnector {
                     // Connected here, so that a proxy that cannot be reached is said with its
                     // cause (the SOCKS connector's error only names the step).
                     let to_proxy = http.call(proxy.uri().clone()).await;
-                    let mut to_proxy =
-                        Some(to_proxy.map_err(|e| format!("the proxy {}: {}", proxy.uri(), describe(&e)))?);
+                    let mut to_proxy = Some(to_proxy.map_err(|e| through(&e))?);
                     let connected = tower::service_fn(move |_: Uri| {
                         let io = to_proxy.take();
                         async move { io.ok_or("the SOCKS connector asked for a second connection") }
@@ -118,7 +119,7 @@ impl Service<Uri> for ProxyConnector {
                     if let Some((user, password)) = proxy.raw_auth() {
                         socks = socks.with_auth(user.to_owned(), password.to_owned());
                     }
-                    let io = socks.call(dst).await.map_err(|e| format!("through the proxy {}: {e}", proxy.uri()))?;
+                    let io = socks.call(dst).await.map_err(|e| format!("the proxy {}: {e}", proxy.uri()))?;
                     return Ok(Stream { io, proxied: false });
                 }
                 _ => {
@@ -129,13 +130,14 @@ impl Service<Uri> for ProxyConnector {
                 }
             }
             if dst.scheme() != Some(&Scheme::HTTPS) {
-                return Ok(Stream { io: http.call(proxy.uri().clone()).await?, proxied: true });
+                let io = http.call(proxy.uri().clone()).await.map_err(|e| through(&e))?;
+                return Ok(Stream { io, proxied: true });
             }
             let mut tunnel = Tunnel::new(proxy.uri().clone(), http);
             if let Some(auth) = proxy.basic_auth() {
                 tunnel = tunnel.with_auth(auth.clone());
             }
-            Ok(Stream { io: tunnel.call(dst).await?, proxied: false })
+            Ok(Stream { io: tunnel.call(dst).await.map_err(|e| through(&e))?, proxied: false })
         })
     }
 }
