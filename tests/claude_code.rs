@@ -48,11 +48,8 @@ fn text_of(events: &[Value]) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_reports_errors() {
-    let Some(claude) = installed("DISPATCH_TEST_CLAUDE", "claude") else {
-        assert!(std::env::var_os("DISPATCH_REQUIRE_CLAUDE").is_none(), "the Claude Code CLI is required but not found");
-        eprintln!("skipped: the Claude Code CLI is not installed (npm install @anthropic-ai/claude-code)");
-        return;
-    };
+    let install = "npm install @anthropic-ai/claude-code";
+    let Some(claude) = program("DISPATCH_TEST_CLAUDE", "claude", "DISPATCH_REQUIRE_CLAUDE", install) else { return };
     let dir = tempfile::tempdir().unwrap();
     let api = MockApi::start(dir.path());
     let home = dir.path().join("home");

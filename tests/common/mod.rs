@@ -611,6 +611,17 @@ where
     false
 }
 
+/// A program a test drives for real (see [`installed`]), or `None`, said, when it is not
+/// installed: then the test passes without it, unless `$required` is set (as CI sets it).
+pub fn program(env_var: &str, name: &str, required: &str, install: &str) -> Option<std::path::PathBuf> {
+    let found = installed(env_var, name);
+    if found.is_none() {
+        assert!(std::env::var_os(required).is_none(), "{name} is required ({required}) but not found");
+        eprintln!("skipped: {name} is not installed ({install})");
+    }
+    found
+}
+
 /// A program the tests drive for real: `$env_var`, else `name` on the PATH.
 pub fn installed(env_var: &str, name: &str) -> Option<std::path::PathBuf> {
     if let Some(path) = std::env::var_os(env_var) {
