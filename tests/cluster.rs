@@ -105,9 +105,23 @@ async fn scenario(database: &str, bus: &str) {
     let rest = first.until_sealed().await;
     assert_eq!(read(&SseStream::new(resumed).until_sealed().await), read(&rest), "resumed after {cursor}");
 
+    // What does not parse on the bus is skipped: after a status change, a control request and
+    // a turn's stream message of garbage, the gateways still hear each other's changes and
+    // answer each other's control requests.
+    let raw = async_nats::connect(bus).await.expect("a client of the test's NATS server");
+    let subject = |kind: &str, id: &str| {
+        format!("dispatch.{kind}.{}", id.bytes().map(|b| format!("{b:02x}")).collect::<String>())
+    };
+    raw.publish("dispatch.status", "not a change".into()).await.unwrap();
+    let reply = raw.new_inbox();
+    raw.publish_with_reply(subject("control", "stopped"), reply, r#"{"not":"a request"}"#.into()).await.unwrap();
+    raw.publish(subject("events.open", "stopped"), "not events".into()).await.unwrap();
+    raw.flush().await.unwrap();
+
     // A turn on A is steered through B and stopped through C.
     let mut on_b = b.sse("stopped", "").await;
     start_turn(&a, "stopped", "a long one").await;
+    assert_eq!(status_change(&mut ws_b, "stopped").await, "active", "B's session hears A's turn start");
     skip(&mut on_b, 4).await;
     let (status, queued) = b.post("/conversations/stopped/queue", json!({"text": "and then"})).await;
     assert_eq!(status, 200, "{queued}");
