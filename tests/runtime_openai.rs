@@ -844,27 +844,66 @@ fn tls_server(cert: &rcgen::Certificate, key: &rcgen::KeyPair) -> std::sync::Arc
     std::sync::Arc::new(config)
 }
 
+/// A test certificate authority, its certificate written to `ca.pem` in `dir` (for
+/// `SSL_CERT_FILE`).
+fn test_ca(dir: &std::path::Path) -> (TestCa, std::path::PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(rcgen::DnType::CommonName, "dispatch test CA");
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+    let ca_file = dir.join("ca.pem");
+    std::fs::write(&ca_file, ca.pem()).unwrap();
+    (TestCa(ca), ca_file)
+}
+
+struct TestCa(rcgen::CertifiedIssuer<'static, rcgen::KeyPair>);
+
+impl TestCa {
+    /// A TLS server's configuration with a certificate for `host` this authority signed.
+    fn server(&self, host: &str) -> std::sync::Arc<rustls::ServerConfig> {
+        let (params, key) = server_params(host);
+        tls_server(&params.signed_by(&key, &self.0).unwrap(), &key)
+    }
+}
+
+/// A server certificate's parameters for `host`, and its key.
+fn server_params(host: &str) -> (rcgen::CertificateParams, rcgen::KeyPair) {
+    let mut params = rcgen::CertificateParams::new(vec![host.to_owned()]).unwrap();
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    (params, rcgen::KeyPair::generate().unwrap())
+}
+
+/// A TLS server on a real socket in front of `upstream`: each connection's TLS ends here (with
+/// `config`'s certificate) and its plaintext goes on to `upstream`.
+async fn tls_front(
+    upstream: std::net::SocketAddr,
+    config: std::sync::Arc<rustls::ServerConfig>,
+) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let acceptor = tokio_rustls::TlsAcceptor::from(config.clone());
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(socket).await else { return };
+                let mut server = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut server).await;
+            });
+        }
+    });
+    addr
+}
+
 /// An HTTPS upstream goes through `HTTPS_PROXY`'s CONNECT tunnel, with the proxy's credentials,
 /// and its certificate is checked against the roots (here `SSL_CERT_FILE`'s test CA): a host
 /// whose certificate no root signed is never sent the request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_upstream_is_reached_through_a_connect_tunnel_and_its_certificate_checked() {
-    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair};
     let dir = tempfile::tempdir().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(rcgen::DnType::CommonName, "dispatch test CA");
-    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
-    let ca_file = dir.path().join("ca.pem");
-    std::fs::write(&ca_file, ca.pem()).unwrap();
-    let server = |host: &str| {
-        let mut params = CertificateParams::new(vec![host.to_owned()]).unwrap();
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        (params, KeyPair::generate().unwrap())
-    };
-    let (params, key) = server("upstream.test");
-    let trusted = tls_server(&params.signed_by(&key, &ca).unwrap(), &key);
-    let (params, key) = server("rogue.test");
+    let (ca, ca_file) = test_ca(dir.path());
+    let trusted = ca.server("upstream.test");
+    let (params, key) = server_params("rogue.test");
     let rogue = tls_server(&params.self_signed(&key).unwrap(), &key);
 
     let upstream =
@@ -953,7 +992,8 @@ async fn a_proxy_that_cannot_be_reached_fails_the_turn_naming_it() {
 }
 
 /// A SOCKS5 proxy (Debian's microsocks, asking for a user and password, its connections out
-/// made from 127.0.0.2) in `ALL_PROXY`: the upstream is reached through it whether the proxy
+/// made from 127.0.0.2) in `ALL_PROXY`: plain and HTTPS upstreams (TLS end to end, checked for
+/// the upstream's name) are reached through it whether the proxy
 /// resolves the host (`socks5h://`: it is sent the name) or the gateway does (`socks5://`: the
 /// address); wrong credentials, or no proxy there, fail the turn `unavailable`, naming the
 /// proxy and never its password.
@@ -977,30 +1017,47 @@ async fn an_upstream_is_reached_through_a_socks5_proxy() {
     assert!(up.await, "microsocks listens");
 
     let reply = || Reply::Stream(vec![delta(json!({"content": "through socks"})), finish("stop")]);
-    let upstream = FakeUpstream::start(vec![reply(), reply()]).await;
-    // A name, not an address: the socks5h proxy resolves it.
-    let base_url = format!("http://localhost:{}/v1", upstream.addr.port());
+    let upstream = FakeUpstream::start((0..4).map(|_| reply()).collect()).await;
+    // HTTPS as well: TLS runs end to end through the tunnel, checked for the upstream's name
+    // (`SSL_CERT_FILE`'s test CA signed a certificate for `localhost`).
     let dir = tempfile::tempdir().unwrap();
+    let (ca, ca_file) = test_ca(dir.path());
+    let tls_port = tls_front(upstream.addr, ca.server("localhost")).await.port();
+    // A name, not an address: the socks5h proxy resolves it.
+    let plain_url = format!("http://localhost:{}/v1", upstream.addr.port());
+    let tls_url = format!("https://localhost:{tls_port}/v1");
     let through = |scheme: &str, password: &str, name: &str| {
-        let mut env = vec![("ALL_PROXY", format!("{scheme}://socks:{password}@127.0.0.1:{port}"))];
-        env.extend(credential_env("UP", &base_url));
+        let mut env = vec![
+            ("ALL_PROXY", format!("{scheme}://socks:{password}@127.0.0.1:{port}")),
+            ("SSL_CERT_FILE", ca_file.to_string_lossy().into_owned()),
+        ];
+        env.extend(credential_env("UP", &plain_url));
+        env.extend(credential_env("TLS", &tls_url));
         child_gateway(&dir.path().join(name), &env)
     };
     let remote_dns = through("socks5h", "s3cret", "a");
     let local_dns = through("socks5", "s3cret", "b");
     for (gateway, conversation) in [(&remote_dns, "c1"), (&local_dns, "c2")] {
-        let events = chat_on(gateway, conversation, "up/m1").await;
-        assert_eq!(text(&events), "through socks", "{events:?}");
+        for model in ["up/m1", "tls/m1"] {
+            let events = chat_on(gateway, conversation, model).await;
+            assert_eq!(text(&events), "through socks", "{model}: {events:?}");
+        }
     }
+    // The plain requests came from the proxy (the TLS ones from the test's TLS front).
     let peers: Vec<_> = upstream.requests().iter().map(|r| r.peer.unwrap().ip().to_string()).collect();
-    assert_eq!(peers, ["127.0.0.2", "127.0.0.2"], "both requests came from the proxy");
+    assert_eq!(peers.iter().filter(|p| *p == "127.0.0.2").count(), 2, "{peers:?}");
     let targets: Vec<String> = std::fs::read_to_string(log.path())
         .unwrap()
         .lines()
         .filter_map(|l| l.split_once("connected to ").map(|(_, target)| target.to_owned()))
         .collect();
-    let upstream_port = upstream.addr.port();
-    let expected = [format!("localhost:{upstream_port}"), format!("127.0.0.1:{upstream_port}")];
+    let (plain, tls) = (upstream.addr.port(), tls_port);
+    let expected = [
+        format!("localhost:{plain}"),
+        format!("localhost:{tls}"),
+        format!("127.0.0.1:{plain}"),
+        format!("127.0.0.1:{tls}"),
+    ];
     assert_eq!(targets, expected, "socks5h sent the name, socks5 the address the gateway resolved");
 
     let refused = through("socks5h", "wrong", "c");
@@ -1013,7 +1070,7 @@ async fn an_upstream_is_reached_through_a_socks5_proxy() {
         assert!(message.contains(&format!("the proxy socks5h://127.0.0.1:{port}/")), "{message}");
         assert!(!message.contains("s3cret") && !message.contains("wrong"), "{message}");
     }
-    assert_eq!(upstream.requests().len(), 2, "no request went out without the proxy");
+    assert_eq!(upstream.requests().len(), 4, "no request went out without the proxy");
     for gateway in [remote_dns, local_dns, refused] {
         gateway.terminate();
     }
