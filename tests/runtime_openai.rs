@@ -993,10 +993,10 @@ async fn a_proxy_that_cannot_be_reached_fails_the_turn_naming_it() {
 
 /// A SOCKS5 proxy (Debian's microsocks, asking for a user and password, its connections out
 /// made from 127.0.0.2) in `ALL_PROXY`: plain and HTTPS upstreams (TLS end to end, checked for
-/// the upstream's name) are reached through it whether the proxy
-/// resolves the host (`socks5h://`: it is sent the name) or the gateway does (`socks5://`: the
-/// address); wrong credentials, or no proxy there, fail the turn `unavailable`, naming the
-/// proxy and never its password.
+/// the upstream's name) are reached through it whether the proxy resolves the host
+/// (`socks5h://`: it is sent the name) or the gateway does (`socks5://`: the address); wrong
+/// credentials, or no proxy there, fail the turn `unavailable`, naming the proxy and never its
+/// password.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_is_reached_through_a_socks5_proxy() {
     let install = "apt-get install microsocks";
