@@ -970,6 +970,56 @@ async fn an_http_upstream_is_asked_through_the_proxy_unless_no_proxy_names_it() 
     gateway.terminate();
 }
 
+/// An `https://` proxy is spoken to over TLS, its certificate checked against the roots (here
+/// `SSL_CERT_FILE`'s test CA): a plain-HTTP upstream is asked through it in absolute form, an
+/// HTTPS one through a CONNECT tunnel inside that TLS, both with the proxy's credentials; a
+/// proxy whose certificate no root signed fails the turn `unavailable`, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_proxy_is_spoken_to_over_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, ca_file) = test_ca(dir.path());
+    let reply = || Reply::Stream(vec![delta(json!({"content": "over tls"})), finish("stop")]);
+    let upstream = FakeUpstream::start(vec![reply(), reply()]).await;
+    let hosts = BTreeMap::from([("upstream.test".to_owned(), ca.server("upstream.test"))]);
+    let proxy = TestProxy::start(upstream.addr, hosts).await;
+    // The proxy's own TLS ends in front of it.
+    let front = tls_front(proxy.addr, ca.server("localhost")).await.port();
+    let (params, key) = server_params("localhost");
+    let rogue = tls_front(proxy.addr, tls_server(&params.self_signed(&key).unwrap(), &key)).await.port();
+    let gateway_through = |front: u16, name: &str| {
+        let mut env = vec![
+            ("HTTPS_PROXY", format!("https://tunnel:s3cret@localhost:{front}")),
+            ("HTTP_PROXY", format!("https://someone:pw@localhost:{front}")),
+            ("SSL_CERT_FILE", ca_file.to_string_lossy().into_owned()),
+        ];
+        env.extend(credential_env("PLAIN", "http://upstream.test/v1"));
+        env.extend(credential_env("TLS", "https://upstream.test/v1"));
+        child_gateway(&dir.path().join(name), &env)
+    };
+    let gateway = gateway_through(front, "a");
+    for (conversation, model) in [("c1", "plain/m1"), ("c2", "tls/m1")] {
+        let events = chat_on(&gateway, conversation, model).await;
+        assert_eq!(text(&events), "over tls", "{model}: {events:?}");
+    }
+    let heads: Vec<String> = proxy.heads().iter().map(|h| h.to_lowercase()).collect();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    assert!(heads[0].starts_with("post http://upstream.test/v1/chat/completions http/1.1\r\n"), "{}", heads[0]);
+    // base64("someone:pw"), base64("tunnel:s3cret")
+    assert!(heads[0].contains("proxy-authorization: basic c29tzw9uztpwdw==\r\n"), "{}", heads[0]);
+    assert!(heads[1].starts_with("connect upstream.test:443 http/1.1\r\n"), "{}", heads[1]);
+    assert!(heads[1].contains("proxy-authorization: basic dhvubmvsonmzy3jlda==\r\n"), "{}", heads[1]);
+
+    let untrusted = gateway_through(rogue, "b");
+    for (conversation, model) in [("c3", "plain/m1"), ("c4", "tls/m1")] {
+        let events = chat_on(&untrusted, conversation, model).await;
+        let error = turn_error(&events, "unavailable", &format!("the proxy https://localhost:{rogue}/: "));
+        assert!(error["message"].as_str().unwrap().contains("certificate"), "{error}");
+    }
+    assert_eq!(proxy.heads().len(), 2, "nothing was asked through the untrusted proxy");
+    gateway.terminate();
+    untrusted.terminate();
+}
+
 /// A proxy that is not there fails the turn `unavailable`, naming the proxy (not the upstream,
 /// which was never asked), for a plain-HTTP upstream and for a tunnel alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

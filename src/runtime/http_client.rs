@@ -3,7 +3,7 @@
 //! (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`, `NO_PROXY`, read as curl reads them, once at
 //! start). A plain-HTTP upstream is asked through its HTTP proxy (the request in absolute form,
 //! with the proxy's credentials); an HTTPS one through a CONNECT tunnel, verified end to end;
-//! either through a SOCKS5 proxy's tunnel.
+//! an `https://` proxy over TLS; either upstream through a SOCKS5 proxy's tunnel.
 //! Redirects are not followed: an API endpoint that moved is a configuration to fix.
 
 use std::future::Future;
@@ -19,6 +19,7 @@ use http::uri::Scheme;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::rt::{Read, ReadBufCursor, Write};
+use hyper_rustls::MaybeHttpsStream;
 use hyper_util::client::legacy::connect::proxy::{SocksV5, Tunnel};
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::{Client, Error};
@@ -37,13 +38,15 @@ pub struct HttpClient {
 
 impl HttpClient {
     /// A client for requests to `endpoint`'s scheme: the platform's TLS roots are loaded (and
-    /// must be there) only for an `https` one.
+    /// must be there) only for an `https` one, or one reached through an `https://` proxy.
     pub fn new(endpoint: &Uri, connect_timeout: Duration) -> Result<HttpClient, String> {
+        let proxies = Arc::new(Matcher::from_env());
+        let proxy_scheme = proxies.intercept(endpoint).and_then(|p| p.uri().scheme().cloned());
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| format!("cannot set up TLS: {e}"))?;
-        let tls = if endpoint.scheme() == Some(&Scheme::HTTPS) {
+        let tls = if endpoint.scheme() == Some(&Scheme::HTTPS) || proxy_scheme == Some(Scheme::HTTPS) {
             use rustls_platform_verifier::BuilderVerifierExt;
             builder.with_platform_verifier().map_err(|e| format!("cannot load the TLS roots: {e}"))?
         } else {
@@ -55,12 +58,17 @@ impl HttpClient {
         http.enforce_http(false);
         http.set_connect_timeout(Some(connect_timeout));
         http.set_nodelay(true);
-        let proxies = Arc::new(Matcher::from_env());
+        // To an HTTP proxy over TLS when its URL says `https://` (plain for `http://`).
+        let to_proxy = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls.clone())
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http.clone());
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
             .enable_http1()
-            .wrap_connector(ProxyConnector { http, proxies: proxies.clone() });
+            .wrap_connector(ProxyConnector { http, to_proxy, proxies: proxies.clone() });
         Ok(HttpClient { client: Client::builder(TokioExecutor::new()).build(connector), proxies })
     }
 
@@ -80,6 +88,8 @@ impl HttpClient {
 #[derive(Clone)]
 struct ProxyConnector {
     http: HttpConnector,
+    /// To an HTTP proxy, over TLS for an `https://` one.
+    to_proxy: hyper_rustls::HttpsConnector<HttpConnector>,
     proxies: Arc<Matcher>,
 }
 
@@ -94,16 +104,16 @@ impl Service<Uri> for ProxyConnector {
     }
 
     fn call(&mut self, dst: Uri) -> Self::Future {
-        let mut http = self.http.clone();
+        let (mut http, mut to_proxy) = (self.http.clone(), self.to_proxy.clone());
         let proxy = self.proxies.intercept(&dst);
         Box::pin(async move {
             let Some(proxy) = proxy else {
-                return Ok(Stream { io: http.call(dst).await?, proxied: false });
+                return Ok(Stream { io: MaybeHttpsStream::Http(http.call(dst).await?), proxied: false });
             };
             // Errors name the proxy: a turn that cannot reach it is not the upstream's fault.
             let through = |e: &(dyn std::error::Error + 'static)| format!("the proxy {}: {}", proxy.uri(), describe(e));
             match proxy.uri().scheme_str() {
-                Some("http") => {}
+                Some("http" | "https") => {}
                 Some(scheme @ ("socks5" | "socks5h")) => {
                     // `socks5h`: the proxy resolves the host; `socks5`: the gateway does, as curl.
                     let dst = if scheme == "socks5" { resolved(&dst).await? } else { dst };
@@ -120,20 +130,20 @@ impl Service<Uri> for ProxyConnector {
                         socks = socks.with_auth(user.to_owned(), password.to_owned());
                     }
                     let io = socks.call(dst).await.map_err(|e| format!("the proxy {}: {e}", proxy.uri()))?;
-                    return Ok(Stream { io, proxied: false });
+                    return Ok(Stream { io: MaybeHttpsStream::Http(io), proxied: false });
                 }
                 _ => {
-                    let kinds = "http://, socks5:// and socks5h:// are supported";
+                    let kinds = "http://, https://, socks5:// and socks5h:// are supported";
                     return Err(
                         format!("the proxy {} is not of a kind the gateway speaks ({kinds})", proxy.uri()).into()
                     );
                 }
             }
             if dst.scheme() != Some(&Scheme::HTTPS) {
-                let io = http.call(proxy.uri().clone()).await.map_err(|e| through(&e))?;
+                let io = to_proxy.call(proxy.uri().clone()).await.map_err(|e| through(&*e))?;
                 return Ok(Stream { io, proxied: true });
             }
-            let mut tunnel = Tunnel::new(proxy.uri().clone(), http);
+            let mut tunnel = Tunnel::new(proxy.uri().clone(), to_proxy);
             if let Some(auth) = proxy.basic_auth() {
                 tunnel = tunnel.with_auth(auth.clone());
             }
@@ -158,7 +168,8 @@ async fn resolved(dst: &Uri) -> Result<Uri, BoxError> {
 
 /// A connection, and whether it is to an HTTP proxy (whose requests name their whole URL).
 struct Stream {
-    io: TokioIo<TcpStream>,
+    /// Over TLS only to an `https://` proxy (an HTTPS upstream's own TLS runs inside).
+    io: MaybeHttpsStream<TokioIo<TcpStream>>,
     proxied: bool,
 }
 
