@@ -1041,6 +1041,40 @@ async fn a_proxy_that_cannot_be_reached_fails_the_turn_naming_it() {
     gateway.terminate();
 }
 
+/// A proxy that takes the connection and never answers (a CONNECT tunnel, a SOCKS5 handshake)
+/// is given up within the credential's connect timeout: the turn fails `unavailable` naming
+/// the proxy, not later as an upstream that took the request and went quiet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_never_answers_is_given_up_within_the_connect_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let mut env = vec![
+        ("HTTPS_PROXY", format!("http://{silent}")),
+        ("HTTP_PROXY", format!("socks5h://{silent}")),
+        ("DISPATCH_CREDENTIALS__TLS__CONNECT_TIMEOUT_SECS", "1".to_owned()),
+        ("DISPATCH_CREDENTIALS__SOCKS__CONNECT_TIMEOUT_SECS", "1".to_owned()),
+        // Past the connect timeout and its retries (about 5 s): an idle timeout ends it otherwise.
+        ("DISPATCH_CREDENTIALS__TLS__IDLE_TIMEOUT_SECS", "30".to_owned()),
+        ("DISPATCH_CREDENTIALS__SOCKS__IDLE_TIMEOUT_SECS", "30".to_owned()),
+    ];
+    env.extend(credential_env("TLS", "https://upstream.test/v1"));
+    env.extend(credential_env("SOCKS", "http://upstream.test/v1"));
+    let gateway = child_gateway(dir.path(), &env);
+    for (conversation, model, scheme) in [("c1", "tls/m1", "http"), ("c2", "socks/m1", "socks5h")] {
+        let events = chat_on(&gateway, conversation, model).await;
+        let error = turn_error(&events, "unavailable", &format!("the proxy {scheme}://{silent}/: "));
+        assert!(error["message"].as_str().unwrap().contains("no way through within 1 s"), "{error}");
+    }
+    gateway.terminate();
+}
+
 /// A SOCKS5 proxy (Debian's microsocks, asking for a user and password, its connections out
 /// made from 127.0.0.2) in `ALL_PROXY`: plain and HTTPS upstreams (TLS end to end, checked for
 /// the upstream's name) are reached through it whether the proxy resolves the host

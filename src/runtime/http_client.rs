@@ -23,7 +23,7 @@ use hyper_rustls::MaybeHttpsStream;
 use hyper_util::client::legacy::connect::proxy::{SocksV5, Tunnel};
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::{Client, Error};
-use hyper_util::client::proxy::matcher::Matcher;
+use hyper_util::client::proxy::matcher::{Intercept, Matcher};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 use tower_service::Service;
@@ -68,7 +68,7 @@ impl HttpClient {
             .with_tls_config(tls)
             .https_or_http()
             .enable_http1()
-            .wrap_connector(ProxyConnector { http, to_proxy, proxies: proxies.clone() });
+            .wrap_connector(ProxyConnector { http, to_proxy, proxies: proxies.clone(), connect_timeout });
         Ok(HttpClient { client: Client::builder(TokioExecutor::new()).build(connector), proxies })
     }
 
@@ -91,6 +91,8 @@ struct ProxyConnector {
     /// To an HTTP proxy, over TLS for an `https://` one.
     to_proxy: hyper_rustls::HttpsConnector<HttpConnector>,
     proxies: Arc<Matcher>,
+    /// How long the way through a proxy may take, its handshake included.
+    connect_timeout: Duration,
 }
 
 impl Service<Uri> for ProxyConnector {
@@ -104,52 +106,62 @@ impl Service<Uri> for ProxyConnector {
     }
 
     fn call(&mut self, dst: Uri) -> Self::Future {
-        let (mut http, mut to_proxy) = (self.http.clone(), self.to_proxy.clone());
+        let (mut http, to_proxy) = (self.http.clone(), self.to_proxy.clone());
         let proxy = self.proxies.intercept(&dst);
+        let within = self.connect_timeout;
         Box::pin(async move {
             let Some(proxy) = proxy else {
                 return Ok(Stream { io: MaybeHttpsStream::Http(http.call(dst).await?), proxied: false });
             };
+            // The whole way through the proxy (its handshake too) within the connect timeout: a
+            // proxy that takes the connection and never answers is not an upstream at work.
             // Errors name the proxy: a turn that cannot reach it is not the upstream's fault.
-            let through = |e: &(dyn std::error::Error + 'static)| format!("the proxy {}: {}", proxy.uri(), describe(e));
-            match proxy.uri().scheme_str() {
-                Some("http" | "https") => {}
-                Some(scheme @ ("socks5" | "socks5h")) => {
-                    // `socks5h`: the proxy resolves the host; `socks5`: the gateway does, as curl.
-                    let dst = if scheme == "socks5" { resolved(&dst).await? } else { dst };
-                    // Connected here, so that a proxy that cannot be reached is said with its
-                    // cause (the SOCKS connector's error only names the step).
-                    let to_proxy = http.call(proxy.uri().clone()).await;
-                    let mut to_proxy = Some(to_proxy.map_err(|e| through(&e))?);
-                    let connected = tower::service_fn(move |_: Uri| {
-                        let io = to_proxy.take();
-                        async move { io.ok_or("the SOCKS connector asked for a second connection") }
-                    });
-                    let mut socks = SocksV5::new(proxy.uri().clone(), connected);
-                    if let Some((user, password)) = proxy.raw_auth() {
-                        socks = socks.with_auth(user.to_owned(), password.to_owned());
-                    }
-                    let io = socks.call(dst).await.map_err(|e| format!("the proxy {}: {e}", proxy.uri()))?;
-                    return Ok(Stream { io: MaybeHttpsStream::Http(io), proxied: false });
-                }
-                _ => {
-                    let kinds = "http://, https://, socks5:// and socks5h:// are supported";
-                    return Err(
-                        format!("the proxy {} is not of a kind the gateway speaks ({kinds})", proxy.uri()).into()
-                    );
-                }
+            let uri = proxy.uri().clone();
+            match tokio::time::timeout(within, via_proxy(proxy, dst, http, to_proxy)).await {
+                Ok(Ok(stream)) => Ok(stream),
+                Ok(Err(e)) => Err(format!("the proxy {uri}: {}", describe(&*e)).into()),
+                Err(_) => Err(format!("the proxy {uri}: no way through within {} s", within.as_secs_f64()).into()),
             }
-            if dst.scheme() != Some(&Scheme::HTTPS) {
-                let io = to_proxy.call(proxy.uri().clone()).await.map_err(|e| through(&*e))?;
-                return Ok(Stream { io, proxied: true });
-            }
-            let mut tunnel = Tunnel::new(proxy.uri().clone(), to_proxy);
-            if let Some(auth) = proxy.basic_auth() {
-                tunnel = tunnel.with_auth(auth.clone());
-            }
-            Ok(Stream { io: tunnel.call(dst).await.map_err(|e| through(&e))?, proxied: false })
         })
     }
+}
+
+/// A connection to `dst` through `proxy`: a SOCKS5 tunnel, a CONNECT tunnel (HTTPS), or the
+/// proxy itself (plain HTTP, whose requests name their whole URL).
+async fn via_proxy(
+    proxy: Intercept,
+    dst: Uri,
+    mut http: HttpConnector,
+    mut to_proxy: hyper_rustls::HttpsConnector<HttpConnector>,
+) -> Result<Stream, BoxError> {
+    match proxy.uri().scheme_str() {
+        Some("http" | "https") => {}
+        Some(scheme @ ("socks5" | "socks5h")) => {
+            // `socks5h`: the proxy resolves the host; `socks5`: the gateway does, as curl.
+            let dst = if scheme == "socks5" { resolved(&dst).await? } else { dst };
+            // Connected here, so that a proxy that cannot be reached is said with its cause
+            // (the SOCKS connector's error only names the step).
+            let mut connection = Some(http.call(proxy.uri().clone()).await?);
+            let connected = tower::service_fn(move |_: Uri| {
+                let io = connection.take();
+                async move { io.ok_or("the SOCKS connector asked for a second connection") }
+            });
+            let mut socks = SocksV5::new(proxy.uri().clone(), connected);
+            if let Some((user, password)) = proxy.raw_auth() {
+                socks = socks.with_auth(user.to_owned(), password.to_owned());
+            }
+            return Ok(Stream { io: MaybeHttpsStream::Http(socks.call(dst).await?), proxied: false });
+        }
+        _ => return Err("not a kind the gateway speaks (http://, https://, socks5:// and socks5h:// are)".into()),
+    }
+    if dst.scheme() != Some(&Scheme::HTTPS) {
+        return Ok(Stream { io: to_proxy.call(proxy.uri().clone()).await?, proxied: true });
+    }
+    let mut tunnel = Tunnel::new(proxy.uri().clone(), to_proxy);
+    if let Some(auth) = proxy.basic_auth() {
+        tunnel = tunnel.with_auth(auth.clone());
+    }
+    Ok(Stream { io: tunnel.call(dst).await?, proxied: false })
 }
 
 /// `dst` with its host resolved to an address (here, on tokio's resolver: the SOCKS connector's
