@@ -588,8 +588,7 @@ fn credentials_from(
 /// kept otherwise (a PostgreSQL user).
 pub fn redacted(urls: &str, bare_is_secret: bool) -> String {
     let one = |url: &str| -> String {
-        let (scheme, rest) = url.split_once("://").map_or(("", url), |(s, r)| (&url[..s.len() + 3], r));
-        let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+        let (scheme, rest, authority) = url_parts(url);
         let Some(at) = authority.rfind('@') else { return url.to_owned() };
         match rest[..at].split_once(':') {
             Some((user, _)) => format!("{scheme}{user}:***{}", &rest[at..]),
@@ -598,6 +597,13 @@ pub fn redacted(urls: &str, bare_is_secret: bool) -> String {
         }
     };
     urls.split(',').map(one).collect::<Vec<_>>().join(",")
+}
+
+/// A URL's `scheme://`, what follows it, and its authority (`user:password@host:port`).
+fn url_parts(url: &str) -> (&str, &str, &str) {
+    let (scheme, rest) = url.split_once("://").map_or(("", url), |(s, r)| (&url[..s.len() + 3], r));
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+    (scheme, rest, authority)
 }
 
 /// A scalar value of the file as its flag would spell it; `None` for a table, an array or a date.
@@ -650,10 +656,7 @@ impl Config {
                 return Err(ConfigError::Bus(format!("nats:// or tls:// URLs, got {:?}", redacted(bus, true))));
             }
             // NATS takes one identity per client.
-            let names_someone = bus.split(',').any(|url| {
-                let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-                rest.split(['/', '?', '#']).next().is_some_and(|authority| authority.contains('@'))
-            });
+            let names_someone = bus.split(',').any(|url| url_parts(url).2.contains('@'));
             if key && names_someone {
                 return Err(ConfigError::Bus(
                     "the bus URL names a user or token and a credentials or NKEY file is set: NATS takes one".into(),
