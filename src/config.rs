@@ -78,12 +78,13 @@ pub struct Config {
     pub bus_client_key: Option<std::path::PathBuf>,
 
     /// A NATS credentials file (a user JWT and its NKEY seed, as `nsc` writes them) this
-    /// gateway authenticates to the bus with: a NATS server in operator (JWT) mode.
+    /// gateway authenticates to the bus with: a NATS server in operator (JWT) mode. Read at every
+    /// connection: a file renewed in place is used at the next reconnect.
     #[arg(long, env = "DISPATCH_BUS_CREDS", conflicts_with = "bus_nkey")]
     pub bus_creds: Option<std::path::PathBuf>,
 
     /// A file holding the user NKEY seed (`SU...`) this gateway authenticates to the bus with:
-    /// a NATS server whose `authorization` lists the key's public half.
+    /// a NATS server whose `authorization` lists the key's public half. Read at every connection.
     #[arg(long, env = "DISPATCH_BUS_NKEY")]
     pub bus_nkey: Option<std::path::PathBuf>,
 

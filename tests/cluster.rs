@@ -7,12 +7,12 @@
 //! `nats-server` binary (see `dispatch_testkit::nats`); skipped without them unless
 //! `DISPATCH_REQUIRE_POSTGRES=1` / `DISPATCH_REQUIRE_NATS=1`. Then gateways on a bus that asks
 //! for a password and verified TLS both ways, and on buses that know them by NKEY and by a
-//! `.creds` file.
+//! `.creds` file, replaced on disk while they run.
 
 mod common;
 
 use common::*;
-use dispatch_testkit::nats::{nats_server, nats_server_with};
+use dispatch_testkit::nats::{nats_server, nats_server_configured, nats_server_with};
 use dispatch_testkit::postgres::fresh_database;
 use serde_json::{Value, json};
 
@@ -264,18 +264,97 @@ fn creds_file(jwt: &str, seed: &str) -> String {
 }
 
 /// A NATS JWT (`ed25519-nkey`, as nats-io/jwt v2 encodes one): `claims` about `subject`,
-/// signed by `issuer`.
-fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, nats: Value) -> String {
+/// signed by `issuer`, valid until `expires` (seconds since the epoch) when given.
+fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, nats: Value, expires: Option<u64>) -> String {
     use base64::Engine as _;
     let b64 = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
-    let claims = json!({
-        "jti": format!("{subject}{now}"), "iat": now, "iss": issuer.public_key(), "name": name, "sub": subject,
-        "nats": nats,
+    let mut claims = json!({
+        "jti": format!("{subject}{now}{expires:?}"), "iat": now, "iss": issuer.public_key(), "name": name,
+        "sub": subject, "nats": nats,
     });
+    if let Some(expires) = expires {
+        claims["exp"] = json!(expires);
+    }
     let input = format!("{}.{}", b64(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#), b64(claims.to_string().as_bytes()));
     let signature = issuer.sign(input.as_bytes()).expect("a seed signs");
     format!("{input}.{}", b64(&signature))
+}
+
+/// NATS in operator mode: the server trusts an operator, which signed an account with
+/// JetStream on (and the system account JetStream needs), which signs its users' JWTs.
+struct Operator {
+    /// The server's configuration.
+    config: String,
+    account: nkeys::KeyPair,
+}
+
+impl Operator {
+    fn new() -> Operator {
+        let operator = nkeys::KeyPair::new_operator();
+        let account = nkeys::KeyPair::new_account();
+        let operator_jwt =
+            nats_jwt(&operator, &operator.public_key(), "op", json!({"type": "operator", "version": 2}), None);
+        let unlimited = json!({
+            "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": true, "conn": -1,
+            "leaf": -1, "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+        });
+        let claims = json!({"limits": unlimited, "type": "account", "version": 2});
+        let account_jwt = nats_jwt(&operator, &account.public_key(), "dispatch", claims, None);
+        let system = nkeys::KeyPair::new_account();
+        let system_jwt =
+            nats_jwt(&operator, &system.public_key(), "SYS", json!({"type": "account", "version": 2}), None);
+        let config = format!(
+            "operator: {operator_jwt}\nsystem_account: {system}\nresolver: MEMORY\n\
+             resolver_preload: {{ {system}: {system_jwt}, {account}: {account_jwt} }}\n",
+            system = system.public_key(),
+            account = account.public_key(),
+        );
+        Operator { config, account }
+    }
+
+    /// A `.creds` file for a new user of `account`, valid until `expires` when given.
+    fn user_creds(account: &nkeys::KeyPair, expires: Option<u64>) -> (String, String) {
+        let claims = json!({"pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2});
+        let user = nkeys::KeyPair::new_user();
+        let seed = user.seed().unwrap();
+        (creds_file(&nats_jwt(account, &user.public_key(), "gw", claims, expires), &seed), seed)
+    }
+}
+
+/// A NATS configuration that knows one user, by its NKEY.
+fn listing(user: &nkeys::KeyPair) -> String {
+    format!("authorization {{ users = [ {{ nkey: \"{}\" }} ] }}\n", user.public_key())
+}
+
+/// A folder of files a test writes, named by their paths.
+struct Files(tempfile::TempDir);
+
+impl Files {
+    fn new() -> Files {
+        Files(tempfile::tempdir().unwrap())
+    }
+
+    fn write(&self, name: &str, text: &str) -> String {
+        let path = self.0.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_owned()
+    }
+}
+
+/// The arguments of a gateway on `database` that joins `bus` with the key file `file` (`flag`).
+fn keyed(database: &str, bus: &str, flag: &str, file: &str) -> Vec<std::ffi::OsString> {
+    ["--database", database, "--bus-timeout-ms", "3000", "--bus", bus, flag, file].map(Into::into).to_vec()
+}
+
+/// A turn started on `a`, watched on `b` over the bus: both read the same events.
+async fn watched_across(a: &ChildGateway, b: &ChildGateway, conversation: &str) {
+    let mut on_a = a.sse(conversation, "").await;
+    let mut on_b = b.sse(conversation, "").await;
+    start_turn(a, conversation, "signed in").await;
+    let everything = read(&on_a.until_sealed().await);
+    assert!(everything.iter().any(|(_, e)| e["type"] == "text-delta"));
+    assert_eq!(read(&on_b.until_sealed().await), everything, "B watched A's turn over the bus");
 }
 
 /// A NATS server that knows its clients by NKEY, and one in operator mode that knows them by
@@ -285,43 +364,27 @@ fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, nats: Value) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateways_join_a_bus_by_nkey_and_by_a_creds_file() {
     let Some(database) = fresh_database().await else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let write = |name: &str, text: &str| {
-        let path = dir.path().join(name);
-        std::fs::write(&path, text).unwrap();
-        path.to_str().unwrap().to_owned()
+    let files = Files::new();
+    let with = |bus: &str, flag: &str, file: &str| keyed(&database.url, bus, flag, file);
+    let both = |args: Vec<std::ffi::OsString>| (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+    let refused = |args: Vec<std::ffi::OsString>| async move {
+        let args: Vec<String> = args.into_iter().map(|a| a.into_string().unwrap()).collect();
+        tokio::task::spawn_blocking(move || refused_start(&args)).await.unwrap()
     };
-    let common = ["--database", database.url.as_str(), "--bus-timeout-ms", "3000"];
-    let with = |bus: &str, flag: &str, file: &str| -> Vec<String> {
-        common.iter().copied().chain(["--bus", bus, flag, file]).map(str::to_owned).collect()
-    };
-    let watched_across = |args: Vec<String>, conversation: &'static str| async move {
-        let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
-        let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
-        let mut on_a = a.sse(conversation, "").await;
-        let mut on_b = b.sse(conversation, "").await;
-        start_turn(&a, conversation, "signed in").await;
-        let everything = read(&on_a.until_sealed().await);
-        assert!(everything.iter().any(|(_, e)| e["type"] == "text-delta"));
-        assert_eq!(read(&on_b.until_sealed().await), everything, "B watched A's turn over the bus");
-    };
-    let refused =
-        |args: Vec<String>| async move { tokio::task::spawn_blocking(move || refused_start(&args)).await.unwrap() };
 
     // NKEY: the server lists the user's public key.
     let user = nkeys::KeyPair::new_user();
     let seed = user.seed().unwrap();
-    let config =
-        write("nkey.conf", &format!("authorization {{ users = [ {{ nkey: \"{}\" }} ] }}\n", user.public_key()));
-    let Some(nats) = nats_server_with(&["-c", &config]) else { return };
-    watched_across(with(&nats.url, "--bus-nkey", &write("gw.nk", &format!("{seed}\n"))), "by-nkey").await;
+    let Some(nats) = nats_server_configured(&listing(&user)) else { return };
+    let (a, b) = both(with(&nats.url, "--bus-nkey", &files.write("gw.nk", &format!("{seed}\n"))));
+    watched_across(&a, &b, "by-nkey").await;
 
     let stranger = nkeys::KeyPair::new_user().seed().unwrap();
     let account = nkeys::KeyPair::new_account().seed().unwrap();
     for (file, why, says) in [
-        (write("stranger.nk", &stranger), "a key the server does not list", "cannot connect to NATS at"),
-        (write("account.nk", &account), "an account's seed", "holds a seed, but not a user's"),
-        (write("garbage.nk", "SUnot-a-seed"), "no seed", "does not hold an NKEY seed"),
+        (files.write("stranger.nk", &stranger), "a key the server does not list", "cannot connect to NATS at"),
+        (files.write("account.nk", &account), "an account's seed", "holds a seed, but not a user's"),
+        (files.write("garbage.nk", "SUnot-a-seed"), "no seed", "does not hold an NKEY seed"),
     ] {
         let said = refused(with(&nats.url, "--bus-nkey", &file)).await;
         assert!(said.contains(says), "{why}: {said}");
@@ -330,51 +393,68 @@ async fn gateways_join_a_bus_by_nkey_and_by_a_creds_file() {
         }
     }
 
-    // Operator mode: the server trusts an operator, which signed the account, which signed the
-    // user's JWT; JetStream is on for the account.
-    let operator = nkeys::KeyPair::new_operator();
-    let account = nkeys::KeyPair::new_account();
-    let operator_jwt = nats_jwt(&operator, &operator.public_key(), "op", json!({"type": "operator", "version": 2}));
-    let unlimited = json!({
-        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": true, "conn": -1,
-        "leaf": -1, "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
-    });
-    let account_jwt = nats_jwt(
-        &operator,
-        &account.public_key(),
-        "dispatch",
-        json!({"limits": unlimited, "type": "account", "version": 2}),
-    );
-    let user_claims =
-        json!({"pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2});
-    let user = nkeys::KeyPair::new_user();
-    let user_jwt = nats_jwt(&account, &user.public_key(), "gw", user_claims.clone());
-    // JetStream needs the server's own (system) account.
-    let system = nkeys::KeyPair::new_account();
-    let system_jwt = nats_jwt(&operator, &system.public_key(), "SYS", json!({"type": "account", "version": 2}));
-    let config = write(
-        "operator.conf",
-        &format!(
-            "operator: {operator_jwt}\nsystem_account: {system}\nresolver: MEMORY\n\
-             resolver_preload: {{ {system}: {system_jwt}, {account}: {account_jwt} }}\n",
-            system = system.public_key(),
-            account = account.public_key(),
-        ),
-    );
-    let Some(nats) = nats_server_with(&["-c", &config]) else { return };
-    let creds = write("gw.creds", &creds_file(&user_jwt, &user.seed().unwrap()));
-    watched_across(with(&nats.url, "--bus-creds", &creds), "by-creds").await;
+    // Operator mode: the user's JWT in the `.creds` file, signed by the account.
+    let operator = Operator::new();
+    let Some(nats) = nats_server_configured(&operator.config) else { return };
+    let (creds, _) = Operator::user_creds(&operator.account, None);
+    let (a, b) = both(with(&nats.url, "--bus-creds", &files.write("gw.creds", &creds)));
+    watched_across(&a, &b, "by-creds").await;
 
     // A user signed by an account the operator never signed.
-    let elsewhere = nkeys::KeyPair::new_account();
-    let stranger = nkeys::KeyPair::new_user();
-    let stranger_jwt = nats_jwt(&elsewhere, &stranger.public_key(), "stranger", user_claims);
-    let stranger_seed = stranger.seed().unwrap();
-    let said =
-        refused(with(&nats.url, "--bus-creds", &write("stranger.creds", &creds_file(&stranger_jwt, &stranger_seed))))
-            .await;
+    let (stranger, stranger_seed) = Operator::user_creds(&nkeys::KeyPair::new_account(), None);
+    let said = refused(with(&nats.url, "--bus-creds", &files.write("stranger.creds", &stranger))).await;
     assert!(said.contains("cannot connect to NATS at"), "{said}");
     assert!(!said.contains(&stranger_seed), "the seed is out: {said}");
-    let said = refused(with(&nats.url, "--bus-creds", &write("empty.creds", ""))).await;
+    let said = refused(with(&nats.url, "--bus-creds", &files.write("empty.creds", ""))).await;
     assert!(said.contains("cannot connect to NATS at") && said.contains("JWT"), "{said}");
+}
+
+/// How many times `gateway` has logged that it lost the bus.
+fn losses(gateway: &ChildGateway) -> usize {
+    let logs = gateway.logs.lock().unwrap();
+    logs.iter().filter(|l| l["fields"]["message"] == "lost the bus: reconnecting").count()
+}
+
+/// Once the server has dropped both gateways: they come back, each watching the other's turns
+/// (within a minute), on connections that hold.
+async fn back_on_the_bus(a: &ChildGateway, b: &ChildGateway, conversation: &str) {
+    assert!(eventually(600, || async { losses(a) >= 1 && losses(b) >= 1 }).await, "the server dropped the gateways");
+    let both_ways = async {
+        watched_across(a, b, &format!("{conversation}-a")).await;
+        watched_across(b, a, &format!("{conversation}-b")).await;
+    };
+    let back = tokio::time::timeout(std::time::Duration::from_secs(60), both_ways).await;
+    assert!(back.is_ok(), "the gateways are back on the bus");
+    assert_eq!((losses(a), losses(b)), (1, 1), "the connections signed in with the new key held");
+}
+
+/// A key file replaced on disk is what the gateway signs in with when it reconnects, with no
+/// restart: an NKEY the server stopped listing (its configuration reloaded, which disconnects
+/// the gateways), and a `.creds` file whose JWT expired (the server disconnects them at the
+/// expiry). Without reading the file again, the gateways would sign in with the old key for as
+/// long as they run, refused every time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_file_replaced_on_disk_signs_the_gateway_in_when_it_reconnects() {
+    let Some(database) = fresh_database().await else { return };
+    let files = Files::new();
+
+    let (old, new) = (nkeys::KeyPair::new_user(), nkeys::KeyPair::new_user());
+    let Some(nats) = nats_server_configured(&listing(&old)) else { return };
+    let key = files.write("gw.nk", &old.seed().unwrap());
+    let args = keyed(&database.url, &nats.url, "--bus-nkey", &key);
+    let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+    watched_across(&a, &b, "nkey-before").await;
+    files.write("gw.nk", &new.seed().unwrap());
+    nats.reconfigure(&listing(&new));
+    back_on_the_bus(&a, &b, "nkey-after").await;
+
+    let operator = Operator::new();
+    let Some(nats) = nats_server_configured(&operator.config) else { return };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let (expiring, _) = Operator::user_creds(&operator.account, Some(now + 6));
+    let creds = files.write("gw.creds", &expiring);
+    let args = keyed(&database.url, &nats.url, "--bus-creds", &creds);
+    let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+    files.write("gw.creds", &Operator::user_creds(&operator.account, None).0);
+    back_on_the_bus(&a, &b, "creds-after").await;
 }

@@ -20,6 +20,7 @@ use crate::hub::{Following, Hub, Outbox, Remote};
 
 mod control;
 mod follow;
+mod key;
 mod publish;
 mod status;
 
@@ -45,16 +46,6 @@ pub struct BusOptions {
     pub client_cert: Option<(PathBuf, PathBuf)>,
     /// A key file this gateway authenticates with, instead of a URL's user or token.
     pub key: Option<BusKey>,
-}
-
-/// A key file the bus authenticates a gateway by (the server sends a nonce, the gateway signs
-/// it with the seed).
-#[derive(Debug, Clone)]
-pub enum BusKey {
-    /// A `.creds` file: a user JWT (operator mode) and its NKEY seed.
-    Creds(PathBuf),
-    /// A file holding a user NKEY seed.
-    Nkey(PathBuf),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -95,9 +86,10 @@ impl Bus {
         // providers compiled in (tests unify reqwest's aws-lc) leaves unset: ring, as upstreams use.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let failed = |reason: String| BusError::Connect { url: crate::config::redacted(url, true), reason };
-        let (servers, connect) = connect_options(url, &options).await.map_err(failed)?;
+        let (servers, connect) = connect_options(url, &options).map_err(failed)?;
         let client = connect
             .name(format!("dispatch-gateway {node}"))
+            .event_callback(|event| async move { log_event(event) })
             .connection_timeout(options.timeout)
             .request_timeout(Some(options.timeout))
             .connect(servers)
@@ -147,6 +139,16 @@ impl Remote for Bus {
     }
 }
 
+/// The client's news of its connection, in the gateway's words: it reconnects by itself, with
+/// backoff, for as long as the gateway runs.
+fn log_event(event: async_nats::Event) {
+    match event {
+        async_nats::Event::Connected => tracing::info!("connected to the bus"),
+        async_nats::Event::Disconnected => tracing::warn!("lost the bus: reconnecting"),
+        other => tracing::warn!(event = %other, "the bus"),
+    }
+}
+
 /// A conversation id as one subject token: ids may hold `.`, which NATS reads as a separator.
 fn token(conversation_id: &str) -> String {
     conversation_id.bytes().map(|b| format!("{b:02x}")).collect()
@@ -168,13 +170,16 @@ fn conversation_filter(conversation_id: &str) -> String {
 /// The servers `urls` (comma-separated) name, and the options that authenticate to them: the
 /// first URL's `user:password@` or `token@`, or a key file (NATS takes one identity per client;
 /// `Config::check` refuses both), TLS required when a certificate file is given.
-async fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<ServerAddr>, ConnectOptions), String> {
+fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<ServerAddr>, ConnectOptions), String> {
     let servers = urls
         .split(',')
         .map(|url| url.trim().parse::<ServerAddr>().map_err(|e| format!("not a NATS URL: {e}")))
         .collect::<Result<Vec<_>, _>>()?;
     let decoded = |part: &str| percent_encoding::percent_decode_str(part).decode_utf8_lossy().into_owned();
-    let mut connect = ConnectOptions::new();
+    let mut connect = match &options.key {
+        Some(key) => key.connect_options()?,
+        None => ConnectOptions::new(),
+    };
     if let Some(first) = servers.first()
         && let Some(user) = first.username()
     {
@@ -183,14 +188,6 @@ async fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<Server
             None => connect.token(decoded(user)),
         };
     }
-    match &options.key {
-        Some(BusKey::Creds(path)) => {
-            // The client's own reader: its errors name the file and what is wrong, never the seed.
-            connect = connect.credentials_file(path).await.map_err(|e| e.to_string())?;
-        }
-        Some(BusKey::Nkey(path)) => connect = connect.nkey(nkey_seed(path)?),
-        None => {}
-    }
     if let Some(ca) = &options.ca_file {
         connect = connect.add_root_certificates(ca.clone()).require_tls(true);
     }
@@ -198,18 +195,6 @@ async fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<Server
         connect = connect.add_client_certificate(cert.clone(), key.clone()).require_tls(true);
     }
     Ok((servers, connect))
-}
-
-/// The user NKEY seed in the file at `path`, checked: the client would only read it when
-/// connecting, and say less. The errors never hold the file's text.
-fn nkey_seed(path: &std::path::Path) -> Result<String, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("reading the NKEY file {}: {e}", path.display()))?;
-    let seed = text.trim();
-    match nkeys::KeyPair::from_seed(seed) {
-        Ok(pair) if pair.key_pair_type() == nkeys::KeyPairType::User => Ok(seed.to_owned()),
-        Ok(_) => Err(format!("the NKEY file {} holds a seed, but not a user's (SU...)", path.display())),
-        Err(_) => Err(format!("the NKEY file {} does not hold an NKEY seed", path.display())),
-    }
 }
 
 /// A message's gateway, turn and first index, from its headers.
@@ -222,6 +207,7 @@ fn message_head(headers: Option<&async_nats::HeaderMap>) -> Option<(String, Stri
 }
 
 pub use control::serve_control;
+pub use key::BusKey;
 pub use publish::end_interrupted;
 pub use status::relay_statuses;
 

@@ -35,6 +35,31 @@ pub fn nats_server() -> Option<NatsServer> {
 /// A running server started with `args` besides the test's own (authentication, TLS), or
 /// `None` when none is installed.
 pub fn nats_server_with(args: &[&str]) -> Option<NatsServer> {
+    start(|dir| {
+        let own = ["--jetstream".into(), "--store_dir".into(), dir.join("data").into_os_string()];
+        own.into_iter().chain(args.iter().map(Into::into)).collect()
+    })
+}
+
+/// A running server whose configuration file says `config` (its users, accounts), JetStream
+/// included: the file, unlike flags, is what the server reads again on [`NatsServer::reconfigure`].
+pub fn nats_server_configured(config: &str) -> Option<NatsServer> {
+    start(|dir| {
+        write_config(dir, config);
+        vec!["-c".into(), dir.join(CONFIG).into_os_string()]
+    })
+}
+
+const CONFIG: &str = "server.conf";
+
+fn write_config(dir: &Path, config: &str) {
+    let store = dir.join("data");
+    let text = format!("{config}\njetstream {{ store_dir: {:?} }}\n", store.to_str().expect("a UTF-8 path"));
+    std::fs::write(dir.join(CONFIG), text).expect("the NATS server's configuration is written");
+}
+
+/// Starts the server with a folder of its own, and the arguments `args` gives for that folder.
+fn start(args: impl FnOnce(&Path) -> Vec<std::ffi::OsString>) -> Option<NatsServer> {
     let Some(binary) = binary() else {
         assert!(
             std::env::var("DISPATCH_REQUIRE_NATS").as_deref() != Ok("1"),
@@ -47,12 +72,10 @@ pub fn nats_server_with(args: &[&str]) -> Option<NatsServer> {
     let dir = std::env::temp_dir().join(format!("dispatch-nats-{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(dir.join("ports")).expect("a folder for the NATS server");
     let child = Command::new(&binary)
-        .args(["--jetstream", "--addr", "127.0.0.1", "--port", "-1"])
-        .arg("--store_dir")
-        .arg(dir.join("data"))
+        .args(["--addr", "127.0.0.1", "--port", "-1"])
         .arg("--ports_file_dir")
         .arg(dir.join("ports"))
-        .args(args)
+        .args(args(&dir))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -78,6 +101,18 @@ fn wait_for_port(dir: &Path, within: Duration) -> Option<String> {
         std::thread::sleep(Duration::from_millis(20));
     }
     None
+}
+
+impl NatsServer {
+    /// Replaces the configuration of a [`nats_server_configured`] server with `config` and has
+    /// it read the file again (SIGHUP), as an operator changing its users does: clients whose
+    /// credentials it no longer accepts are disconnected.
+    pub fn reconfigure(&self, config: &str) {
+        write_config(&self.dir, config);
+        let pid = self.child.id().to_string();
+        let status = Command::new("kill").args(["-HUP", &pid]).status().expect("kill runs");
+        assert!(status.success(), "nats-server {pid} takes SIGHUP");
+    }
 }
 
 impl Drop for NatsServer {
