@@ -458,3 +458,74 @@ async fn a_key_file_replaced_on_disk_signs_the_gateway_in_when_it_reconnects() {
     files.write("gw.creds", &Operator::user_creds(&operator.account, None).0);
     back_on_the_bus(&a, &b, "creds-after").await;
 }
+
+/// A turn on `a` that holds after its first words (the script's `hold` rule) is heard on `b`
+/// live, while it still runs on `a` (not from the log once it ended), then stopped.
+async fn heard_live(a: &ChildGateway, b: &ChildGateway, conversation: &str) {
+    let mut on_b = b.sse(conversation, "").await;
+    start_turn(a, conversation, "hold").await;
+    // The turn holds for two minutes: a minute without its first words on B is a failure.
+    let first_words = async { while on_b.next().await.expect("B's stream goes on").json()["type"] != "text-delta" {} };
+    let heard = tokio::time::timeout(std::time::Duration::from_secs(60), first_words).await;
+    assert!(heard.is_ok(), "B heard nothing of the turn in {conversation}");
+    let (_, status) = a.get(&format!("/conversations/{conversation}/status")).await;
+    assert_eq!(status["isActive"], true, "B heard the turn while it ran: {status}");
+    let (status, stopped) = a.post(&format!("/conversations/{conversation}/stop"), json!({})).await;
+    assert_eq!((status, &stopped["abortedTurn"]), (200, &json!(true)), "{stopped}");
+    on_b.until_sealed().await;
+}
+
+/// The bus's stream lost under running gateways, removed by hand and then with a NATS server
+/// that comes back without its data: a turn's events (or a follower) create it again, and the
+/// turns after that are heard live across again, with no restart: in a new conversation, and in
+/// one followed all along (read past the new stream's end before: its reading starts over with
+/// the stream, where the client's own consumer would go on from its old sequence and skip them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_stream_is_created_again_and_followed_from_its_start() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(mut nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let script = json!({"rules": [
+        {"match": "hold", "steps": [{"text": "held here", "stallMs": 120_000}]},
+        {"steps": [{"text": "a reply of a few words "}]},
+    ]});
+    let script = write_script(dir.path(), script);
+    let args: Vec<std::ffi::OsString> = [
+        "--database",
+        database.url.as_str(),
+        "--bus",
+        nats.url.as_str(),
+        "--bus-timeout-ms",
+        "3000",
+        "--scripted-script",
+        script.to_str().unwrap(),
+    ]
+    .map(Into::into)
+    .to_vec();
+    let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+    // B follows the conversation all along; turns in it take its reading well past where the
+    // new stream will be when the next one comes.
+    let _follows = b.sse("kept", "").await;
+    for _ in 0..3 {
+        watched_across(&a, &b, "kept").await;
+    }
+    heard_live(&a, &b, "kept").await;
+    let client = async_nats::connect(&nats.url).await.expect("a client of the test's NATS server");
+    let js = async_nats::jetstream::new(client);
+
+    for (how, fresh) in [("removed by hand", "fresh-1"), ("the server back without its data", "fresh-2")] {
+        if how == "removed by hand" {
+            assert!(js.delete_stream("DISPATCH").await.expect("the stream is removed").success);
+        } else {
+            nats.restart_empty();
+        }
+        // A turn meanwhile: its first events find no stream, and bring it back.
+        let mut on_a = a.sse("meanwhile", "").await;
+        start_turn(&a, "meanwhile", how).await;
+        on_a.until_sealed().await;
+        let back = eventually(400, || async { js.get_stream("DISPATCH").await.is_ok() }).await;
+        assert!(back, "{how}: the stream is created again");
+        heard_live(&a, &b, "kept").await;
+        heard_live(&b, &a, fresh).await;
+    }
+}

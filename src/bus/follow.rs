@@ -35,7 +35,11 @@ async fn follow(inner: Arc<Inner>, mut feed: Feed, caught_up: watch::Sender<bool
         match consume(&inner, &mut feed, &caught_up, &mut read).await {
             Ok(()) => tracing::debug!(conversation = %feed.conversation_id, "a bus consumer ended; starting another"),
             Err(e) => {
-                tracing::warn!(conversation = %feed.conversation_id, error = %e, "following a conversation on the bus failed; retrying")
+                tracing::warn!(conversation = %feed.conversation_id, error = %e, "following a conversation on the bus failed; retrying");
+                // The stream may be what is gone: with it back, this conversation's turns are heard again.
+                if let Err(e) = inner.restore_stream().await {
+                    tracing::debug!(error = %e, "cannot create the bus's stream again");
+                }
             }
         }
         // Nobody waits on a bus that fails; what comes later goes straight in.
@@ -45,14 +49,25 @@ async fn follow(inner: Arc<Inner>, mut feed: Feed, caught_up: watch::Sender<bool
     }
 }
 
+/// Where a follower has read to: the stream (by its creation time) and the sequence in it.
+type Read = Option<(i128, u64)>;
+
+/// Follows with one consumer until it ends, fails, or the connection or the stream comes back
+/// (an epoch: the client's own consumer would come back on its own, but from its old sequence,
+/// which in a stream created again skips what is new).
 async fn consume(
     inner: &Inner,
     feed: &mut Feed,
     caught_up: &watch::Sender<bool>,
-    read: &mut Option<u64>,
+    read: &mut Read,
 ) -> Result<(), BusError> {
-    let last = inner.stream.get_info().await.map_err(BusError::js)?.state.last_sequence;
-    let start = match *read {
+    let mut epoch = inner.epoch.subscribe();
+    let info = inner.stream.get_info().await.map_err(BusError::js)?;
+    let (created, last) = (info.created.unix_timestamp_nanos(), info.state.last_sequence);
+    // A stream created again since the last read starts its sequence over: it is followed from
+    // the conversation's latest turn in it.
+    let read_here = read.filter(|(stream, _)| *stream == created).map(|(_, seq)| seq);
+    let start = match read_here {
         Some(seq) => seq + 1,
         None => match last_message(inner, &open_subject(&feed.conversation_id)).await? {
             Some(open) => open.sequence,
@@ -70,10 +85,16 @@ async fn consume(
     };
     let consumer = inner.stream.create_consumer(config).await.map_err(BusError::js)?;
     let mut messages = consumer.messages().await.map_err(BusError::js)?;
-    while let Some(message) = messages.next().await {
-        let message = message.map_err(BusError::js)?;
+    loop {
+        let message = tokio::select! {
+            message = messages.next() => match message {
+                Some(message) => message.map_err(BusError::js)?,
+                None => return Ok(()),
+            },
+            _ = epoch.changed() => return Ok(()),
+        };
         let info = message.info().map_err(BusError::js)?;
-        *read = Some(info.stream_sequence);
+        *read = Some((created, info.stream_sequence));
         let pending = info.pending;
         if !feed.take(message_head(message.headers.as_ref()), &message.payload) {
             return Ok(()); // the hub is gone
@@ -83,7 +104,6 @@ async fn consume(
             caught_up.send_replace(true);
         }
     }
-    Ok(())
 }
 
 /// What the stream has said of the conversation's turns, and how it reaches the hub.

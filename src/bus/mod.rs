@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use async_nats::{ConnectOptions, ServerAddr};
+use futures_util::StreamExt;
 
 use crate::hub::{Following, Hub, Outbox, Remote};
 
@@ -70,6 +71,11 @@ struct Inner {
     client: async_nats::Client,
     js: jetstream::Context,
     stream: stream::Stream,
+    /// The stream's configuration, to create it again (`restore_stream`).
+    stream_config: stream::Config,
+    /// Moves on when the connection comes back and when the stream is created again: the
+    /// followers then start their consumers over, on the stream as it now is (`follow.rs`).
+    epoch: tokio::sync::watch::Sender<u64>,
     /// This gateway's name on the bus: new at every start.
     node: String,
     timeout: Duration,
@@ -87,9 +93,16 @@ impl Bus {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let failed = |reason: String| BusError::Connect { url: crate::config::redacted(url, true), reason };
         let (servers, connect) = connect_options(url, &options).map_err(failed)?;
+        let epoch = tokio::sync::watch::Sender::new(0);
+        let news = epoch.clone();
         let client = connect
             .name(format!("dispatch-gateway {node}"))
-            .event_callback(|event| async move { log_event(event) })
+            .event_callback(move |event| {
+                if matches!(event, async_nats::Event::Connected) {
+                    news.send_modify(|e| *e += 1);
+                }
+                async move { log_event(event) }
+            })
             .connection_timeout(options.timeout)
             .request_timeout(Some(options.timeout))
             .connect(servers)
@@ -105,11 +118,21 @@ impl Bus {
             discard: stream::DiscardPolicy::Old,
             ..Default::default()
         };
-        let stream = js.get_or_create_stream(config).await.map_err(BusError::js)?;
+        // NATS says when the stream is created (by any gateway, after it was gone).
+        let created = client.subscribe(format!("$JS.EVENT.ADVISORY.STREAM.CREATED.{STREAM}")).await;
+        let mut created = created.map_err(|e| failed(e.to_string()))?;
+        let news = epoch.clone();
+        tokio::spawn(async move {
+            while created.next().await.is_some() {
+                news.send_modify(|e| *e += 1);
+            }
+        });
+        let stream = js.get_or_create_stream(config.clone()).await.map_err(BusError::js)?;
         tracing::info!(%node, stream = STREAM, "joined the bus");
         let (statuses, changes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(status::send_statuses(client.clone(), changes));
-        Ok(Bus(Arc::new(Inner { client, js, stream, node, timeout: options.timeout, statuses })))
+        let timeout = options.timeout;
+        Ok(Bus(Arc::new(Inner { client, js, stream, stream_config: config, epoch, node, timeout, statuses })))
     }
 
     /// A subscription to `subject` (what the other gateways send there: `what`), or none, said
@@ -121,6 +144,27 @@ impl Bus {
                 tracing::error!(error = %e, subject, "cannot hear the other gateways' {what}");
                 None
             }
+        }
+    }
+}
+
+impl Inner {
+    /// Creates the stream again when it is gone (removed by hand, or a NATS server back without
+    /// its data): the turns after that reach the other gateways again, with no restart.
+    async fn restore_stream(&self) -> Result<(), BusError> {
+        use async_nats::jetstream::ErrorCode;
+        use async_nats::jetstream::context::GetStreamErrorKind;
+        match self.js.get_stream(STREAM).await {
+            Ok(_) => Ok(()),
+            Err(e) if matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                // Creating a stream that another gateway just created, with the same
+                // configuration, succeeds.
+                self.js.create_stream(self.stream_config.clone()).await.map_err(BusError::js)?;
+                tracing::warn!(stream = STREAM, "the bus's stream was gone: created it again");
+                Ok(())
+            }
+            Err(e) => Err(BusError::js(e)),
         }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::context::PublishAckFuture;
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
@@ -33,6 +33,14 @@ pub(super) fn outbox(inner: &Arc<Inner>, conversation_id: &str, turn_id: &str, c
     outbox
 }
 
+/// What the bus did not take of a turn.
+#[derive(Default)]
+struct Misses {
+    count: usize,
+    /// Whether the stream was found gone (and created again) during the turn.
+    restored: bool,
+}
+
 struct Turn {
     inner: Arc<Inner>,
     open: String,
@@ -47,6 +55,7 @@ impl Turn {
         let limit = (self.inner.client.server_info().max_payload.max(2 * HEADROOM) - HEADROOM).max(HEADROOM);
         let mut acks = FuturesUnordered::new();
         let mut burst: Vec<Outgoing> = Vec::new();
+        let mut misses = Misses::default();
         let mut ended = false;
         while !ended {
             tokio::select! {
@@ -61,21 +70,41 @@ impl Turn {
                     for (index, payload) in runs(&burst, limit) {
                         match self.send(index, payload).await {
                             Ok(ack) => acks.push(ack.into_future()),
-                            Err(e) => tracing::warn!(turn = %self.turn_id, error = %e, "could not publish a turn's events to the bus"),
+                            Err(e) => self.missed(&mut misses, e, false).await,
                         }
                     }
                     burst.clear();
                 }
                 Some(ack) = acks.next(), if !acks.is_empty() => {
                     if let Err(e) = ack {
-                        tracing::warn!(turn = %self.turn_id, error = %e, "the bus did not take a turn's events");
+                        let gone = e.kind() == PublishErrorKind::StreamNotFound;
+                        self.missed(&mut misses, e, gone).await;
                     }
                 }
             }
         }
         while let Some(ack) = acks.next().await {
             if let Err(e) = ack {
-                tracing::warn!(turn = %self.turn_id, error = %e, "the bus did not take a turn's events");
+                let gone = e.kind() == PublishErrorKind::StreamNotFound;
+                self.missed(&mut misses, e, gone).await;
+            }
+        }
+        if misses.count > 1 {
+            tracing::warn!(turn = %self.turn_id, messages = misses.count, "the bus did not take messages of a turn");
+        }
+    }
+
+    /// A message the bus did not take: the first of a turn is logged (a bus that is down fails
+    /// them all), the others counted; a stream found gone is created again, once a turn.
+    async fn missed(&self, misses: &mut Misses, error: impl std::fmt::Display, stream_gone: bool) {
+        if misses.count == 0 {
+            tracing::warn!(turn = %self.turn_id, error = %error, "the bus did not take a turn's events");
+        }
+        misses.count += 1;
+        if stream_gone && !misses.restored {
+            misses.restored = true;
+            if let Err(e) = self.inner.restore_stream().await {
+                tracing::warn!(error = %e, "cannot create the bus's stream again");
             }
         }
     }

@@ -14,6 +14,9 @@ pub struct NatsServer {
     pub url: String,
     child: Child,
     dir: PathBuf,
+    binary: PathBuf,
+    /// The arguments besides the address and port.
+    args: Vec<std::ffi::OsString>,
 }
 
 fn binary() -> Option<PathBuf> {
@@ -71,17 +74,24 @@ fn start(args: impl FnOnce(&Path) -> Vec<std::ffi::OsString>) -> Option<NatsServ
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
     let dir = std::env::temp_dir().join(format!("dispatch-nats-{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(dir.join("ports")).expect("a folder for the NATS server");
-    let child = Command::new(&binary)
-        .args(["--addr", "127.0.0.1", "--port", "-1"])
+    let args = args(&dir);
+    let (child, url) = spawn(&binary, &dir, "-1", &args);
+    Some(NatsServer { url, child, dir, binary, args })
+}
+
+/// The server on `port` (-1: a free one), and its URL once it listens.
+fn spawn(binary: &Path, dir: &Path, port: &str, args: &[std::ffi::OsString]) -> (Child, String) {
+    let child = Command::new(binary)
+        .args(["--addr", "127.0.0.1", "--port", port])
         .arg("--ports_file_dir")
         .arg(dir.join("ports"))
-        .args(args(&dir))
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("{} does not start: {e}", binary.display()));
     let url = wait_for_port(&dir.join("ports"), Duration::from_secs(20)).expect("nats-server writes its port");
-    Some(NatsServer { url, child, dir })
+    (child, url)
 }
 
 /// The client URL from the ports file the server writes once it listens.
@@ -104,6 +114,21 @@ fn wait_for_port(dir: &Path, within: Duration) -> Option<String> {
 }
 
 impl NatsServer {
+    /// Stops the server and starts it again on the same port without its data (its streams
+    /// gone), as a server without a persistent volume comes back.
+    pub fn restart_empty(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(self.dir.join("data"));
+        for entry in std::fs::read_dir(self.dir.join("ports")).into_iter().flatten().flatten() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+        let port = self.url.rsplit(':').next().expect("the URL ends with the port").to_owned();
+        let (child, url) = spawn(&self.binary, &self.dir, &port, &self.args);
+        assert_eq!(url, self.url, "the server is back on its port");
+        self.child = child;
+    }
+
     /// Replaces the configuration of a [`nats_server_configured`] server with `config` and has
     /// it read the file again (SIGHUP), as an operator changing its users does: clients whose
     /// credentials it no longer accepts are disconnected.
