@@ -76,6 +76,8 @@ struct Inner {
     /// Moves on when the connection comes back and when the stream is created again: the
     /// followers then start their consumers over, on the stream as it now is (`follow.rs`).
     epoch: tokio::sync::watch::Sender<u64>,
+    /// When `restore_stream` last asked NATS about the stream.
+    stream_checked: std::sync::Mutex<Option<std::time::Instant>>,
     /// This gateway's name on the bus: new at every start.
     node: String,
     timeout: Duration,
@@ -132,7 +134,9 @@ impl Bus {
         let (statuses, changes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(status::send_statuses(client.clone(), changes));
         let timeout = options.timeout;
-        Ok(Bus(Arc::new(Inner { client, js, stream, stream_config: config, epoch, node, timeout, statuses })))
+        let stream_checked = Default::default();
+        let stream_config = config;
+        Ok(Bus(Arc::new(Inner { client, js, stream, stream_config, epoch, stream_checked, node, timeout, statuses })))
     }
 
     /// A subscription to `subject` (what the other gateways send there: `what`), or none, said
@@ -151,9 +155,18 @@ impl Bus {
 impl Inner {
     /// Creates the stream again when it is gone (removed by hand, or a NATS server back without
     /// its data): the turns after that reach the other gateways again, with no restart.
+    /// At most one request a second, however many followers fail at once.
     async fn restore_stream(&self) -> Result<(), BusError> {
         use async_nats::jetstream::ErrorCode;
         use async_nats::jetstream::context::GetStreamErrorKind;
+        {
+            let mut checked = self.stream_checked.lock().unwrap_or_else(|e| e.into_inner());
+            let now = std::time::Instant::now();
+            if checked.is_some_and(|at| now - at < Duration::from_secs(1)) {
+                return Ok(());
+            }
+            *checked = Some(now);
+        }
         match self.js.get_stream(STREAM).await {
             Ok(_) => Ok(()),
             Err(e) if matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
