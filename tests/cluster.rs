@@ -529,3 +529,33 @@ async fn a_lost_stream_is_created_again_and_followed_from_its_start() {
         heard_live(&b, &a, fresh).await;
     }
 }
+
+/// The stream keeps the configuration it was created with, or an operator gave it: a gateway
+/// started with other retention limits leaves it as it is, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_with_other_retention_limits_says_the_stream_keeps_its_own() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(nats) = nats_server() else { return };
+    let gateway = |limits: &[&str]| {
+        let common = ["--database", database.url.as_str(), "--bus", nats.url.as_str()];
+        ChildGateway::spawn(&common.iter().chain(limits).map(Into::into).collect::<Vec<std::ffi::OsString>>())
+    };
+    let js =
+        async_nats::jetstream::new(async_nats::connect(&nats.url).await.expect("a client of the test's NATS server"));
+    let config = || async { js.get_stream("DISPATCH").await.expect("the stream").cached_info().config.clone() };
+    let warned = |gateway: &ChildGateway| {
+        let logs = gateway.logs.lock().unwrap();
+        logs.iter()
+            .any(|l| l["fields"]["message"].as_str().is_some_and(|m| m.starts_with("the bus's stream keeps its own")))
+    };
+
+    let first = gateway(&[]);
+    let created = config().await;
+    assert_eq!((created.max_age.as_secs(), created.max_bytes), (3600, 1 << 30), "the defaults");
+    assert!(!warned(&first), "the stream has the first gateway's limits");
+    assert!(first.terminate().success());
+
+    let second = gateway(&["--bus-max-age-secs", "120", "--bus-max-bytes", "10000000"]);
+    assert_eq!(config().await, created, "the stream is as it was");
+    assert!(warned(&second), "the second gateway says its limits do not apply");
+}

@@ -130,6 +130,7 @@ impl Bus {
             }
         });
         let stream = js.get_or_create_stream(config.clone()).await.map_err(BusError::js)?;
+        check_limits(&stream, &config);
         tracing::info!(%node, stream = STREAM, "joined the bus");
         let (statuses, changes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(status::send_statuses(client.clone(), changes));
@@ -149,6 +150,23 @@ impl Bus {
                 None
             }
         }
+    }
+}
+
+/// Says when the stream's retention limits are not this gateway's: a stream that exists keeps
+/// the configuration it was created with or an operator gave it (docs/cluster.md), so a changed
+/// `--bus-max-age-secs` or `--bus-max-bytes` does not apply to it, and should not pass unsaid.
+fn check_limits(stream: &stream::Stream, ours: &stream::Config) {
+    let current = &stream.cached_info().config;
+    if (current.max_age, current.max_bytes) != (ours.max_age, ours.max_bytes) {
+        tracing::warn!(
+            stream = STREAM,
+            max_age_secs = current.max_age.as_secs(),
+            max_bytes = current.max_bytes,
+            flag_max_age_secs = ours.max_age.as_secs(),
+            flag_max_bytes = ours.max_bytes,
+            "the bus's stream keeps its own retention limits, not this gateway's flags (change them with the nats tool)"
+        );
     }
 }
 
