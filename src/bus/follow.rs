@@ -37,7 +37,7 @@ async fn follow(inner: Arc<Inner>, mut feed: Feed, caught_up: watch::Sender<bool
             Err(e) => {
                 tracing::warn!(conversation = %feed.conversation_id, error = %e, "following a conversation on the bus failed; retrying");
                 // The stream may be what is gone: with it back, this conversation's turns are heard again.
-                if let Err(e) = inner.restore_stream().await {
+                if let Err(e) = inner.shared.restore(&inner.js).await {
                     tracing::debug!(error = %e, "cannot create the bus's stream again");
                 }
             }
@@ -61,8 +61,8 @@ async fn consume(
     caught_up: &watch::Sender<bool>,
     read: &mut Read,
 ) -> Result<(), BusError> {
-    let mut epoch = inner.epoch.subscribe();
-    let info = inner.stream.get_info().await.map_err(BusError::js)?;
+    let mut epoch = inner.shared.epoch();
+    let info = inner.shared.stream.get_info().await.map_err(BusError::js)?;
     let (created, last) = (info.created.unix_timestamp_nanos(), info.state.last_sequence);
     // A stream created again since the last read starts its sequence over: it is followed from
     // the conversation's latest turn in it.
@@ -83,7 +83,7 @@ async fn consume(
         deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: start },
         ..Default::default()
     };
-    let consumer = inner.stream.create_consumer(config).await.map_err(BusError::js)?;
+    let consumer = inner.shared.stream.create_consumer(config).await.map_err(BusError::js)?;
     let mut messages = consumer.messages().await.map_err(BusError::js)?;
     loop {
         let message = tokio::select! {

@@ -4,25 +4,28 @@
 //! the hub's own encoding), on two subjects per conversation: `open` for a turn's first message
 //! and `more` for the rest (`publish.rs`). A gateway where a conversation is watched follows it
 //! from the last `open` on, with one consumer per conversation, and feeds the turns other
-//! gateways run into its hub with the same event indices (`follow.rs`). Status changes and
-//! control requests go over plain NATS (`status.rs`, `control.rs`). Every message names the gateway whose turn it carries, so none
-//! reads its own turns back. `docs/cluster.md` explains the design and its limits.
+//! gateways run into its hub with the same event indices (`follow.rs`). The stream itself, and
+//! what happens when it is lost, is `shared_stream.rs`. Status changes and control requests go
+//! over plain NATS (`status.rs`, `control.rs`). Every message names the gateway whose turn it
+//! carries, so none reads its own turns back. `docs/cluster.md` explains the design and its
+//! limits.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::Weak;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream;
 use async_nats::{ConnectOptions, ServerAddr};
-use futures_util::StreamExt;
 
 use crate::hub::{Following, Hub, Outbox, Remote};
+use shared_stream::SharedStream;
 
 mod control;
 mod follow;
 mod key;
 mod publish;
+mod shared_stream;
 mod status;
 
 /// The stream holding every gateway's turn events.
@@ -70,14 +73,7 @@ pub struct Bus(Arc<Inner>);
 struct Inner {
     client: async_nats::Client,
     js: jetstream::Context,
-    stream: stream::Stream,
-    /// The stream's configuration, to create it again (`restore_stream`).
-    stream_config: stream::Config,
-    /// Moves on when the connection comes back and when the stream is created again: the
-    /// followers then start their consumers over, on the stream as it now is (`follow.rs`).
-    epoch: tokio::sync::watch::Sender<u64>,
-    /// When `restore_stream` last asked NATS about the stream.
-    stream_checked: std::sync::Mutex<Option<std::time::Instant>>,
+    shared: SharedStream,
     /// This gateway's name on the bus: new at every start.
     node: String,
     timeout: Duration,
@@ -111,33 +107,11 @@ impl Bus {
             .await
             .map_err(|e| failed(e.to_string()))?;
         let js = jetstream::new(client.clone());
-        let config = stream::Config {
-            name: STREAM.to_owned(),
-            subjects: vec!["dispatch.events.>".to_owned()],
-            max_age: options.max_age,
-            max_bytes: options.max_bytes,
-            storage: stream::StorageType::File,
-            discard: stream::DiscardPolicy::Old,
-            ..Default::default()
-        };
-        // NATS says when the stream is created (by any gateway, after it was gone).
-        let created = client.subscribe(format!("$JS.EVENT.ADVISORY.STREAM.CREATED.{STREAM}")).await;
-        let mut created = created.map_err(|e| failed(e.to_string()))?;
-        let news = epoch.clone();
-        tokio::spawn(async move {
-            while created.next().await.is_some() {
-                news.send_modify(|e| *e += 1);
-            }
-        });
-        let stream = js.get_or_create_stream(config.clone()).await.map_err(BusError::js)?;
-        check_limits(&stream, &config);
+        let shared = SharedStream::open(&client, &js, &options, epoch).await?;
         tracing::info!(%node, stream = STREAM, "joined the bus");
         let (statuses, changes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(status::send_statuses(client.clone(), changes));
-        let timeout = options.timeout;
-        let stream_checked = Default::default();
-        let stream_config = config;
-        Ok(Bus(Arc::new(Inner { client, js, stream, stream_config, epoch, stream_checked, node, timeout, statuses })))
+        Ok(Bus(Arc::new(Inner { client, js, shared, node, timeout: options.timeout, statuses })))
     }
 
     /// A subscription to `subject` (what the other gateways send there: `what`), or none, said
@@ -149,53 +123,6 @@ impl Bus {
                 tracing::error!(error = %e, subject, "cannot hear the other gateways' {what}");
                 None
             }
-        }
-    }
-}
-
-/// Says when the stream's retention limits are not this gateway's: a stream that exists keeps
-/// the configuration it was created with or an operator gave it (docs/cluster.md), so a changed
-/// `--bus-max-age-secs` or `--bus-max-bytes` does not apply to it, and should not pass unsaid.
-fn check_limits(stream: &stream::Stream, ours: &stream::Config) {
-    let current = &stream.cached_info().config;
-    if (current.max_age, current.max_bytes) != (ours.max_age, ours.max_bytes) {
-        tracing::warn!(
-            stream = STREAM,
-            max_age_secs = current.max_age.as_secs(),
-            max_bytes = current.max_bytes,
-            flag_max_age_secs = ours.max_age.as_secs(),
-            flag_max_bytes = ours.max_bytes,
-            "the bus's stream keeps its own retention limits, not this gateway's flags (change them with the nats tool)"
-        );
-    }
-}
-
-impl Inner {
-    /// Creates the stream again when it is gone (removed by hand, or a NATS server back without
-    /// its data): the turns after that reach the other gateways again, with no restart.
-    /// At most one request a second, however many followers fail at once.
-    async fn restore_stream(&self) -> Result<(), BusError> {
-        use async_nats::jetstream::ErrorCode;
-        use async_nats::jetstream::context::GetStreamErrorKind;
-        {
-            let mut checked = self.stream_checked.lock().unwrap_or_else(|e| e.into_inner());
-            let now = std::time::Instant::now();
-            if checked.is_some_and(|at| now - at < Duration::from_secs(1)) {
-                return Ok(());
-            }
-            *checked = Some(now);
-        }
-        match self.js.get_stream(STREAM).await {
-            Ok(_) => Ok(()),
-            Err(e) if matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
-            {
-                // Creating a stream that another gateway just created, with the same
-                // configuration, succeeds.
-                self.js.create_stream(self.stream_config.clone()).await.map_err(BusError::js)?;
-                tracing::warn!(stream = STREAM, "the bus's stream was gone: created it again");
-                Ok(())
-            }
-            Err(e) => Err(BusError::js(e)),
         }
     }
 }

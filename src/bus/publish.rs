@@ -103,7 +103,7 @@ impl Turn {
         misses.count += 1;
         if stream_gone && !misses.restored {
             misses.restored = true;
-            if let Err(e) = self.inner.restore_stream().await {
+            if let Err(e) = self.inner.shared.restore(&self.inner.js).await {
                 tracing::warn!(error = %e, "cannot create the bus's stream again");
             }
         }
@@ -221,7 +221,7 @@ pub(super) async fn last_message(
     subject: &str,
 ) -> Result<Option<async_nats::jetstream::message::StreamMessage>, BusError> {
     use async_nats::jetstream::stream::LastRawMessageErrorKind;
-    match inner.stream.get_last_raw_message_by_subject(subject).await {
+    match inner.shared.stream.get_last_raw_message_by_subject(subject).await {
         Ok(m) => Ok(Some(m)),
         Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
         Err(e) => Err(BusError::js(e)),

@@ -1,0 +1,103 @@
+//! The JetStream stream every gateway's turn events go to: created by the first gateway that
+//! starts and used as it is by the others (its limits checked against theirs), created again
+//! when it is lost, with an epoch that moves when it comes back or the connection does, which
+//! the followers start over on (`follow.rs`).
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::context::GetStreamErrorKind;
+use async_nats::jetstream::{self, ErrorCode, stream};
+use futures_util::StreamExt;
+use tokio::sync::watch;
+
+use super::{BusError, BusOptions, STREAM};
+
+pub(super) struct SharedStream {
+    pub(super) stream: stream::Stream,
+    /// This gateway's configuration of it, to create it again.
+    config: stream::Config,
+    epoch: watch::Sender<u64>,
+    /// When `restore` last asked NATS about the stream.
+    checked: Mutex<Option<Instant>>,
+}
+
+impl SharedStream {
+    /// The stream, created when it does not exist yet. `epoch` moves with every connection the
+    /// client makes, and here with every creation of the stream NATS announces.
+    pub(super) async fn open(
+        client: &async_nats::Client,
+        js: &jetstream::Context,
+        options: &BusOptions,
+        epoch: watch::Sender<u64>,
+    ) -> Result<SharedStream, BusError> {
+        let config = stream::Config {
+            name: STREAM.to_owned(),
+            subjects: vec!["dispatch.events.>".to_owned()],
+            max_age: options.max_age,
+            max_bytes: options.max_bytes,
+            storage: stream::StorageType::File,
+            discard: stream::DiscardPolicy::Old,
+            ..Default::default()
+        };
+        let advisory = format!("$JS.EVENT.ADVISORY.STREAM.CREATED.{STREAM}");
+        let mut created = client.subscribe(advisory).await.map_err(BusError::js)?;
+        let news = epoch.clone();
+        tokio::spawn(async move {
+            while created.next().await.is_some() {
+                news.send_modify(|e| *e += 1);
+            }
+        });
+        let stream = js.get_or_create_stream(config.clone()).await.map_err(BusError::js)?;
+        check_limits(&stream, &config);
+        Ok(SharedStream { stream, config, epoch, checked: Mutex::new(None) })
+    }
+
+    /// Moves on when the connection or the stream comes back.
+    pub(super) fn epoch(&self) -> watch::Receiver<u64> {
+        self.epoch.subscribe()
+    }
+
+    /// Creates the stream again when it is gone (removed by hand, or a NATS server back without
+    /// its data): the turns after that reach the other gateways again, with no restart. At most
+    /// one request a second, however many followers fail at once.
+    pub(super) async fn restore(&self, js: &jetstream::Context) -> Result<(), BusError> {
+        {
+            let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            if checked.is_some_and(|at| now - at < Duration::from_secs(1)) {
+                return Ok(());
+            }
+            *checked = Some(now);
+        }
+        match js.get_stream(STREAM).await {
+            Ok(_) => Ok(()),
+            Err(e) if matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                // Creating a stream that another gateway just created, with the same
+                // configuration, succeeds.
+                js.create_stream(self.config.clone()).await.map_err(BusError::js)?;
+                tracing::warn!(stream = STREAM, "the bus's stream was gone: created it again");
+                Ok(())
+            }
+            Err(e) => Err(BusError::js(e)),
+        }
+    }
+}
+
+/// Says when the stream's retention limits are not this gateway's: a stream that exists keeps
+/// the configuration it was created with or an operator gave it (docs/cluster.md), so a changed
+/// `--bus-max-age-secs` or `--bus-max-bytes` does not apply to it, and should not pass unsaid.
+fn check_limits(stream: &stream::Stream, ours: &stream::Config) {
+    let current = &stream.cached_info().config;
+    if (current.max_age, current.max_bytes) != (ours.max_age, ours.max_bytes) {
+        tracing::warn!(
+            stream = STREAM,
+            max_age_secs = current.max_age.as_secs(),
+            max_bytes = current.max_bytes,
+            flag_max_age_secs = ours.max_age.as_secs(),
+            flag_max_bytes = ours.max_bytes,
+            "the bus's stream keeps its own retention limits, not this gateway's flags (change them with the nats tool)"
+        );
+    }
+}
