@@ -459,6 +459,12 @@ async fn a_key_file_replaced_on_disk_signs_the_gateway_in_when_it_reconnects() {
     back_on_the_bus(&a, &b, "creds-after").await;
 }
 
+/// How many times `gateway` has connected to the bus.
+fn connections(gateway: &ChildGateway) -> usize {
+    let logs = gateway.logs.lock().unwrap();
+    logs.iter().filter(|l| l["fields"]["message"] == "connected to the bus").count()
+}
+
 /// A turn on `a` that holds after its first words (the script's `hold` rule) is heard on `b`
 /// live, while it still runs on `a` (not from the log once it ended), then stopped.
 async fn heard_live(a: &ChildGateway, b: &ChildGateway, conversation: &str) {
@@ -475,13 +481,14 @@ async fn heard_live(a: &ChildGateway, b: &ChildGateway, conversation: &str) {
     on_b.until_sealed().await;
 }
 
-/// The bus's stream lost under running gateways, removed by hand and then with a NATS server
-/// that comes back without its data: a turn's events (or a follower) create it again, and the
+/// A NATS server restarted (with its data) under a turn held on one gateway: the other hears the
+/// turn's end once both are back. Then the bus's stream lost under them, removed by hand and
+/// then with a NATS server that comes back without its data: a turn's events (or a follower) create it again, and the
 /// turns after that are heard live across again, with no restart: in a new conversation, and in
 /// one followed all along (read past the new stream's end before: its reading starts over with
 /// the stream, where the client's own consumer would go on from its old sequence and skip them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_stream_is_created_again_and_followed_from_its_start() {
+async fn a_restarted_server_and_a_lost_stream_are_followed_through() {
     let Some(database) = fresh_database().await else { return };
     let Some(mut nats) = nats_server() else { return };
     let dir = tempfile::tempdir().unwrap();
@@ -512,6 +519,26 @@ async fn a_lost_stream_is_created_again_and_followed_from_its_start() {
     heard_live(&a, &b, "kept").await;
     let client = async_nats::connect(&nats.url).await.expect("a client of the test's NATS server");
     let js = async_nats::jetstream::new(client);
+
+    // A turn held on A while the server restarts (with its data): B hears its end, and the
+    // turns after it, live.
+    let mut on_b = b.sse("across", "").await;
+    start_turn(&a, "across", "hold").await;
+    let first_words = async { while on_b.next().await.expect("B's stream goes on").json()["type"] != "text-delta" {} };
+    assert!(tokio::time::timeout(std::time::Duration::from_secs(60), first_words).await.is_ok());
+    nats.restart();
+    // Both gateways back on the bus before the turn ends.
+    assert!(
+        eventually(600, || async { connections(&a) >= 2 && connections(&b) >= 2 }).await,
+        "the gateways reconnected"
+    );
+    let (status, stopped) = a.post("/conversations/across/stop", json!({})).await;
+    assert_eq!((status, &stopped["abortedTurn"]), (200, &json!(true)), "{stopped}");
+    let end =
+        tokio::time::timeout(std::time::Duration::from_secs(60), on_b.until_sealed()).await.expect("B hears the end");
+    let done = read(&end).into_iter().find(|(_, e)| e["type"] == "done").expect("B hears the turn's done");
+    assert_eq!(done.1["reason"], "aborted");
+    heard_live(&a, &b, "kept").await;
 
     for (how, fresh) in [("removed by hand", "fresh-1"), ("the server back without its data", "fresh-2")] {
         if how == "removed by hand" {

@@ -117,9 +117,20 @@ impl NatsServer {
     /// Stops the server and starts it again on the same port without its data (its streams
     /// gone), as a server without a persistent volume comes back.
     pub fn restart_empty(&mut self) {
+        self.restart_keeping(false);
+    }
+
+    /// Stops the server and starts it again on the same port, with its data.
+    pub fn restart(&mut self) {
+        self.restart_keeping(true);
+    }
+
+    fn restart_keeping(&mut self, data: bool) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(self.dir.join("data"));
+        if !data {
+            let _ = std::fs::remove_dir_all(self.dir.join("data"));
+        }
         for entry in std::fs::read_dir(self.dir.join("ports")).into_iter().flatten().flatten() {
             let _ = std::fs::remove_file(entry.path());
         }
