@@ -142,11 +142,13 @@ impl Remote for Bus {
 }
 
 /// The client's news of its connection, in the gateway's words: it reconnects by itself, with
-/// backoff, for as long as the gateway runs.
+/// backoff, for as long as the gateway runs. Each failed attempt is only a debug line: a bus
+/// down for an hour would otherwise write one every few seconds after `lost the bus`.
 fn log_event(event: async_nats::Event) {
     match event {
         async_nats::Event::Connected => tracing::info!("connected to the bus"),
         async_nats::Event::Disconnected => tracing::warn!("lost the bus: reconnecting"),
+        async_nats::Event::ClientError(e) => tracing::debug!(error = %e, "the bus: an attempt failed"),
         other => tracing::warn!(event = %other, "the bus"),
     }
 }
