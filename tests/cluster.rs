@@ -322,9 +322,19 @@ impl Operator {
     }
 }
 
-/// A NATS configuration that knows one user, by its NKEY.
+/// A NATS configuration that knows one user, by its NKEY, with only the permissions
+/// docs/cluster.md lists for a gateway.
 fn listing(user: &nkeys::KeyPair) -> String {
-    format!("authorization {{ users = [ {{ nkey: \"{}\" }} ] }}\n", user.public_key())
+    let permissions = r#"permissions: {
+        publish: ["dispatch.>", "$JS.API.>", "_INBOX.>"],
+        subscribe: ["dispatch.>", "_INBOX.>", "$JS.EVENT.ADVISORY.STREAM.CREATED.DISPATCH"]
+    }"#;
+    format!("authorization {{ users = [ {{ nkey: \"{}\", {permissions} }} ] }}\n", user.public_key())
+}
+
+/// Whether `gateway` was refused something its permissions do not allow.
+fn violated(gateway: &ChildGateway) -> bool {
+    gateway.logs.lock().unwrap().iter().any(|l| l.to_string().to_lowercase().contains("permissions violation"))
 }
 
 /// A folder of files a test writes, named by their paths.
@@ -378,6 +388,7 @@ async fn gateways_join_a_bus_by_nkey_and_by_a_creds_file() {
     let Some(nats) = nats_server_configured(&listing(&user)) else { return };
     let (a, b) = both(with(&nats.url, "--bus-nkey", &files.write("gw.nk", &format!("{seed}\n"))));
     watched_across(&a, &b, "by-nkey").await;
+    assert!(!violated(&a) && !violated(&b), "the documented permissions are enough");
 
     let stranger = nkeys::KeyPair::new_user().seed().unwrap();
     let account = nkeys::KeyPair::new_account().seed().unwrap();
@@ -447,6 +458,7 @@ async fn a_key_file_replaced_on_disk_signs_the_gateway_in_when_it_reconnects() {
     files.write("gw.nk", &new.seed().unwrap());
     nats.reconfigure(&listing(&new));
     back_on_the_bus(&a, &b, "nkey-after").await;
+    assert!(!violated(&a) && !violated(&b), "the documented permissions are enough");
 
     let operator = Operator::new();
     let Some(nats) = nats_server_configured(&operator.config) else { return };
