@@ -420,10 +420,15 @@ async fn gateways_join_a_bus_by_nkey_and_by_a_creds_file() {
     assert!(said.contains("cannot connect to NATS at") && said.contains("JWT"), "{said}");
 }
 
-/// How many times `gateway` has logged that it lost the bus.
-fn losses(gateway: &ChildGateway) -> usize {
+/// How many times `gateway` has logged `message`.
+fn logged(gateway: &ChildGateway, message: &str) -> usize {
     let logs = gateway.logs.lock().unwrap();
-    logs.iter().filter(|l| l["fields"]["message"] == "lost the bus: reconnecting").count()
+    logs.iter().filter(|l| l["fields"]["message"] == message).count()
+}
+
+/// How many times `gateway` has lost the bus.
+fn losses(gateway: &ChildGateway) -> usize {
+    logged(gateway, "lost the bus: reconnecting")
 }
 
 /// Once the server has dropped both gateways: they come back, each watching the other's turns
@@ -471,10 +476,11 @@ async fn a_key_file_replaced_on_disk_signs_the_gateway_in_when_it_reconnects() {
     back_on_the_bus(&a, &b, "creds-after").await;
 }
 
-/// How many times `gateway` has connected to the bus.
-fn connections(gateway: &ChildGateway) -> usize {
-    let logs = gateway.logs.lock().unwrap();
-    logs.iter().filter(|l| l["fields"]["message"] == "connected to the bus").count()
+/// Reads `stream` until a turn's first words; false if none come within a minute (the held
+/// turns hold for two).
+async fn first_words(stream: &mut SseStream) -> bool {
+    let words = async { while stream.next().await.expect("the stream goes on").json()["type"] != "text-delta" {} };
+    tokio::time::timeout(std::time::Duration::from_secs(60), words).await.is_ok()
 }
 
 /// A turn on `a` that holds after its first words (the script's `hold` rule) is heard on `b`
@@ -482,10 +488,7 @@ fn connections(gateway: &ChildGateway) -> usize {
 async fn heard_live(a: &ChildGateway, b: &ChildGateway, conversation: &str) {
     let mut on_b = b.sse(conversation, "").await;
     start_turn(a, conversation, "hold").await;
-    // The turn holds for two minutes: a minute without its first words on B is a failure.
-    let first_words = async { while on_b.next().await.expect("B's stream goes on").json()["type"] != "text-delta" {} };
-    let heard = tokio::time::timeout(std::time::Duration::from_secs(60), first_words).await;
-    assert!(heard.is_ok(), "B heard nothing of the turn in {conversation}");
+    assert!(first_words(&mut on_b).await, "B heard nothing of the turn in {conversation}");
     let (_, status) = a.get(&format!("/conversations/{conversation}/status")).await;
     assert_eq!(status["isActive"], true, "B heard the turn while it ran: {status}");
     let (status, stopped) = a.post(&format!("/conversations/{conversation}/stop"), json!({})).await;
@@ -493,12 +496,13 @@ async fn heard_live(a: &ChildGateway, b: &ChildGateway, conversation: &str) {
     on_b.until_sealed().await;
 }
 
-/// A NATS server restarted (with its data) under a turn held on one gateway: the other hears the
-/// turn's end once both are back. Then the bus's stream lost under them, removed by hand and
-/// then with a NATS server that comes back without its data: a turn's events (or a follower) create it again, and the
-/// turns after that are heard live across again, with no restart: in a new conversation, and in
-/// one followed all along (read past the new stream's end before: its reading starts over with
-/// the stream, where the client's own consumer would go on from its old sequence and skip them).
+/// A NATS server restarted (with its data) under a turn held on one gateway: the other hears
+/// the turn's end once both are back. Then the bus's stream lost under them, removed by hand
+/// and then with a NATS server that comes back without its data: a turn's events (or a
+/// follower) create it again, and the turns after that are heard live across again, with no
+/// restart: in a new conversation, and in one followed all along (read past the new stream's
+/// end before: its reading starts over with the stream, where the client's own consumer would
+/// go on from its old sequence and skip them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_server_and_a_lost_stream_are_followed_through() {
     let Some(database) = fresh_database().await else { return };
@@ -536,12 +540,14 @@ async fn a_restarted_server_and_a_lost_stream_are_followed_through() {
     // turns after it, live.
     let mut on_b = b.sse("across", "").await;
     start_turn(&a, "across", "hold").await;
-    let first_words = async { while on_b.next().await.expect("B's stream goes on").json()["type"] != "text-delta" {} };
-    assert!(tokio::time::timeout(std::time::Duration::from_secs(60), first_words).await.is_ok());
+    assert!(first_words(&mut on_b).await, "B heard the turn start");
     nats.restart();
     // Both gateways back on the bus before the turn ends.
     assert!(
-        eventually(600, || async { connections(&a) >= 2 && connections(&b) >= 2 }).await,
+        eventually(600, || async {
+            logged(&a, "connected to the bus") >= 2 && logged(&b, "connected to the bus") >= 2
+        })
+        .await,
         "the gateways reconnected"
     );
     let (status, stopped) = a.post("/conversations/across/stop", json!({})).await;

@@ -116,4 +116,47 @@ mod tests {
         assert_eq!(framed_values("").count(), 0);
         assert_eq!(framed_values("-----A-----\n\n-----B-----\n").count(), 0, "an empty frame holds nothing");
     }
+
+    /// Files that cannot sign a gateway in are refused naming the file and what is wrong,
+    /// never with their text; a good one signs the nonce.
+    #[test]
+    fn a_key_file_that_cannot_sign_is_refused_by_name_without_its_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let frame = |jwt: &str, seed: &str| {
+            format!(
+                "-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+            )
+        };
+        let user = nkeys::KeyPair::new_user().seed().unwrap();
+        let account = nkeys::KeyPair::new_account().seed().unwrap();
+        let jwt_only = "-----BEGIN NATS USER JWT-----\neyJsecret.jwt\n------END NATS USER JWT------\n";
+        let cases = [
+            (BusKey::Creds(dir.path().join("missing.creds")), None, "reading the credentials file"),
+            (BusKey::Creds(dir.path().join("jwt-only.creds")), Some(jwt_only.to_owned()), "holds no NKEY seed"),
+            (BusKey::Creds(dir.path().join("account.creds")), Some(frame("eyJa.b", &account)), "not a user's"),
+            (
+                BusKey::Creds(dir.path().join("garbage.creds")),
+                Some(frame("eyJa.b", "SUsecret")),
+                "does not hold an NKEY seed",
+            ),
+            (BusKey::Nkey(dir.path().join("garbage.nk")), Some("SUsecret\n".to_owned()), "does not hold an NKEY seed"),
+            (BusKey::Nkey(dir.path().join("account.nk")), Some(account.clone()), "not a user's"),
+        ];
+        for (key, text, says) in cases {
+            if let Some(text) = &text {
+                std::fs::write(key.path(), text).unwrap();
+            }
+            let Err(said) = key.auth(b"nonce") else { panic!("{} signed", key.path().display()) };
+            assert!(said.contains(says) && said.contains(&key.path().display().to_string()), "{said}");
+            for secret in ["SUsecret", "eyJsecret", account.as_str()] {
+                assert!(!said.contains(secret), "{said}");
+            }
+        }
+        let good = dir.path().join("good.creds");
+        std::fs::write(&good, frame("eyJa.b", &user)).unwrap();
+        let auth = BusKey::Creds(good).auth(b"nonce").expect("a user's creds sign");
+        let pair = nkeys::KeyPair::from_seed(&user).unwrap();
+        assert_eq!(auth.jwt.as_deref(), Some("eyJa.b"));
+        assert!(pair.verify(b"nonce", auth.signature.as_deref().unwrap()).is_ok(), "the nonce is signed by the seed");
+    }
 }

@@ -37,7 +37,7 @@ pub(super) fn outbox(inner: &Arc<Inner>, conversation_id: &str, turn_id: &str, c
 #[derive(Default)]
 struct Misses {
     count: usize,
-    /// Whether the stream was found gone (and created again) during the turn.
+    /// Whether the stream was found gone during the turn (it is restored once a turn).
     restored: bool,
 }
 
