@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
+use async_nats::jetstream::context::{PublishAckFuture, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::publish::PublishAck;
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
@@ -33,14 +34,6 @@ pub(super) fn outbox(inner: &Arc<Inner>, conversation_id: &str, turn_id: &str, c
     outbox
 }
 
-/// What the bus did not take of a turn.
-#[derive(Default)]
-struct Misses {
-    count: usize,
-    /// Whether the stream was found gone during the turn (it is restored once a turn).
-    restored: bool,
-}
-
 struct Turn {
     inner: Arc<Inner>,
     open: String,
@@ -55,7 +48,8 @@ impl Turn {
         let limit = (self.inner.client.server_info().max_payload.max(2 * HEADROOM) - HEADROOM).max(HEADROOM);
         let mut acks = FuturesUnordered::new();
         let mut burst: Vec<Outgoing> = Vec::new();
-        let mut misses = Misses::default();
+        // Messages the bus did not take.
+        let mut misses = 0;
         let mut ended = false;
         while !ended {
             tokio::select! {
@@ -75,37 +69,34 @@ impl Turn {
                     }
                     burst.clear();
                 }
-                Some(ack) = acks.next(), if !acks.is_empty() => {
-                    if let Err(e) = ack {
-                        let gone = e.kind() == PublishErrorKind::StreamNotFound;
-                        self.missed(&mut misses, e, gone).await;
-                    }
-                }
+                Some(ack) = acks.next(), if !acks.is_empty() => self.acked(&mut misses, ack).await,
             }
         }
         while let Some(ack) = acks.next().await {
-            if let Err(e) = ack {
-                let gone = e.kind() == PublishErrorKind::StreamNotFound;
-                self.missed(&mut misses, e, gone).await;
-            }
+            self.acked(&mut misses, ack).await;
         }
-        if misses.count > 1 {
-            tracing::warn!(turn = %self.turn_id, messages = misses.count, "the bus did not take messages of a turn");
+        if misses > 1 {
+            tracing::warn!(turn = %self.turn_id, messages = misses, "the bus did not take messages of a turn");
+        }
+    }
+
+    async fn acked(&self, misses: &mut usize, ack: Result<PublishAck, PublishError>) {
+        if let Err(e) = ack {
+            let gone = e.kind() == PublishErrorKind::StreamNotFound;
+            self.missed(misses, e, gone).await;
         }
     }
 
     /// A message the bus did not take: the first of a turn is logged (a bus that is down fails
-    /// them all), the others counted; a stream found gone is created again, once a turn.
-    async fn missed(&self, misses: &mut Misses, error: impl std::fmt::Display, stream_gone: bool) {
-        if misses.count == 0 {
+    /// them all), the others counted; a stream found gone is created again (`restore` asks NATS
+    /// at most once a second, whoever calls).
+    async fn missed(&self, misses: &mut usize, error: impl std::fmt::Display, stream_gone: bool) {
+        if *misses == 0 {
             tracing::warn!(turn = %self.turn_id, error = %error, "the bus did not take a turn's events");
         }
-        misses.count += 1;
-        if stream_gone && !misses.restored {
-            misses.restored = true;
-            if let Err(e) = self.inner.shared.restore(&self.inner.js).await {
-                tracing::warn!(error = %e, "cannot create the bus's stream again");
-            }
+        *misses += 1;
+        if stream_gone && let Err(e) = self.inner.shared.restore(&self.inner.js).await {
+            tracing::warn!(error = %e, "cannot create the bus's stream again");
         }
     }
 
