@@ -575,6 +575,90 @@ async fn a_restarted_server_and_a_lost_stream_are_followed_through() {
     }
 }
 
+/// What a watcher heard of a turn so far, read in the background until `turn-sealed`.
+struct Heard {
+    read: std::sync::Arc<std::sync::Mutex<Vec<SseMessage>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Heard {
+    fn start(mut stream: SseStream) -> Heard {
+        let read = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let into = read.clone();
+        let task = tokio::spawn(async move {
+            while let Some(m) = stream.next().await {
+                let sealed = m.event.is_none() && m.json()["type"] == "turn-sealed";
+                into.lock().unwrap().push(m);
+                if sealed {
+                    break;
+                }
+            }
+        });
+        Heard { read, task }
+    }
+
+    fn count(&self) -> usize {
+        self.read.lock().unwrap().len()
+    }
+
+    /// Everything heard, once the turn ended (within a minute).
+    async fn end(self) -> Vec<(Option<String>, Value)> {
+        tokio::time::timeout(std::time::Duration::from_secs(60), self.task).await.expect("the turn ends").unwrap();
+        read(&self.read.lock().unwrap())
+    }
+}
+
+/// A turn streaming while the NATS server restarts, with its data and then without it: the
+/// other gateway's watcher hears the whole turn live, each event once and in order, as the
+/// turn's own gateway's watcher does. What the bus lost meanwhile is sent again from the
+/// turn's start once it is back, and the watcher elsewhere waits on the gap until then
+/// (without that it got `turn-sealed` at the gap, while the turn went on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_streaming_through_a_restart_of_the_bus_is_heard_whole_on_another_gateway() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(mut nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    // Words at a steady pace, for longer than the test waits (it stops the turn).
+    let script = json!({"rules": [{"pace": 50, "steps": [{"text": "word ", "repeat": 100_000}]}]});
+    let script = write_script(dir.path(), script);
+    let args: Vec<std::ffi::OsString> = [
+        "--database",
+        database.url.as_str(),
+        "--bus",
+        nats.url.as_str(),
+        "--bus-timeout-ms",
+        "3000",
+        "--scripted-script",
+        script.to_str().unwrap(),
+    ]
+    .map(Into::into)
+    .to_vec();
+    let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+    let connected = |gateway: &ChildGateway| logged(gateway, "connected to the bus");
+    for (how, conversation) in [("with its data", "through-restart"), ("without its data", "through-loss")] {
+        let on_a = Heard::start(a.sse(conversation, "").await);
+        let on_b = Heard::start(b.sse(conversation, "").await);
+        start_turn(&a, conversation, "steady").await;
+        assert!(eventually(1200, || async { on_b.count() > 5 }).await, "{how}: B hears the turn");
+        let before = (connected(&a), connected(&b));
+        if how == "with its data" {
+            nats.restart();
+        } else {
+            nats.restart_empty();
+        }
+        let back = eventually(1200, || async { connected(&a) > before.0 && connected(&b) > before.1 }).await;
+        assert!(back, "{how}: the gateways reconnected");
+        // B hears the turn go on past where A had heard it when the bus came back.
+        let heard = on_a.count();
+        assert!(eventually(1200, || async { on_b.count() > heard + 20 }).await, "{how}: B hears the turn go on");
+        let (status, stopped) = a.post(&format!("/conversations/{conversation}/stop"), json!({})).await;
+        assert_eq!((status, &stopped["abortedTurn"]), (200, &json!(true)), "{how}: {stopped}");
+        let everything = on_a.end().await;
+        assert!(everything.len() > heard + 20, "{how}: A heard the whole turn");
+        assert_eq!(on_b.end().await, everything, "{how}: B heard A's turn whole, each event once, in order");
+    }
+}
+
 /// The stream keeps the configuration it was created with, or an operator gave it: a gateway
 /// started with other retention limits leaves it as it is, and says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,10 +5,11 @@
 //! one ordered consumer. What comes before the consumer has caught up (nothing pending) is
 //! gathered: a turn that ended in it is history, not replay; a turn still open becomes the
 //! hub's in-flight buffer at once with everything it has published. From then on each message
-//! goes straight into the hub.
+//! goes straight into the hub. A turn with events missing waits for its gateway to send it again
+//! from its start (`publish.rs`), read like a message read again: only what is new goes in.
 
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use futures_util::StreamExt;
@@ -23,7 +24,7 @@ const RETRY: Duration = Duration::from_secs(1);
 
 pub(super) fn start(inner: Arc<Inner>, hub: Weak<Hub>, conversation_id: Arc<str>) -> Following {
     let (caught_up, waiting) = watch::channel(false);
-    let feed = Feed { hub, conversation_id, node: inner.node.clone(), turn: None, live: false };
+    let feed = Feed { hub, conversation_id, node: inner.node.clone(), turn: None, live: false, ended: None };
     let task = tokio::spawn(follow(inner, feed, caught_up));
     Following::new(waiting, task.abort_handle())
 }
@@ -86,12 +87,17 @@ async fn consume(
     let consumer = inner.shared.stream.create_consumer(config).await.map_err(BusError::js)?;
     let mut messages = consumer.messages().await.map_err(BusError::js)?;
     loop {
+        let gap = feed.gap_deadline(inner.timeout);
         let message = tokio::select! {
             message = messages.next() => match message {
                 Some(message) => message.map_err(BusError::js)?,
                 None => return Ok(()),
             },
             _ = epoch.changed() => return Ok(()),
+            _ = tokio::time::sleep_until(gap.unwrap_or_else(Instant::now).into()), if gap.is_some() => {
+                feed.overdue();
+                continue;
+            }
         };
         let info = message.info().map_err(BusError::js)?;
         *read = Some((created, info.stream_sequence));
@@ -115,6 +121,8 @@ struct Feed {
     turn: Option<RemoteTurn>,
     /// Caught up: events go into the hub as they come.
     live: bool,
+    /// The last turn that ended here, whose messages sent again are not news.
+    ended: Option<String>,
 }
 
 struct RemoteTurn {
@@ -125,6 +133,14 @@ struct RemoteTurn {
     buffer: Option<Arc<TurnBuffer>>,
     /// Its events while catching up.
     early: Vec<AgentEvent>,
+    /// Since when events are missing (a later message came first).
+    gap: Option<Instant>,
+}
+
+impl RemoteTurn {
+    fn new(turn_id: String) -> RemoteTurn {
+        RemoteTurn { turn_id, next: 0, buffer: None, early: Vec::new(), gap: None }
+    }
 }
 
 impl Feed {
@@ -148,20 +164,32 @@ impl Feed {
                 }
             }
         }
-        if index == 0 {
+        if self.ended.as_deref() == Some(turn_id.as_str()) {
+            return true; // a turn that ended here, sent again from its start: nothing new
+        }
+        // A turn's start opens it, unless it is the turn followed, sent again from its start.
+        if index == 0 && self.turn.as_ref().is_none_or(|t| t.turn_id != turn_id) {
             if let Some(unfinished) = self.turn.take() {
                 self.abandon(&hub, unfinished);
             }
-            self.turn = Some(RemoteTurn { turn_id: turn_id.clone(), next: 0, buffer: None, early: Vec::new() });
+            self.turn = Some(RemoteTurn::new(turn_id.clone()));
         }
         // A turn opened before following began, or messages of one that ended: not replayed.
         let Some(turn) = self.turn.as_mut().filter(|t| t.turn_id == turn_id) else { return true };
         if index > turn.next {
-            tracing::warn!(conversation = %self.conversation_id, turn = %turn_id, expected = turn.next, got = index, "events of a turn are missing on the bus; ending it here");
-            let unfinished = self.turn.take().expect("just matched");
-            self.abandon(&hub, unfinished);
+            // Events missing: its gateway sends the turn again from its start when the bus may
+            // have lost some (`publish.rs`). Until then (at most the bus timeout, `overdue`) its
+            // watchers here wait; its end ends it.
+            if matches!(events.last(), Some(AgentEvent::TurnSealed(_))) {
+                tracing::warn!(conversation = %self.conversation_id, turn = %turn_id, "a turn ended with events missing on the bus; its watchers here read them from history");
+                let unfinished = self.turn.take().expect("just matched");
+                self.abandon(&hub, unfinished);
+            } else {
+                turn.gap.get_or_insert_with(Instant::now);
+            }
             return true;
         }
+        turn.gap = None;
         // A message read again (a replaced consumer) adds only what is new.
         let fresh: Vec<AgentEvent> = events.into_iter().skip((turn.next - index) as usize).collect();
         turn.next += fresh.len() as u32;
@@ -170,6 +198,7 @@ impl Feed {
             turn.early.extend(fresh);
             if sealed {
                 self.turn = None; // ended before this gateway caught up: history, not replay
+                self.ended = Some(turn_id);
             }
             return true;
         }
@@ -181,8 +210,24 @@ impl Feed {
         if let Some(sealed) = end.first() {
             let buffer = self.turn.take().and_then(|t| t.buffer).expect("opened above");
             hub.seal_turn(buffer, sealed);
+            self.ended = Some(turn_id);
         }
         true
+    }
+
+    /// When the turn followed, waiting on missing events, is given up.
+    fn gap_deadline(&self, wait: Duration) -> Option<Instant> {
+        self.turn.as_ref().and_then(|t| t.gap).map(|since| since + wait)
+    }
+
+    /// Gives up on missing events that did not come in time: the turn's watchers here get
+    /// `turn-sealed` and read the rest from history.
+    fn overdue(&mut self) {
+        let Some(hub) = self.hub.upgrade() else { return };
+        if let Some(turn) = self.turn.take_if(|t| t.gap.is_some()) {
+            tracing::warn!(conversation = %self.conversation_id, turn = %turn.turn_id, expected = turn.next, "events of a turn are missing on the bus; ending it here");
+            self.abandon(&hub, turn);
+        }
     }
 
     /// Caught up: a turn still open goes into the hub with what it has published.
@@ -199,7 +244,8 @@ impl Feed {
 
     /// A turn whose end will not come (part of it is missing, or a later turn opened): its
     /// watchers here get `turn-sealed` and read the rest from history.
-    fn abandon(&self, hub: &Arc<Hub>, turn: RemoteTurn) {
+    fn abandon(&mut self, hub: &Arc<Hub>, turn: RemoteTurn) {
+        self.ended = Some(turn.turn_id.clone());
         if let Some(buffer) = turn.buffer {
             let sealed = AgentEvent::TurnSealed(TurnSealedEvent {
                 conversation_id: self.conversation_id.to_string(),
@@ -232,7 +278,14 @@ mod tests {
     }
 
     fn feed(hub: &Arc<Hub>) -> Feed {
-        Feed { hub: Arc::downgrade(hub), conversation_id: Arc::from("c"), node: "here".into(), turn: None, live: false }
+        Feed {
+            hub: Arc::downgrade(hub),
+            conversation_id: Arc::from("c"),
+            node: "here".into(),
+            turn: None,
+            live: false,
+            ended: None,
+        }
     }
 
     async fn deltas(hub: &Arc<Hub>) -> Vec<String> {
@@ -273,26 +326,75 @@ mod tests {
         assert!(hub.current("c").await.is_none());
     }
 
+    /// The next batch a cursor reads: its deltas, and whether it ends with `turn-sealed`.
+    async fn read_on(cursor: &mut crate::hub::Cursor) -> (Vec<String>, bool) {
+        match cursor.next_batch(usize::MAX).await {
+            Delivery::Events(events) => {
+                let sealed = events.last().is_some_and(|e| e.is_sealed());
+                let deltas = events
+                    .iter()
+                    .filter(|e| !e.is_sealed())
+                    .map(|e| {
+                        let event: serde_json::Value = serde_json::from_slice(&e.line).unwrap();
+                        event["delta"].as_str().unwrap().to_owned()
+                    })
+                    .collect();
+                (deltas, sealed)
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[tokio::test]
-    async fn a_gap_in_a_turn_ends_it_for_the_watchers_here() {
+    async fn a_gap_waits_for_the_turn_sent_again_from_its_start_and_goes_on_without_repeats() {
         let hub = Hub::new(1 << 20, FlushWindow::default());
         let mut feed = feed(&hub);
         feed.go_live();
         assert!(feed.take(head("there", "t1", 0), text("t1", "a").as_bytes()));
-        let buffer = hub.current("c").await.expect("the turn is in the hub");
-        let mut cursor = hub.read_turn(&buffer);
-        drop(buffer);
-        assert!(matches!(cursor.next_batch(usize::MAX).await, Delivery::Events(e) if e.len() == 1));
-        // Event 1 never came: the watchers get turn-sealed and read the rest from history.
+        let mut cursor = hub.read_turn(&hub.current("c").await.expect("the turn is in the hub"));
+        assert_eq!(read_on(&mut cursor).await, (vec!["a".to_owned()], false));
+        // Event 1 is lost; 2 comes first: the watchers here wait, with nothing yet.
         assert!(feed.take(head("there", "t1", 2), text("t1", "c").as_bytes()));
-        match cursor.next_batch(usize::MAX).await {
-            Delivery::Events(events) => assert!(events.len() == 1 && events[0].is_sealed(), "{events:?}"),
-            other => panic!("{other:?}"),
+        assert!(feed.gap_deadline(Duration::from_secs(5)).is_some(), "waiting on the gap");
+        assert!(hub.current("c").await.is_some(), "the turn goes on here");
+        // The turn sent again from its start: only what is new reaches the watchers, once.
+        let again = text("t1", "a") + &text("t1", "b") + &text("t1", "c");
+        assert!(feed.take(head("there", "t1", 0), again.as_bytes()));
+        assert!(feed.gap_deadline(Duration::from_secs(5)).is_none(), "the gap is filled");
+        assert!(feed.take(head("there", "t1", 3), (text("t1", "d") + &sealed("t1")).as_bytes()));
+        let (mut deltas, mut sealed_here) = (Vec::new(), false);
+        while !sealed_here {
+            let (more, sealed) = read_on(&mut cursor).await;
+            deltas.extend(more);
+            sealed_here = sealed;
         }
-        assert!(hub.current("c").await.is_none());
+        assert_eq!(deltas, ["b", "c", "d"]);
+        // The ended turn sent again (a late sending) is not news.
+        assert!(feed.take(head("there", "t1", 0), (again + &text("t1", "d") + &sealed("t1")).as_bytes()));
+        assert!(hub.current("c").await.is_none(), "the ended turn is not opened again");
+    }
+
+    #[tokio::test]
+    async fn a_gap_not_filled_ends_the_turn_for_the_watchers_here_at_its_end_or_in_time() {
+        let hub = Hub::new(1 << 20, FlushWindow::default());
+        let mut feed = feed(&hub);
+        feed.go_live();
+        for (turn, finish) in [("t1", "its end"), ("t2", "the timeout")] {
+            assert!(feed.take(head("there", turn, 0), text(turn, "a").as_bytes()));
+            let mut cursor = hub.read_turn(&hub.current("c").await.expect("the turn is in the hub"));
+            assert_eq!(read_on(&mut cursor).await, (vec!["a".to_owned()], false));
+            assert!(feed.take(head("there", turn, 2), text(turn, "c").as_bytes()));
+            if finish == "its end" {
+                assert!(feed.take(head("there", turn, 3), sealed(turn).as_bytes()));
+            } else {
+                feed.overdue();
+            }
+            // The watchers get turn-sealed and read the rest from history.
+            assert_eq!(read_on(&mut cursor).await, (vec![], true), "{finish}");
+            assert!(hub.current("c").await.is_none(), "{finish}");
+        }
         // A gone hub stops the feed.
-        drop(cursor);
         drop(hub);
-        assert!(!feed.take(head("there", "t2", 0), text("t2", "a").as_bytes()));
+        assert!(!feed.take(head("there", "t3", 0), text("t3", "a").as_bytes()));
     }
 }

@@ -4,14 +4,16 @@
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::time::{Duration, Instant};
 
-use async_nats::HeaderMap;
-use async_nats::jetstream::context::{PublishAckFuture, PublishError, PublishErrorKind};
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
+use async_nats::{HeaderMap, connection::State};
 use bytes::{Bytes, BytesMut};
-use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
 use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 
 use super::{BusError, INDEX, Inner, NODE, TURN, message_head, more_subject, open_subject};
@@ -22,6 +24,9 @@ use crate::wire::{AgentEvent, TurnDoneEvent, TurnErrorEvent, TurnSealedEvent};
 /// A message stays well under NATS's payload limit (1 MiB unless the server says otherwise).
 const HEADROOM: usize = 4096;
 
+/// How soon a turn is sent again after the bus failed to take part of it (it may still be down).
+const RESEND_AFTER: Duration = Duration::from_secs(1);
+
 pub(super) fn outbox(inner: &Arc<Inner>, conversation_id: &str, turn_id: &str, cap: usize) -> Outbox {
     let (outbox, events, pending) = Outbox::new(cap);
     let turn = Turn {
@@ -30,7 +35,7 @@ pub(super) fn outbox(inner: &Arc<Inner>, conversation_id: &str, turn_id: &str, c
         more: more_subject(conversation_id),
         turn_id: turn_id.to_owned(),
     };
-    tokio::spawn(turn.publish(events, pending));
+    tokio::spawn(turn.publish(events, pending, cap));
     outbox
 }
 
@@ -41,69 +46,162 @@ struct Turn {
     turn_id: String,
 }
 
+/// An acknowledgement, with the sending of the turn it belongs to (`generation`).
+type Ack = BoxFuture<'static, (u64, Result<PublishAck, PublishError>)>;
+
 impl Turn {
     /// Publishes what the turn's outbox gets, in order, each burst as few messages as fit,
     /// without waiting for one's acknowledgement before sending the next; ends with the turn.
-    async fn publish(self, mut events: mpsc::UnboundedReceiver<Outgoing>, pending: Arc<AtomicUsize>) {
+    ///
+    /// When the bus may have lost part of the turn (an acknowledgement failed, the connection
+    /// came back, the stream was created again), the turn so far is sent again from its start
+    /// (a new generation) and what comes next after it: the followers elsewhere, which wait on
+    /// a gap, read it as a re-read and go on (`follow.rs`). After the turn's end this goes on
+    /// for at most the bus timeout.
+    async fn publish(self, mut events: mpsc::UnboundedReceiver<Outgoing>, pending: Arc<AtomicUsize>, cap: usize) {
         let limit = (self.inner.client.server_info().max_payload.max(2 * HEADROOM) - HEADROOM).max(HEADROOM);
         let mut acks = FuturesUnordered::new();
-        let mut burst: Vec<Outgoing> = Vec::new();
-        // Messages the bus did not take.
+        let mut generation = 0;
+        let mut kept = Kept::new(cap, limit);
+        let mut epoch = self.inner.shared.epoch();
+        // When the turn is sent again.
+        let mut resend: Option<Instant> = None;
+        let mut ended: Option<Instant> = None;
         let mut misses = 0;
-        let mut ended = false;
-        while !ended {
+        let mut burst: Vec<Outgoing> = Vec::new();
+        loop {
+            if let Some(at) = ended {
+                if acks.is_empty() && resend.is_none() {
+                    break;
+                }
+                if at.elapsed() >= self.inner.timeout {
+                    tracing::warn!(turn = %self.turn_id, "the bus did not take the end of a turn in time: its watchers elsewhere read it from history");
+                    break;
+                }
+            }
+            let due = resend.unwrap_or_else(Instant::now);
             tokio::select! {
-                got = events.recv() => {
-                    let Some(first) = got else { break };
+                got = events.recv(), if ended.is_none() => {
+                    let Some(first) = got else {
+                        ended = Some(Instant::now());
+                        continue;
+                    };
                     burst.push(first);
                     while let Ok(more) = events.try_recv() {
                         burst.push(more);
                     }
                     pending.fetch_sub(burst.iter().map(|e| e.line.len()).sum(), Relaxed);
-                    ended = burst.iter().any(|e| e.last);
-                    for (index, payload) in runs(&burst, limit) {
-                        match self.send(index, payload).await {
-                            Ok(ack) => acks.push(ack.into_future()),
-                            Err(e) => self.missed(&mut misses, e, false).await,
-                        }
+                    if burst.iter().any(|e| e.last) {
+                        ended = Some(Instant::now());
                     }
+                    kept.add(&burst);
+                    self.send(&burst, limit, generation, &mut acks, &mut misses).await;
                     burst.clear();
                 }
-                Some(ack) = acks.next(), if !acks.is_empty() => self.acked(&mut misses, ack).await,
+                Some((of, ack)) = acks.next(), if !acks.is_empty() => {
+                    // A failure of an earlier sending is covered by the one after it.
+                    if of == generation && let Err(e) = ack {
+                        use PublishErrorKind::*;
+                        let again = matches!(e.kind(), StreamNotFound | TimedOut | BrokenPipe | MaxAckPending);
+                        self.missed(&mut misses, e);
+                        if again && kept.whole && resend.is_none() {
+                            resend = Some(Instant::now() + RESEND_AFTER);
+                        }
+                    }
+                }
+                Ok(()) = epoch.changed() => {
+                    // The connection or the stream came back: what it holds of the turn is unknown.
+                    if kept.whole && !kept.events.is_empty() {
+                        resend = Some(Instant::now());
+                    }
+                }
+                _ = tokio::time::sleep_until(due.into()), if resend.is_some() => {
+                    if self.inner.client.connection_state() != State::Connected {
+                        resend = Some(Instant::now() + RESEND_AFTER);
+                        continue;
+                    }
+                    resend = None;
+                    if !kept.whole {
+                        continue; // grown past what is kept since: its followers end it
+                    }
+                    generation += 1;
+                    // The stream itself may be what is gone (`restore` asks at most once a second).
+                    if let Err(e) = self.inner.shared.restore(&self.inner.js).await {
+                        tracing::warn!(error = %e, "cannot create the bus's stream again");
+                    }
+                    tracing::info!(turn = %self.turn_id, events = kept.events.len(), "sending a turn again from its start: the bus may have lost part of it");
+                    self.send(&kept.events, limit, generation, &mut acks, &mut misses).await;
+                }
             }
-        }
-        while let Some(ack) = acks.next().await {
-            self.acked(&mut misses, ack).await;
         }
         if misses > 1 {
             tracing::warn!(turn = %self.turn_id, messages = misses, "the bus did not take messages of a turn");
         }
     }
 
-    async fn acked(&self, misses: &mut usize, ack: Result<PublishAck, PublishError>) {
-        if let Err(e) = ack {
-            let gone = e.kind() == PublishErrorKind::StreamNotFound;
-            self.missed(misses, e, gone).await;
+    /// Sends `events` as runs, their acknowledgements into `acks`.
+    async fn send(
+        &self,
+        events: &[Outgoing],
+        limit: usize,
+        generation: u64,
+        acks: &mut FuturesUnordered<Ack>,
+        misses: &mut usize,
+    ) {
+        for (index, payload) in runs(events, limit) {
+            let subject = if index == 0 { &self.open } else { &self.more };
+            let head = head(&self.inner.node, &self.turn_id, index);
+            let message = PublishMessage::build().headers(head).payload(payload);
+            match self.inner.js.send_publish(subject.clone(), message).await {
+                Ok(ack) => acks.push(ack.into_future().map(move |ack| (generation, ack)).boxed()),
+                Err(e) => self.missed(misses, e),
+            }
         }
     }
 
     /// A message the bus did not take: the first of a turn is logged (a bus that is down fails
-    /// them all), the others counted; a stream found gone is created again (`restore` asks NATS
-    /// at most once a second, whoever calls).
-    async fn missed(&self, misses: &mut usize, error: impl std::fmt::Display, stream_gone: bool) {
+    /// them all), the others counted.
+    fn missed(&self, misses: &mut usize, error: impl std::fmt::Display) {
         if *misses == 0 {
             tracing::warn!(turn = %self.turn_id, error = %error, "the bus did not take a turn's events");
         }
         *misses += 1;
-        if stream_gone && let Err(e) = self.inner.shared.restore(&self.inner.js).await {
-            tracing::warn!(error = %e, "cannot create the bus's stream again");
-        }
+    }
+}
+
+/// The turn's events so far, to send it again from its start: all of them or none (past the
+/// outbox's cap, a gap the outbox left, or an event too large for one message, the stream
+/// cannot be given the whole turn; the followers then end it for their watchers).
+struct Kept {
+    events: Vec<Outgoing>,
+    bytes: usize,
+    cap: usize,
+    limit: usize,
+    whole: bool,
+}
+
+impl Kept {
+    fn new(cap: usize, limit: usize) -> Kept {
+        Kept { events: Vec::new(), bytes: 0, cap, limit, whole: true }
     }
 
-    async fn send(&self, index: u32, payload: Bytes) -> Result<PublishAckFuture, BusError> {
-        let subject = if index == 0 { &self.open } else { &self.more };
-        let message = PublishMessage::build().headers(head(&self.inner.node, &self.turn_id, index)).payload(payload);
-        self.inner.js.send_publish(subject.clone(), message).await.map_err(BusError::js)
+    fn add(&mut self, burst: &[Outgoing]) {
+        for event in burst {
+            let len = event.line.len();
+            let next = self.events.len() as u32;
+            if !self.whole || event.index != next || len > self.limit || self.bytes + len > self.cap {
+                if std::mem::take(&mut self.whole) {
+                    tracing::debug!(
+                        index = event.index,
+                        "a turn is past what its publisher keeps: it is not sent again"
+                    );
+                }
+                self.events = Vec::new();
+                return;
+            }
+            self.bytes += len;
+            self.events.push(Outgoing { index: event.index, line: event.line.clone(), last: event.last });
+        }
     }
 }
 
@@ -149,14 +247,16 @@ pub async fn end_interrupted(bus: &super::Bus, conversation_id: &str, turn_id: &
     for _ in 0..5 {
         let last_more = last_message(inner, &more).await?;
         let last_open = last_message(inner, &open).await?;
-        // The turn's last message: its latest `more`, else its `open`.
+        // The turn's last message: the later of its latest `more` and `open` (a turn sent again
+        // from its start has an `open` after its `more`s).
         let of_turn = |m: &Option<async_nats::jetstream::message::StreamMessage>| {
             m.as_ref().and_then(|m| {
                 let (node, turn, index) = message_head(Some(&m.headers))?;
-                (turn == turn_id).then(|| (node, index, m.payload.clone()))
+                (turn == turn_id).then(|| (m.sequence, node, index, m.payload.clone()))
             })
         };
-        let Some((node, index, payload)) = of_turn(&last_more).or_else(|| of_turn(&last_open)) else {
+        let latest = of_turn(&last_more).into_iter().chain(of_turn(&last_open)).max_by_key(|(sequence, ..)| *sequence);
+        let Some((_, node, index, payload)) = latest else {
             return Ok(()); // nothing of the turn reached the bus: no watcher elsewhere saw it
         };
         let lines: Vec<&[u8]> = payload.split(|b| *b == b'\n').filter(|l| !l.is_empty()).collect();
@@ -200,7 +300,7 @@ pub async fn end_interrupted(bus: &super::Bus, conversation_id: &str, turn_id: &
         let sent = inner.js.send_publish(more.clone(), message).await.map_err(BusError::js)?;
         match sent.await {
             Ok(_) => return Ok(()),
-            Err(e) if e.to_string().contains("wrong last sequence") => continue,
+            Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => continue,
             Err(e) => return Err(BusError::js(e)),
         }
     }
@@ -234,5 +334,21 @@ mod tests {
             runs(&burst, 6).into_iter().map(|(i, p)| (i, String::from_utf8(p.to_vec()).unwrap())).collect();
         // Runs cut by the limit and by the gap an overflow left; an event over the limit alone.
         assert_eq!(got, vec![(0, "a\nb\nc\n".to_owned()), (3, "dddddd\n".to_owned()), (7, "e\nf\n".to_owned())]);
+    }
+
+    #[test]
+    fn a_turn_is_kept_to_be_sent_again_only_whole() {
+        let kept = |cap: usize, burst: &[Outgoing]| {
+            let mut kept = Kept::new(cap, 6);
+            kept.add(&burst[..1]);
+            kept.add(&burst[1..]);
+            (kept.whole, kept.events.iter().map(|e| e.index).collect::<Vec<_>>())
+        };
+        assert_eq!(kept(100, &[ev(0, "a"), ev(1, "b"), ev(2, "c")]), (true, vec![0, 1, 2]));
+        // Past the cap, after a gap the outbox left, or with an event too large for a message:
+        // nothing (a part sent again as the whole would hide the gap).
+        assert_eq!(kept(5, &[ev(0, "a"), ev(1, "b"), ev(2, "c")]), (false, vec![]));
+        assert_eq!(kept(100, &[ev(0, "a"), ev(2, "c")]), (false, vec![]));
+        assert_eq!(kept(100, &[ev(0, "a"), ev(1, "bbbbbbb")]), (false, vec![]));
     }
 }
