@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 /// Upper bounds of the SQLite write latency histogram, in seconds.
@@ -51,6 +51,20 @@ pub struct Metrics {
     write_count: AtomicU64,
     write_micros: AtomicU64,
     runtime_errors: Mutex<BTreeMap<String, u64>>,
+    pub bus: BusCounters,
+}
+
+/// The bus's health, rendered by a gateway on a bus only (`--bus`).
+#[derive(Default)]
+pub struct BusCounters {
+    pub configured: AtomicBool,
+    pub connected: AtomicBool,
+    /// Messages of this gateway's turns the bus did not take.
+    pub messages_missed: AtomicU64,
+    /// Times a turn of this gateway was sent again from its start.
+    pub turns_resent: AtomicU64,
+    /// Turns of other gateways ended here with events missing (watchers read the rest from history).
+    pub turns_cut: AtomicU64,
 }
 
 /// The hub's pacing, for the gauges.
@@ -181,7 +195,40 @@ impl Metrics {
             let kind = kind.replace(['\\', '"', '\n'], "_");
             let _ = writeln!(out, "dispatch_runtime_errors_total{{kind=\"{kind}\"}} {n}");
         }
+        self.bus.render(&mut out);
         out
+    }
+}
+
+impl BusCounters {
+    fn render(&self, out: &mut String) {
+        if !self.configured.load(Relaxed) {
+            return;
+        }
+        let connected = u8::from(self.connected.load(Relaxed));
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_bus_connected Whether the gateway is connected to the bus (1) or reconnecting (0).\n# TYPE dispatch_bus_connected gauge\ndispatch_bus_connected {connected}"
+        );
+        for (name, help, value) in [
+            (
+                "dispatch_bus_messages_missed_total",
+                "Messages of this gateway's turns the bus did not take.",
+                &self.messages_missed,
+            ),
+            (
+                "dispatch_bus_turns_resent_total",
+                "Times a turn was sent to the bus again from its start, as the bus may have lost part of it.",
+                &self.turns_resent,
+            ),
+            (
+                "dispatch_bus_turns_cut_total",
+                "Other gateways' turns ended here with events missing: their watchers read the rest from history.",
+                &self.turns_cut,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", value.load(Relaxed));
+        }
     }
 }
 

@@ -496,6 +496,14 @@ async fn heard_live(a: &ChildGateway, b: &ChildGateway, conversation: &str) {
     on_b.until_sealed().await;
 }
 
+/// Two gateways on `database` and `bus` whose scripted runtime plays `script`.
+fn scripted_pair(database: &str, bus: &str, script: &std::path::Path) -> (ChildGateway, ChildGateway) {
+    let script = script.to_str().unwrap();
+    let args = ["--database", database, "--bus", bus, "--bus-timeout-ms", "3000", "--scripted-script", script];
+    let args: Vec<std::ffi::OsString> = args.map(Into::into).to_vec();
+    (ChildGateway::spawn(&args), ChildGateway::spawn(&args))
+}
+
 /// A NATS server restarted (with its data) under a turn held on one gateway: the other hears
 /// the turn's end once both are back. Then the bus's stream lost under them, removed by hand
 /// and then with a NATS server that comes back without its data: a turn's events (or a
@@ -512,20 +520,7 @@ async fn a_restarted_server_and_a_lost_stream_are_followed_through() {
         {"match": "hold", "steps": [{"text": "held here", "stallMs": 120_000}]},
         {"steps": [{"text": "a reply of a few words "}]},
     ]});
-    let script = write_script(dir.path(), script);
-    let args: Vec<std::ffi::OsString> = [
-        "--database",
-        database.url.as_str(),
-        "--bus",
-        nats.url.as_str(),
-        "--bus-timeout-ms",
-        "3000",
-        "--scripted-script",
-        script.to_str().unwrap(),
-    ]
-    .map(Into::into)
-    .to_vec();
-    let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+    let (a, b) = scripted_pair(&database.url, &nats.url, &write_script(dir.path(), script));
     // B follows the conversation all along; turns in it take its reading well past where the
     // new stream will be when the next one comes.
     let _follows = b.sse("kept", "").await;
@@ -608,45 +603,41 @@ impl Heard {
     }
 }
 
-/// A turn streaming while the NATS server restarts, with its data and then without it: the
-/// other gateway's watcher hears the whole turn live, each event once and in order, as the
-/// turn's own gateway's watcher does. What the bus lost meanwhile is sent again from the
-/// turn's start once it is back, and the watcher elsewhere waits on the gap until then
-/// (without that it got `turn-sealed` at the gap, while the turn went on).
+/// Whether `gateway`'s `/metrics` says it is on the bus (1) or off it (0).
+async fn on_bus(gateway: &Api, connected: f64) -> bool {
+    metric(&gateway.metrics().await, "dispatch_bus_connected") == connected
+}
+
+/// A turn streaming while the NATS server is down for a while and comes back, with its data
+/// and then without it: the other gateway's watcher hears the whole turn live, each event once
+/// and in order, as the turn's own gateway's watcher does. What the bus lost meanwhile is sent
+/// again from the turn's start once it is back, and the watcher elsewhere waits on the gap
+/// until then (without that it got `turn-sealed` at the gap, while the turn went on). Each
+/// gateway's `/metrics` says when it is off the bus, and counts the turns sent again and cut.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_turn_streaming_through_a_restart_of_the_bus_is_heard_whole_on_another_gateway() {
+async fn a_turn_streaming_through_an_outage_of_the_bus_is_heard_whole_on_another_gateway() {
     let Some(database) = fresh_database().await else { return };
     let Some(mut nats) = nats_server() else { return };
     let dir = tempfile::tempdir().unwrap();
     // Words at a steady pace, for longer than the test waits (it stops the turn).
     let script = json!({"rules": [{"pace": 50, "steps": [{"text": "word ", "repeat": 100_000}]}]});
-    let script = write_script(dir.path(), script);
-    let args: Vec<std::ffi::OsString> = [
-        "--database",
-        database.url.as_str(),
-        "--bus",
-        nats.url.as_str(),
-        "--bus-timeout-ms",
-        "3000",
-        "--scripted-script",
-        script.to_str().unwrap(),
-    ]
-    .map(Into::into)
-    .to_vec();
-    let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
-    let connected = |gateway: &ChildGateway| logged(gateway, "connected to the bus");
+    let (a, b) = scripted_pair(&database.url, &nats.url, &write_script(dir.path(), script));
     for (how, conversation) in [("with its data", "through-restart"), ("without its data", "through-loss")] {
         let on_a = Heard::start(a.sse(conversation, "").await);
         let on_b = Heard::start(b.sse(conversation, "").await);
         start_turn(&a, conversation, "steady").await;
         assert!(eventually(1200, || async { on_b.count() > 5 }).await, "{how}: B hears the turn");
-        let before = (connected(&a), connected(&b));
-        if how == "with its data" {
-            nats.restart();
-        } else {
-            nats.restart_empty();
+        nats.stop();
+        let off = eventually(1200, || async { on_bus(&a, 0.0).await && on_bus(&b, 0.0).await }).await;
+        assert!(off, "{how}: both gateways say they are off the bus");
+        // The turn streams on while the bus is down.
+        let heard = on_a.count();
+        assert!(eventually(1200, || async { on_a.count() > heard + 20 }).await, "{how}: the turn goes on");
+        if how == "without its data" {
+            nats.wipe();
         }
-        let back = eventually(1200, || async { connected(&a) > before.0 && connected(&b) > before.1 }).await;
+        nats.start();
+        let back = eventually(1200, || async { on_bus(&a, 1.0).await && on_bus(&b, 1.0).await }).await;
         assert!(back, "{how}: the gateways reconnected");
         // B hears the turn go on past where A had heard it when the bus came back.
         let heard = on_a.count();
@@ -657,6 +648,10 @@ async fn a_turn_streaming_through_a_restart_of_the_bus_is_heard_whole_on_another
         assert!(everything.len() > heard + 20, "{how}: A heard the whole turn");
         assert_eq!(on_b.end().await, everything, "{how}: B heard A's turn whole, each event once, in order");
     }
+    let (on_a, on_b) = (a.metrics().await, b.metrics().await);
+    assert!(metric(&on_a, "dispatch_bus_messages_missed_total") >= 1.0, "without its data: {on_a}");
+    assert!(metric(&on_a, "dispatch_bus_turns_resent_total") >= 2.0, "one each time at least: {on_a}");
+    assert_eq!(metric(&on_b, "dispatch_bus_turns_cut_total"), 0.0, "{on_b}");
 }
 
 /// The stream keeps the configuration it was created with, or an operator gave it: a gateway

@@ -296,6 +296,7 @@ async fn metrics_move_when_turns_run_and_ready_answers() {
     );
     assert!(after.contains("dispatch_runtime_errors_total{kind=\"upstream\"} 1"), "{after}");
     assert!(after.contains("dispatch_sqlite_write_seconds_bucket{le=\"+Inf\"}"));
+    assert!(!after.contains("dispatch_bus_"), "no bus, no bus metrics: {after}");
 }
 
 #[tokio::test]

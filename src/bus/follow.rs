@@ -17,6 +17,7 @@ use tokio::sync::watch;
 
 use super::{BusError, Inner, conversation_filter, message_head, open_subject, publish::last_message};
 use crate::hub::{Following, Hub, TurnBuffer};
+use crate::metrics::Metrics;
 use crate::wire::{AgentEvent, TurnSealedEvent};
 
 /// How long a failed follow waits before it starts again.
@@ -24,7 +25,8 @@ const RETRY: Duration = Duration::from_secs(1);
 
 pub(super) fn start(inner: Arc<Inner>, hub: Weak<Hub>, conversation_id: Arc<str>) -> Following {
     let (caught_up, waiting) = watch::channel(false);
-    let feed = Feed { hub, conversation_id, node: inner.node.clone(), turn: None, live: false, ended: None };
+    let metrics = inner.metrics.clone();
+    let feed = Feed { hub, conversation_id, node: inner.node.clone(), turn: None, live: false, ended: None, metrics };
     let task = tokio::spawn(follow(inner, feed, caught_up));
     Following::new(waiting, task.abort_handle())
 }
@@ -123,6 +125,7 @@ struct Feed {
     live: bool,
     /// The last turn that ended here, whose messages sent again are not news.
     ended: Option<String>,
+    metrics: Arc<Metrics>,
 }
 
 struct RemoteTurn {
@@ -247,6 +250,7 @@ impl Feed {
     fn abandon(&mut self, hub: &Arc<Hub>, turn: RemoteTurn) {
         self.ended = Some(turn.turn_id.clone());
         if let Some(buffer) = turn.buffer {
+            self.metrics.bus.turns_cut.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let sealed = AgentEvent::TurnSealed(TurnSealedEvent {
                 conversation_id: self.conversation_id.to_string(),
                 turn_id: turn.turn_id,
@@ -285,6 +289,7 @@ mod tests {
             turn: None,
             live: false,
             ended: None,
+            metrics: Default::default(),
         }
     }
 
@@ -372,6 +377,7 @@ mod tests {
         // The ended turn sent again (a late sending) is not news.
         assert!(feed.take(head("there", "t1", 0), (again + &text("t1", "d") + &sealed("t1")).as_bytes()));
         assert!(hub.current("c").await.is_none(), "the ended turn is not opened again");
+        assert_eq!(feed.metrics.bus.turns_cut.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 
     #[tokio::test]
@@ -393,6 +399,7 @@ mod tests {
             assert_eq!(read_on(&mut cursor).await, (vec![], true), "{finish}");
             assert!(hub.current("c").await.is_none(), "{finish}");
         }
+        assert_eq!(feed.metrics.bus.turns_cut.load(std::sync::atomic::Ordering::Relaxed), 2, "/metrics counts them");
         // A gone hub stops the feed.
         drop(hub);
         assert!(!feed.take(head("there", "t3", 0), text("t3", "a").as_bytes()));

@@ -13,12 +13,14 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::Weak;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::{ConnectOptions, ServerAddr};
 
 use crate::hub::{Following, Hub, Outbox, Remote};
+use crate::metrics::Metrics;
 use shared_stream::SharedStream;
 
 mod control;
@@ -79,12 +81,13 @@ struct Inner {
     timeout: Duration,
     /// Status changes to send (`status.rs`).
     statuses: tokio::sync::mpsc::UnboundedSender<bytes::Bytes>,
+    metrics: Arc<Metrics>,
 }
 
 impl Bus {
     /// Connects and makes sure the stream exists (the first gateway creates it; the others
     /// use it as it is).
-    pub async fn connect(url: &str, options: BusOptions) -> Result<Bus, BusError> {
+    pub async fn connect(url: &str, options: BusOptions, metrics: Arc<Metrics>) -> Result<Bus, BusError> {
         let node = uuid::Uuid::now_v7().to_string();
         // async-nats takes TLS's crypto from rustls's process default, which a build with two
         // providers compiled in (tests unify reqwest's aws-lc) leaves unset: ring, as upstreams use.
@@ -93,11 +96,17 @@ impl Bus {
         let (servers, connect) = connect_options(url, &options).map_err(failed)?;
         let epoch = tokio::sync::watch::Sender::new(0);
         let news = epoch.clone();
+        let health = metrics.clone();
         let client = connect
             .name(format!("dispatch-gateway {node}"))
             .event_callback(move |event| {
-                if matches!(event, async_nats::Event::Connected) {
-                    news.send_modify(|e| *e += 1);
+                match event {
+                    async_nats::Event::Connected => {
+                        health.bus.connected.store(true, Relaxed);
+                        news.send_modify(|e| *e += 1);
+                    }
+                    async_nats::Event::Disconnected => health.bus.connected.store(false, Relaxed),
+                    _ => {}
                 }
                 async move { log_event(event) }
             })
@@ -109,9 +118,11 @@ impl Bus {
         let js = jetstream::new(client.clone());
         let shared = SharedStream::open(&client, &js, &options, epoch).await?;
         tracing::info!(%node, stream = STREAM, "joined the bus");
+        metrics.bus.configured.store(true, Relaxed);
+        metrics.bus.connected.store(client.connection_state() == async_nats::connection::State::Connected, Relaxed);
         let (statuses, changes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(status::send_statuses(client.clone(), changes));
-        Ok(Bus(Arc::new(Inner { client, js, shared, node, timeout: options.timeout, statuses })))
+        Ok(Bus(Arc::new(Inner { client, js, shared, node, timeout: options.timeout, statuses, metrics })))
     }
 
     /// A subscription to `subject` (what the other gateways send there: `what`), or none, said
@@ -232,7 +243,9 @@ mod tests {
             key: None,
         };
         let urls = "nats://gw:s3cret@127.0.0.1:1,nats://gw:s3cret@[::1";
-        let Err(refused) = Bus::connect(urls, options).await else { panic!("a malformed URL connected") };
+        let Err(refused) = Bus::connect(urls, options, Default::default()).await else {
+            panic!("a malformed URL connected")
+        };
         let said = refused.to_string();
         assert!(
             said.starts_with("cannot connect to NATS at nats://gw:***@127.0.0.1:1,nats://gw:***@[::1: not a NATS URL"),

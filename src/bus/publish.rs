@@ -99,12 +99,12 @@ impl Turn {
                     burst.clear();
                 }
                 Some((of, ack)) = acks.next(), if !acks.is_empty() => {
-                    // A failure of an earlier sending is covered by the one after it.
-                    if of == generation && let Err(e) = ack {
+                    if let Err(e) = ack {
                         use PublishErrorKind::*;
                         let again = matches!(e.kind(), StreamNotFound | TimedOut | BrokenPipe | MaxAckPending);
                         self.missed(&mut misses, e);
-                        if again && kept.whole && resend.is_none() {
+                        // A failure of an earlier sending is covered by the one after it.
+                        if again && of == generation && kept.whole && resend.is_none() {
                             resend = Some(Instant::now() + RESEND_AFTER);
                         }
                     }
@@ -130,6 +130,7 @@ impl Turn {
                         tracing::warn!(error = %e, "cannot create the bus's stream again");
                     }
                     tracing::info!(turn = %self.turn_id, events = kept.events.len(), "sending a turn again from its start: the bus may have lost part of it");
+                    self.inner.metrics.bus.turns_resent.fetch_add(1, Relaxed);
                     self.send(&kept.events, limit, generation, &mut acks, &mut misses).await;
                 }
             }
@@ -162,6 +163,7 @@ impl Turn {
     /// A message the bus did not take: the first of a turn is logged (a bus that is down fails
     /// them all), the others counted.
     fn missed(&self, misses: &mut usize, error: impl std::fmt::Display) {
+        self.inner.metrics.bus.messages_missed.fetch_add(1, Relaxed);
         if *misses == 0 {
             tracing::warn!(turn = %self.turn_id, error = %error, "the bus did not take a turn's events");
         }

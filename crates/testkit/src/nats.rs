@@ -117,20 +117,30 @@ impl NatsServer {
     /// Stops the server and starts it again on the same port without its data (its streams
     /// gone), as a server without a persistent volume comes back.
     pub fn restart_empty(&mut self) {
-        self.restart_keeping(false);
+        self.stop();
+        self.wipe();
+        self.start();
     }
 
     /// Stops the server and starts it again on the same port, with its data.
     pub fn restart(&mut self) {
-        self.restart_keeping(true);
+        self.stop();
+        self.start();
     }
 
-    fn restart_keeping(&mut self, data: bool) {
+    /// Stops the server (its clients see it gone until [`NatsServer::start`]).
+    pub fn stop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        if !data {
-            let _ = std::fs::remove_dir_all(self.dir.join("data"));
-        }
+    }
+
+    /// Removes a stopped server's data.
+    pub fn wipe(&self) {
+        let _ = std::fs::remove_dir_all(self.dir.join("data"));
+    }
+
+    /// Starts a stopped server again on its port.
+    pub fn start(&mut self) {
         for entry in std::fs::read_dir(self.dir.join("ports")).into_iter().flatten().flatten() {
             let _ = std::fs::remove_file(entry.path());
         }
