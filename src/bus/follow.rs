@@ -15,7 +15,7 @@ use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use futures_util::StreamExt;
 use tokio::sync::watch;
 
-use super::{BusError, Inner, conversation_filter, message_head, open_subject, publish::last_message};
+use super::{BusError, Inner, conversation_filter, message_head, open_subject};
 use crate::hub::{Following, Hub, TurnBuffer};
 use crate::metrics::Metrics;
 use crate::wire::{AgentEvent, TurnSealedEvent};
@@ -72,7 +72,7 @@ async fn consume(
     let read_here = read.filter(|(stream, _)| *stream == created).map(|(_, seq)| seq);
     let start = match read_here {
         Some(seq) => seq + 1,
-        None => match last_message(inner, &open_subject(&feed.conversation_id)).await? {
+        None => match inner.shared.last_message(&open_subject(&feed.conversation_id)).await? {
             Some(open) => open.sequence,
             None => last + 1,
         },

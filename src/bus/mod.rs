@@ -5,7 +5,8 @@
 //! and `more` for the rest (`publish.rs`). A gateway where a conversation is watched follows it
 //! from the last `open` on, with one consumer per conversation, and feeds the turns other
 //! gateways run into its hub with the same event indices (`follow.rs`). The stream itself, and
-//! what happens when it is lost, is `shared_stream.rs`. Status changes and control requests go
+//! what happens when it is lost, is `shared_stream.rs`; the end of a turn whose gateway died,
+//! published by another, `interrupted.rs`. Status changes and control requests go
 //! over plain NATS (`status.rs`, `control.rs`). Every message names the gateway whose turn it
 //! carries, so none reads its own turns back. `docs/cluster.md` explains the design and its
 //! limits.
@@ -25,6 +26,7 @@ use shared_stream::SharedStream;
 
 mod control;
 mod follow;
+mod interrupted;
 mod key;
 mod publish;
 mod shared_stream;
@@ -212,6 +214,15 @@ fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<ServerAddr>,
     Ok((servers, connect))
 }
 
+/// The headers of a message of `turn_id`'s events from `index` on, run by gateway `node`.
+fn message_headers(node: &str, turn_id: &str, index: u32) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(NODE, node);
+    headers.insert(TURN, turn_id);
+    headers.insert(INDEX, index.to_string().as_str());
+    headers
+}
+
 /// A message's gateway, turn and first index, from its headers.
 fn message_head(headers: Option<&async_nats::HeaderMap>) -> Option<(String, String, u32)> {
     let headers = headers?;
@@ -222,8 +233,8 @@ fn message_head(headers: Option<&async_nats::HeaderMap>) -> Option<(String, Stri
 }
 
 pub use control::serve_control;
+pub use interrupted::end_interrupted;
 pub use key::BusKey;
-pub use publish::end_interrupted;
 pub use status::relay_statuses;
 
 #[cfg(test)]

@@ -7,6 +7,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::GetStreamErrorKind;
+use async_nats::jetstream::message::StreamMessage;
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use async_nats::jetstream::{self, ErrorCode, stream};
 use futures_util::StreamExt;
 use tokio::sync::watch;
@@ -80,6 +82,15 @@ impl SharedStream {
                 tracing::warn!(stream = STREAM, "the bus's stream was gone: created it again");
                 Ok(())
             }
+            Err(e) => Err(BusError::js(e)),
+        }
+    }
+
+    /// The stream's last message on `subject`, if any.
+    pub(super) async fn last_message(&self, subject: &str) -> Result<Option<StreamMessage>, BusError> {
+        match self.stream.get_last_raw_message_by_subject(subject).await {
+            Ok(m) => Ok(Some(m)),
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
             Err(e) => Err(BusError::js(e)),
         }
     }
