@@ -20,8 +20,15 @@ use crate::hub::{Following, Hub, TurnBuffer};
 use crate::metrics::Metrics;
 use crate::wire::{AgentEvent, TurnSealedEvent};
 
-/// How long a failed follow waits before it starts again.
+/// About how long a follower waits before it starts again.
 const RETRY: Duration = Duration::from_secs(1);
+
+/// A wait of half to one and a half `RETRY`: the followers a reconnection stops all at once
+/// (thousands on a busy gateway) do not all ask NATS for a consumer in the same instant.
+fn retry_delay() -> Duration {
+    let thousandths = (uuid::Uuid::new_v4().as_u128() % 1000) as u32;
+    RETRY / 2 + RETRY * thousandths / 1000
+}
 
 pub(super) fn start(inner: Arc<Inner>, hub: Weak<Hub>, conversation_id: Arc<str>) -> Following {
     let (caught_up, waiting) = watch::channel(false);
@@ -37,6 +44,10 @@ async fn follow(inner: Arc<Inner>, mut feed: Feed, caught_up: watch::Sender<bool
     loop {
         match consume(&inner, &mut feed, &caught_up, &mut read).await {
             Ok(()) => tracing::debug!(conversation = %feed.conversation_id, "a bus consumer ended; starting another"),
+            // With the bus down every follower fails each time (the loss is said once, in mod.rs).
+            Err(e) if inner.client.connection_state() != async_nats::connection::State::Connected => {
+                tracing::debug!(conversation = %feed.conversation_id, error = %e, "following a conversation on the bus failed; retrying");
+            }
             Err(e) => {
                 tracing::warn!(conversation = %feed.conversation_id, error = %e, "following a conversation on the bus failed; retrying");
                 // The stream may be what is gone: with it back, this conversation's turns are heard again.
@@ -48,7 +59,7 @@ async fn follow(inner: Arc<Inner>, mut feed: Feed, caught_up: watch::Sender<bool
         // Nobody waits on a bus that fails; what comes later goes straight in.
         feed.go_live();
         caught_up.send_replace(true);
-        tokio::time::sleep(RETRY).await;
+        tokio::time::sleep(retry_delay()).await;
     }
 }
 
@@ -305,6 +316,14 @@ mod tests {
                 .collect(),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn followers_start_over_spread_around_a_second() {
+        let delays: Vec<Duration> = (0..200).map(|_| retry_delay()).collect();
+        assert!(delays.iter().all(|d| (RETRY / 2..RETRY * 3 / 2).contains(d)), "{delays:?}");
+        let distinct: std::collections::HashSet<_> = delays.iter().collect();
+        assert!(distinct.len() > 100, "spread, not one instant: {} distinct", distinct.len());
     }
 
     #[tokio::test]
