@@ -6,7 +6,7 @@
 //! gathered: a turn that ended in it is history, not replay; a turn still open becomes the
 //! hub's in-flight buffer at once with everything it has published. From then on each message
 //! goes straight into the hub. A turn with events missing waits for its gateway to send it again
-//! from its start (`publish.rs`), read like a message read again: only what is new goes in.
+//! (`publish.rs`), read like a message read again: only what is new goes in.
 
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -179,7 +179,7 @@ impl Feed {
             }
         }
         if self.ended.as_deref() == Some(turn_id.as_str()) {
-            return true; // a turn that ended here, sent again from its start: nothing new
+            return true; // a turn that ended here, sent again: nothing new
         }
         // A turn's start opens it, unless it is the turn followed, sent again from its start.
         if index == 0 && self.turn.as_ref().is_none_or(|t| t.turn_id != turn_id) {
@@ -191,8 +191,8 @@ impl Feed {
         // A turn opened before following began, or messages of one that ended: not replayed.
         let Some(turn) = self.turn.as_mut().filter(|t| t.turn_id == turn_id) else { return true };
         if index > turn.next {
-            // Events missing: its gateway sends the turn again from its start when the bus may
-            // have lost some (`publish.rs`). Until then (at most the bus timeout, `overdue`) its
+            // Events missing: its gateway sends the turn again from what the stream did not
+            // acknowledge when the bus may have lost some (`publish.rs`). Until then (at most the bus timeout, `overdue`) its
             // watchers here wait; its end ends it.
             if matches!(events.last(), Some(AgentEvent::TurnSealed(_))) {
                 tracing::warn!(conversation = %self.conversation_id, turn = %turn_id, "a turn ended with events missing on the bus; its watchers here read them from history");

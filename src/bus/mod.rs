@@ -96,8 +96,8 @@ impl Bus {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let failed = |reason: String| BusError::Connect { url: crate::config::redacted(url, true), reason };
         let (servers, connect) = connect_options(url, &options).map_err(failed)?;
-        let epoch = tokio::sync::watch::Sender::new(0);
-        let news = epoch.clone();
+        let connections = tokio::sync::watch::Sender::new(0);
+        let news = connections.clone();
         let health = metrics.clone();
         let client = connect
             .name(format!("dispatch-gateway {node}"))
@@ -118,7 +118,7 @@ impl Bus {
             .await
             .map_err(|e| failed(e.to_string()))?;
         let js = jetstream::new(client.clone());
-        let shared = SharedStream::open(&client, &js, &options, epoch).await?;
+        let shared = SharedStream::open(&client, &js, &options, connections.subscribe()).await?;
         tracing::info!(%node, stream = STREAM, "joined the bus");
         metrics.bus.configured.store(true, Relaxed);
         metrics.bus.connected.store(client.connection_state() == async_nats::connection::State::Connected, Relaxed);

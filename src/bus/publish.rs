@@ -1,5 +1,6 @@
 //! The events of this gateway's turns, out to the stream.
 
+use std::collections::BTreeMap;
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -43,23 +44,35 @@ struct Turn {
     turn_id: String,
 }
 
-/// An acknowledgement, with the sending of the turn it belongs to (`generation`).
-type Ack = BoxFuture<'static, (u64, Result<PublishAck, PublishError>)>;
+/// A message's acknowledgement, with what it carried.
+type Ack = BoxFuture<'static, (Sent, Result<PublishAck, PublishError>)>;
+
+/// What a message carried: events `first..end`, sent into a stream (its creation time) as part
+/// of a sending of the turn (`generation`).
+#[derive(Clone, Copy)]
+struct Sent {
+    generation: u64,
+    stream: i64,
+    first: u32,
+    end: u32,
+}
 
 impl Turn {
     /// Publishes what the turn's outbox gets, in order, each burst as few messages as fit,
     /// without waiting for one's acknowledgement before sending the next; ends with the turn.
     ///
     /// When the bus may have lost part of the turn (an acknowledgement failed, the connection
-    /// came back, the stream was created again), the turn so far is sent again from its start
-    /// (a new generation) and what comes next after it: the followers elsewhere, which wait on
-    /// a gap, read it as a re-read and go on (`follow.rs`). After the turn's end this goes on
-    /// for at most the bus timeout.
+    /// came back, the stream was created again), the turn is sent again (a new generation)
+    /// from its first event the stream is not known to hold: its start in a stream created
+    /// again. What comes next follows it. The followers elsewhere, which wait on a gap, read it
+    /// as a re-read and go on (`follow.rs`). After the turn's end this goes on for at most the
+    /// bus timeout.
     async fn publish(self, mut events: mpsc::UnboundedReceiver<Outgoing>, pending: Arc<AtomicUsize>, cap: usize) {
         let limit = (self.inner.client.server_info().max_payload.max(2 * HEADROOM) - HEADROOM).max(HEADROOM);
         let mut acks = FuturesUnordered::new();
         let mut generation = 0;
         let mut kept = Kept::new(cap, limit);
+        let mut stored = Stored::new(self.inner.shared.created());
         let mut epoch = self.inner.shared.epoch();
         // When the turn is sent again.
         let mut resend: Option<Instant> = None;
@@ -95,17 +108,18 @@ impl Turn {
                     self.send(&burst, limit, generation, &mut acks, &mut misses).await;
                     burst.clear();
                 }
-                Some((of, ack)) = acks.next(), if !acks.is_empty() => {
-                    if let Err(e) = ack {
+                Some((sent, ack)) = acks.next(), if !acks.is_empty() => match ack {
+                    Ok(_) => stored.acknowledged(sent),
+                    Err(e) => {
                         use PublishErrorKind::*;
                         let again = matches!(e.kind(), StreamNotFound | TimedOut | BrokenPipe | MaxAckPending);
                         self.missed(&mut misses, e);
                         // A failure of an earlier sending is covered by the one after it.
-                        if again && of == generation && kept.whole && resend.is_none() {
+                        if again && sent.generation == generation && kept.whole && resend.is_none() {
                             resend = Some(Instant::now() + RESEND_AFTER);
                         }
                     }
-                }
+                },
                 Ok(()) = epoch.changed() => {
                     // The connection or the stream came back: what it holds of the turn is unknown.
                     if kept.whole && !kept.events.is_empty() {
@@ -121,14 +135,18 @@ impl Turn {
                     if !kept.whole {
                         continue; // grown past what is kept since: its followers end it
                     }
-                    generation += 1;
                     // The stream itself may be what is gone (`restore` asks at most once a second).
                     if let Err(e) = self.inner.shared.restore(&self.inner.js).await {
                         tracing::warn!(error = %e, "cannot create the bus's stream again");
                     }
-                    tracing::info!(turn = %self.turn_id, events = kept.events.len(), "sending a turn again from its start: the bus may have lost part of it");
+                    let from = stored.resend_from(self.inner.shared.created()) as usize;
+                    if from >= kept.events.len() {
+                        continue; // the stream holds all of it
+                    }
+                    generation += 1;
+                    tracing::info!(turn = %self.turn_id, from, "sending a turn again: the bus may have lost part of it");
                     self.inner.metrics.bus.turns_resent.fetch_add(1, Relaxed);
-                    self.send(&kept.events, limit, generation, &mut acks, &mut misses).await;
+                    self.send(&kept.events[from..], limit, generation, &mut acks, &mut misses).await;
                 }
             }
         }
@@ -146,12 +164,14 @@ impl Turn {
         acks: &mut FuturesUnordered<Ack>,
         misses: &mut usize,
     ) {
-        for (index, payload) in runs(events, limit) {
-            let subject = if index == 0 { &self.open } else { &self.more };
-            let head = message_headers(&self.inner.node, &self.turn_id, index);
+        let stream = self.inner.shared.created();
+        for (first, end, payload) in runs(events, limit) {
+            let subject = if first == 0 { &self.open } else { &self.more };
+            let head = message_headers(&self.inner.node, &self.turn_id, first);
             let message = PublishMessage::build().headers(head).payload(payload);
+            let sent = Sent { generation, stream, first, end };
             match self.inner.js.send_publish(subject.clone(), message).await {
-                Ok(ack) => acks.push(ack.into_future().map(move |ack| (generation, ack)).boxed()),
+                Ok(ack) => acks.push(ack.into_future().map(move |ack| (sent, ack)).boxed()),
                 Err(e) => self.missed(misses, e),
             }
         }
@@ -168,7 +188,7 @@ impl Turn {
     }
 }
 
-/// The turn's events so far, to send it again from its start: all of them or none (past the
+/// The turn's events so far, to send it again: all of them or none (past the
 /// outbox's cap, a gap the outbox left, or an event too large for one message, the stream
 /// cannot be given the whole turn; the followers then end it for their watchers).
 struct Kept {
@@ -204,24 +224,63 @@ impl Kept {
     }
 }
 
+/// How much of the turn the stream is known to hold: the events whose messages it
+/// acknowledged, from the turn's start on.
+struct Stored {
+    /// The stream (its creation time) that holds them.
+    stream: i64,
+    /// Events `0..through` are held.
+    through: u32,
+    /// Runs held past the first one not acknowledged (yet, or ever): first index to end.
+    later: BTreeMap<u32, u32>,
+}
+
+impl Stored {
+    fn new(stream: i64) -> Stored {
+        Stored { stream, through: 0, later: BTreeMap::new() }
+    }
+
+    fn acknowledged(&mut self, sent: Sent) {
+        if sent.stream != self.stream {
+            return; // held by a stream that is gone
+        }
+        self.later.insert(sent.first, sent.end);
+        while let Some(entry) = self.later.first_entry()
+            && *entry.key() <= self.through
+        {
+            self.through = self.through.max(entry.remove());
+        }
+    }
+
+    /// Where the turn is to be sent again from, into `stream` as it is now: from its start
+    /// into a stream created again.
+    fn resend_from(&mut self, stream: i64) -> u32 {
+        if stream != self.stream {
+            *self = Stored::new(stream);
+        }
+        self.through
+    }
+}
+
 /// A burst as messages: runs of consecutive indices (an overflow leaves a gap), each under
-/// `limit` bytes unless one event alone is larger (the server then refuses it: a gap too).
-fn runs(burst: &[Outgoing], limit: usize) -> Vec<(u32, Bytes)> {
+/// `limit` bytes unless one event alone is larger (the server then refuses it: a gap too);
+/// each with its first index and the index after its last.
+fn runs(burst: &[Outgoing], limit: usize) -> Vec<(u32, u32, Bytes)> {
     let mut out = Vec::new();
     let mut current: Option<(u32, u32, BytesMut)> = None;
     for event in burst {
         let fits = current
             .as_ref()
             .is_some_and(|(_, next, payload)| *next == event.index && payload.len() + event.line.len() <= limit);
-        if !fits && let Some((first, _, payload)) = current.take() {
-            out.push((first, payload.freeze()));
+        if !fits && let Some((first, end, payload)) = current.take() {
+            out.push((first, end, payload.freeze()));
         }
         let (_, next, payload) = current.get_or_insert_with(|| (event.index, event.index, BytesMut::new()));
         payload.extend_from_slice(&event.line);
         *next = event.index + 1;
     }
-    if let Some((first, _, payload)) = current {
-        out.push((first, payload.freeze()));
+    if let Some((first, end, payload)) = current {
+        out.push((first, end, payload.freeze()));
     }
     out
 }
@@ -237,10 +296,11 @@ mod tests {
     #[test]
     fn a_burst_goes_out_as_runs_of_consecutive_events_under_the_limit() {
         let burst = [ev(0, "a"), ev(1, "b"), ev(2, "c"), ev(3, "dddddd"), ev(7, "e"), ev(8, "f")];
-        let got: Vec<(u32, String)> =
-            runs(&burst, 6).into_iter().map(|(i, p)| (i, String::from_utf8(p.to_vec()).unwrap())).collect();
+        let got: Vec<(u32, u32, String)> =
+            runs(&burst, 6).into_iter().map(|(i, e, p)| (i, e, String::from_utf8(p.to_vec()).unwrap())).collect();
         // Runs cut by the limit and by the gap an overflow left; an event over the limit alone.
-        assert_eq!(got, vec![(0, "a\nb\nc\n".to_owned()), (3, "dddddd\n".to_owned()), (7, "e\nf\n".to_owned())]);
+        let expected = [(0, 3, "a\nb\nc\n"), (3, 4, "dddddd\n"), (7, 9, "e\nf\n")];
+        assert_eq!(got, expected.map(|(i, e, p)| (i, e, p.to_owned())));
     }
 
     #[test]
@@ -257,5 +317,27 @@ mod tests {
         assert_eq!(kept(5, &[ev(0, "a"), ev(1, "b"), ev(2, "c")]), (false, vec![]));
         assert_eq!(kept(100, &[ev(0, "a"), ev(2, "c")]), (false, vec![]));
         assert_eq!(kept(100, &[ev(0, "a"), ev(1, "bbbbbbb")]), (false, vec![]));
+    }
+
+    #[test]
+    fn the_stream_holds_a_turn_through_its_first_event_not_acknowledged() {
+        let sent = |stream, first, end| Sent { generation: 0, stream, first, end };
+        let mut stored = Stored::new(1);
+        stored.acknowledged(sent(1, 0, 3));
+        // 3..5 not acknowledged (lost, or its acknowledgement late); later runs are.
+        stored.acknowledged(sent(1, 5, 8));
+        stored.acknowledged(sent(1, 8, 9));
+        assert_eq!(stored.resend_from(1), 3);
+        stored.acknowledged(sent(1, 3, 5));
+        assert_eq!(stored.resend_from(1), 9, "all of it held");
+        // A run held by a stream since gone counts for nothing; a stream created again holds
+        // none of the turn.
+        stored.acknowledged(sent(2, 9, 12));
+        assert_eq!(stored.resend_from(1), 9);
+        assert_eq!(stored.resend_from(2), 0);
+        stored.acknowledged(sent(1, 0, 12));
+        assert_eq!(stored.resend_from(2), 0);
+        stored.acknowledged(sent(2, 0, 4));
+        assert_eq!(stored.resend_from(2), 4);
     }
 }

@@ -1,9 +1,11 @@
 //! The JetStream stream every gateway's turn events go to: created by the first gateway that
 //! starts and used as it is by the others (its limits checked against theirs), created again
-//! when it is lost, with an epoch that moves when it comes back or the connection does, which
-//! the followers start over on (`follow.rs`).
+//! when it is lost. Which stream it is (its creation time) is checked when the connection comes
+//! back and when NATS announces its creation; then an epoch moves, which the followers start
+//! over on (`follow.rs`) and the turns' publishers check what the stream holds on (`publish.rs`).
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::GetStreamErrorKind;
@@ -19,19 +21,21 @@ pub(super) struct SharedStream {
     pub(super) stream: stream::Stream,
     /// This gateway's configuration of it, to create it again.
     config: stream::Config,
+    /// Its creation time as last seen (unix nanoseconds): a stream created again has another.
+    created: Arc<AtomicI64>,
     epoch: watch::Sender<u64>,
     /// When `restore` last asked NATS about the stream.
     checked: Mutex<Option<Instant>>,
 }
 
 impl SharedStream {
-    /// The stream, created when it does not exist yet. `epoch` moves with every connection the
-    /// client makes, and here with every creation of the stream NATS announces.
+    /// The stream, created when it does not exist yet. `connections` moves with every
+    /// connection the client makes.
     pub(super) async fn open(
         client: &async_nats::Client,
         js: &jetstream::Context,
         options: &BusOptions,
-        epoch: watch::Sender<u64>,
+        mut connections: watch::Receiver<u64>,
     ) -> Result<SharedStream, BusError> {
         let config = stream::Config {
             name: STREAM.to_owned(),
@@ -43,16 +47,32 @@ impl SharedStream {
             ..Default::default()
         };
         let advisory = format!("$JS.EVENT.ADVISORY.STREAM.CREATED.{STREAM}");
-        let mut created = client.subscribe(advisory).await.map_err(BusError::js)?;
-        let news = epoch.clone();
+        let mut announced = client.subscribe(advisory).await.map_err(BusError::js)?;
+        connections.mark_unchanged();
+        let stream = js.get_or_create_stream(config.clone()).await.map_err(BusError::js)?;
+        check_limits(&stream, &config);
+        let created = Arc::new(AtomicI64::new(nanos(stream.cached_info())));
+        let epoch = watch::Sender::new(0);
+        let (current, seen, news) = (stream.clone(), created.clone(), epoch.clone());
         tokio::spawn(async move {
-            while created.next().await.is_some() {
+            loop {
+                tokio::select! {
+                    changed = connections.changed() => if changed.is_err() { return },
+                    creation = announced.next() => if creation.is_none() { return },
+                }
+                // Which stream it is now (none: the followers fail, and `restore` brings it back).
+                if let Ok(info) = current.get_info().await {
+                    seen.store(nanos(&info), Relaxed);
+                }
                 news.send_modify(|e| *e += 1);
             }
         });
-        let stream = js.get_or_create_stream(config.clone()).await.map_err(BusError::js)?;
-        check_limits(&stream, &config);
-        Ok(SharedStream { stream, config, epoch, checked: Mutex::new(None) })
+        Ok(SharedStream { stream, config, created, epoch, checked: Mutex::new(None) })
+    }
+
+    /// The stream's creation time as last seen.
+    pub(super) fn created(&self) -> i64 {
+        self.created.load(Relaxed)
     }
 
     /// Moves on when the connection or the stream comes back.
@@ -72,18 +92,22 @@ impl SharedStream {
             }
             *checked = Some(now);
         }
-        match js.get_stream(STREAM).await {
-            Ok(_) => Ok(()),
+        let found = match js.get_stream(STREAM).await {
+            Ok(found) => found,
             Err(e) if matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND) =>
             {
                 // Creating a stream that another gateway just created, with the same
                 // configuration, succeeds.
-                js.create_stream(self.config.clone()).await.map_err(BusError::js)?;
+                let created = js.create_stream(self.config.clone()).await.map_err(BusError::js)?;
                 tracing::warn!(stream = STREAM, "the bus's stream was gone: created it again");
-                Ok(())
+                created
             }
-            Err(e) => Err(BusError::js(e)),
-        }
+            Err(e) => return Err(BusError::js(e)),
+        };
+        // Known at once, for a publisher about to send into it (NATS's news of a creation
+        // comes later, or not at all to a gateway that was away).
+        self.created.store(nanos(found.cached_info()), Relaxed);
+        Ok(())
     }
 
     /// The stream's last message on `subject`, if any.
@@ -94,6 +118,10 @@ impl SharedStream {
             Err(e) => Err(BusError::js(e)),
         }
     }
+}
+
+fn nanos(info: &stream::Info) -> i64 {
+    i64::try_from(info.created.unix_timestamp_nanos()).unwrap_or(i64::MAX)
 }
 
 /// Says when the stream's retention limits are not this gateway's: a stream that exists keeps
