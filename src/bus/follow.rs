@@ -15,13 +15,10 @@ use async_nats::jetstream::consumer::{DeliverPolicy, pull};
 use futures_util::StreamExt;
 use tokio::sync::watch;
 
-use super::{BusError, Inner, conversation_filter, message_head, open_subject};
+use super::{BusError, Inner, RETRY, conversation_filter, message_head, open_subject};
 use crate::hub::{Following, Hub, TurnBuffer};
 use crate::metrics::Metrics;
 use crate::wire::{AgentEvent, TurnSealedEvent};
-
-/// About how long a follower waits before it starts again.
-const RETRY: Duration = Duration::from_secs(1);
 
 /// A wait of half to one and a half `RETRY`: the followers a reconnection stops all at once
 /// (thousands on a busy gateway) do not all ask NATS for a consumer in the same instant.
@@ -304,18 +301,10 @@ mod tests {
         }
     }
 
+    /// The deltas of the turn in flight, read from its start.
     async fn deltas(hub: &Arc<Hub>) -> Vec<String> {
         let buffer = hub.current("c").await.expect("a turn in flight");
-        let mut cursor = hub.read_turn(&buffer);
-        match cursor.next_batch(usize::MAX).await {
-            Delivery::Events(events) => events
-                .iter()
-                .map(|e| {
-                    serde_json::from_slice::<serde_json::Value>(&e.line).unwrap()["delta"].as_str().unwrap().to_owned()
-                })
-                .collect(),
-            other => panic!("{other:?}"),
-        }
+        read_on(&mut hub.read_turn(&buffer)).await.0
     }
 
     #[test]

@@ -32,6 +32,10 @@ mod publish;
 mod shared_stream;
 mod status;
 
+/// How soon what failed on the bus is tried again: a follower's consumer, a turn's sending,
+/// a check that the stream exists (each at most this often).
+const RETRY: Duration = Duration::from_secs(1);
+
 /// The stream holding every gateway's turn events.
 const STREAM: &str = "DISPATCH";
 /// Headers every event message carries.

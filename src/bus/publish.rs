@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use async_nats::connection::State;
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
@@ -16,14 +16,11 @@ use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 
-use super::{Inner, message_headers, more_subject, open_subject};
+use super::{Inner, RETRY, message_headers, more_subject, open_subject};
 use crate::hub::{Outbox, Outgoing};
 
 /// A message stays well under NATS's payload limit (1 MiB unless the server says otherwise).
 const HEADROOM: usize = 4096;
-
-/// How soon a turn is sent again after the bus failed to take part of it (it may still be down).
-const RESEND_AFTER: Duration = Duration::from_secs(1);
 
 pub(super) fn outbox(inner: &Arc<Inner>, conversation_id: &str, turn_id: &str, cap: usize) -> Outbox {
     let (outbox, events, pending) = Outbox::new(cap);
@@ -116,7 +113,7 @@ impl Turn {
                         self.missed(&mut misses, e);
                         // A failure of an earlier sending is covered by the one after it.
                         if again && sent.generation == generation && kept.whole && resend.is_none() {
-                            resend = Some(Instant::now() + RESEND_AFTER);
+                            resend = Some(Instant::now() + RETRY);
                         }
                     }
                 },
@@ -128,7 +125,7 @@ impl Turn {
                 }
                 _ = tokio::time::sleep_until(due.into()), if resend.is_some() => {
                     if self.inner.client.connection_state() != State::Connected {
-                        resend = Some(Instant::now() + RESEND_AFTER);
+                        resend = Some(Instant::now() + RETRY);
                         continue;
                     }
                     resend = None;

@@ -6,7 +6,7 @@
 
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::message::StreamMessage;
@@ -15,7 +15,7 @@ use async_nats::jetstream::{self, ErrorCode, stream};
 use futures_util::StreamExt;
 use tokio::sync::watch;
 
-use super::{BusError, BusOptions, STREAM};
+use super::{BusError, BusOptions, RETRY, STREAM};
 
 pub(super) struct SharedStream {
     pub(super) stream: stream::Stream,
@@ -87,7 +87,7 @@ impl SharedStream {
         {
             let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
             let now = Instant::now();
-            if checked.is_some_and(|at| now - at < Duration::from_secs(1)) {
+            if checked.is_some_and(|at| now - at < RETRY) {
                 return Ok(());
             }
             *checked = Some(now);
