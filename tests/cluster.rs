@@ -671,6 +671,36 @@ async fn a_turn_streaming_through_an_outage_of_the_bus_is_heard_whole_on_another
     assert_eq!(metric(&on_b, "dispatch_bus_turns_cut_total"), 0.0, "{on_b}");
 }
 
+/// An event larger than NATS's `max_payload` cannot cross the bus, and is not sent again: the
+/// turn goes on, and its watcher on another gateway, waiting on the gap it leaves, gets
+/// `turn-sealed` after the bus timeout (3 s here), not at the turn's end two minutes later;
+/// that gateway's `/metrics` counts the turn cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_the_bus_cannot_fill_ends_the_turn_elsewhere_after_the_bus_timeout() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(nats) = nats_server_configured("max_payload: 8192") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let big = "x".repeat(10_000);
+    let script = json!({"rules": [{"steps": [
+        {"text": "small first "},
+        {"text": format!("{big} after"), "stallMs": 120_000},
+    ]}]});
+    let (a, b) = scripted_pair(&database.url, &nats.url, &write_script(dir.path(), script));
+    let mut on_b = b.sse("too-big", "").await;
+    start_turn(&a, "too-big", "anything").await;
+    let heard = tokio::time::timeout(std::time::Duration::from_secs(60), on_b.until_sealed())
+        .await
+        .expect("B's watcher gets turn-sealed while the turn holds");
+    let heard = read(&heard);
+    assert!(heard.iter().any(|(_, e)| e["delta"] == "small "), "B heard the turn: {heard:?}");
+    assert!(!heard.iter().any(|(_, e)| e["delta"].as_str().is_some_and(|d| d.starts_with("xxx"))));
+    let (_, status) = a.get("/conversations/too-big/status").await;
+    assert_eq!(status["isActive"], true, "the turn still runs on A: {status}");
+    assert_eq!(metric(&b.metrics().await, "dispatch_bus_turns_cut_total"), 1.0);
+    let (status, stopped) = a.post("/conversations/too-big/stop", json!({})).await;
+    assert_eq!((status, &stopped["abortedTurn"]), (200, &json!(true)), "{stopped}");
+}
+
 /// The stream keeps the configuration it was created with, or an operator gave it: a gateway
 /// started with other retention limits leaves it as it is, and says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
