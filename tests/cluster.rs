@@ -669,6 +669,18 @@ async fn a_turn_streaming_through_an_outage_of_the_bus_is_heard_whole_on_another
     assert!(metric(&on_a, "dispatch_bus_messages_missed_total") >= 1.0, "without its data: {on_a}");
     assert!(metric(&on_a, "dispatch_bus_turns_resent_total") >= 1.0, "{on_a}");
     assert_eq!(metric(&on_b, "dispatch_bus_turns_cut_total"), 0.0, "{on_b}");
+
+    // A turn that ends while the bus stays down: its gateway stops trying to send its end after
+    // the bus timeout (it does not try for as long as the outage lasts).
+    let gave_up =
+        || logged(&a, "the bus did not take the end of a turn in time: its watchers elsewhere read it from history");
+    start_turn(&a, "ended-offline", "steady").await;
+    nats.stop();
+    assert!(eventually(1200, || async { on_bus(&a, 0.0).await }).await, "A is off the bus");
+    let (status, stopped) = a.post("/conversations/ended-offline/stop", json!({})).await;
+    assert_eq!((status, &stopped["abortedTurn"]), (200, &json!(true)), "{stopped}");
+    assert!(eventually(1200, || async { gave_up() == 1 }).await, "A gave the turn's end up");
+    nats.start();
 }
 
 /// An event larger than NATS's `max_payload` cannot cross the bus, and is not sent again: the
