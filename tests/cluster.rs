@@ -622,7 +622,8 @@ async fn a_turn_streaming_through_an_outage_of_the_bus_is_heard_whole_on_another
     let dir = tempfile::tempdir().unwrap();
     // Words at a steady pace, for longer than the test waits (it stops the turn).
     let script = json!({"rules": [{"pace": 50, "steps": [{"text": "word ", "repeat": 100_000}]}]});
-    let (a, b) = scripted_pair(&database.url, &nats.url, &write_script(dir.path(), script));
+    let script = write_script(dir.path(), script);
+    let (a, b) = scripted_pair(&database.url, &nats.url, &script);
     // Where A sent its turn again from, in the log since `since`.
     let resent_from = |since: usize| -> Vec<u64> {
         let logs = a.logs.lock().unwrap();
@@ -670,16 +671,45 @@ async fn a_turn_streaming_through_an_outage_of_the_bus_is_heard_whole_on_another
     assert!(metric(&on_a, "dispatch_bus_turns_resent_total") >= 1.0, "{on_a}");
     assert_eq!(metric(&on_b, "dispatch_bus_turns_cut_total"), 0.0, "{on_b}");
 
-    // A turn that ends while the bus stays down: its gateway stops trying to send its end after
-    // the bus timeout (it does not try for as long as the outage lasts).
-    let gave_up =
-        || logged(&a, "the bus did not take the end of a turn in time: its watchers elsewhere read it from history");
-    start_turn(&a, "ended-offline", "steady").await;
+    // A turn that ends while the bus stays down: its gateway keeps only its end after the bus
+    // timeout, and sends it when the bus is back, with its data or without: the watcher on
+    // the other gateway gets `turn-sealed` (without it, it waited for the next turn).
+    let trimmed =
+        || logged(&a, "the bus did not take the end of a turn in time: it goes out alone when the bus is back");
+    for (round, (how, conversation)) in
+        [("with its data", "ended-offline"), ("without its data", "ended-lost")].into_iter().enumerate()
+    {
+        let on_b = Heard::start(b.sse(conversation, "").await);
+        start_turn(&a, conversation, "steady").await;
+        assert!(eventually(1200, || async { on_b.count() > 5 }).await, "{how}: B hears the turn");
+        nats.stop();
+        let off = eventually(1200, || async { on_bus(&a, 0.0).await && on_bus(&b, 0.0).await }).await;
+        assert!(off, "{how}: both gateways say they are off the bus");
+        let (status, stopped) = a.post(&format!("/conversations/{conversation}/stop"), json!({})).await;
+        assert_eq!((status, &stopped["abortedTurn"]), (200, &json!(true)), "{how}: {stopped}");
+        assert!(eventually(1200, || async { trimmed() == round + 1 }).await, "{how}: A kept only the turn's end");
+        if how == "without its data" {
+            nats.wipe();
+        }
+        nats.start();
+        let heard = on_b.end().await;
+        assert_eq!(heard.last().unwrap().1["type"], "turn-sealed", "{how}: B's watcher got the turn's end");
+    }
+    let gave_up = "the bus did not take the end of a turn: its watchers elsewhere read it from history";
+    assert_eq!(logged(&a, gave_up), 0, "the ends went out");
+
+    // An end waits for the bus as long as the stream would keep it (--bus-max-age-secs), not
+    // for as long as the outage lasts.
+    let args = ["--database", &database.url, "--bus", &nats.url, "--bus-timeout-ms", "3000", "--bus-max-age-secs", "5"];
+    let args: Vec<std::ffi::OsString> =
+        args.into_iter().chain(["--scripted-script", script.to_str().unwrap()]).map(Into::into).collect();
+    let c = ChildGateway::spawn(&args);
+    start_turn(&c, "ended-for-good", "steady").await;
     nats.stop();
-    assert!(eventually(1200, || async { on_bus(&a, 0.0).await }).await, "A is off the bus");
-    let (status, stopped) = a.post("/conversations/ended-offline/stop", json!({})).await;
+    assert!(eventually(1200, || async { on_bus(&c, 0.0).await }).await, "C is off the bus");
+    let (status, stopped) = c.post("/conversations/ended-for-good/stop", json!({})).await;
     assert_eq!((status, &stopped["abortedTurn"]), (200, &json!(true)), "{stopped}");
-    assert!(eventually(1200, || async { gave_up() == 1 }).await, "A gave the turn's end up");
+    assert!(eventually(1200, || async { logged(&c, gave_up) == 1 }).await, "C gave the turn's end up");
     nats.start();
 }
 

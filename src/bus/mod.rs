@@ -2,7 +2,7 @@
 //!
 //! A turn's events go to one JetStream stream, a message per run of consecutive events (NDJSON,
 //! the hub's own encoding), on two subjects per conversation: `open` for a turn's first message
-//! and `more` for the rest (`publish.rs`). A gateway where a conversation is watched follows it
+//! in the stream and `more` for the rest (`publish.rs`). A gateway where a conversation is watched follows it
 //! from the last `open` on, with one consumer per conversation, and feeds the turns other
 //! gateways run into its hub with the same event indices (`follow.rs`). The stream itself, and
 //! what happens when it is lost, is `shared_stream.rs`; the end of a turn whose gateway died,
@@ -85,6 +85,8 @@ struct Inner {
     /// This gateway's name on the bus: new at every start.
     node: String,
     timeout: Duration,
+    /// How long the stream keeps events: a turn's end not yet on the bus waits that long.
+    max_age: Duration,
     /// Status changes to send (`status.rs`).
     statuses: tokio::sync::mpsc::UnboundedSender<bytes::Bytes>,
     metrics: Arc<Metrics>,
@@ -128,7 +130,8 @@ impl Bus {
         metrics.bus.connected.store(client.connection_state() == async_nats::connection::State::Connected, Relaxed);
         let (statuses, changes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(status::send_statuses(client.clone(), changes));
-        Ok(Bus(Arc::new(Inner { client, js, shared, node, timeout: options.timeout, statuses, metrics })))
+        let (timeout, max_age) = (options.timeout, options.max_age);
+        Ok(Bus(Arc::new(Inner { client, js, shared, node, timeout, max_age, statuses, metrics })))
     }
 
     /// A subscription to `subject` (what the other gateways send there: `what`), or none, said

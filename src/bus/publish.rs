@@ -62,8 +62,9 @@ impl Turn {
     /// came back, the stream was created again), the turn is sent again (a new generation)
     /// from its first event the stream is not known to hold: its start in a stream created
     /// again. What comes next follows it. The followers elsewhere, which wait on a gap, read it
-    /// as a re-read and go on (`follow.rs`). After the turn's end this goes on for at most the
-    /// bus timeout.
+    /// as a re-read and go on (`follow.rs`). After the turn's end this goes on for the bus
+    /// timeout; then only the end is kept, and waits for the bus as long as the stream keeps
+    /// events: without it the turn's watchers elsewhere would wait for the next turn.
     async fn publish(self, mut events: mpsc::UnboundedReceiver<Outgoing>, pending: Arc<AtomicUsize>, cap: usize) {
         let limit = (self.inner.client.server_info().max_payload.max(2 * HEADROOM) - HEADROOM).max(HEADROOM);
         let mut acks = FuturesUnordered::new();
@@ -81,9 +82,12 @@ impl Turn {
                 if acks.is_empty() && resend.is_none() {
                     break;
                 }
-                if at.elapsed() >= self.inner.timeout {
-                    tracing::warn!(turn = %self.turn_id, "the bus did not take the end of a turn in time: its watchers elsewhere read it from history");
+                if at.elapsed() >= self.inner.max_age {
+                    tracing::warn!(turn = %self.turn_id, "the bus did not take the end of a turn: its watchers elsewhere read it from history");
                     break;
+                }
+                if at.elapsed() >= self.inner.timeout && kept.trim_to_end() {
+                    tracing::warn!(turn = %self.turn_id, "the bus did not take the end of a turn in time: it goes out alone when the bus is back");
                 }
             }
             let due = resend.unwrap_or_else(Instant::now);
@@ -102,7 +106,9 @@ impl Turn {
                         ended = Some(Instant::now());
                     }
                     kept.add(&burst);
-                    self.send(&burst, limit, generation, &mut acks, &mut misses).await;
+                    if !self.send(&burst, false, limit, generation, &mut acks, &mut misses).await {
+                        again_later(&mut resend, &kept);
+                    }
                     burst.clear();
                 }
                 Some((sent, ack)) = acks.next(), if !acks.is_empty() => match ack {
@@ -112,14 +118,14 @@ impl Turn {
                         let again = matches!(e.kind(), StreamNotFound | TimedOut | BrokenPipe | MaxAckPending);
                         self.missed(&mut misses, e);
                         // A failure of an earlier sending is covered by the one after it.
-                        if again && sent.generation == generation && kept.whole && resend.is_none() {
-                            resend = Some(Instant::now() + RETRY);
+                        if again && sent.generation == generation {
+                            again_later(&mut resend, &kept);
                         }
                     }
                 },
                 Ok(()) = epoch.changed() => {
                     // The connection or the stream came back: what it holds of the turn is unknown.
-                    if kept.whole && !kept.events.is_empty() {
+                    if !kept.events.is_empty() {
                         resend = Some(Instant::now());
                     }
                 }
@@ -129,21 +135,26 @@ impl Turn {
                         continue;
                     }
                     resend = None;
-                    if !kept.whole {
+                    let Some(kept_from) = kept.events.first().map(|e| e.index) else {
                         continue; // grown past what is kept since: its followers end it
-                    }
+                    };
                     // The stream itself may be what is gone (`restore` asks at most once a second).
                     if let Err(e) = self.inner.shared.restore(&self.inner.js).await {
                         tracing::warn!(error = %e, "cannot create the bus's stream again");
                     }
-                    let from = stored.resend_from(self.inner.shared.created()) as usize;
-                    if from >= kept.events.len() {
+                    let held = stored.resend_from(self.inner.shared.created());
+                    let from = held.max(kept_from);
+                    let Some(events) = kept.events.get((from - kept_from) as usize..).filter(|e| !e.is_empty()) else {
                         continue; // the stream holds all of it
-                    }
+                    };
                     generation += 1;
                     tracing::info!(turn = %self.turn_id, from, "sending a turn again: the bus may have lost part of it");
                     self.inner.metrics.bus.turns_resent.fetch_add(1, Relaxed);
-                    self.send(&kept.events[from..], limit, generation, &mut acks, &mut misses).await;
+                    // Only the end, into a stream that holds nothing of the turn: it opens the
+                    // turn there, where a follower starting over looks (`follow.rs`).
+                    if !self.send(events, held == 0, limit, generation, &mut acks, &mut misses).await {
+                        again_later(&mut resend, &kept);
+                    }
                 }
             }
         }
@@ -152,26 +163,34 @@ impl Turn {
         }
     }
 
-    /// Sends `events` as runs, their acknowledgements into `acks`.
+    /// Sends `events` as runs, their acknowledgements into `acks`; the first on the `open`
+    /// subject when it is the turn's start or `opens`. False when the client refused one.
     async fn send(
         &self,
         events: &[Outgoing],
+        opens: bool,
         limit: usize,
         generation: u64,
         acks: &mut FuturesUnordered<Ack>,
         misses: &mut usize,
-    ) {
+    ) -> bool {
         let stream = self.inner.shared.created();
+        let opening = events.first().map(|e| e.index).filter(|_| opens);
+        let mut taken = true;
         for (first, end, payload) in runs(events, limit) {
-            let subject = if first == 0 { &self.open } else { &self.more };
+            let subject = if first == 0 || Some(first) == opening { &self.open } else { &self.more };
             let head = message_headers(&self.inner.node, &self.turn_id, first);
             let message = PublishMessage::build().headers(head).payload(payload);
             let sent = Sent { generation, stream, first, end };
             match self.inner.js.send_publish(subject.clone(), message).await {
                 Ok(ack) => acks.push(ack.into_future().map(move |ack| (sent, ack)).boxed()),
-                Err(e) => self.missed(misses, e),
+                Err(e) => {
+                    self.missed(misses, e);
+                    taken = false;
+                }
             }
         }
+        taken
     }
 
     /// A message the bus did not take: the first of a turn is logged (a bus that is down fails
@@ -185,10 +204,11 @@ impl Turn {
     }
 }
 
-/// The turn's events so far, to send it again: all of them or none (past the
+/// The turn's events so far, to send it again: all of them or none but its end (past the
 /// outbox's cap, a gap the outbox left, or an event too large for one message, the stream
-/// cannot be given the whole turn; the followers then end it for their watchers).
+/// cannot be given the whole turn; the followers end it for their watchers when its end comes).
 struct Kept {
+    /// Consecutive events, from the turn's start unless cut to its end.
     events: Vec<Outgoing>,
     bytes: usize,
     cap: usize,
@@ -205,19 +225,37 @@ impl Kept {
         for event in burst {
             let len = event.line.len();
             let next = self.events.len() as u32;
-            if !self.whole || event.index != next || len > self.limit || self.bytes + len > self.cap {
-                if std::mem::take(&mut self.whole) {
-                    tracing::debug!(
-                        index = event.index,
-                        "a turn is past what its publisher keeps: it is not sent again"
-                    );
-                }
+            if self.whole && (event.index != next || len > self.limit || self.bytes + len > self.cap) {
+                self.whole = false;
                 self.events = Vec::new();
-                return;
+                tracing::debug!(
+                    index = event.index,
+                    "a turn is past what its publisher keeps: only its end is sent again"
+                );
             }
-            self.bytes += len;
-            self.events.push(Outgoing { index: event.index, line: event.line.clone(), last: event.last });
+            if self.whole || event.last {
+                self.bytes += len;
+                self.events.push(Outgoing { index: event.index, line: event.line.clone(), last: event.last });
+            }
         }
+    }
+
+    /// Keeps only the turn's end (it has ended): what a follower elsewhere needs to end it,
+    /// without the rest of its lines. True when that dropped something.
+    fn trim_to_end(&mut self) -> bool {
+        if self.events.len() <= 1 {
+            return false;
+        }
+        self.events.drain(..self.events.len() - 1);
+        self.whole = false;
+        true
+    }
+}
+
+/// A sending that failed is tried again a `RETRY` later, when anything is kept to send.
+fn again_later(resend: &mut Option<Instant>, kept: &Kept) {
+    if !kept.events.is_empty() && resend.is_none() {
+        *resend = Some(Instant::now() + RETRY);
     }
 }
 
@@ -314,6 +352,19 @@ mod tests {
         assert_eq!(kept(5, &[ev(0, "a"), ev(1, "b"), ev(2, "c")]), (false, vec![]));
         assert_eq!(kept(100, &[ev(0, "a"), ev(2, "c")]), (false, vec![]));
         assert_eq!(kept(100, &[ev(0, "a"), ev(1, "bbbbbbb")]), (false, vec![]));
+        // Its end is kept whatever came before: without it, nothing tells a follower the turn ended.
+        let end = || Outgoing { last: true, ..ev(3, "end") };
+        assert_eq!(kept(5, &[ev(0, "a"), ev(1, "b"), ev(2, "c"), end()]), (false, vec![3]));
+        assert_eq!(kept(100, &[ev(0, "a"), ev(1, "b"), ev(2, "c"), end()]), (true, vec![0, 1, 2, 3]));
+    }
+
+    #[test]
+    fn a_turn_whose_end_waits_for_the_bus_keeps_only_its_end() {
+        let mut kept = Kept::new(100, 6);
+        kept.add(&[ev(0, "a"), ev(1, "b"), Outgoing { last: true, ..ev(2, "end") }]);
+        assert!(kept.trim_to_end());
+        assert_eq!(kept.events.iter().map(|e| e.index).collect::<Vec<_>>(), [2]);
+        assert!(!kept.trim_to_end(), "once");
     }
 
     #[test]
