@@ -21,10 +21,26 @@ pub enum LogFormat {
 /// The log levels `RUST_LOG` asks for: a level, `target=level` entries, or both,
 /// comma-separated; unset or anything else is `info` (docs/operations.md, "Logs").
 pub fn log_filter() -> tracing_subscriber::filter::Targets {
-    use tracing_subscriber::filter::Targets;
-    let asked = std::env::var("RUST_LOG").ok().and_then(|v| v.parse::<Targets>().ok());
-    asked.unwrap_or_else(|| Targets::new().with_default(tracing::Level::INFO))
+    levels(std::env::var("RUST_LOG").ok().as_deref())
 }
+
+fn levels(asked: Option<&str>) -> tracing_subscriber::filter::Targets {
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    let parsed = asked.and_then(|v| v.parse::<Targets>().ok());
+    let filter = parsed.unwrap_or_else(|| Targets::new().with_default(tracing::Level::INFO));
+    let Some(default) = filter.default_level() else { return filter };
+    let named = |target: &str| asked.is_some_and(|v| v.contains(target));
+    QUIET
+        .into_iter()
+        .filter(|target| !named(target))
+        .fold(filter, |filter, target| filter.with_target(target, default.min(LevelFilter::WARN)))
+}
+
+/// Libraries whose `info` lines are noise for an operator; they show from `warn` up unless
+/// `RUST_LOG` names them. The NATS client says every failed reconnection attempt, several a
+/// second while the bus is down (the gateway says the loss once, bus/mod.rs); PostgreSQL's
+/// notices say at every start that the migrations' table exists.
+const QUIET: [&str; 2] = ["async_nats", "sqlx::postgres::notice"];
 
 #[derive(Debug, Clone, Parser)]
 #[command(name = "dispatch-gateway", version, about = "Turns, an append-only log and live streams for agent runtimes")]
@@ -737,6 +753,26 @@ mod tests {
     use clap::{CommandFactory, Parser};
 
     use super::Config;
+
+    /// Chatty libraries' lines are warnings and up at the default level and at any level
+    /// asked for, unless named; they are never raised above what is asked.
+    #[test]
+    fn chatty_libraries_stay_out_of_the_log_unless_asked_for() {
+        use tracing::Level;
+        let shows = |asked: Option<&str>, target: &str, level: Level| super::levels(asked).would_enable(target, &level);
+        assert!(shows(None, "dispatch_gateway::bus", Level::INFO));
+        assert!(!shows(None, "async_nats", Level::INFO));
+        assert!(shows(None, "async_nats", Level::WARN));
+        assert!(!shows(Some("debug"), "async_nats", Level::INFO));
+        assert!(shows(Some("debug"), "dispatch_gateway", Level::DEBUG));
+        assert!(!shows(Some("error"), "async_nats", Level::WARN));
+        assert!(shows(Some("info,async_nats=debug"), "async_nats", Level::DEBUG));
+        assert!(!shows(None, "sqlx::postgres::notice", Level::INFO));
+        assert!(shows(None, "sqlx::postgres::notice", Level::WARN));
+        assert!(!shows(Some("dispatch_gateway=debug"), "async_nats", Level::WARN));
+        assert!(!shows(Some("dispatch_gateway=loud"), "async_nats", Level::INFO));
+        assert!(shows(Some("dispatch_gateway=loud"), "dispatch_gateway", Level::INFO));
+    }
 
     /// The flags' defaults and `Config::defaults()` (which tests, the hub's test window and
     /// embedders use) are written twice; they must say the same.
