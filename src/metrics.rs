@@ -61,7 +61,7 @@ pub struct BusCounters {
     pub connected: AtomicBool,
     /// Messages of this gateway's turns the bus did not take.
     pub messages_missed: AtomicU64,
-    /// Times a turn of this gateway was sent again from its start.
+    /// Times a turn of this gateway was sent again (from the first event the stream did not acknowledge).
     pub turns_resent: AtomicU64,
     /// Turns of other gateways ended here with events missing (watchers read the rest from history).
     pub turns_cut: AtomicU64,
@@ -218,12 +218,12 @@ impl BusCounters {
             ),
             (
                 "dispatch_bus_turns_resent_total",
-                "Times a turn was sent to the bus again from its start, as the bus may have lost part of it.",
+                "Times a turn was sent to the bus again, as the bus may have lost part of it.",
                 &self.turns_resent,
             ),
             (
                 "dispatch_bus_turns_cut_total",
-                "Other gateways' turns ended here with events missing: their watchers read the rest from history.",
+                "Other gateways' turns ended here with events missing or without their end: their watchers read the rest from history.",
                 &self.turns_cut,
             ),
         ] {

@@ -51,7 +51,7 @@ impl Gateway {
         };
         let store = Store::open_with(&config.database, metrics.clone(), limits).await?;
         let flush = crate::hub::FlushWindow::new(config.flush_sweeps, Duration::from_millis(config.flush_max_ms));
-        let bus = connect_bus(&config, &metrics).await?;
+        let bus = connect_bus(&config, &metrics, &store).await?;
         let remote = bus.clone().map(|bus| Arc::new(bus) as Arc<dyn crate::hub::Remote>);
         let hub = Hub::with_remote(config.turn_buffer_bytes, flush, remote);
         let queue_limits =
@@ -151,7 +151,7 @@ impl Gateway {
 
 /// The bus the configuration names, connected.
 #[cfg(feature = "cluster")]
-async fn connect_bus(config: &Config, metrics: &Arc<Metrics>) -> Result<Option<Bus>, StartupError> {
+async fn connect_bus(config: &Config, metrics: &Arc<Metrics>, store: &Store) -> Result<Option<Bus>, StartupError> {
     let Some(url) = &config.bus else { return Ok(None) };
     let options = crate::bus::BusOptions {
         max_age: Duration::from_secs(config.bus_max_age_secs),
@@ -165,12 +165,12 @@ async fn connect_bus(config: &Config, metrics: &Arc<Metrics>) -> Result<Option<B
             (None, None) => None,
         },
     };
-    Ok(Some(Bus::connect(url, options, metrics.clone()).await?))
+    Ok(Some(Bus::connect(url, options, metrics.clone(), store.clone()).await?))
 }
 
 /// No bus in a build without the `cluster` feature (`Config::check` refuses `--bus` there).
 #[cfg(not(feature = "cluster"))]
-async fn connect_bus(_: &Config, _: &Arc<Metrics>) -> Result<Option<Bus>, StartupError> {
+async fn connect_bus(_: &Config, _: &Arc<Metrics>, _: &Store) -> Result<Option<Bus>, StartupError> {
     Ok(None)
 }
 

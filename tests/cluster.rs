@@ -496,11 +496,11 @@ async fn heard_live(a: &ChildGateway, b: &ChildGateway, conversation: &str) {
     on_b.until_sealed().await;
 }
 
-/// Two gateways on `database` and `bus` whose scripted runtime plays `script`.
-fn scripted_pair(database: &str, bus: &str, script: &std::path::Path) -> (ChildGateway, ChildGateway) {
+/// Two gateways on `database` and `bus` whose scripted runtime plays `script`, with `extra` flags.
+fn scripted_pair(database: &str, bus: &str, script: &std::path::Path, extra: &[&str]) -> (ChildGateway, ChildGateway) {
     let script = script.to_str().unwrap();
     let args = ["--database", database, "--bus", bus, "--bus-timeout-ms", "3000", "--scripted-script", script];
-    let args: Vec<std::ffi::OsString> = args.map(Into::into).to_vec();
+    let args: Vec<std::ffi::OsString> = args.iter().chain(extra).map(Into::into).collect();
     (ChildGateway::spawn(&args), ChildGateway::spawn(&args))
 }
 
@@ -520,7 +520,7 @@ async fn a_restarted_server_and_a_lost_stream_are_followed_through() {
         {"match": "hold", "steps": [{"text": "held here", "stallMs": 120_000}]},
         {"steps": [{"text": "a reply of a few words "}]},
     ]});
-    let (a, b) = scripted_pair(&database.url, &nats.url, &write_script(dir.path(), script));
+    let (a, b) = scripted_pair(&database.url, &nats.url, &write_script(dir.path(), script), &[]);
     // B follows the conversation all along; turns in it take its reading well past where the
     // new stream will be when the next one comes.
     let _follows = b.sse("kept", "").await;
@@ -623,7 +623,9 @@ async fn a_turn_streaming_through_an_outage_of_the_bus_is_heard_whole_on_another
     // Words at a steady pace, for longer than the test waits (it stops the turn).
     let script = json!({"rules": [{"pace": 50, "steps": [{"text": "word ", "repeat": 100_000}]}]});
     let script = write_script(dir.path(), script);
-    let (a, b) = scripted_pair(&database.url, &nats.url, &script);
+    // Leases long enough that a watcher elsewhere does not learn of a turn's end from the
+    // database (the next test) before the bus carries it.
+    let (a, b) = scripted_pair(&database.url, &nats.url, &script, &["--lease-ttl-ms", "120000"]);
     // Where A sent its turn again from, in the log since `since`.
     let resent_from = |since: usize| -> Vec<u64> {
         let logs = a.logs.lock().unwrap();
@@ -694,6 +696,7 @@ async fn a_turn_streaming_through_an_outage_of_the_bus_is_heard_whole_on_another
         nats.start();
         let heard = on_b.end().await;
         assert_eq!(heard.last().unwrap().1["type"], "turn-sealed", "{how}: B's watcher got the turn's end");
+        assert_eq!(logged(&b, FROM_THE_DATABASE), 0, "{how}: over the bus");
     }
     let gave_up = "the bus did not take the end of a turn: its watchers elsewhere read it from history";
     assert_eq!(logged(&a, gave_up), 0, "the ends went out");
@@ -713,6 +716,41 @@ async fn a_turn_streaming_through_an_outage_of_the_bus_is_heard_whole_on_another
     nats.start();
 }
 
+/// What a gateway says when the database tells it a turn it follows has ended.
+const FROM_THE_DATABASE: &str = "a turn followed here ended without its end on the bus; ending it here";
+
+/// A turn that ends while the bus is down, and stays down: its watcher on another gateway gets
+/// `turn-sealed` once that gateway has not heard of the turn for a lease's time (2 s here) and
+/// the database says it no longer runs, without the bus (before, it waited for the bus, and for
+/// ever if the turn's gateway died meanwhile). While the turn runs, the same check says so and
+/// the watcher waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_that_ends_while_the_bus_is_down_ends_elsewhere_from_the_database() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(mut nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let script = json!({"rules": [{"pace": 50, "steps": [{"text": "word ", "repeat": 100_000}]}]});
+    let script = write_script(dir.path(), script);
+    let (a, b) = scripted_pair(&database.url, &nats.url, &script, &["--lease-ttl-ms", "2000"]);
+    let on_b = Heard::start(b.sse("ends-offline", "").await);
+    start_turn(&a, "ends-offline", "steady").await;
+    assert!(eventually(1200, || async { on_b.count() > 5 }).await, "B hears the turn");
+    nats.stop();
+    let off = eventually(1200, || async { on_bus(&a, 0.0).await && on_bus(&b, 0.0).await }).await;
+    assert!(off, "both gateways say they are off the bus");
+    // Past a few leases' time, the turn still runs: B's watcher is still in it.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    assert!(!on_b.task.is_finished(), "B's watcher waits while the turn runs");
+    let (status, stopped) = a.post("/conversations/ends-offline/stop", json!({})).await;
+    assert_eq!((status, &stopped["abortedTurn"]), (200, &json!(true)), "{stopped}");
+    let heard = on_b.end().await;
+    assert_eq!(heard.last().unwrap().1["type"], "turn-sealed", "B's watcher got the turn's end");
+    assert_eq!(logged(&b, FROM_THE_DATABASE), 1);
+    assert!(on_bus(&b, 0.0).await, "the bus is still down");
+    assert_eq!(metric(&b.metrics().await, "dispatch_bus_turns_cut_total"), 1.0);
+    nats.start();
+}
+
 /// An event larger than NATS's `max_payload` cannot cross the bus, and is not sent again: the
 /// turn goes on, and its watcher on another gateway, waiting on the gap it leaves, gets
 /// `turn-sealed` after the bus timeout (3 s here), not at the turn's end two minutes later;
@@ -727,7 +765,7 @@ async fn a_gap_the_bus_cannot_fill_ends_the_turn_elsewhere_after_the_bus_timeout
         {"text": "small first "},
         {"text": format!("{big} after"), "stallMs": 120_000},
     ]}]});
-    let (a, b) = scripted_pair(&database.url, &nats.url, &write_script(dir.path(), script));
+    let (a, b) = scripted_pair(&database.url, &nats.url, &write_script(dir.path(), script), &[]);
     let mut on_b = b.sse("too-big", "").await;
     start_turn(&a, "too-big", "anything").await;
     let heard = tokio::time::timeout(std::time::Duration::from_secs(60), on_b.until_sealed())

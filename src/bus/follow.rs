@@ -6,7 +6,9 @@
 //! gathered: a turn that ended in it is history, not replay; a turn still open becomes the
 //! hub's in-flight buffer at once with everything it has published. From then on each message
 //! goes straight into the hub. A turn with events missing waits for its gateway to send it again
-//! (`publish.rs`), read like a message read again: only what is new goes in.
+//! (`publish.rs`), read like a message read again: only what is new goes in. A turn not heard
+//! of for a lease's time is checked against the database, which says when it ended even if its
+//! end never crosses the bus.
 
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -18,6 +20,7 @@ use tokio::sync::watch;
 use super::{BusError, Inner, RETRY, conversation_filter, message_head, open_subject};
 use crate::hub::{Following, Hub, TurnBuffer};
 use crate::metrics::Metrics;
+use crate::store::Store;
 use crate::wire::{AgentEvent, TurnSealedEvent};
 
 /// A wait of half to one and a half `RETRY`: the followers a reconnection stops all at once
@@ -56,6 +59,10 @@ async fn follow(inner: Arc<Inner>, mut feed: Feed, caught_up: watch::Sender<bool
         // Nobody waits on a bus that fails; what comes later goes straight in.
         feed.go_live();
         caught_up.send_replace(true);
+        // A turn followed that the bus cannot end: the database says when it has.
+        if feed.quiet_deadline(inner.store.lease_ttl()).is_some_and(|at| at <= Instant::now()) {
+            feed.check_running(&inner.store).await;
+        }
         tokio::time::sleep(retry_delay()).await;
     }
 }
@@ -98,6 +105,7 @@ async fn consume(
     let mut messages = consumer.messages().await.map_err(BusError::js)?;
     loop {
         let gap = feed.gap_deadline(inner.timeout);
+        let quiet = feed.quiet_deadline(inner.store.lease_ttl());
         let message = tokio::select! {
             message = messages.next() => match message {
                 Some(message) => message.map_err(BusError::js)?,
@@ -106,6 +114,10 @@ async fn consume(
             _ = epoch.changed() => return Ok(()),
             _ = tokio::time::sleep_until(gap.unwrap_or_else(Instant::now).into()), if gap.is_some() => {
                 feed.overdue();
+                continue;
+            }
+            _ = tokio::time::sleep_until(quiet.unwrap_or_else(Instant::now).into()), if quiet.is_some() => {
+                feed.check_running(&inner.store).await;
                 continue;
             }
         };
@@ -146,11 +158,13 @@ struct RemoteTurn {
     early: Vec<AgentEvent>,
     /// Since when events are missing (a later message came first).
     gap: Option<Instant>,
+    /// When it was last heard of: its last message, or the database saying it runs.
+    heard: Instant,
 }
 
 impl RemoteTurn {
     fn new(turn_id: String) -> RemoteTurn {
-        RemoteTurn { turn_id, next: 0, buffer: None, early: Vec::new(), gap: None }
+        RemoteTurn { turn_id, next: 0, buffer: None, early: Vec::new(), gap: None, heard: Instant::now() }
     }
 }
 
@@ -201,6 +215,7 @@ impl Feed {
             return true;
         }
         turn.gap = None;
+        turn.heard = Instant::now();
         // A message read again (a replaced consumer) adds only what is new.
         let fresh: Vec<AgentEvent> = events.into_iter().skip((turn.next - index) as usize).collect();
         turn.next += fresh.len() as u32;
@@ -238,6 +253,37 @@ impl Feed {
         if let Some(turn) = self.turn.take_if(|t| t.gap.is_some()) {
             tracing::warn!(conversation = %self.conversation_id, turn = %turn.turn_id, expected = turn.next, "events of a turn are missing on the bus; ending it here");
             self.abandon(&hub, turn);
+        }
+    }
+
+    /// When the turn followed, live here and quiet (nothing heard of it for `period`), is to be
+    /// checked against the database: its end may never come over the bus (its gateway died
+    /// after the seal, or the bus was down when it ended and is still).
+    fn quiet_deadline(&self, period: Duration) -> Option<Instant> {
+        let turn = self.turn.as_ref().filter(|t| t.buffer.is_some() && t.gap.is_none())?;
+        Some(turn.heard + period)
+    }
+
+    /// Asks the database whether the turn followed still holds its conversation's lease; one
+    /// that does not has ended (sealed, or marked interrupted): its watchers here get
+    /// `turn-sealed` and read it from history. Asked again a period later otherwise.
+    async fn check_running(&mut self, store: &Store) {
+        let Some(turn_id) = self.turn.as_ref().map(|t| t.turn_id.clone()) else { return };
+        match store.lease_holder(&self.conversation_id).await {
+            Ok(holder) if holder.as_deref() != Some(turn_id.as_str()) => {
+                let Some(hub) = self.hub.upgrade() else { return };
+                let turn = self.turn.take().expect("taken above");
+                tracing::warn!(conversation = %self.conversation_id, turn = %turn_id, "a turn followed here ended without its end on the bus; ending it here");
+                self.abandon(&hub, turn);
+                return;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(conversation = %self.conversation_id, error = %e, "cannot ask the database whether a turn runs")
+            }
+        }
+        if let Some(turn) = self.turn.as_mut() {
+            turn.heard = Instant::now();
         }
     }
 

@@ -22,6 +22,7 @@ use async_nats::{ConnectOptions, ServerAddr};
 
 use crate::hub::{Following, Hub, Outbox, Remote};
 use crate::metrics::Metrics;
+use crate::store::Store;
 use shared_stream::SharedStream;
 
 mod control;
@@ -87,6 +88,8 @@ struct Inner {
     timeout: Duration,
     /// How long the stream keeps events: a turn's end not yet on the bus waits that long.
     max_age: Duration,
+    /// The database, which says whether a turn followed here still runs (`follow.rs`).
+    store: Store,
     /// Status changes to send (`status.rs`).
     statuses: tokio::sync::mpsc::UnboundedSender<bytes::Bytes>,
     metrics: Arc<Metrics>,
@@ -95,7 +98,7 @@ struct Inner {
 impl Bus {
     /// Connects and makes sure the stream exists (the first gateway creates it; the others
     /// use it as it is).
-    pub async fn connect(url: &str, options: BusOptions, metrics: Arc<Metrics>) -> Result<Bus, BusError> {
+    pub async fn connect(url: &str, options: BusOptions, metrics: Arc<Metrics>, store: Store) -> Result<Bus, BusError> {
         let node = uuid::Uuid::now_v7().to_string();
         // async-nats takes TLS's crypto from rustls's process default, which a build with two
         // providers compiled in (tests unify reqwest's aws-lc) leaves unset: ring, as upstreams use.
@@ -131,7 +134,7 @@ impl Bus {
         let (statuses, changes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(status::send_statuses(client.clone(), changes));
         let (timeout, max_age) = (options.timeout, options.max_age);
-        Ok(Bus(Arc::new(Inner { client, js, shared, node, timeout, max_age, statuses, metrics })))
+        Ok(Bus(Arc::new(Inner { client, js, shared, node, timeout, max_age, store, statuses, metrics })))
     }
 
     /// A subscription to `subject` (what the other gateways send there: `what`), or none, said
@@ -261,7 +264,10 @@ mod tests {
             key: None,
         };
         let urls = "nats://gw:s3cret@127.0.0.1:1,nats://gw:s3cret@[::1";
-        let Err(refused) = Bus::connect(urls, options, Default::default()).await else {
+        let dir = tempfile::tempdir().unwrap();
+        let database = crate::store::Database::Sqlite(dir.path().join("bus.db"));
+        let store = Store::open(&database, Default::default()).await.unwrap();
+        let Err(refused) = Bus::connect(urls, options, Default::default(), store).await else {
             panic!("a malformed URL connected")
         };
         let said = refused.to_string();

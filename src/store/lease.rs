@@ -72,6 +72,14 @@ impl Store {
         Ok(row.is_some())
     }
 
+    /// The turn holding the conversation's lease, expired or not (a dead gateway's turn holds
+    /// it until a sweep marks it interrupted); None when no turn holds it.
+    pub async fn lease_holder(&self, conversation_id: &str) -> StoreResult<Option<String>> {
+        let sql = "SELECT lease_turn FROM conversations WHERE id = $1 AND lease_turn IS NOT NULL";
+        let row: Option<(String,)> = self.fetch_optional(Query::new(sql).bind(conversation_id)).await?;
+        Ok(row.map(|(turn,)| turn))
+    }
+
     /// The turns whose lease has ended: (conversation, turn). (A deletion's is in
     /// `expired_deletions`.)
     pub async fn expired_leases(&self) -> StoreResult<Vec<(String, String)>> {
