@@ -272,7 +272,7 @@ impl Feed {
         match store.lease_holder(&self.conversation_id).await {
             Ok(holder) if holder.as_deref() != Some(turn_id.as_str()) => {
                 let Some(hub) = self.hub.upgrade() else { return };
-                let turn = self.turn.take().expect("taken above");
+                let turn = self.turn.take().expect("matched above");
                 tracing::warn!(conversation = %self.conversation_id, turn = %turn_id, "a turn followed here ended without its end on the bus; ending it here");
                 self.abandon(&hub, turn);
                 return;
