@@ -60,11 +60,18 @@ async fn follow(inner: Arc<Inner>, mut feed: Feed, caught_up: watch::Sender<bool
         feed.go_live();
         caught_up.send_replace(true);
         // A turn followed that the bus cannot end: the database says when it has.
-        if feed.quiet_deadline(inner.store.lease_ttl()).is_some_and(|at| at <= Instant::now()) {
+        if feed.quiet_deadline(quiet_period(&inner)).is_some_and(|at| at <= Instant::now()) {
             feed.check_running(&inner.store).await;
         }
         tokio::time::sleep(retry_delay()).await;
     }
+}
+
+/// How long a turn followed may go unheard of before the database is asked whether it runs:
+/// a lease's time (its gateway renews it meanwhile), at least a `RETRY` (leases as short as
+/// tests use would have every quiet turn asked for many times a second).
+fn quiet_period(inner: &Inner) -> Duration {
+    inner.store.lease_ttl().max(RETRY)
 }
 
 /// Where a follower has read to: the stream (by its creation time) and the sequence in it.
@@ -105,7 +112,7 @@ async fn consume(
     let mut messages = consumer.messages().await.map_err(BusError::js)?;
     loop {
         let gap = feed.gap_deadline(inner.timeout);
-        let quiet = feed.quiet_deadline(inner.store.lease_ttl());
+        let quiet = feed.quiet_deadline(quiet_period(inner));
         let message = tokio::select! {
             message = messages.next() => match message {
                 Some(message) => message.map_err(BusError::js)?,
