@@ -110,9 +110,12 @@ async fn consume(
     };
     let consumer = inner.shared.stream.create_consumer(config).await.map_err(BusError::js)?;
     let mut messages = consumer.messages().await.map_err(BusError::js)?;
+    // Quiet turns are looked for on a tick, not with a timer per message: a turn is asked about
+    // between one and two periods after it went quiet.
+    let mut quiet = tokio::time::interval(quiet_period(inner));
+    quiet.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let gap = feed.gap_deadline(inner.timeout);
-        let quiet = feed.quiet_deadline(quiet_period(inner));
         let message = tokio::select! {
             message = messages.next() => match message {
                 Some(message) => message.map_err(BusError::js)?,
@@ -123,8 +126,10 @@ async fn consume(
                 feed.overdue();
                 continue;
             }
-            _ = tokio::time::sleep_until(quiet.unwrap_or_else(Instant::now).into()), if quiet.is_some() => {
-                feed.check_running(&inner.store).await;
+            _ = quiet.tick() => {
+                if feed.quiet_deadline(quiet_period(inner)).is_some_and(|at| at <= Instant::now()) {
+                    feed.check_running(&inner.store).await;
+                }
                 continue;
             }
         };

@@ -2,9 +2,9 @@
 //!
 //! A turn's events go to one JetStream stream, a message per run of consecutive events (NDJSON,
 //! the hub's own encoding), on two subjects per conversation: `open` for a turn's first message
-//! in the stream and `more` for the rest (`publish.rs`). A gateway where a conversation is watched follows it
-//! from the last `open` on, with one consumer per conversation, and feeds the turns other
-//! gateways run into its hub with the same event indices (`follow.rs`). The stream itself, and
+//! in the stream and `more` for the rest (`publish.rs`). A gateway where a conversation is
+//! watched follows it from the last `open` on, with one consumer per conversation, and feeds
+//! the turns other gateways run into its hub with the same event indices (`follow.rs`). The stream itself, and
 //! what happens when it is lost, is `shared_stream.rs`; the end of a turn whose gateway died,
 //! published by another, `interrupted.rs`. Status changes and control requests go
 //! over plain NATS (`status.rs`, `control.rs`). Every message names the gateway whose turn it

@@ -150,8 +150,9 @@ impl Turn {
                     generation += 1;
                     tracing::info!(turn = %self.turn_id, from, "sending a turn again: the bus may have lost part of it");
                     self.inner.metrics.bus.turns_resent.fetch_add(1, Relaxed);
-                    // Only the end, into a stream that holds nothing of the turn: it opens the
-                    // turn there, where a follower starting over looks (`follow.rs`).
+                    // Into a stream that holds nothing of the turn, the first message opens it
+                    // there (its start, or its end alone when only that is kept), where a
+                    // follower starting over looks (`follow.rs`).
                     if !self.send(events, held == 0, limit, generation, &mut acks, &mut misses).await {
                         again_later(&mut resend, &kept);
                     }
