@@ -1,19 +1,21 @@
 //! The events of this gateway's turns, out to the stream.
 
 use std::collections::BTreeMap;
-use std::future::IntoFuture;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::task::{Context, Poll};
 use std::time::Instant;
 
 use async_nats::connection::State;
+use async_nats::jetstream::context::PublishAckFuture;
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
 use bytes::{Bytes, BytesMut};
-use futures_util::future::BoxFuture;
+use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use futures_util::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 
 use super::{Inner, RETRY, message_headers, more_subject, open_subject};
@@ -41,8 +43,21 @@ struct Turn {
     turn_id: String,
 }
 
-/// A message's acknowledgement, with what it carried.
-type Ack = BoxFuture<'static, (Sent, Result<PublishAck, PublishError>)>;
+/// A message's acknowledgement, with what it carried (the client's future is boxed already: a
+/// combinator around it would box it again, an allocation per message).
+struct Ack {
+    sent: Sent,
+    ack: <PublishAckFuture as IntoFuture>::IntoFuture,
+}
+
+impl Future for Ack {
+    type Output = (Sent, Result<PublishAck, PublishError>);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let sent = self.sent;
+        self.ack.as_mut().poll(cx).map(|ack| (sent, ack))
+    }
+}
 
 /// What a message carried: events `first..end`, sent into a stream (its creation time) as part
 /// of a sending of the turn (`generation`).
@@ -184,7 +199,7 @@ impl Turn {
             let message = PublishMessage::build().headers(head).payload(payload);
             let sent = Sent { generation, stream, first, end };
             match self.inner.js.send_publish(subject.clone(), message).await {
-                Ok(ack) => acks.push(ack.into_future().map(move |ack| (sent, ack)).boxed()),
+                Ok(ack) => acks.push(Ack { sent, ack: ack.into_future() }),
                 Err(e) => {
                     self.missed(misses, e);
                     taken = false;
