@@ -427,9 +427,9 @@ async fn a_watcher_whose_socket_does_not_drain_is_closed_and_does_not_hold_the_t
     let mut stalled = socket.connect(server.addr).await.unwrap();
     stalled.write_all(b"GET /conversations/drain/events HTTP/1.1\r\nhost: gateway\r\n\r\n").await.unwrap();
     let mut healthy = server.ndjson("drain", "?until=sealed").await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
     let sse_open = "dispatch_open_streams{transport=\"sse\"}";
-    assert!(server.metrics().await.contains(&format!("{sse_open} 1")), "the stalled watcher's stream is open");
+    let open = eventually(100, || async { server.metrics().await.contains(&format!("{sse_open} 1")) }).await;
+    assert!(open, "the stalled watcher's stream is open");
 
     start_turn(&server, "drain", "huge").await;
     let mut count = 0;
