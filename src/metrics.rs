@@ -9,6 +9,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
+mod process;
+
 /// Upper bounds of the SQLite write latency histogram, in seconds.
 const WRITE_BUCKETS: [f64; 12] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 
@@ -196,6 +198,7 @@ impl Metrics {
             let _ = writeln!(out, "dispatch_runtime_errors_total{{kind=\"{kind}\"}} {n}");
         }
         self.bus.render(&mut out);
+        process::render(&mut out);
         out
     }
 }

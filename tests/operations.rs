@@ -415,3 +415,66 @@ async fn a_failed_request_is_one_log_line_with_its_id_and_what_went_wrong() {
     assert!(line("req-200").is_empty());
     gateway.terminate();
 }
+
+/// `/metrics` carries the figures every Prometheus client library exports for its process, and
+/// they are the gateway process's own, checked against what the kernel says of it: when it
+/// started, its file descriptors (one more per open stream) and their limit, its memory, its CPU.
+#[tokio::test]
+async fn metrics_carry_the_gateway_process_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let unix_now = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let before_spawn = unix_now();
+    let gateway = ChildGateway::spawn(&["--database".into(), dir.path().join("d.db").into()]);
+    let after_spawn = unix_now();
+    let proc_file = |name: &str| std::fs::read_to_string(format!("/proc/{}/{name}", gateway.child.id())).unwrap();
+    let open_fds = || std::fs::read_dir(format!("/proc/{}/fd", gateway.child.id())).unwrap().count() as f64;
+
+    let first = gateway.metrics().await;
+    for name in [
+        "process_cpu_seconds_total",
+        "process_virtual_memory_bytes",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+    ] {
+        assert!(first.contains(&format!("# TYPE {name} ")), "{name} has its type line: {first}");
+    }
+    // Boot time is in whole seconds: the start is known to a second.
+    let started = metric(&first, "process_start_time_seconds");
+    assert!(
+        started >= before_spawn - 1.5 && started <= after_spawn + 1.5,
+        "{started} vs {before_spawn}..{after_spawn}"
+    );
+    let limit = proc_file("limits").lines().find(|l| l.starts_with("Max open files")).unwrap().to_owned();
+    let soft: f64 = limit.split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert_eq!(metric(&first, "process_max_fds"), soft, "{limit}");
+    let rss_kib: f64 = proc_file("status")
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    let resident = metric(&first, "process_resident_memory_bytes");
+    assert!(resident > rss_kib * 1024.0 / 2.0 && resident < rss_kib * 1024.0 * 2.0, "{resident} vs {rss_kib} KiB");
+    assert!(metric(&first, "process_virtual_memory_bytes") >= resident);
+
+    // 50 streams open: 50 more descriptors.
+    let fds_before = metric(&first, "process_open_fds");
+    assert!((fds_before - open_fds()).abs() <= 3.0, "{fds_before} vs {}", open_fds());
+    let mut streams = Vec::new();
+    for i in 0..50 {
+        streams.push(gateway.sse(&format!("fds-{i}"), "").await);
+    }
+    let sse_open = "dispatch_open_streams{transport=\"sse\"} 50";
+    assert!(eventually(100, || async { gateway.metrics().await.contains(sse_open) }).await);
+    let second = gateway.metrics().await;
+    let fds = metric(&second, "process_open_fds");
+    assert!(fds >= fds_before + 50.0, "{fds_before} then {fds}");
+    assert!((fds - open_fds()).abs() <= 3.0, "{fds} vs {}", open_fds());
+    let cpu = (metric(&first, "process_cpu_seconds_total"), metric(&second, "process_cpu_seconds_total"));
+    // At most every core the whole time since the start.
+    let cores = std::thread::available_parallelism().unwrap().get() as f64;
+    assert!(cpu.0 > 0.0 && cpu.1 >= cpu.0 && cpu.1 <= cores * (unix_now() - before_spawn), "{cpu:?}");
+    drop(streams);
+    assert!(gateway.terminate().success());
+}
