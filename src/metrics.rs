@@ -53,7 +53,17 @@ pub struct Metrics {
     write_count: AtomicU64,
     write_micros: AtomicU64,
     runtime_errors: Mutex<BTreeMap<String, u64>>,
+    responses: Responses,
     pub bus: BusCounters,
+}
+
+/// HTTP responses by status code (100 to 599).
+struct Responses([AtomicU64; 500]);
+
+impl Default for Responses {
+    fn default() -> Responses {
+        Responses(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
 }
 
 /// The bus's health, rendered by a gateway on a bus only (`--bus`).
@@ -96,6 +106,13 @@ impl Metrics {
     /// Write transactions of turns so far.
     pub fn writes(&self) -> u64 {
         self.write_count.load(Relaxed)
+    }
+
+    /// Counts a response with this status, answered by the router or refused by the connection.
+    pub fn responded(&self, status: axum::http::StatusCode) {
+        if let Some(count) = self.responses.0.get(usize::from(status.as_u16()).wrapping_sub(100)) {
+            count.fetch_add(1, Relaxed);
+        }
     }
 
     pub fn runtime_error(&self, kind: &str) {
@@ -196,6 +213,14 @@ impl Metrics {
         for (kind, n) in self.runtime_errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let kind = kind.replace(['\\', '"', '\n'], "_");
             let _ = writeln!(out, "dispatch_runtime_errors_total{{kind=\"{kind}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_http_responses_total HTTP responses by status code (a live stream counts when it opens).\n# TYPE dispatch_http_responses_total counter"
+        );
+        for (code, n) in (100..).zip(&self.responses.0).map(|(code, n)| (code, n.load(Relaxed))).filter(|(_, n)| *n > 0)
+        {
+            let _ = writeln!(out, "dispatch_http_responses_total{{code=\"{code}\"}} {n}");
         }
         self.bus.render(&mut out);
         process::render(&mut out);

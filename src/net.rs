@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
 use crate::live::{Cancelled, Handoff, Live, Session};
+use crate::metrics::Metrics;
 
 mod http1;
 mod websocket;
@@ -56,8 +57,15 @@ pub struct ConnectionLimits {
 
 /// Serves `router` on `listener` over HTTP/1.1 (with upgrades, for WebSockets) until `drained` is
 /// cancelled; then stops accepting, lets each connection finish its request in flight, and
-/// returns when every connection has closed.
-pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimits, drained: CancellationToken) {
+/// returns when every connection has closed. `metrics` counts the requests refused before
+/// they reach the router.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ConnectionLimits,
+    metrics: Arc<Metrics>,
+    drained: CancellationToken,
+) {
     // Every connection task holds a receiver; `closed()` resolves when the last one is gone.
     let (all_closed, connection_alive) = watch::channel(());
     loop {
@@ -75,12 +83,13 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ConnectionLimi
         };
         let _ = stream.set_nodelay(true);
         let router = router.clone();
+        let metrics = metrics.clone();
         let mut drained = Cancelled::new(&drained);
         let alive = connection_alive.clone();
         tokio::spawn(async move {
             // Bodyless GETs first (written by `http1`); hyper takes over at any other request.
             let stream = Arc::new(stream);
-            let next = http1::serve(&stream, &router, &limits, &mut drained).await;
+            let next = http1::serve(&stream, &router, &limits, &metrics, &mut drained).await;
             // The streams that lent the socket to the hub's rounds have let it go.
             let Ok(mut stream) = Arc::try_unwrap(stream) else {
                 tracing::error!("a connection's socket is still lent out after its streams ended; closing it");

@@ -116,8 +116,10 @@ impl Gateway {
         };
         // Streams and listeners stop once the turns have drained.
         let drained = state.drained.clone();
-        let ws_task = ws_listener.map(|l| tokio::spawn(serve(l, ws_router(state.clone()), limits, drained.clone())));
-        let main_task = tokio::spawn(serve(listener, router(state), limits, drained.clone()));
+        let metrics = state.metrics.clone();
+        let ws_task = ws_listener
+            .map(|l| tokio::spawn(serve(l, ws_router(state.clone()), limits, metrics.clone(), drained.clone())));
+        let main_task = tokio::spawn(serve(listener, router(state), limits, metrics, drained.clone()));
 
         shutdown.await;
         // From here on /ready is 503 and new turns are refused.

@@ -478,3 +478,48 @@ async fn metrics_carry_the_gateway_process_figures() {
     drop(streams);
     assert!(gateway.terminate().success());
 }
+
+/// `/metrics` counts responses by status code: those the router answers (a 200, a 404, a 401
+/// without a key, a 101 upgrade), and those refused before a request reaches it (a head that is
+/// not HTTP: 400; a head past the limit: 431).
+#[tokio::test]
+async fn metrics_count_responses_by_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.api_keys = vec!["key-one".into()];
+    let server = TestServer::start(config).await;
+    let responses = || async {
+        let text = server.client.get(server.url("/metrics")).bearer_auth("key-one").send().await.unwrap();
+        let text = text.text().await.unwrap();
+        let count = |code: u16| {
+            let line = format!("dispatch_http_responses_total{{code=\"{code}\"}} ");
+            text.lines().find_map(|l| l.strip_prefix(&line)).map_or(0, |n| n.parse::<u64>().unwrap())
+        };
+        [200, 101, 400, 401, 404, 431].map(count)
+    };
+    let before = responses().await;
+    for _ in 0..3 {
+        assert_eq!(server.client.get(server.url("/conversations")).send().await.unwrap().status(), 401);
+    }
+    let with_key = |path: &str| server.client.get(server.url(path)).bearer_auth("key-one");
+    assert_eq!(with_key("/no/such/route").send().await.unwrap().status(), 404);
+    assert_eq!(with_key("/conversations").send().await.unwrap().status(), 200);
+    let url = format!("ws://{}/ws?access_token=key-one", server.addr);
+    let (socket, _) = tokio_tungstenite::connect_async(url).await.expect("ws connects");
+    let mut ws = WsClient { socket };
+    assert_eq!(ws.next().await.unwrap()["type"], "catalog");
+    for refused in [
+        "GET /health HTTP/1.1\r\nbad header line\r\n\r\n".to_owned(),
+        format!("GET /{} HTTP/1.1\r\n", "a".repeat(70_000)),
+    ] {
+        let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+        let _ = socket.write_all(refused.as_bytes()).await;
+        let mut answer = Vec::new();
+        let _ = socket.read_to_end(&mut answer).await;
+        assert!(answer.starts_with(b"HTTP/1.1 4"), "{}", String::from_utf8_lossy(&answer));
+    }
+    let after = responses().await;
+    // The first read of /metrics is among the 200s of the second.
+    let moved: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+    assert_eq!(moved, [2, 1, 1, 3, 1, 1], "200, 101, 400, 401, 404, 431");
+}

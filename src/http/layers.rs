@@ -33,16 +33,16 @@ pub fn wrap(router: Router<AppState>, state: &AppState) -> Router<AppState> {
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .layer(cors(&state.config.cors_origins))
         .layer(PropagateRequestIdLayer::new(REQUEST_ID))
-        .layer(middleware::from_fn(trace))
+        .layer(middleware::from_fn_with_state(state.clone(), trace))
         .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
 }
 
-/// One log line per failed request (5xx), with its id, method, path, status, latency and, for a
-/// 500, what went wrong. With debug logs on, the request also runs in a span with its id, and
+/// Counts each response by status, and logs one line per failed request (5xx), with its id,
+/// method, path, status, latency and, for a 500, what went wrong. With debug logs on, the request also runs in a span with its id, and
 /// its start and end are logged. The span is debug-level: a span per request (created with its
 /// fields formatted, entered, closed) is a large share of the CPU a short request takes.
 /// The body is not wrapped: a live stream's body is polled for every batch it writes.
-async fn trace(req: Request, next: Next) -> Response {
+async fn trace(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let id = req.headers().get(&REQUEST_ID).cloned();
     let id = id.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-");
     let (method, uri) = (req.method().clone(), req.uri().clone());
@@ -55,6 +55,7 @@ async fn trace(req: Request, next: Next) -> Response {
     .instrument(span.clone())
     .await;
     let latency_ms = started.elapsed().as_secs_f64() * 1000.0;
+    state.metrics.responded(response.status());
     let status = response.status().as_u16();
     if response.status().is_server_error() && response.extensions().get::<super::error::Expected>().is_some() {
         tracing::info!(id, method = %method, path = uri.path(), status, latency_ms, "answered while draining");

@@ -51,6 +51,7 @@ pub async fn serve(
     stream: &Arc<TcpStream>,
     router: &Router,
     limits: &ConnectionLimits,
+    metrics: &Metrics,
     drained: &mut Cancelled,
 ) -> Next {
     let mut pending = Vec::new();
@@ -60,7 +61,7 @@ pub async fn serve(
             // Boxed: inline, its timers and its 408 would grow every connection's task, idle
             // watchers' too.
             Head::Direct(mut request, close, length) => {
-                let Some(body) = Box::pin(read_body(stream, &mut pending, length, limits)).await else {
+                let Some(body) = Box::pin(read_body(stream, &mut pending, length, limits, metrics)).await else {
                     return Next::Closed;
                 };
                 *request.body_mut() = Body::from(body);
@@ -72,7 +73,7 @@ pub async fn serve(
                 // A head the gateway cannot read is answered here, as every error, with a
                 // `{"error"}` body (hyper would answer with an empty one), then the connection
                 // closes: where the next request would start is unknown.
-                let _ = refuse(stream, status, why, limits.drain_timeout).await;
+                let _ = refuse(stream, status, why, limits.drain_timeout, metrics).await;
                 return Next::Closed;
             }
         };
@@ -102,7 +103,14 @@ enum Head {
 }
 
 /// Answers a request head that cannot be served and ends the connection.
-async fn refuse(stream: &TcpStream, status: StatusCode, why: &str, drain: Duration) -> io::Result<()> {
+async fn refuse(
+    stream: &TcpStream,
+    status: StatusCode,
+    why: &str,
+    drain: Duration,
+    metrics: &Metrics,
+) -> io::Result<()> {
+    metrics.responded(status);
     let body = serde_json::json!({ "error": why }).to_string();
     let head = format!(
         "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\ndate: {}\r\n\r\n",
@@ -177,6 +185,7 @@ async fn read_body(
     pending: &mut Vec<u8>,
     length: usize,
     limits: &ConnectionLimits,
+    metrics: &Metrics,
 ) -> Option<Vec<u8>> {
     let deadline = Instant::now() + limits.body_read_timeout;
     let mut filled = length.min(pending.len());
@@ -203,7 +212,7 @@ async fn read_body(
             ready = stream.readable() => if ready.is_err() { return None },
             _ = tokio::time::sleep_until(deadline) => {
                 let why = "the request body did not arrive in time";
-                let _ = refuse(stream, StatusCode::REQUEST_TIMEOUT, why, limits.drain_timeout).await;
+                let _ = refuse(stream, StatusCode::REQUEST_TIMEOUT, why, limits.drain_timeout, metrics).await;
                 return None;
             }
         }
@@ -649,7 +658,8 @@ mod tests {
         let token = tokio_util::sync::CancellationToken::new();
         let mut drained = Cancelled::new(&token);
         let router = Router::new();
-        let connection = serve(&stream, &router, &limits, &mut drained);
+        let metrics = Metrics::default();
+        let connection = serve(&stream, &router, &limits, &metrics, &mut drained);
         // Every connection's task holds this state for its whole life, idle watchers included
         // (10,000 of them in W4): what a WebSocket session needs is boxed when one opens. About
         // 2 KiB in a test build (5 KiB with the session inline); less in a release build.
