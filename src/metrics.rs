@@ -222,6 +222,11 @@ impl Metrics {
         {
             let _ = writeln!(out, "dispatch_http_responses_total{{code=\"{code}\"}} {n}");
         }
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_build_info The gateway's version (1): which version each gateway of a cluster runs.\n# TYPE dispatch_build_info gauge\ndispatch_build_info{{version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
         self.bus.render(&mut out);
         process::render(&mut out);
         out

@@ -440,6 +440,8 @@ async fn metrics_carry_the_gateway_process_figures() {
     ] {
         assert!(first.contains(&format!("# TYPE {name} ")), "{name} has its type line: {first}");
     }
+    let version = format!("\ndispatch_build_info{{version=\"{}\"}} 1\n", env!("CARGO_PKG_VERSION"));
+    assert!(first.contains(&version), "{first}");
     // Boot time is in whole seconds: the start is known to a second.
     let started = metric(&first, "process_start_time_seconds");
     assert!(
