@@ -51,6 +51,7 @@ async fn serve(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     // Installed before anything is announced: a SIGTERM right after "listening" must stop the
     // gateway gracefully, not kill it with the signal's default action.
     let shutdown = shutdown_signal()?;
+    crate::open_files::raise(config.max_streams);
     let gateway = Gateway::build(config).await?;
     let listener = gateway.bind().await?;
     let ws_listener = gateway.bind_ws().await?;

@@ -23,6 +23,8 @@ pub mod live;
 pub mod metrics;
 /// The listening socket: connections that stop draining are closed.
 pub mod net;
+/// The limit on open files, raised at start.
+mod open_files;
 /// Agent runtimes: the contract and its providers.
 pub mod runtime;
 /// Building the gateway and serving it.

@@ -525,3 +525,61 @@ async fn metrics_count_responses_by_status() {
     let moved: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
     assert_eq!(moved, [2, 1, 1, 3, 1, 1], "200, 101, 400, 401, 404, 431");
 }
+
+/// A gateway started under a low soft limit on open files (1024 under systemd and most shells)
+/// raises it to the hard limit: otherwise `accept` fails near a thousand streams, far below
+/// --max-streams. When the hard limit itself leaves no room for --max-streams, the start says so.
+#[tokio::test]
+async fn the_open_file_limit_is_raised_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = |name: &str| -> Vec<std::ffi::OsString> { vec!["--database".into(), dir.path().join(name).into()] };
+    let said = |gateway: &ChildGateway, message: &str| {
+        gateway
+            .logs
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l["fields"]["message"].as_str().is_some_and(|m| m.starts_with(message)))
+    };
+    let too_low = "the open-file limit is below what --max-streams needs";
+
+    // Under the hard limit the tests run with (which only root could raise), --max-streams
+    // fits once the soft limit is raised.
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    let hard: u32 = line.split_whitespace().nth(4).unwrap().parse().unwrap();
+    assert!(hard >= 1024, "{line}");
+    let mut args = database("roomy.db");
+    args.extend(["--max-streams".into(), (hard - 300).min(10_000).to_string().into()]);
+    let roomy = ChildGateway::spawn_with_open_files(256, hard, &args);
+    assert_eq!(metric(&roomy.metrics().await, "process_max_fds"), f64::from(hard));
+    assert!(said(&roomy, "raised the open-file limit to the hard limit"));
+    assert!(!said(&roomy, too_low));
+    // Past 256 descriptors: 300 streams open at once (under the soft limit it started with,
+    // the last ones would wait unanswered).
+    let opened = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut streams = Vec::new();
+        for i in 0..300 {
+            streams.push(roomy.sse(&format!("many-{i}"), "").await);
+        }
+        streams
+    })
+    .await
+    .expect("300 streams open");
+    let all_open = "dispatch_open_streams{transport=\"sse\"} 300";
+    assert!(eventually(100, || async { roomy.metrics().await.contains(all_open) }).await);
+    drop(opened);
+    assert!(roomy.terminate().success());
+
+    // A hard limit of 512 leaves no room for 10,000 streams, but does for 200.
+    let cramped = ChildGateway::spawn_with_open_files(256, 512, &database("cramped.db"));
+    assert_eq!(metric(&cramped.metrics().await, "process_max_fds"), 512.0);
+    assert!(eventually(100, || async { said(&cramped, too_low) }).await, "the start warns");
+    assert!(cramped.terminate().success());
+    let mut args = database("fits.db");
+    args.extend(["--max-streams".into(), "200".into()]);
+    let fits = ChildGateway::spawn_with_open_files(256, 512, &args);
+    assert_eq!(metric(&fits.metrics().await, "process_max_fds"), 512.0);
+    assert!(!said(&fits, too_low));
+    assert!(fits.terminate().success());
+}

@@ -546,11 +546,25 @@ impl ChildGateway {
 
     /// [`ChildGateway::spawn`] with these environment variables set too.
     pub fn spawn_with_env(args: &[std::ffi::OsString], env: &[(&str, &str)]) -> ChildGateway {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"));
+        command.envs(env.iter().copied());
+        Self::start(command, args)
+    }
+
+    /// [`ChildGateway::spawn`] under a limit on open files (soft, hard), set by the shell that
+    /// then becomes the gateway.
+    pub fn spawn_with_open_files(soft: u32, hard: u32, args: &[std::ffi::OsString]) -> ChildGateway {
+        let mut command = std::process::Command::new("sh");
+        let limits = format!("ulimit -S -n {soft} && ulimit -H -n {hard} && exec \"$0\" \"$@\"");
+        command.args(["-c", &limits, env!("CARGO_BIN_EXE_dispatch-gateway")]);
+        Self::start(command, args)
+    }
+
+    fn start(mut command: std::process::Command, args: &[std::ffi::OsString]) -> ChildGateway {
         use std::io::{BufRead, BufReader};
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
+        let mut child = command
             .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
             .args(args)
-            .envs(env.iter().copied())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()
