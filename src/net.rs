@@ -68,13 +68,17 @@ pub async fn serve(
 ) {
     // Every connection task holds a receiver; `closed()` resolves when the last one is gone.
     let (all_closed, connection_alive) = watch::channel(());
+    let mut failures = AcceptFailures::default();
     loop {
         let (stream, _addr) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok(pair) => pair,
+                Ok(pair) => {
+                    failures.ended();
+                    pair
+                }
                 Err(e) => {
                     // Out of file descriptors and the like: wait a little instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
+                    failures.failed(&e);
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -148,6 +152,41 @@ pub async fn serve(
     drop(listener);
     drop(connection_alive);
     all_closed.closed().await;
+}
+
+/// Failed accepts (out of file descriptors, most often), logged when they start, every ten
+/// seconds while they go on, and when they end: one line per attempt, every 50 ms, was twenty
+/// lines a second for as long as the gateway was full.
+#[derive(Default)]
+struct AcceptFailures {
+    since: Option<std::time::Instant>,
+    logged: Option<std::time::Instant>,
+    count: u64,
+}
+
+impl AcceptFailures {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn failed(&mut self, error: &io::Error) {
+        let now = std::time::Instant::now();
+        self.count += 1;
+        self.since.get_or_insert(now);
+        if self.logged.is_none_or(|at| now.duration_since(at) >= Self::EVERY) {
+            self.logged = Some(now);
+            tracing::warn!(%error, failures = self.count, "accept failed: new connections wait in the listen queue");
+        }
+    }
+
+    fn ended(&mut self) {
+        if let Some(since) = self.since {
+            tracing::info!(
+                failures = self.count,
+                seconds = since.elapsed().as_secs_f64(),
+                "accepting connections again"
+            );
+            *self = AcceptFailures::default();
+        }
+    }
 }
 
 /// A response with a live stream, as hyper serves it: a watch becomes the body; a session is

@@ -583,3 +583,42 @@ async fn the_open_file_limit_is_raised_at_start() {
     assert!(!said(&fits, too_low));
     assert!(fits.terminate().success());
 }
+
+/// A gateway out of file descriptors (a hard limit of 64 here) leaves new connections in the
+/// listen queue, and says so once, not at every attempt (every 50 ms), then says when it accepts
+/// again; the connections that waited are served.
+#[tokio::test]
+async fn out_of_descriptors_is_logged_when_it_starts_and_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let gateway = ChildGateway::spawn_with_open_files(64, 64, &["--database".into(), dir.path().join("d.db").into()]);
+    let lines = |message: &str| {
+        gateway
+            .logs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l["fields"]["message"].as_str().is_some_and(|m| m.starts_with(message)))
+            .count()
+    };
+    // Connections that send nothing hold a descriptor each until the head's timeout.
+    let mut held = Vec::new();
+    for _ in 0..80 {
+        held.push(tokio::net::TcpStream::connect(&gateway.addr).await.unwrap());
+    }
+    assert!(eventually(100, || async { lines("accept failed") > 0 }).await, "the gateway runs out");
+    // Past many attempts, still one line.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(lines("accept failed"), 1);
+    assert_eq!(lines("accepting connections again"), 0);
+    // A request queued meanwhile is answered once descriptors are free again.
+    let waiting = tokio::spawn({
+        let client = gateway.client.clone();
+        let url = gateway.url("/health");
+        async move { client.get(url).send().await.map(|r| r.status().as_u16()) }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    drop(held);
+    assert_eq!(waiting.await.unwrap().unwrap(), 200);
+    assert!(eventually(100, || async { lines("accepting connections again") == 1 }).await);
+    assert!(gateway.terminate().success());
+}
