@@ -38,10 +38,11 @@ pub fn wrap(router: Router<AppState>, state: &AppState) -> Router<AppState> {
 }
 
 /// Counts each response by status, and logs one line per failed request (5xx), with its id,
-/// method, path, status, latency and, for a 500, what went wrong. With debug logs on, the request also runs in a span with its id, and
-/// its start and end are logged. The span is debug-level: a span per request (created with its
-/// fields formatted, entered, closed) is a large share of the CPU a short request takes.
-/// The body is not wrapped: a live stream's body is polled for every batch it writes.
+/// method, path, status, latency and, for a 500, what went wrong. With debug logs on, the
+/// request also runs in a span with its id, and its start and end are logged. The span is
+/// debug-level: a span per request (created with its fields formatted, entered, closed) is a
+/// large share of the CPU a short request takes. The body is not wrapped: a live stream's body
+/// is polled for every batch it writes.
 async fn trace(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let id = req.headers().get(&REQUEST_ID).cloned();
     let id = id.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-");
