@@ -545,8 +545,9 @@ impl Config {
                     .join(","),
                 other => scalar_text(other).ok_or_else(|| cannot(other))?,
             };
-            argv.push(format!("--{}", arg.get_long().unwrap_or(key)).into());
-            argv.push(text_value.into());
+            // One `--flag=value` word: a value starting with `-` is still the flag's value,
+            // not read as another flag (`max_streams = -1` is an invalid number, said so).
+            argv.push(format!("--{}={text_value}", arg.get_long().unwrap_or(key)).into());
         }
         argv.extend(args.into_iter().skip(1));
         let mut config = Config::command()

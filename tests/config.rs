@@ -95,6 +95,8 @@ fn a_bad_file_names_the_key_and_the_line() {
     let cases = [
         ("listen = \"127.0.0.1:1\"\nmax_stream = 4\n", vec!["line 2", "max_stream"]),
         ("max_streams = \"many\"\n", vec!["max-streams", "many"]),
+        // A value that starts with a dash is the key's value, not read as a flag.
+        ("max_streams = -1\n", vec!["invalid value '-1' for '--max-streams"]),
         (
             "[credentials.x]\nkind = \"openai\"\nbase_url = \"u\"\nmodels = [\"m\"]\nbase_urll = \"v\"\n",
             vec!["line 5", "base_urll"],
