@@ -92,6 +92,14 @@ async fn history_windows(page: u64) {
             assert!(error.contains(name), "{query}: {error:?} names the parameter");
         }
     }
+    // A number too large says what the most is, not that it is no integer; where a route has a
+    // lower ceiling, that one.
+    let (_, body) = server.get("/conversations/hist?limit=99999999999999999999").await;
+    assert_eq!(body["error"], "`limit` must be at most 18446744073709551615, got \"99999999999999999999\"");
+    for query in ["1001", "99999999999999999999"] {
+        let (status, body) = server.get(&format!("/conversations?limit={query}")).await;
+        assert_eq!((status, &body["error"]), (400, &json!(format!("`limit` must be at most 1000, got \"{query}\""))));
+    }
 }
 
 #[tokio::test]

@@ -284,10 +284,7 @@ pub async fn last(
     ConversationId(id): ConversationId,
     query: QueryParams,
 ) -> Result<Json<LastResponse>, ApiError> {
-    let wait = query.integer("timeoutMs", 0)?.unwrap_or(DEFAULT_LAST_WAIT_MS);
-    if wait > MAX_LAST_WAIT_MS {
-        return Err(ApiError::bad(format!("`timeoutMs` must be at most {MAX_LAST_WAIT_MS}")));
-    }
+    let wait = query.integer("timeoutMs", 0, MAX_LAST_WAIT_MS)?.unwrap_or(DEFAULT_LAST_WAIT_MS);
     if let Some(buffer) = state.hub.current(&id).await {
         let mut cursor = state.hub.read_turn(&buffer);
         drop(buffer);

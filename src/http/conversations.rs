@@ -136,10 +136,7 @@ pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<R
     responses((status = 200, body = ConversationList), (status = 400, body = ErrorBody))
 ))]
 pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<Json<ConversationList>, ApiError> {
-    let limit = query.integer("limit", 1)?.unwrap_or(DEFAULT_LIST_LIMIT);
-    if limit > MAX_LIST_LIMIT {
-        return Err(ApiError::bad(format!("`limit` must be at most {MAX_LIST_LIMIT}")));
-    }
+    let limit = query.integer("limit", 1, MAX_LIST_LIMIT)?.unwrap_or(DEFAULT_LIST_LIMIT);
     let mut statuses = Vec::new();
     for s in query.get("status").unwrap_or("").split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let status = ConversationStatus::parse(s)
@@ -176,9 +173,9 @@ pub async fn history(
     query: QueryParams,
 ) -> Result<Response, ApiError> {
     let window = HistoryWindow {
-        since_seq: query.integer("sinceSeq", 0)?.unwrap_or(0),
-        before_seq: query.integer("beforeSeq", 1)?,
-        limit: query.integer("limit", 1)?,
+        since_seq: query.integer("sinceSeq", 0, u64::MAX)?.unwrap_or(0),
+        before_seq: query.integer("beforeSeq", 1, u64::MAX)?,
+        limit: query.integer("limit", 1, u64::MAX)?,
         inflight: match query.get("include") {
             None => false,
             Some("inflight") => true,

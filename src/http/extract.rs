@@ -117,16 +117,22 @@ impl QueryParams {
         self.0.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
     }
 
-    /// An optional integer parameter with a lower bound; anything else is 400 naming it.
-    pub fn integer(&self, name: &str, min: u64) -> Result<Option<u64>, ApiError> {
+    /// An optional integer parameter from `min` to `max`; anything else is 400 naming it.
+    pub fn integer(&self, name: &str, min: u64, max: u64) -> Result<Option<u64>, ApiError> {
         let Some(raw) = self.get(name) else {
             return Ok(None);
         };
         let bound = if min == 0 { "an integer >= 0" } else { "an integer > 0" };
-        let value: u64 = raw.parse().map_err(|_| ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}")))?;
-        if value < min {
-            return Err(ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}")));
-        }
+        let value = match raw.parse::<u64>() {
+            Ok(value) if value < min => return Err(ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}"))),
+            Ok(value) if value <= max => value,
+            // Too large, whether it fits in 64 bits or not.
+            Ok(_) => return Err(ApiError::bad(format!("`{name}` must be at most {max}, got {raw:?}"))),
+            Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => {
+                return Err(ApiError::bad(format!("`{name}` must be at most {max}, got {raw:?}")));
+            }
+            Err(_) => return Err(ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}"))),
+        };
         Ok(Some(value))
     }
 }
