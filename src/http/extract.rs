@@ -123,16 +123,15 @@ impl QueryParams {
             return Ok(None);
         };
         let bound = if min == 0 { "an integer >= 0" } else { "an integer > 0" };
-        let value = match raw.parse::<u64>() {
-            Ok(value) if value < min => return Err(ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}"))),
-            Ok(value) if value <= max => value,
-            // Too large, whether it fits in 64 bits or not.
-            Ok(_) => return Err(ApiError::bad(format!("`{name}` must be at most {max}, got {raw:?}"))),
-            Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => {
-                return Err(ApiError::bad(format!("`{name}` must be at most {max}, got {raw:?}")));
-            }
-            Err(_) => return Err(ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}"))),
-        };
-        Ok(Some(value))
+        let not_an_integer = || ApiError::bad(format!("`{name}` must be {bound}, got {raw:?}"));
+        // Too large, whether it fits in 64 bits or not.
+        let too_large = || ApiError::bad(format!("`{name}` must be at most {max}, got {raw:?}"));
+        match raw.parse::<u64>() {
+            Ok(value) if value < min => Err(not_an_integer()),
+            Ok(value) if value > max => Err(too_large()),
+            Ok(value) => Ok(Some(value)),
+            Err(e) if *e.kind() == std::num::IntErrorKind::PosOverflow => Err(too_large()),
+            Err(_) => Err(not_an_integer()),
+        }
     }
 }
