@@ -7,16 +7,20 @@
 /// connections, the listeners, the runtime's own, agent programs' pipes, upstream connections.
 const HEADROOM: u64 = 256;
 
+/// The limit on open files: soft (what `accept` runs into) and hard.
+pub(crate) fn limit() -> Option<libc::rlimit> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit fills the struct it is given.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0).then_some(limit)
+}
+
 /// Raises the soft limit to the hard one, and warns when even that leaves no room for
 /// `max_streams` streams.
 pub fn raise(max_streams: usize) {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit and setrlimit read and write the struct they are given.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
-        return;
-    }
+    let Some(mut limit) = limit() else { return };
     if limit.rlim_cur < limit.rlim_max {
         let raised = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
+        // SAFETY: setrlimit reads the struct it is given.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
             tracing::info!(from = limit.rlim_cur, to = raised.rlim_cur, "raised the open-file limit to the hard limit");
             limit = raised;

@@ -20,8 +20,8 @@ pub(super) fn render(out: &mut String) {
     if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
         figure("process_open_fds", "gauge", "Number of open file descriptors.", fds.count() as f64);
     }
-    if let Some(max) = max_fds() {
-        figure("process_max_fds", "gauge", "Maximum number of open file descriptors.", max as f64);
+    if let Some(limit) = crate::open_files::limit() {
+        figure("process_max_fds", "gauge", "Maximum number of open file descriptors.", limit.rlim_cur as f64);
     }
     if let Some(started) = start_time() {
         figure(
@@ -52,13 +52,6 @@ fn memory() -> Option<(u64, u64)> {
     // SAFETY: sysconf reads a constant of the system.
     let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
     Some((size * page, resident * page))
-}
-
-/// The soft limit on open files: what `accept` runs into.
-fn max_fds() -> Option<u64> {
-    // SAFETY: getrlimit fills the struct it is given.
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0).then_some(limit.rlim_cur)
 }
 
 /// When the process started, in unix seconds: the boot time plus the clock ticks after it the
