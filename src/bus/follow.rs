@@ -226,10 +226,14 @@ impl Feed {
             }
             return true;
         }
-        turn.gap = None;
         turn.heard = Instant::now();
         // A message read again (a replaced consumer) adds only what is new.
         let fresh: Vec<AgentEvent> = events.into_iter().skip((turn.next - index) as usize).collect();
+        // Only new events fill a gap: a sending again that repeats what is here and again lacks
+        // the missing event (one the bus refuses) would otherwise restart the wait each time.
+        if !fresh.is_empty() {
+            turn.gap = None;
+        }
         turn.next += fresh.len() as u32;
         let sealed = matches!(fresh.last(), Some(AgentEvent::TurnSealed(_)));
         if !self.live {
@@ -426,8 +430,13 @@ mod tests {
         assert_eq!(read_on(&mut cursor).await, (vec!["a".to_owned()], false));
         // Event 1 is lost; 2 comes first: the watchers here wait, with nothing yet.
         assert!(feed.take(head("there", "t1", 2), text("t1", "c").as_bytes()));
-        assert!(feed.gap_deadline(Duration::from_secs(5)).is_some(), "waiting on the gap");
+        let waiting = feed.gap_deadline(Duration::from_secs(5));
+        assert!(waiting.is_some(), "waiting on the gap");
         assert!(hub.current("c").await.is_some(), "the turn goes on here");
+        // Sent again without the missing event: what is here already does not restart the wait.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert!(feed.take(head("there", "t1", 0), text("t1", "a").as_bytes()));
+        assert_eq!(feed.gap_deadline(Duration::from_secs(5)), waiting, "the wait runs on");
         // The turn sent again from its start: only what is new reaches the watchers, once.
         let again = text("t1", "a") + &text("t1", "b") + &text("t1", "c");
         assert!(feed.take(head("there", "t1", 0), again.as_bytes()));
