@@ -312,3 +312,42 @@ async fn a_watch_after_requests_with_bodies_on_a_kept_alive_connection_is_writte
     assert!(written > 0.0, "the turn's rounds wrote to the watcher's socket ({written} writes)");
     server.stop().await;
 }
+
+/// A request names its host once, as `host[:port]` (RFC 9112 3.2): without one (in HTTP/1.1),
+/// with two, or with one that is not a host, it is refused with a 400 `{"error"}`, on the
+/// gateway's own request path and on the general server's alike, and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_names_its_host_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    let mut conn = connect(&server).await;
+    let refused = [
+        "GET /health HTTP/1.1\r\n\r\n",
+        "GET /health HTTP/1.1\r\nhost: gateway\r\nhost: elsewhere\r\n\r\n",
+        "GET /health HTTP/1.1\r\nhost: user@gateway\r\n\r\n",
+        "GET /health HTTP/1.1\r\nhost: gateway/health\r\n\r\n",
+        // Not the gateway's own path (a chunked body): the general server's.
+        "POST /conversations HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+        "GET /ws HTTP/1.1\r\nhost: gateway\r\nhost: evil.example\r\nupgrade: websocket\r\nconnection: upgrade\r\n\
+         sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\norigin: http://evil.example\r\n\r\n",
+    ];
+    for request in refused {
+        send(&mut conn, request).await;
+        let response = read_response(&mut conn).await;
+        assert_eq!(response.status, 400, "{request:?}: {}", response.text());
+        let body: serde_json::Value = serde_json::from_slice(&response.body).expect("a JSON body");
+        assert!(body["error"].as_str().is_some_and(|e| e.contains("Host")), "{body}");
+    }
+    // The connection goes on, now on the general server.
+    for host in ["gateway", "gateway:8080", "[::1]:8080", "127.0.0.1"] {
+        send(&mut conn, &format!("GET /health HTTP/1.1\r\nhost: {host}\r\n\r\n")).await;
+        assert_eq!(read_response(&mut conn).await.status, 200, "{host}");
+    }
+    // HTTP/1.0 has no Host to name.
+    let mut old = TcpStream::connect(server.addr).await.unwrap();
+    old.write_all(b"GET /health HTTP/1.0\r\n\r\n").await.unwrap();
+    let mut answer = String::new();
+    old.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.0 200 "), "{answer}");
+    server.stop().await;
+}

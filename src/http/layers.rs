@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{Request, State};
-use axum::http::{HeaderName, HeaderValue, Method, header};
+use axum::http::uri::Authority;
+use axum::http::{HeaderName, HeaderValue, Method, Version, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use tower_http::cors::{AllowOrigin, CorsLayer};
@@ -25,13 +26,14 @@ pub(super) fn is_public(path: &str) -> bool {
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
-/// Wraps the router, outermost first: request id, log line (and span), CORS (so preflights are
-/// answered before auth), API keys, timeouts.
+/// Wraps the router, outermost first: request id, log line (and span), the Host check, CORS (so
+/// preflights are answered before auth), API keys, timeouts.
 pub fn wrap(router: Router<AppState>, state: &AppState) -> Router<AppState> {
     router
         .layer(middleware::from_fn_with_state(state.clone(), timeout))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .layer(cors(&state.config.cors_origins))
+        .layer(middleware::from_fn(one_host))
         .layer(PropagateRequestIdLayer::new(REQUEST_ID))
         .layer(middleware::from_fn_with_state(state.clone(), trace))
         .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
@@ -67,6 +69,31 @@ async fn trace(State(state): State<AppState>, req: Request, next: Next) -> Respo
         span.in_scope(|| tracing::debug!(status, latency_ms, "finished processing request"));
     }
     response
+}
+
+/// An HTTP/1.1 request names one host, and any request at most one, as `host[:port]` (RFC 9112
+/// 3.2): the WebSocket origin check reads it, and with two a proxy in front may have read the
+/// other. HTTP/2 names it in the request's URI instead.
+async fn one_host(req: Request, next: Next) -> Response {
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    let valid = match (hosts.next(), hosts.next()) {
+        (None, _) => req.version() != Version::HTTP_11,
+        (Some(host), None) => host.is_empty() || is_host(host.as_bytes()),
+        (Some(_), Some(_)) => false,
+    };
+    if !valid {
+        return ApiError::bad("the request must name its host in one Host header, as host[:port]").into_response();
+    }
+    next.run(req).await
+}
+
+/// `host[:port]`: an authority without user information, its port digits.
+fn is_host(value: &[u8]) -> bool {
+    let Some(authority) = Authority::try_from(value).ok().filter(|_| !value.contains(&b'@')) else {
+        return false;
+    };
+    let port = &authority.as_str()[authority.host().len()..];
+    port.is_empty() || port.strip_prefix(':').is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit()))
 }
 
 fn cors(origins: &[String]) -> CorsLayer {
@@ -172,7 +199,19 @@ async fn timeout(State(state): State<AppState>, req: Request, next: Next) -> Res
 
 #[cfg(test)]
 mod tests {
-    use super::key_matches;
+    use super::{is_host, key_matches};
+
+    #[test]
+    fn a_host_is_a_name_or_address_and_a_port() {
+        for good in
+            ["gateway", "gateway:8080", "127.0.0.1:1", "[::1]:8080", "[::1]", "xn--bcher-kva.example", "gateway:"]
+        {
+            assert!(is_host(good.as_bytes()), "{good}");
+        }
+        for bad in ["a b", "user@gateway", "gateway/path", "gateway:port", "gateway?q", "[::1", "[::1]x"] {
+            assert!(!is_host(bad.as_bytes()), "{bad}");
+        }
+    }
 
     #[test]
     fn keys_compare_exactly() {
