@@ -489,6 +489,7 @@ async fn metrics_count_responses_by_status() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = test_config(dir.path());
     config.api_keys = vec!["key-one".into()];
+    config.request_timeout_secs = 1;
     let server = TestServer::start(config).await;
     let responses = || async {
         let text = server.client.get(server.url("/metrics")).bearer_auth("key-one").send().await.unwrap();
@@ -497,7 +498,7 @@ async fn metrics_count_responses_by_status() {
             let line = format!("dispatch_http_responses_total{{code=\"{code}\"}} ");
             text.lines().find_map(|l| l.strip_prefix(&line)).map_or(0, |n| n.parse::<u64>().unwrap())
         };
-        [200, 101, 400, 401, 404, 431].map(count)
+        [200, 101, 400, 401, 404, 408, 431].map(count)
     };
     let before = responses().await;
     for _ in 0..3 {
@@ -510,9 +511,13 @@ async fn metrics_count_responses_by_status() {
     let (socket, _) = tokio_tungstenite::connect_async(url).await.expect("ws connects");
     let mut ws = WsClient { socket };
     assert_eq!(ws.next().await.unwrap()["type"], "catalog");
+    // Refused by the gateway's own connection code: a malformed head, one too long, a body
+    // that stops short (after --request-timeout-secs); and by the router: no Host.
     for refused in [
         "GET /health HTTP/1.1\r\nbad header line\r\n\r\n".to_owned(),
         format!("GET /{} HTTP/1.1\r\n", "a".repeat(70_000)),
+        "POST /conversations HTTP/1.1\r\nhost: gateway\r\ncontent-length: 10\r\n\r\n{}".to_owned(),
+        "GET /health HTTP/1.1\r\nconnection: close\r\n\r\n".to_owned(),
     ] {
         let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
         let _ = socket.write_all(refused.as_bytes()).await;
@@ -523,7 +528,7 @@ async fn metrics_count_responses_by_status() {
     let after = responses().await;
     // The first read of /metrics is among the 200s of the second.
     let moved: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
-    assert_eq!(moved, [2, 1, 1, 3, 1, 1], "200, 101, 400, 401, 404, 431");
+    assert_eq!(moved, [2, 1, 2, 3, 1, 1, 1], "200, 101, 400, 401, 404, 408, 431");
 }
 
 /// A gateway started under a low soft limit on open files (1024 under systemd and most shells)
