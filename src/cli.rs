@@ -30,6 +30,16 @@ pub fn run() -> ExitCode {
         print!("{}", crate::http::OPENAPI_JSON);
         return ExitCode::SUCCESS;
     }
+    if let Some(to) = &config.backup {
+        let busy_timeout = std::time::Duration::from_millis(config.sqlite_busy_timeout_ms);
+        return match crate::store::backup(&config.database, to, busy_timeout) {
+            Ok(bytes) => {
+                println!("{}", serde_json::json!({"backup": to, "bytes": bytes}));
+                ExitCode::SUCCESS
+            }
+            Err(e) => failed(&e),
+        };
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => return failed(&e),

@@ -18,6 +18,9 @@ pub enum LogFormat {
     Json,
 }
 
+/// Flags that do something once and exit instead of serving: the command line's only.
+const ACTIONS: [&str; 2] = ["print_openapi", "backup"];
+
 /// The log levels `RUST_LOG` asks for: a level, `target=level` entries, or both,
 /// comma-separated; unset or anything else is `info` (docs/operations.md, "Logs").
 pub fn log_filter() -> tracing_subscriber::filter::Targets {
@@ -272,6 +275,11 @@ pub struct Config {
     /// build with `--features openapi`, the one the code's annotations generate.
     #[arg(long)]
     pub print_openapi: bool,
+
+    /// Copy the SQLite database (`--database`) into this new file and exit: a consistent copy,
+    /// taken while a gateway may be running on it (docs/storage.md, "Backups").
+    #[arg(long, value_name = "FILE")]
+    pub backup: Option<PathBuf>,
 
     /// Log output format.
     #[arg(long, env = "DISPATCH_LOG_FORMAT", value_enum, default_value = "text")]
@@ -532,6 +540,12 @@ impl Config {
             else {
                 return Err(ConfigError::file(&path, format!("line {at}: unknown key `{key}`")));
             };
+            if ACTIONS.contains(&key.as_str()) {
+                return Err(ConfigError::file(
+                    &path,
+                    format!("line {at}: `{key}` is an action of the command line, not a setting"),
+                ));
+            }
             if matches!(matches.value_source(key), Some(ValueSource::CommandLine | ValueSource::EnvVariable)) {
                 continue;
             }
@@ -744,6 +758,7 @@ impl Config {
             cors_origins: vec!["*".to_owned()],
             ws_listen: None,
             print_openapi: false,
+            backup: None,
             log_format: LogFormat::Text,
         }
     }

@@ -627,3 +627,82 @@ async fn out_of_descriptors_is_logged_when_it_starts_and_ends() {
     assert!(eventually(100, || async { lines("accepting connections again") == 1 }).await);
     assert!(gateway.terminate().success());
 }
+
+/// `--backup` copies the database while a gateway writes to it: the copy holds every turn
+/// sealed before it, and a gateway started on it serves them as the original did (a turn that
+/// was running is marked interrupted there, as after a crash). A backup never overwrites a
+/// file, and a source that is not a gateway's SQLite database is refused with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_taken_while_a_turn_runs_restores_what_was_sealed() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("gateway.db");
+    let database = |db: &std::path::Path| -> Vec<std::ffi::OsString> {
+        vec!["--database".into(), db.into(), "--scripted-pace".into(), "200".into()]
+    };
+    let backup = |from: &std::ffi::OsStr, to: &std::path::Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
+            .arg("--database")
+            .arg(from)
+            .arg("--backup")
+            .arg(to)
+            .output()
+            .expect("the binary runs")
+    };
+    let gateway = ChildGateway::spawn(&database(&db));
+    for k in 0..2 {
+        assert_eq!(gateway.chat("kept", &format!("turn {k}")).await.last().unwrap()["type"], "turn-sealed");
+    }
+    let kept = gateway.history("kept").await;
+    let mut running = gateway.chat_stream(json!({"conversationId": "running", "message": "a long answer"})).await;
+    while running.next_event().await.expect("the turn streams")["type"] != "text-delta" {}
+
+    let copy = dir.path().join("copy.db");
+    let made = backup(db.as_os_str(), &copy);
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let said: Value = serde_json::from_slice(&made.stdout).expect("a JSON line");
+    let bytes = std::fs::read(&copy).unwrap();
+    assert_eq!(said, json!({"backup": copy, "bytes": bytes.len()}));
+
+    // Refused, with the reason, leaving nothing behind.
+    let not_a_database = dir.path().join("notes.txt");
+    std::fs::write(&not_a_database, "not a database").unwrap();
+    let other = dir.path().join("other.db");
+    for (from, to, reason) in [
+        (db.as_os_str(), &copy, "exists: a backup goes to a new file"),
+        (dir.path().join("missing.db").as_os_str(), &other, "there is no database at"),
+        (not_a_database.as_os_str(), &other, "is not a dispatch-gateway database"),
+        ("postgres://gateway@127.0.0.1:1/db".as_ref(), &other, "back up a PostgreSQL one with pg_dump"),
+        (db.as_os_str(), &dir.path().join("no/such/folder.db"), "its folder does not exist"),
+    ] {
+        let refused = backup(from, to);
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(1), "{from:?}: {stderr}");
+        assert!(stderr.contains(reason), "{from:?}: {stderr}");
+    }
+    assert_eq!(std::fs::read(&copy).unwrap(), bytes, "the backup is as it was");
+    let mut files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    files.retain(|f| !f.to_string_lossy().starts_with("gateway.db"));
+    files.sort();
+    assert_eq!(files, ["copy.db", "notes.txt"], "no partial copy left");
+
+    // The original goes on: the turn ends there.
+    assert_eq!(running.collect().await.last().unwrap()["type"], "turn-sealed");
+    let whole = gateway.history("running").await;
+    assert!(gateway.terminate().success());
+
+    let restored = ChildGateway::spawn(&database(&copy));
+    assert_eq!(restored.history("kept").await, kept);
+    let cut = restored.history("running").await;
+    assert!(cut.len() < whole.len(), "the copy has the running turn as it was then");
+    assert!(
+        eventually(100, || async {
+            let (_, status) = restored.get("/conversations/running/status").await;
+            status["isActive"] == false
+        })
+        .await,
+        "the running turn is ended in the copy"
+    );
+    let marked = restored.history("running").await;
+    assert!(marked.iter().any(|c| c["chunk"]["code"] == "interrupted"), "marked interrupted: {marked:?}");
+    assert_eq!(marked[..cut.len()], cut[..], "what the copy held is kept");
+}

@@ -32,6 +32,7 @@ use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation, Setting, Settings};
 pub use log::{HistoryPage, HistoryWindow, NewChunk};
 pub use reads::{History, HistoryChunk, LastText, ModelThroughput, RuntimeMemory};
+pub use sqlite::backup::BackupError;
 pub use turns::{BeginTurn, INTERRUPTED_MESSAGE, IdempotencyRecord, SealTurn, user_chunk};
 
 /// Where the data lives: a SQLite file or a PostgreSQL database, chosen by the configuration's
@@ -69,6 +70,15 @@ impl fmt::Display for Database {
             Database::Sqlite(path) => write!(f, "{}", path.display()),
             Database::Postgres(url) => f.write_str(&crate::config::redacted(url, false)),
         }
+    }
+}
+
+/// `--backup`: a consistent copy of the SQLite database in the new file `to`, taken while a
+/// gateway may be running on it; the copy's size in bytes.
+pub fn backup(database: &Database, to: &std::path::Path, busy_timeout: Duration) -> Result<u64, BackupError> {
+    match database {
+        Database::Sqlite(path) => sqlite::backup::backup(path, to, busy_timeout),
+        Database::Postgres(_) => Err(BackupError::NotSqlite),
     }
 }
 

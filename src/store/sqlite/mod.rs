@@ -6,6 +6,7 @@
 //! and, thanks to WAL, never wait for the writer. Both are rusqlite's; the build needs no
 //! other SQLite driver.
 
+pub(super) mod backup;
 mod log;
 mod migrate;
 mod readers;
