@@ -210,6 +210,12 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_MAX_STREAMS", default_value_t = 10_000)]
     pub max_streams: usize,
 
+    /// Turns this gateway runs at once (from their start until their seal is written; a
+    /// conversation being deleted takes a place too); past it, a new turn is 503.
+    #[arg(long, env = "DISPATCH_MAX_TURNS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_turns: u64,
+
     /// Seconds a non-streaming request may take before it is answered 503.
     #[arg(long, env = "DISPATCH_REQUEST_TIMEOUT_SECS", default_value_t = 30)]
     pub request_timeout_secs: u64,
@@ -747,6 +753,7 @@ impl Config {
             max_head_bytes: 64 * 1024,
             max_headers: 100,
             max_streams: 10_000,
+            max_turns: 1000,
             request_timeout_secs: 30,
             shutdown_timeout_secs: 10,
             shutdown_grace_ms: 1000,

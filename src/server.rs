@@ -56,7 +56,8 @@ impl Gateway {
         let hub = Hub::with_remote(config.turn_buffer_bytes, flush, remote);
         let queue_limits =
             crate::runtime::QueueLimits { messages: config.max_queued_messages, bytes: config.max_queued_bytes };
-        let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), queue_limits, bus);
+        let limits = crate::turn::TurnLimits { queue: queue_limits, max_turns: config.max_turns as usize };
+        let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), limits, bus);
         Ok(Gateway {
             state: AppState::new(Shared {
                 config: Arc::new(config),

@@ -269,6 +269,52 @@ async fn the_queue_is_capped_by_count_and_bytes() {
     server.post("/conversations/b/stop", json!({})).await;
 }
 
+/// Turns at once are capped (--max-turns): past it a new turn is 503 on every way of starting
+/// one, nothing of it is written, and a place frees when a turn seals.
+#[tokio::test]
+async fn turns_at_once_are_capped() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_turns = 2;
+    config.scripted_script = Some(write_script(
+        dir.path(),
+        json!({"rules": [{"match": "slow", "steps": [{"text": "waiting", "stallMs": 30000}]}]}),
+    ));
+    let server = TestServer::start(config).await;
+    for id in ["a", "b"] {
+        let (status, body) = server.post(&format!("/conversations/{id}/messages"), json!({"message": "slow"})).await;
+        assert_eq!(status, 202, "{body}");
+    }
+    let full = |body: &Value| body["error"].as_str().is_some_and(|e| e.contains("max-turns"));
+    let (status, body) = server.post("/conversations/c/messages", json!({"message": "slow"})).await;
+    assert!(status == 503 && full(&body), "{status} {body}");
+    let (status, body) = server.post("/conversations/c/queue", json!({"text": "slow"})).await;
+    assert!(status == 503 && full(&body), "{status} {body}");
+    let response = server.client.post(server.url("/chat")).json(&json!({"conversationId": "c", "message": "hi"}));
+    let response = response.send().await.unwrap();
+    assert_eq!(response.status(), 503);
+    assert!(full(&response.json().await.unwrap()));
+    let mut ws = server.ws().await;
+    ws.next().await.unwrap();
+    ws.send(json!({"type": "chat.send", "conversationId": "c", "message": "hi"})).await;
+    let error = loop {
+        let m = ws.next().await.unwrap();
+        if m["type"] == "chat.error" {
+            break m;
+        }
+    };
+    assert!(full(&json!({"error": error["message"]})), "{error}");
+    assert_eq!(server.get("/conversations/c/status").await.0, 404, "nothing of c was written");
+    assert_eq!(metric(&server.metrics().await, "dispatch_turns_running"), 2.0);
+
+    // A turn that ends frees its place.
+    server.post("/conversations/a/stop", json!({})).await;
+    server.get("/conversations/a/last").await;
+    let (status, body) = server.post("/conversations/c/messages", json!({"message": "hi"})).await;
+    assert_eq!(status, 202, "{body}");
+    server.post("/conversations/b/stop", json!({})).await;
+}
+
 #[tokio::test]
 async fn a_frame_or_message_that_never_finishes_is_cut() {
     let dir = tempfile::tempdir().unwrap();

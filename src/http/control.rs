@@ -135,7 +135,7 @@ async fn replay(state: &AppState, id: &str, key: &str, hash: &str) -> Result<Opt
         (status = 400, body = ErrorBody),
         (status = 409, description = "A turn is running, the conversation is being deleted, or the key was used with another body", body = ErrorBody),
         (status = 413, body = ErrorBody),
-        (status = 503, description = "Shutting down", body = ErrorBody),
+        (status = 503, description = "Shutting down, or as many turns run as `--max-turns` allows", body = ErrorBody),
     )
 ))]
 pub async fn messages(
@@ -226,7 +226,7 @@ pub async fn close(
         (status = 400, body = ErrorBody),
         (status = 409, description = "As many messages wait as `--max-queued-messages` allows", body = ErrorBody),
         (status = 413, description = "The body is too large, or the waiting text would pass `--max-queued-bytes`", body = ErrorBody),
-        (status = 503, body = ErrorBody),
+        (status = 503, description = "No turn runs and none can start: shutting down, or as many turns run as `--max-turns` allows", body = ErrorBody),
     )
 ))]
 pub async fn queue(

@@ -99,7 +99,7 @@ impl From<StartError> for ApiError {
         match e {
             StartError::UnknownModel(m) => ApiError::BadRequest(format!("unknown model {m:?}; GET /models lists them")),
             StartError::Busy => ApiError::Conflict(StartError::Busy.to_string()),
-            StartError::ShuttingDown => ApiError::Unavailable(StartError::ShuttingDown.to_string()),
+            e @ (StartError::ShuttingDown | StartError::Full(_)) => ApiError::Unavailable(e.to_string()),
             StartError::QueueFull(full @ crate::runtime::QueueFull::Messages(_)) => {
                 ApiError::Conflict(StartError::QueueFull(full).to_string())
             }

@@ -59,6 +59,8 @@ pub enum StartError {
     ShuttingDown,
     #[error("{}", queue_full(*.0))]
     QueueFull(QueueFull),
+    #[error("this gateway runs its most turns at once ({0}, max-turns); try again when one ends")]
+    Full(usize),
     #[error(transparent)]
     Store(StoreError),
 }
@@ -133,6 +135,15 @@ enum Busy {
     },
 }
 
+/// What `Turns` allows at once.
+#[derive(Debug, Clone, Copy)]
+pub struct TurnLimits {
+    /// Messages waiting for a running turn's next step.
+    pub queue: QueueLimits,
+    /// Conversations busy with a turn (or a deletion).
+    pub max_turns: usize,
+}
+
 pub struct Turns {
     store: Store,
     hub: Arc<Hub>,
@@ -142,7 +153,7 @@ pub struct Turns {
     /// Set at shutdown: no new turn starts.
     closing: CancellationToken,
     metrics: Arc<Metrics>,
-    queue_limits: QueueLimits,
+    limits: TurnLimits,
     /// The other gateways, when there are some.
     bus: Option<Bus>,
 }
@@ -168,7 +179,7 @@ impl Turns {
         hub: Arc<Hub>,
         registry: Arc<Registry>,
         metrics: Arc<Metrics>,
-        queue_limits: QueueLimits,
+        limits: TurnLimits,
         bus: Option<Bus>,
     ) -> Arc<Turns> {
         let (statuses, _) = broadcast::channel(1024);
@@ -180,7 +191,7 @@ impl Turns {
             statuses,
             closing: CancellationToken::new(),
             metrics,
-            queue_limits,
+            limits,
             bus: bus.clone(),
         });
         tokio::spawn(keep_leases(Arc::downgrade(&turns), store));
@@ -381,7 +392,7 @@ impl Turns {
                 Busy::Starting | Busy::Deleting { .. } => None,
             },
             Control::Queue { conversation_id, message } => match busy.get(&conversation_id)? {
-                Busy::Running { inbox, .. } => Some(ControlReply::Queued(inbox.push(message, self.queue_limits))),
+                Busy::Running { inbox, .. } => Some(ControlReply::Queued(inbox.push(message, self.limits.queue))),
                 _ => None,
             },
         }
@@ -409,7 +420,7 @@ impl Turns {
     pub async fn queue(self: &Arc<Self>, conversation_id: &str, text: String) -> Result<Queued, StartError> {
         let message = QueuedMessage { id: uuid::Uuid::now_v7().to_string(), text, queued_at: now_ms() };
         if let Some(Busy::Running { inbox, .. }) = self.lock().get(conversation_id) {
-            let queue = inbox.push(message, self.queue_limits).map_err(StartError::QueueFull)?;
+            let queue = inbox.push(message, self.limits.queue).map_err(StartError::QueueFull)?;
             return Ok(Queued { started_turn: false, queue });
         }
         let request = Control::Queue { conversation_id: conversation_id.to_owned(), message: message.clone() };
@@ -487,6 +498,11 @@ impl Turns {
             Some(Busy::Deleting { .. }) => return Err(StartError::Store(StoreError::Deleting)),
             Some(_) => return Err(StartError::Busy),
             None => {}
+        }
+        // Counted over the whole map, deletions too: a count of turns alone would have to
+        // follow every change of state.
+        if matches!(what, Busy::Starting) && busy.len() >= self.limits.max_turns {
+            return Err(StartError::Full(self.limits.max_turns));
         }
         busy.insert(conversation_id.to_owned(), what);
         Ok(Reservation { turns: self, conversation_id, armed: true })
