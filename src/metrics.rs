@@ -20,16 +20,19 @@ pub enum Transport {
     Sse,
     Ndjson,
     WebSocket,
+    /// `GET /conversations/:id/last` waiting for a running turn: held as long as a stream.
+    Last,
 }
 
 impl Transport {
-    const ALL: [Transport; 3] = [Transport::Sse, Transport::Ndjson, Transport::WebSocket];
+    const ALL: [Transport; 4] = [Transport::Sse, Transport::Ndjson, Transport::WebSocket, Transport::Last];
 
     fn label(self) -> &'static str {
         match self {
             Transport::Sse => "sse",
             Transport::Ndjson => "ndjson",
             Transport::WebSocket => "websocket",
+            Transport::Last => "last",
         }
     }
 }
@@ -42,7 +45,7 @@ pub struct Metrics {
     pub turns_aborted: AtomicU64,
     pub events_emitted: AtomicU64,
     pub events_delivered: AtomicU64,
-    open_streams: [AtomicU64; 3],
+    open_streams: [AtomicU64; Transport::ALL.len()],
     pub lag_recoveries: AtomicU64,
     pub subscriber_drops: AtomicU64,
     /// Socket writes made by turns' rounds for parked streams (see `hub::ParkedStream`).

@@ -315,6 +315,38 @@ async fn turns_at_once_are_capped() {
     server.post("/conversations/b/stop", json!({})).await;
 }
 
+/// A `/last` waiting for a running turn holds its connection as a stream does, and counts as
+/// one under --max-streams: the waits cannot grow past the cap either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_the_last_answer_counts_as_a_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_streams = 1;
+    config.scripted_script = Some(write_script(
+        dir.path(),
+        json!({"rules": [{"match": "slow", "steps": [{"text": "waiting", "stallMs": 30000}]}]}),
+    ));
+    let server = TestServer::start(config).await;
+    assert_eq!(server.post("/conversations/a/messages", json!({"message": "slow"})).await.0, 202);
+    let waiting = {
+        let api = Api::new(server.addr.to_string());
+        tokio::spawn(async move { api.get("/conversations/a/last?timeoutMs=60000").await })
+    };
+    let last_open = "dispatch_open_streams{transport=\"last\"} 1";
+    assert!(eventually(200, || async { server.metrics().await.contains(last_open) }).await);
+    let (status, body) = server.get("/conversations/a/last?timeoutMs=60000").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("streams"), "{body}");
+    let events = server.client.get(server.url("/conversations/a/events")).send().await.unwrap();
+    assert_eq!(events.status(), 503, "the wait holds the one place");
+    server.post("/conversations/a/stop", json!({})).await;
+    let (status, body) = waiting.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(server.metrics().await.contains("dispatch_open_streams{transport=\"last\"} 0"));
+    // With no turn running, /last answers at once and holds nothing.
+    assert_eq!(server.get("/conversations/a/last").await.0, 200);
+}
+
 #[tokio::test]
 async fn a_frame_or_message_that_never_finishes_is_cut() {
     let dir = tempfile::tempdir().unwrap();

@@ -277,6 +277,7 @@ pub async fn status(
         (status = 200, body = LastResponse),
         (status = 400, body = ErrorBody),
         (status = 409, description = "The turn was still running when the wait ended", body = ErrorBody),
+        (status = 503, description = "As many streams are open as `--max-streams` allows (a wait counts as one)", body = ErrorBody),
     )
 ))]
 pub async fn last(
@@ -286,6 +287,8 @@ pub async fn last(
 ) -> Result<Json<LastResponse>, ApiError> {
     let wait = query.integer("timeoutMs", 0, MAX_LAST_WAIT_MS)?.unwrap_or(DEFAULT_LAST_WAIT_MS);
     if let Some(buffer) = state.hub.current(&id).await {
+        // A wait holds its connection as long as a stream does: it counts as one.
+        let _permit = state.stream_permit(crate::metrics::Transport::Last)?;
         let mut cursor = state.hub.read_turn(&buffer);
         drop(buffer);
         let sealed = async { while !matches!(cursor.next_batch(usize::MAX).await, Delivery::End) {} };
