@@ -210,6 +210,11 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_MAX_STREAMS", default_value_t = 10_000)]
     pub max_streams: usize,
 
+    /// Client connections open at once, on both listeners (default: --max-streams + 1024);
+    /// past it new connections wait in the listen queue.
+    #[arg(long, env = "DISPATCH_MAX_CONNECTIONS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: Option<u64>,
+
     /// Turns this gateway runs at once (from their start until their seal is written; a
     /// conversation being deleted takes a place too); past it, a new turn is 503.
     #[arg(long, env = "DISPATCH_MAX_TURNS", default_value_t = 1000,
@@ -709,6 +714,11 @@ impl Config {
         Ok(())
     }
 
+    /// `--max-connections`, or room for every stream and a thousand requests besides.
+    pub fn max_connections(&self) -> usize {
+        self.max_connections.map_or(self.max_streams.saturating_add(1024), |max| max as usize)
+    }
+
     /// Whether a browser page from `origin` may use the gateway (CORS, WebSocket handshakes).
     pub fn allows_origin(&self, origin: &[u8]) -> bool {
         self.cors_origins.iter().any(|o| o == "*" || o.as_bytes() == origin)
@@ -754,6 +764,7 @@ impl Config {
             max_headers: 100,
             max_streams: 10_000,
             max_turns: 1000,
+            max_connections: None,
             request_timeout_secs: 30,
             shutdown_timeout_secs: 10,
             shutdown_grace_ms: 1000,

@@ -123,9 +123,16 @@ impl Metrics {
         *errors.entry(kind.to_owned()).or_default() += 1;
     }
 
-    /// The text exposition; `running`, `channels`, `buffered` and `pacing` are read from their
-    /// owners.
-    pub fn render(&self, running: usize, channels: usize, buffered: usize, pacing: Pacing) -> String {
+    /// The text exposition; `running`, `channels`, `buffered`, `pacing` and `connections` are
+    /// read from their owners.
+    pub fn render(
+        &self,
+        running: usize,
+        channels: usize,
+        buffered: usize,
+        pacing: Pacing,
+        connections: usize,
+    ) -> String {
         let mut out = String::with_capacity(4096);
         let mut counter = |name: &str, help: &str, value: u64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
@@ -170,6 +177,10 @@ impl Metrics {
         );
         let _ = writeln!(out, "# HELP dispatch_turns_running Turns running now.\n# TYPE dispatch_turns_running gauge");
         let _ = writeln!(out, "dispatch_turns_running {running}");
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_open_connections Client connections open (--max-connections).\n# TYPE dispatch_open_connections gauge\ndispatch_open_connections {connections}"
+        );
         let _ = writeln!(
             out,
             "# HELP dispatch_hub_channels Conversations the hub holds state for.\n# TYPE dispatch_hub_channels gauge"

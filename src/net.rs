@@ -55,42 +55,83 @@ pub struct ConnectionLimits {
     pub body_read_timeout: Duration,
 }
 
+/// Places for connections, shared by the listeners (`--max-connections`).
+#[derive(Clone)]
+pub struct ConnectionSlots {
+    slots: Arc<tokio::sync::Semaphore>,
+    max: usize,
+}
+
+impl ConnectionSlots {
+    pub fn new(max: usize) -> ConnectionSlots {
+        ConnectionSlots { slots: Arc::new(tokio::sync::Semaphore::new(max)), max }
+    }
+
+    /// Connections open now.
+    pub fn open(&self) -> usize {
+        self.max - self.slots.available_permits()
+    }
+}
+
 /// Serves `router` on `listener` over HTTP/1.1 (with upgrades, for WebSockets) until `drained` is
 /// cancelled; then stops accepting, lets each connection finish its request in flight, and
-/// returns when every connection has closed. `metrics` counts the requests refused before
-/// they reach the router.
+/// returns when every connection has closed. A connection is accepted only with one of
+/// `slots`; `metrics` counts the requests refused before they reach the router.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     limits: ConnectionLimits,
+    slots: ConnectionSlots,
     metrics: Arc<Metrics>,
     drained: CancellationToken,
 ) {
     // Every connection task holds a receiver; `closed()` resolves when the last one is gone.
     let (all_closed, connection_alive) = watch::channel(());
-    let mut failures = AcceptFailures::default();
+    let mut paused = Paused::default();
     loop {
         let (stream, _addr) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok(pair) => {
-                    failures.ended();
-                    pair
-                }
+                Ok(pair) => pair,
                 Err(e) => {
                     // Out of file descriptors and the like: wait a little instead of spinning.
-                    failures.failed(&e);
+                    if let Some(failures) = paused.paused() {
+                        tracing::warn!(error = %e, failures, "accept failed: new connections wait in the listen queue");
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
             _ = drained.cancelled() => break,
         };
+        // At the cap this connection waits for a place, and the next ones in the listen queue,
+        // as when descriptors run out, but with descriptors and memory left for the database,
+        // the upstreams and agent programs.
+        let slot = match slots.slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                if let Some(times) = paused.paused() {
+                    tracing::warn!(
+                        max = slots.max,
+                        times,
+                        "at --max-connections: new connections wait in the listen queue"
+                    );
+                }
+                tokio::select! {
+                    slot = slots.slots.clone().acquire_owned() => slot.expect("the slots are never closed"),
+                    _ = drained.cancelled() => break,
+                }
+            }
+        };
+        paused.ended();
         let _ = stream.set_nodelay(true);
         let router = router.clone();
         let metrics = metrics.clone();
         let mut drained = Cancelled::new(&drained);
         let alive = connection_alive.clone();
         tokio::spawn(async move {
+            // Given back when the connection ends (a WebSocket session hyper upgraded runs on
+            // in a task of its own, counted by --max-streams only).
+            let _slot = slot;
             // Bodyless GETs first (written by `http1`); hyper takes over at any other request.
             let stream = Arc::new(stream);
             let next = http1::serve(&stream, &router, &limits, &metrics, &mut drained).await;
@@ -154,37 +195,35 @@ pub async fn serve(
     all_closed.closed().await;
 }
 
-/// Failed accepts (out of file descriptors, most often), logged when they start, every ten
-/// seconds while they go on, and when they end: one line per attempt, every 50 ms, was twenty
-/// lines a second for as long as the gateway was full.
+/// A pause in accepting (out of file descriptors, or at --max-connections), logged when it
+/// starts, every ten seconds while it goes on, and when it ends: a line per failed attempt,
+/// every 50 ms, was twenty lines a second for as long as the gateway was full.
 #[derive(Default)]
-struct AcceptFailures {
+struct Paused {
     since: Option<std::time::Instant>,
     logged: Option<std::time::Instant>,
     count: u64,
 }
 
-impl AcceptFailures {
+impl Paused {
     const EVERY: Duration = Duration::from_secs(10);
 
-    fn failed(&mut self, error: &io::Error) {
+    /// One more time accepting waits; how many so far when a line is due.
+    fn paused(&mut self) -> Option<u64> {
         let now = std::time::Instant::now();
         self.count += 1;
         self.since.get_or_insert(now);
-        if self.logged.is_none_or(|at| now.duration_since(at) >= Self::EVERY) {
+        let due = self.logged.is_none_or(|at| now.duration_since(at) >= Self::EVERY);
+        due.then(|| {
             self.logged = Some(now);
-            tracing::warn!(%error, failures = self.count, "accept failed: new connections wait in the listen queue");
-        }
+            self.count
+        })
     }
 
     fn ended(&mut self) {
         if let Some(since) = self.since {
-            tracing::info!(
-                failures = self.count,
-                seconds = since.elapsed().as_secs_f64(),
-                "accepting connections again"
-            );
-            *self = AcceptFailures::default();
+            tracing::info!(times = self.count, seconds = since.elapsed().as_secs_f64(), "accepting connections again");
+            *self = Paused::default();
         }
     }
 }

@@ -58,12 +58,14 @@ impl Gateway {
             crate::runtime::QueueLimits { messages: config.max_queued_messages, bytes: config.max_queued_bytes };
         let limits = crate::turn::TurnLimits { queue: queue_limits, max_turns: config.max_turns as usize };
         let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), limits, bus);
+        let connections = crate::net::ConnectionSlots::new(config.max_connections());
         Ok(Gateway {
             state: AppState::new(Shared {
                 config: Arc::new(config),
                 store,
                 hub,
                 turns,
+                connections,
                 metrics,
                 drained: Default::default(),
             }),
@@ -118,9 +120,11 @@ impl Gateway {
         // Streams and listeners stop once the turns have drained.
         let drained = state.drained.clone();
         let metrics = state.metrics.clone();
-        let ws_task = ws_listener
-            .map(|l| tokio::spawn(serve(l, ws_router(state.clone()), limits, metrics.clone(), drained.clone())));
-        let main_task = tokio::spawn(serve(listener, router(state), limits, metrics, drained.clone()));
+        let slots = state.connections.clone();
+        let ws_task = ws_listener.map(|l| {
+            tokio::spawn(serve(l, ws_router(state.clone()), limits, slots.clone(), metrics.clone(), drained.clone()))
+        });
+        let main_task = tokio::spawn(serve(listener, router(state), limits, slots, metrics, drained.clone()));
 
         shutdown.await;
         // From here on /ready is 503 and new turns are refused.

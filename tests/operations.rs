@@ -628,6 +628,61 @@ async fn out_of_descriptors_is_logged_when_it_starts_and_ends() {
     assert!(gateway.terminate().success());
 }
 
+/// Connections are capped (--max-connections): at the cap new ones wait in the listen queue,
+/// which is logged when it starts and ends, and a request queued meanwhile is answered once a
+/// connection closes. /metrics counts the open connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_wait_for_a_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let args: Vec<std::ffi::OsString> = vec![
+        "--database".into(),
+        dir.path().join("d.db").into(),
+        "--max-connections".into(),
+        "5".into(),
+        "--header-read-timeout-secs".into(),
+        "60".into(),
+    ];
+    let gateway = ChildGateway::spawn(&args);
+    let lines = |message: &str| {
+        let logs = gateway.logs.lock().unwrap();
+        logs.iter().filter(|l| l["fields"]["message"].as_str().is_some_and(|m| m.starts_with(message))).count()
+    };
+    // Connections that send nothing hold their place until the head's timeout.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(tokio::net::TcpStream::connect(&gateway.addr).await.unwrap());
+    }
+    // Read over one of them, which keeps its place after the answer (kept alive).
+    held[0].write_all(b"GET /metrics HTTP/1.1\r\nhost: gateway\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    let metrics = loop {
+        let mut buf = [0u8; 65536];
+        let n = held[0].read(&mut buf).await.unwrap();
+        assert!(n > 0, "the answer ends before its body");
+        answer.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&answer).into_owned();
+        let Some((head, body)) = text.split_once("\r\n\r\n") else { continue };
+        let length = head.lines().find_map(|l| l.strip_prefix("content-length: ")).expect("a content-length");
+        if body.len() >= length.parse::<usize>().unwrap() {
+            break body.to_owned();
+        }
+    };
+    assert_eq!(metric(&metrics, "dispatch_open_connections"), 4.0, "{metrics}");
+    held.push(tokio::net::TcpStream::connect(&gateway.addr).await.unwrap());
+    let waiting = tokio::spawn({
+        let url = gateway.url("/health");
+        async move { reqwest::get(url).await.map(|r| r.status().as_u16()) }
+    });
+    assert!(eventually(100, || async { lines("at --max-connections") == 1 }).await, "the cap is logged");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "the sixth connection waits");
+    held.pop();
+    assert_eq!(waiting.await.unwrap().unwrap(), 200);
+    assert!(eventually(100, || async { lines("accepting connections again") == 1 }).await);
+    assert_eq!(lines("at --max-connections"), 1);
+    assert!(gateway.terminate().success());
+}
+
 /// `--backup` copies the database while a gateway writes to it: the copy holds every turn
 /// sealed before it, and a gateway started on it serves them as the original did (a turn that
 /// was running is marked interrupted there, as after a crash). A backup never overwrites a

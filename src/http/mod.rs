@@ -54,6 +54,8 @@ pub struct Shared {
     pub store: Store,
     pub hub: Arc<Hub>,
     pub turns: Arc<Turns>,
+    /// The listeners' places for connections (`--max-connections`).
+    pub connections: crate::net::ConnectionSlots,
     pub metrics: Arc<crate::metrics::Metrics>,
     /// Cancelled at shutdown once every turn has sealed: live streams deliver what is left
     /// and end.
