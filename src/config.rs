@@ -210,6 +210,12 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_MAX_STREAMS", default_value_t = 10_000)]
     pub max_streams: usize,
 
+    /// Seconds a turn may run; past it, it ends with `error{code:"timeout"}` and
+    /// `done{reason:"error"}`, keeping what it streamed.
+    #[arg(long, env = "DISPATCH_MAX_TURN_SECS", default_value_t = 3600,
+          value_parser = clap::value_parser!(u64).range(1..=365 * 24 * 3600))]
+    pub max_turn_secs: u64,
+
     /// Client connections open at once, on both listeners (default: --max-streams + 1024);
     /// past it new connections wait in the listen queue.
     #[arg(long, env = "DISPATCH_MAX_CONNECTIONS", value_parser = clap::value_parser!(u64).range(1..))]
@@ -764,6 +770,7 @@ impl Config {
             max_headers: 100,
             max_streams: 10_000,
             max_turns: 1000,
+            max_turn_secs: 3600,
             max_connections: None,
             request_timeout_secs: 30,
             shutdown_timeout_secs: 10,

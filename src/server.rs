@@ -56,7 +56,11 @@ impl Gateway {
         let hub = Hub::with_remote(config.turn_buffer_bytes, flush, remote);
         let queue_limits =
             crate::runtime::QueueLimits { messages: config.max_queued_messages, bytes: config.max_queued_bytes };
-        let limits = crate::turn::TurnLimits { queue: queue_limits, max_turns: config.max_turns as usize };
+        let limits = crate::turn::TurnLimits {
+            queue: queue_limits,
+            max_turns: config.max_turns as usize,
+            max_duration: Duration::from_secs(config.max_turn_secs),
+        };
         let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), limits, bus);
         let connections = crate::net::ConnectionSlots::new(config.max_connections());
         Ok(Gateway {

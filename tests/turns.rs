@@ -174,6 +174,34 @@ async fn a_runtime_error_ends_with_error_done_and_sealed_and_logs_an_error_chunk
     assert_eq!(metrics["turns"].as_array().unwrap().len(), 1);
 }
 
+/// A turn that runs past --max-turn-secs (a runtime that hangs) ends with
+/// `error{code:"timeout"}` and `done{reason:"error"}`, keeps what it streamed, and frees the
+/// conversation for the next turn.
+#[tokio::test]
+async fn a_turn_past_its_longest_time_ends_with_a_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_turn_secs = 1;
+    config.scripted_script = Some(write_script(
+        dir.path(),
+        json!({"rules": [{"match": "hang", "steps": [{"text": "before ", "stallMs": 120000}, {"text": "never"}]}]}),
+    ));
+    let server = TestServer::start(config).await;
+    let events = server.chat("hung", "hang").await;
+    let tail: Vec<&str> = types(&events).into_iter().rev().take(3).collect();
+    assert_eq!(tail, vec!["turn-sealed", "done", "error"], "{events:?}");
+    let error = &events[events.len() - 3];
+    assert_eq!(error["code"], "timeout");
+    assert!(error["message"].as_str().unwrap().contains("max-turn-secs"), "{error}");
+    assert_eq!(events[events.len() - 2]["reason"], "error");
+    let history = server.history("hung").await;
+    assert_eq!(history[1]["chunk"], json!({"type": "text", "text": "before "}));
+    assert_eq!(history.last().unwrap()["chunk"]["code"], "timeout");
+    assert!(!history.iter().any(|c| c.to_string().contains("never")));
+    assert_eq!(metric(&server.metrics().await, "dispatch_runtime_errors_total{kind=\"timeout\"}"), 1.0);
+    assert_eq!(server.chat("hung", "hello").await.last().unwrap()["type"], "turn-sealed", "the next turn runs");
+}
+
 /// A metrics read longer than `--metrics-page-turns` goes out in pages, as they are read (no
 /// length), and says what one read says: every sealed turn, in turn order.
 #[tokio::test]

@@ -142,6 +142,8 @@ pub struct TurnLimits {
     pub queue: QueueLimits,
     /// Conversations busy with a turn (or a deletion).
     pub max_turns: usize,
+    /// The longest a turn runs before it ends with `error{code:"timeout"}`.
+    pub max_duration: std::time::Duration,
 }
 
 pub struct Turns {

@@ -127,6 +127,15 @@ impl TurnRun {
     async fn run(mut self, runtime: Arc<dyn Runtime>, request: TurnRequest) {
         let runtime_cancel = self.cancel.child_token();
         let mut attempt = 0;
+        // A runtime that hangs (an agent program that prints nothing, say) would otherwise hold
+        // the conversation, and a place under --max-turns, for good.
+        let longest = self.turns.limits.max_duration;
+        let deadline = tokio::time::sleep(longest);
+        tokio::pin!(deadline);
+        let timed_out = || End::Failed {
+            message: format!("the turn ran longer than {} s (max-turn-secs)", longest.as_secs()),
+            code: Some("timeout".into()),
+        };
         let end = 'attempts: loop {
             let (sink, mut raw) = mpsc::channel(RAW_QUEUE);
             let mut task = tokio::spawn(runtime.run_turn(request.clone(), sink, runtime_cancel.clone()));
@@ -134,6 +143,7 @@ impl TurnRun {
                 tokio::select! {
                     biased;
                     _ = self.cancel.cancelled() => break 'attempts End::Aborted,
+                    _ = &mut deadline => break 'attempts timed_out(),
                     event = raw.recv() => match event {
                         Some(event) => {
                             if let Some(end) = self.handle(event).await {
@@ -170,6 +180,7 @@ impl TurnRun {
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => continue 'attempts,
                     _ = self.cancel.cancelled() => break 'attempts End::Aborted,
+                    _ = &mut deadline => break 'attempts timed_out(),
                 }
             }
             break End::Failed { message: failure.to_string(), code: Some(failure.code().to_owned()) };
