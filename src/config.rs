@@ -569,6 +569,10 @@ impl Config {
             let cannot =
                 |v: &toml::Value| ConfigError::file(&path, format!("line {at}: `{key}` cannot be {}", v.type_str()));
             let text_value = match value {
+                // Joined, a list would pass for one value (`database = ["a", "b"]`: the file "a,b").
+                toml::Value::Array(_) if arg.get_value_delimiter().is_none() => {
+                    return Err(ConfigError::file(&path, format!("line {at}: `{key}` takes one value, not a list")));
+                }
                 toml::Value::Array(items) => items
                     .iter()
                     .map(|v| scalar_text(v).ok_or_else(|| cannot(v)))

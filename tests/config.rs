@@ -107,6 +107,10 @@ fn a_bad_file_names_the_key_and_the_line() {
         // A list flag takes scalars only: a nested list or a table is refused, not spelled out.
         ("api_keys = [\"k\", [\"a\"]]\n", vec!["line 1", "api_keys", "cannot be array"]),
         ("listen = { host = \"h\" }\n", vec!["line 1", "listen", "cannot be table"]),
+        (
+            "listen = \"127.0.0.1:1\"\ndatabase = [\"a.db\", \"b.db\"]\n",
+            vec!["line 2", "database", "one value, not a list"],
+        ),
         // An action is the command line's: in the file it would run at every start.
         ("listen = \"127.0.0.1:1\"\nbackup = \"copy.db\"\n", vec!["line 2", "backup", "not a setting"]),
         ("print_openapi = true\n", vec!["line 1", "print_openapi", "not a setting"]),
