@@ -724,9 +724,11 @@ impl Config {
         Ok(())
     }
 
-    /// `--max-connections`, or room for every stream and a thousand requests besides.
+    /// `--max-connections`, or room for every stream and a thousand requests besides (at most
+    /// u32::MAX, as a semaphore counts them).
     pub fn max_connections(&self) -> usize {
-        self.max_connections.map_or(self.max_streams.saturating_add(1024), |max| max as usize)
+        let max = self.max_connections.map_or(self.max_streams.saturating_add(1024), |max| max as usize);
+        max.min(u32::MAX as usize)
     }
 
     /// Whether a browser page from `origin` may use the gateway (CORS, WebSocket handshakes).

@@ -23,7 +23,6 @@ use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
@@ -71,6 +70,12 @@ impl ConnectionSlots {
     pub fn open(&self) -> usize {
         self.max - self.slots.available_permits()
     }
+
+    /// Resolves once every connection has closed (on either listener).
+    async fn all_closed(&self) {
+        // `max` fits: `Config::max_connections` keeps it within u32.
+        let _all = self.slots.acquire_many(self.max as u32).await;
+    }
 }
 
 /// Serves `router` on `listener` over HTTP/1.1 (with upgrades, for WebSockets) until `drained` is
@@ -85,8 +90,6 @@ pub async fn serve(
     metrics: Arc<Metrics>,
     drained: CancellationToken,
 ) {
-    // Every connection task holds a receiver; `closed()` resolves when the last one is gone.
-    let (all_closed, connection_alive) = watch::channel(());
     let mut paused = Paused::default();
     loop {
         let (stream, _addr) = tokio::select! {
@@ -127,11 +130,10 @@ pub async fn serve(
         let router = router.clone();
         let metrics = metrics.clone();
         let mut drained = Cancelled::new(&drained);
-        let alive = connection_alive.clone();
+        // The slot is the task's only sign of life (another would grow every connection's
+        // task, idle watchers' too): given back when the connection ends (a WebSocket session
+        // hyper upgraded runs on in a task of its own, counted by --max-streams only).
         tokio::spawn(async move {
-            // Given back when the connection ends (a WebSocket session hyper upgraded runs on
-            // in a task of its own, counted by --max-streams only).
-            let _slot = slot;
             // Bodyless GETs first (written by `http1`); hyper takes over at any other request.
             let stream = Arc::new(stream);
             let next = http1::serve(&stream, &router, &limits, &metrics, &mut drained).await;
@@ -144,7 +146,7 @@ pub async fn serve(
                 http1::Next::Hyper(prefix) => prefix,
                 http1::Next::Closed => {
                     let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
-                    drop(alive);
+                    drop(slot);
                     return;
                 }
             };
@@ -187,12 +189,11 @@ pub async fn serve(
                     }
                 }
             }
-            drop(alive);
+            drop(slot);
         });
     }
     drop(listener);
-    drop(connection_alive);
-    all_closed.closed().await;
+    slots.all_closed().await;
 }
 
 /// A pause in accepting (out of file descriptors, or at --max-connections), logged when it
