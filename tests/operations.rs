@@ -628,6 +628,24 @@ async fn out_of_descriptors_is_logged_when_it_starts_and_ends() {
     assert!(gateway.terminate().success());
 }
 
+/// One GET over a kept-alive connection: the response's body.
+async fn raw_get(connection: &mut tokio::net::TcpStream, path: &str) -> String {
+    connection.write_all(format!("GET {path} HTTP/1.1\r\nhost: gateway\r\n\r\n").as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    loop {
+        let mut buf = [0u8; 65536];
+        let n = connection.read(&mut buf).await.unwrap();
+        assert!(n > 0, "the answer ends before its body");
+        answer.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&answer).into_owned();
+        let Some((head, body)) = text.split_once("\r\n\r\n") else { continue };
+        let length = head.lines().find_map(|l| l.strip_prefix("content-length: ")).expect("a content-length");
+        if body.len() >= length.parse::<usize>().unwrap() {
+            return body.to_owned();
+        }
+    }
+}
+
 /// Connections are capped (--max-connections): at the cap new ones wait in the listen queue,
 /// which is logged when it starts and ends, and a request queued meanwhile is answered once a
 /// connection closes. /metrics counts the open connections.
@@ -652,23 +670,20 @@ async fn connections_past_the_cap_wait_for_a_place() {
     for _ in 0..4 {
         held.push(tokio::net::TcpStream::connect(&gateway.addr).await.unwrap());
     }
-    // Read over one of them, which keeps its place after the answer (kept alive).
-    held[0].write_all(b"GET /metrics HTTP/1.1\r\nhost: gateway\r\n\r\n").await.unwrap();
-    let mut answer = Vec::new();
-    let metrics = loop {
-        let mut buf = [0u8; 65536];
-        let n = held[0].read(&mut buf).await.unwrap();
-        assert!(n > 0, "the answer ends before its body");
-        answer.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&answer).into_owned();
-        let Some((head, body)) = text.split_once("\r\n\r\n") else { continue };
-        let length = head.lines().find_map(|l| l.strip_prefix("content-length: ")).expect("a content-length");
-        if body.len() >= length.parse::<usize>().unwrap() {
-            break body.to_owned();
+    // Read over one of them, which keeps its place after the answer (kept alive); a connection
+    // counts once the gateway has accepted it, a moment after `connect` returns.
+    let mut open = 0.0;
+    for _ in 0..100 {
+        open = metric(&raw_get(&mut held[0], "/metrics").await, "dispatch_open_connections");
+        if open == 4.0 {
+            break;
         }
-    };
-    assert_eq!(metric(&metrics, "dispatch_open_connections"), 4.0, "{metrics}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(open, 4.0, "the four held");
+    // The fifth, answered once so that it holds the last place before the sixth comes.
     held.push(tokio::net::TcpStream::connect(&gateway.addr).await.unwrap());
+    assert_eq!(raw_get(&mut held[4], "/health").await, r#"{"ok":true}"#);
     let waiting = tokio::spawn({
         let url = gateway.url("/health");
         async move { reqwest::get(url).await.map(|r| r.status().as_u16()) }
