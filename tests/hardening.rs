@@ -224,16 +224,20 @@ async fn a_session_follows_at_most_its_cap_of_conversations() {
     assert!(c1.is_empty(), "deltas of an unsubscribed conversation: {c1:?}");
 }
 
+/// A test configuration whose turns for the message "slow" say "waiting" and then stall.
+fn slow_turns(dir: &std::path::Path, stall_ms: u64) -> Config {
+    let mut config = test_config(dir);
+    let script = json!({"rules": [{"match": "slow", "steps": [{"text": "waiting", "stallMs": stall_ms}]}]});
+    config.scripted_script = Some(write_script(dir, script));
+    config
+}
+
 #[tokio::test]
 async fn the_queue_is_capped_by_count_and_bytes() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = test_config(dir.path());
+    let mut config = slow_turns(dir.path(), 3000);
     config.max_queued_messages = 3;
     config.max_queued_bytes = 1000;
-    config.scripted_script = Some(write_script(
-        dir.path(),
-        json!({"rules": [{"match": "slow", "steps": [{"text": "waiting", "stallMs": 3000}]}]}),
-    ));
     let server = TestServer::start(config).await;
     let (status, _) = server.post("/conversations/q/messages", json!({"message": "slow"})).await;
     assert_eq!(status, 202);
@@ -274,12 +278,8 @@ async fn the_queue_is_capped_by_count_and_bytes() {
 #[tokio::test]
 async fn turns_at_once_are_capped() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = test_config(dir.path());
+    let mut config = slow_turns(dir.path(), 30_000);
     config.max_turns = 2;
-    config.scripted_script = Some(write_script(
-        dir.path(),
-        json!({"rules": [{"match": "slow", "steps": [{"text": "waiting", "stallMs": 30000}]}]}),
-    ));
     let server = TestServer::start(config).await;
     for id in ["a", "b"] {
         let (status, body) = server.post(&format!("/conversations/{id}/messages"), json!({"message": "slow"})).await;
@@ -320,12 +320,8 @@ async fn turns_at_once_are_capped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_for_the_last_answer_counts_as_a_stream() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = test_config(dir.path());
+    let mut config = slow_turns(dir.path(), 30_000);
     config.max_streams = 1;
-    config.scripted_script = Some(write_script(
-        dir.path(),
-        json!({"rules": [{"match": "slow", "steps": [{"text": "waiting", "stallMs": 30000}]}]}),
-    ));
     let server = TestServer::start(config).await;
     assert_eq!(server.post("/conversations/a/messages", json!({"message": "slow"})).await.0, 202);
     let waiting = {
