@@ -97,6 +97,10 @@ fn a_bad_file_names_the_key_and_the_line() {
         ("max_streams = \"many\"\n", vec!["max-streams", "many"]),
         // A value that starts with a dash is the key's value, not read as a flag.
         ("max_streams = -1\n", vec!["invalid value '-1' for '--max-streams"]),
+        // The caps on turns, their time and connections have a floor: 0 would refuse everything.
+        ("max_turns = 0\n", vec!["invalid value '0' for '--max-turns"]),
+        ("max_turn_secs = 0\n", vec!["invalid value '0' for '--max-turn-secs"]),
+        ("max_connections = 0\n", vec!["invalid value '0' for '--max-connections"]),
         (
             "[credentials.x]\nkind = \"openai\"\nbase_url = \"u\"\nmodels = [\"m\"]\nbase_urll = \"v\"\n",
             vec!["line 5", "base_urll"],

@@ -629,7 +629,7 @@ async fn out_of_descriptors_is_logged_when_it_starts_and_ends() {
 }
 
 /// One GET over a kept-alive connection: the response's body.
-async fn raw_get(connection: &mut tokio::net::TcpStream, path: &str) -> String {
+async fn get_kept_alive(connection: &mut tokio::net::TcpStream, path: &str) -> String {
     connection.write_all(format!("GET {path} HTTP/1.1\r\nhost: gateway\r\n\r\n").as_bytes()).await.unwrap();
     let mut answer = Vec::new();
     loop {
@@ -674,7 +674,7 @@ async fn connections_past_the_cap_wait_for_a_place() {
     // counts once the gateway has accepted it, a moment after `connect` returns.
     let mut open = 0.0;
     for _ in 0..100 {
-        open = metric(&raw_get(&mut held[0], "/metrics").await, "dispatch_open_connections");
+        open = metric(&get_kept_alive(&mut held[0], "/metrics").await, "dispatch_open_connections");
         if open == 4.0 {
             break;
         }
@@ -683,7 +683,7 @@ async fn connections_past_the_cap_wait_for_a_place() {
     assert_eq!(open, 4.0, "the four held");
     // The fifth, answered once so that it holds the last place before the sixth comes.
     held.push(tokio::net::TcpStream::connect(&gateway.addr).await.unwrap());
-    assert_eq!(raw_get(&mut held[4], "/health").await, r#"{"ok":true}"#);
+    assert_eq!(get_kept_alive(&mut held[4], "/health").await, r#"{"ok":true}"#);
     let waiting = tokio::spawn({
         let url = gateway.url("/health");
         async move { reqwest::get(url).await.map(|r| r.status().as_u16()) }

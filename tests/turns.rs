@@ -190,9 +190,7 @@ async fn a_turn_past_its_longest_time_ends_with_a_timeout() {
     let events = server.chat("hung", "hang").await;
     let tail: Vec<&str> = types(&events).into_iter().rev().take(3).collect();
     assert_eq!(tail, vec!["turn-sealed", "done", "error"], "{events:?}");
-    let error = &events[events.len() - 3];
-    assert_eq!(error["code"], "timeout");
-    assert!(error["message"].as_str().unwrap().contains("max-turn-secs"), "{error}");
+    turn_error(&events, "timeout", "max-turn-secs");
     assert_eq!(events[events.len() - 2]["reason"], "error");
     let history = server.history("hung").await;
     assert_eq!(history[1]["chunk"], json!({"type": "text", "text": "before "}));
