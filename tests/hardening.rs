@@ -293,6 +293,7 @@ async fn turns_at_once_are_capped() {
     let response = server.client.post(server.url("/chat")).json(&json!({"conversationId": "c", "message": "hi"}));
     let response = response.send().await.unwrap();
     assert_eq!(response.status(), 503);
+    assert_eq!(response.headers()["retry-after"], "5", "a place frees as a turn ends: try again later");
     assert!(full(&response.json().await.unwrap()));
     let mut ws = server.ws().await;
     ws.next().await.unwrap();
@@ -335,6 +336,7 @@ async fn a_wait_for_the_last_answer_counts_as_a_stream() {
     assert!(body["error"].as_str().unwrap().contains("streams"), "{body}");
     let events = server.client.get(server.url("/conversations/a/events")).send().await.unwrap();
     assert_eq!(events.status(), 503, "the wait holds the one place");
+    assert_eq!(events.headers()["retry-after"], "5");
     server.post("/conversations/a/stop", json!({})).await;
     let (status, body) = waiting.await.unwrap();
     assert_eq!(status, 200, "{body}");

@@ -70,7 +70,7 @@ pub fn parse_chat(body: &JsonObject) -> Result<StartTurn, ApiError> {
         (status = 400, description = "Bad body or unknown model", body = ErrorBody),
         (status = 409, description = "A turn is already running in this conversation, or it is being deleted", body = ErrorBody),
         (status = 413, description = "Body too large", body = ErrorBody),
-        (status = 503, description = "Shutting down, or as many turns run as `--max-turns` allows, or as many streams are open as `--max-streams` allows", body = ErrorBody),
+        (status = 503, description = "Shutting down, or as many turns run as `--max-turns` allows, or as many streams are open as `--max-streams` allows", body = ErrorBody, headers(("Retry-After" = u32, description = "Seconds to wait before trying again, when a cap is reached"))),
     )
 ))]
 pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonObject) -> Result<Response, ApiError> {

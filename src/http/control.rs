@@ -135,7 +135,7 @@ async fn replay(state: &AppState, id: &str, key: &str, hash: &str) -> Result<Opt
         (status = 400, body = ErrorBody),
         (status = 409, description = "A turn is running, the conversation is being deleted, or the key was used with another body", body = ErrorBody),
         (status = 413, body = ErrorBody),
-        (status = 503, description = "Shutting down, or as many turns run as `--max-turns` allows", body = ErrorBody),
+        (status = 503, description = "Shutting down, or as many turns run as `--max-turns` allows", body = ErrorBody, headers(("Retry-After" = u32, description = "Seconds to wait before trying again, when a cap is reached"))),
     )
 ))]
 pub async fn messages(
@@ -226,7 +226,7 @@ pub async fn close(
         (status = 400, body = ErrorBody),
         (status = 409, description = "As many messages wait as `--max-queued-messages` allows", body = ErrorBody),
         (status = 413, description = "The body is too large, or the waiting text would pass `--max-queued-bytes`", body = ErrorBody),
-        (status = 503, description = "No turn runs and none can start: shutting down, or as many turns run as `--max-turns` allows", body = ErrorBody),
+        (status = 503, description = "No turn runs and none can start: shutting down, or as many turns run as `--max-turns` allows", body = ErrorBody, headers(("Retry-After" = u32, description = "Seconds to wait before trying again, when a cap is reached"))),
     )
 ))]
 pub async fn queue(
@@ -277,7 +277,7 @@ pub async fn status(
         (status = 200, body = LastResponse),
         (status = 400, body = ErrorBody),
         (status = 409, description = "The turn was still running when the wait ended", body = ErrorBody),
-        (status = 503, description = "As many streams are open as `--max-streams` allows (a wait counts as one)", body = ErrorBody),
+        (status = 503, description = "As many streams are open as `--max-streams` allows (a wait counts as one)", body = ErrorBody, headers(("Retry-After" = u32, description = "Seconds to wait before trying again, when a cap is reached"))),
     )
 ))]
 pub async fn last(

@@ -37,6 +37,10 @@ pub enum ApiError {
     SlowBody(String),
     #[error("{0}")]
     Unavailable(String),
+    /// 503 because a cap (`--max-turns`, `--max-streams`) is reached: places free as turns and
+    /// streams end, so the answer says when to try again.
+    #[error("{0}")]
+    AtCapacity(String),
     /// The detail is logged, never sent.
     #[error("internal error")]
     Internal(String),
@@ -56,7 +60,7 @@ impl ApiError {
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::TooLarge(_) | ApiError::LimitExceeded(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::SlowBody(_) => StatusCode::REQUEST_TIMEOUT,
-            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::AtCapacity(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -72,11 +76,21 @@ pub struct Expected;
 #[derive(Debug, Clone)]
 pub struct InternalDetail(pub String);
 
+/// Seconds a client is asked to wait (`Retry-After`) before trying again past a cap: long
+/// enough that a crowd of retries does not take the capacity it waits for, short next to a turn.
+pub const RETRY_AFTER_SECS: u32 = 5;
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status(), Json(ErrorBody { error: self.to_string() })).into_response();
-        if let ApiError::Internal(detail) = self {
-            response.extensions_mut().insert(InternalDetail(detail));
+        match self {
+            ApiError::Internal(detail) => {
+                response.extensions_mut().insert(InternalDetail(detail));
+            }
+            ApiError::AtCapacity(_) => {
+                response.headers_mut().insert(axum::http::header::RETRY_AFTER, RETRY_AFTER_SECS.into());
+            }
+            _ => {}
         }
         response
     }
@@ -99,7 +113,8 @@ impl From<StartError> for ApiError {
         match e {
             StartError::UnknownModel(m) => ApiError::BadRequest(format!("unknown model {m:?}; GET /models lists them")),
             StartError::Busy => ApiError::Conflict(StartError::Busy.to_string()),
-            e @ (StartError::ShuttingDown | StartError::Full(_)) => ApiError::Unavailable(e.to_string()),
+            e @ StartError::ShuttingDown => ApiError::Unavailable(e.to_string()),
+            e @ StartError::Full(_) => ApiError::AtCapacity(e.to_string()),
             StartError::QueueFull(full @ crate::runtime::QueueFull::Messages(_)) => {
                 ApiError::Conflict(StartError::QueueFull(full).to_string())
             }

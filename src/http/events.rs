@@ -34,6 +34,7 @@ use crate::live::Format;
                 (crate::wire::AgentEvent = "application/x-ndjson"),
             )),
         (status = 400, description = "Bad id or parameter", body = ErrorBody),
+        (status = 503, description = "As many streams are open as `--max-streams` allows", body = ErrorBody, headers(("Retry-After" = u32, description = "Seconds to wait before trying again, when a cap is reached"))),
     )
 ))]
 pub async fn events(

@@ -69,7 +69,7 @@ impl AppState {
         transport: crate::metrics::Transport,
     ) -> Result<crate::metrics::StreamPermit, ApiError> {
         crate::metrics::StreamPermit::acquire(&self.metrics, transport, self.config.max_streams)
-            .ok_or_else(|| ApiError::Unavailable("too many open streams; try again later".into()))
+            .ok_or_else(|| ApiError::AtCapacity("too many open streams; try again later".into()))
     }
 
     /// The keep-alive period of live streams.

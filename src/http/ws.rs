@@ -31,6 +31,7 @@ use crate::turn::StartError;
         (status = 400, description = "Not a WebSocket upgrade request, or not version 13 (then with `Sec-WebSocket-Version: 13`)", body = ErrorBody),
         (status = 403, description = "The page's `Origin` is not on the CORS allow-list", body = ErrorBody),
         (status = 426, description = "An upgrade over HTTP/1.0", body = ErrorBody),
+        (status = 503, description = "As many streams are open as `--max-streams` allows", body = ErrorBody, headers(("Retry-After" = u32, description = "Seconds to wait before trying again, when a cap is reached"))),
     )
 ))]
 pub async fn ws(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
