@@ -131,8 +131,9 @@ pub async fn serve(
         let metrics = metrics.clone();
         let mut drained = Cancelled::new(&drained);
         // The slot is the task's only sign of life (another would grow every connection's
-        // task, idle watchers' too): given back when the connection ends (a WebSocket session
-        // hyper upgraded runs on in a task of its own, counted by --max-streams only).
+        // task, idle watchers' too): given back when the connection ends, or passed on to a
+        // WebSocket session hyper upgrades it to, which runs in a task of its own (awaited
+        // here, it would grow this task, idle watchers' too).
         tokio::spawn(async move {
             // Bodyless GETs first (written by `http1`); hyper takes over at any other request.
             let stream = Arc::new(stream);
@@ -153,15 +154,17 @@ pub async fn serve(
             let drain = limits.drain_timeout;
             let inner = GuardedStream { inner: stream, drain_timeout: drain, stalled: None };
             let io = TokioIo::new(Rewind { prefix, read: 0, inner });
+            let slot = Arc::new(std::sync::Mutex::new(Some(slot)));
             let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
                 let router = router.clone();
+                let slot = slot.clone();
                 async move {
                     let upgrade = request.extensions_mut().remove::<OnUpgrade>();
                     let response = match router.oneshot(request.map(Body::new)).await {
                         Ok(response) => response,
                         Err(never) => match never {},
                     };
-                    Ok::<_, Infallible>(hand_over(response, upgrade, drain))
+                    Ok::<_, Infallible>(hand_over(response, upgrade, &slot, drain))
                 }
             });
             let connection = hyper::server::conn::http1::Builder::new()
@@ -189,7 +192,7 @@ pub async fn serve(
                     }
                 }
             }
-            drop(slot);
+            // The slot goes with hyper's service, unless a session took it.
         });
     }
     drop(listener);
@@ -230,8 +233,14 @@ impl Paused {
 }
 
 /// A response with a live stream, as hyper serves it: a watch becomes the body; a session is
-/// served on the socket once hyper has written the `101` and handed the socket back.
-fn hand_over(mut response: Response, upgrade: Option<OnUpgrade>, drain: Duration) -> Response {
+/// served on the socket once hyper has written the `101` and handed the socket back, holding
+/// the connection's slot (`--max-connections`) until it ends.
+fn hand_over(
+    mut response: Response,
+    upgrade: Option<OnUpgrade>,
+    slot: &std::sync::Mutex<Option<tokio::sync::OwnedSemaphorePermit>>,
+    drain: Duration,
+) -> Response {
     match Handoff::take(response.extensions()) {
         Some(Live::Watch(watch)) => {
             response.headers_mut().remove(axum::http::header::CONTENT_LENGTH);
@@ -239,7 +248,11 @@ fn hand_over(mut response: Response, upgrade: Option<OnUpgrade>, drain: Duration
         }
         Some(Live::Session(session)) => match upgrade {
             Some(upgrade) if response.status() == StatusCode::SWITCHING_PROTOCOLS => {
-                tokio::spawn(serve_upgraded(upgrade, *session, drain));
+                let slot = slot.lock().expect("never poisoned").take();
+                tokio::spawn(async move {
+                    serve_upgraded(upgrade, *session, drain).await;
+                    drop(slot);
+                });
             }
             _ => tracing::error!("a WebSocket session was opened on a request hyper cannot upgrade"),
         },

@@ -698,6 +698,65 @@ async fn connections_past_the_cap_wait_for_a_place() {
     assert!(gateway.terminate().success());
 }
 
+/// A WebSocket session keeps its connection's place under --max-connections whichever path
+/// served the connection's first requests: one hyper read (a chunked body) and then upgraded
+/// holds it until the session ends, as one upgraded on the gateway's own path does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_session_keeps_its_connections_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_connections = Some(3);
+    let server = TestServer::start(config).await;
+    let mut scraper = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let open = |text: &str| metric(text, "dispatch_open_connections");
+    for chunked_first in [false, true] {
+        let mut session = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+        if chunked_first {
+            // A body without a length is hyper's to read; the upgrade then comes to hyper too.
+            let request = "POST /conversations/w/queue HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
+                           transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n";
+            session.write_all(request.as_bytes()).await.unwrap();
+            let answer = read_until(&mut session, b"}").await;
+            assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        }
+        let upgrade = "GET /ws HTTP/1.1\r\nhost: gateway\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
+                       sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n";
+        session.write_all(upgrade.as_bytes()).await.unwrap();
+        // The session writes its catalog once it has the socket, after the connection's
+        // serving gave its place on (or back).
+        let answer = read_until(&mut session, b"catalog").await;
+        assert!(answer.starts_with("HTTP/1.1 101"), "{answer}");
+        assert_eq!(open(&get_kept_alive(&mut scraper, "/metrics").await), 2.0, "chunked first: {chunked_first}");
+        drop(session);
+        let mut closed = 0.0;
+        for _ in 0..100 {
+            closed = open(&get_kept_alive(&mut scraper, "/metrics").await);
+            if closed == 1.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(closed, 1.0, "the session's end gives the place back");
+    }
+}
+
+/// Reads from `connection` until what arrived holds `needle`.
+async fn read_until(connection: &mut tokio::net::TcpStream, needle: &[u8]) -> String {
+    let mut answer = Vec::new();
+    while !answer.windows(needle.len()).any(|w| w == needle) {
+        let mut buf = [0u8; 4096];
+        let n = connection.read(&mut buf).await.unwrap();
+        assert!(
+            n > 0,
+            "the connection ended before {:?}: {}",
+            String::from_utf8_lossy(needle),
+            String::from_utf8_lossy(&answer)
+        );
+        answer.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
 /// `--backup` copies the database while a gateway writes to it: the copy holds every turn
 /// sealed before it, and a gateway started on it serves them as the original did (a turn that
 /// was running is marked interrupted there, as after a crash). A backup never overwrites a
