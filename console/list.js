@@ -77,7 +77,8 @@ export class ConversationList {
         { href: `#/c/${encodeURIComponent(c.id)}`, "aria-current": c.id === this.selected ? "page" : undefined },
         h("span", { class: "title" }, c.title || c.id),
         h("span", { class: "status", dataset: { status: c.status } }, c.status),
-        h("span", { class: "meta" }, c.model || "default model"),
+        // A titled conversation shows its id too: titles repeat, and the search is by id.
+        meta([c.title ? c.id : null, c.model || "default model"].filter(Boolean).join(" · ")),
         h("time", { class: "meta", datetime: new Date(c.lastActivityAt).toISOString() }, when(c.lastActivityAt)),
       ),
     );
@@ -97,4 +98,9 @@ export class ConversationList {
     this.unsubscribe();
     clearTimeout(this.timer);
   }
+}
+
+/** A line of small print, whole on hover when the column cuts it. */
+function meta(text) {
+  return h("span", { class: "meta", title: text }, text);
 }

@@ -86,11 +86,18 @@ try {
   await page.getByRole("link", { name: /Five hundred turns/ }).waitFor();
   assert.equal((await api(OPEN_URL, "POST", "/conversations", { id: "made-elsewhere", title: "Made elsewhere" })).status, 201);
   await page.getByRole("link", { name: /Made elsewhere/ }).waitFor({ timeout: 10_000 });
+  // A titled row shows its id, which is what the search takes.
+  assert.match(await page.locator('li[data-id="made-elsewhere"] .meta').first().textContent(), /^made-elsewhere · /);
+  await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("made-");
+  await page.waitForFunction(() => document.querySelectorAll("ul.conversations li").length === 1);
+  assert.equal(await page.locator("ul.conversations li").getAttribute("data-id"), "made-elsewhere");
+  await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("");
+  await page.getByRole("link", { name: /Five hundred turns/ }).waitFor();
   assert.equal((await api(OPEN_URL, "POST", "/conversations/watched-elsewhere/messages", { message: "paced elsewhere" })).status, 202);
   await page.locator('li[data-id="watched-elsewhere"] .status[data-status="active"]').waitFor({ timeout: 10_000 });
   await page.screenshot({ path: shot("list") });
   await page.locator('li[data-id="watched-elsewhere"] .status[data-status="idle"]').waitFor({ timeout: 20_000 });
-  step("the list shows new conversations and status changes without a reload");
+  step("the list shows new conversations (a titled one with its id, found by its prefix) and status changes without a reload");
 
   // Send, and watch the stream.
   await page.getByRole("button", { name: "New conversation" }).click();
