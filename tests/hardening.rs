@@ -7,6 +7,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::raw::{exchange, json_body};
 use common::*;
 use dispatch_gateway::{Config, Gateway};
 use serde_json::{Value, json};
@@ -14,59 +15,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
-
-/// A raw HTTP/1.1 response: status, lowercased head, and the bytes after the head.
-struct Raw {
-    status: u16,
-    head: String,
-    rest: Vec<u8>,
-}
-
-/// Sends `request` and reads one response head (and whatever followed it in the same reads).
-async fn exchange(socket: &mut TcpStream, request: &[u8]) -> Raw {
-    socket.write_all(request).await.unwrap();
-    read_response(socket).await
-}
-
-async fn read_response(socket: &mut TcpStream) -> Raw {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let end = loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break end + 4;
-        }
-        let n = tokio::time::timeout(Duration::from_secs(10), socket.read(&mut chunk))
-            .await
-            .expect("a response in time")
-            .unwrap();
-        assert!(n > 0, "the connection closed before a response: {:?}", String::from_utf8_lossy(&buf));
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
-    assert!(head.starts_with("http/1.1 ") || head.starts_with("http/1.0 "), "{head}");
-    Raw { status: head[9..12].parse().unwrap(), head, rest: buf[end..].to_vec() }
-}
-
-/// The JSON body of a response with a content-length.
-async fn json_body(socket: &mut TcpStream, raw: &Raw) -> Value {
-    let length: usize = raw
-        .head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length: "))
-        .unwrap_or_else(|| panic!("a content-length: {}", raw.head))
-        .trim()
-        .parse()
-        .unwrap();
-    let mut body = raw.rest.clone();
-    while body.len() < length {
-        let mut chunk = [0u8; 4096];
-        let n = socket.read(&mut chunk).await.unwrap();
-        assert!(n > 0);
-        body.extend_from_slice(&chunk[..n]);
-    }
-    assert!(raw.head.contains("content-type: application/json"), "{}", raw.head);
-    serde_json::from_slice(&body[..length]).unwrap()
-}
 
 fn upgrade(path: &str, extra: &str) -> Vec<u8> {
     format!(

@@ -4,6 +4,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::raw::{exchange, get_kept_alive, read_until};
 use common::*;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -628,24 +629,6 @@ async fn out_of_descriptors_is_logged_when_it_starts_and_ends() {
     assert!(gateway.terminate().success());
 }
 
-/// One GET over a kept-alive connection: the response's body.
-async fn get_kept_alive(connection: &mut tokio::net::TcpStream, path: &str) -> String {
-    connection.write_all(format!("GET {path} HTTP/1.1\r\nhost: gateway\r\n\r\n").as_bytes()).await.unwrap();
-    let mut answer = Vec::new();
-    loop {
-        let mut buf = [0u8; 65536];
-        let n = connection.read(&mut buf).await.unwrap();
-        assert!(n > 0, "the answer ends before its body");
-        answer.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&answer).into_owned();
-        let Some((head, body)) = text.split_once("\r\n\r\n") else { continue };
-        let length = head.lines().find_map(|l| l.strip_prefix("content-length: ")).expect("a content-length");
-        if body.len() >= length.parse::<usize>().unwrap() {
-            return body.to_owned();
-        }
-    }
-}
-
 /// Connections are capped (--max-connections): at the cap new ones wait in the listen queue,
 /// which is logged when it starts and ends, and a request queued meanwhile is answered once a
 /// connection closes. /metrics counts the open connections.
@@ -715,17 +698,17 @@ async fn a_websocket_session_keeps_its_connections_place() {
             // A body without a length is hyper's to read; the upgrade then comes to hyper too.
             let request = "POST /conversations/w/queue HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
                            transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n";
-            session.write_all(request.as_bytes()).await.unwrap();
-            let answer = read_until(&mut session, b"}").await;
-            assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+            let answer = exchange(&mut session, request.as_bytes()).await;
+            assert_eq!(answer.status, 400, "{}", answer.head);
+            read_until(&mut session, answer.rest, b"}").await;
         }
         let upgrade = "GET /ws HTTP/1.1\r\nhost: gateway\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
                        sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n";
-        session.write_all(upgrade.as_bytes()).await.unwrap();
+        let answer = exchange(&mut session, upgrade.as_bytes()).await;
+        assert_eq!(answer.status, 101, "{}", answer.head);
         // The session writes its catalog once it has the socket, after the connection's
         // serving gave its place on (or back).
-        let answer = read_until(&mut session, b"catalog").await;
-        assert!(answer.starts_with("HTTP/1.1 101"), "{answer}");
+        read_until(&mut session, answer.rest, b"catalog").await;
         assert_eq!(open(&get_kept_alive(&mut scraper, "/metrics").await), 2.0, "chunked first: {chunked_first}");
         drop(session);
         let mut closed = 0.0;
@@ -738,23 +721,6 @@ async fn a_websocket_session_keeps_its_connections_place() {
         }
         assert_eq!(closed, 1.0, "the session's end gives the place back");
     }
-}
-
-/// Reads from `connection` until what arrived holds `needle`.
-async fn read_until(connection: &mut tokio::net::TcpStream, needle: &[u8]) -> String {
-    let mut answer = Vec::new();
-    while !answer.windows(needle.len()).any(|w| w == needle) {
-        let mut buf = [0u8; 4096];
-        let n = connection.read(&mut buf).await.unwrap();
-        assert!(
-            n > 0,
-            "the connection ended before {:?}: {}",
-            String::from_utf8_lossy(needle),
-            String::from_utf8_lossy(&answer)
-        );
-        answer.extend_from_slice(&buf[..n]);
-    }
-    String::from_utf8_lossy(&answer).into_owned()
 }
 
 /// `--backup` copies the database while a gateway writes to it: the copy holds every turn

@@ -2,6 +2,7 @@
 //! response the helpers read is checked against the OpenAPI document.
 #![allow(dead_code)]
 
+pub mod raw;
 pub mod schema;
 pub mod upstream;
 
