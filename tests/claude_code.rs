@@ -73,7 +73,7 @@ async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_re
             program: claude.display().to_string(),
             args: Vec::new(),
             dialect: Dialect::ClaudeStreamJson,
-            models: vec!["sonnet".into()],
+            models: vec!["sonnet".into(), "opus".into()],
             cwd: Some(work.clone()),
             env,
             idle_timeout_secs: 600,
@@ -130,5 +130,22 @@ async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_re
     // And the conversation goes on after the interrupt.
     let events = server.chat("cc", "after the stop").await;
     assert_eq!(text_of(&events), "Answer to: after the stop ");
+
+    // Another model for the conversation (Claude Code takes it as an argument): its next turn
+    // runs on it, in the same session (the API is sent the earlier turns).
+    assert_eq!(server.put("/conversations/cc/model", json!({"model": "claude/opus"})).await.0, 200);
+    let events = server.chat("cc", "on opus now").await;
+    assert_eq!(text_of(&events), "Answer to: on opus now ", "{events:?}");
+    let requests = std::fs::read_to_string(dir.path().join("requests.jsonl")).unwrap();
+    let last: Value = requests
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|r| r["path"].as_str().unwrap().starts_with("/v1/messages") && r["body"]["stream"] == true)
+        .last()
+        .unwrap();
+    let model = last["body"]["model"].as_str().unwrap();
+    assert!(model.contains("opus"), "the turn ran on {model}");
+    let body = last["body"].to_string();
+    assert!(body.contains("hello again"), "the session goes on: {body}");
     server.stop().await;
 }

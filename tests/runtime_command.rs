@@ -76,6 +76,9 @@ for line in sys.stdin:
         sys.stderr.flush()
         emit(type="text", delta="still here")
         emit(type="done", reason="stop")
+    elif text.startswith("where"):
+        emit(type="text", delta=os.getcwd() + " " + os.environ["DISPATCH_MODEL"])
+        emit(type="done", reason="stop")
     elif text.startswith("unknown"):
         emit(type="something_new", x=1)
         emit(type="text", delta="fine")
@@ -114,7 +117,7 @@ fn config_with(dir: &Path, script: &Path, dialect: Dialect, idle_timeout_secs: u
             program: "python3".into(),
             args: vec!["-u".into(), script.display().to_string()],
             dialect,
-            models: vec!["fake".into()],
+            models: vec!["fake".into(), "other".into()],
             cwd: None,
             env: BTreeMap::new(),
             idle_timeout_secs,
@@ -156,6 +159,36 @@ async fn echo_and_the_session_id_is_stored_and_passed_back() {
     // Another conversation gets its own process.
     turn(&server, "c2", "echo x").await;
     assert_eq!(starts(dir.path()).len(), 3);
+}
+
+/// A process is started for a model and a folder: a turn on another model or in another
+/// folder gets a new process, there, resuming the session; a folder that is not there is the
+/// turn's error, saying so.
+#[tokio::test]
+async fn another_model_or_folder_starts_a_new_process_that_resumes_the_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+    let elsewhere = dir.path().join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let here = std::env::current_dir().unwrap();
+    let whereabouts = |events: &[Value]| events.iter().find(|e| e["type"] == "text-delta").unwrap()["delta"].clone();
+    turn(&server, "c", "echo one").await;
+    assert_eq!(whereabouts(&turn(&server, "c", "where").await), format!("{} fake", here.display()));
+    assert_eq!(starts(dir.path()), vec!["-"]);
+
+    assert_eq!(server.put("/conversations/c/cwd", json!({"cwd": elsewhere})).await.0, 200);
+    assert_eq!(whereabouts(&turn(&server, "c", "where").await), format!("{} fake", elsewhere.display()));
+    assert_eq!(starts(dir.path()), vec!["-", "sess-1"], "a new process, resuming the session");
+    assert_eq!(server.put("/conversations/c/model", json!({"model": "agent/other"})).await.0, 200);
+    assert_eq!(whereabouts(&turn(&server, "c", "where").await), format!("{} other", elsewhere.display()));
+    assert_eq!(whereabouts(&turn(&server, "c", "where").await), format!("{} other", elsewhere.display()));
+    assert_eq!(starts(dir.path()), vec!["-", "sess-1", "sess-1"], "the same model and folder keep the process");
+
+    let gone = dir.path().join("gone");
+    assert_eq!(server.put("/conversations/c/cwd", json!({"cwd": gone})).await.0, 200);
+    let events = turn(&server, "c", "where").await;
+    turn_error(&events, "agent-spawn", &format!("working directory {:?} is not a folder", gone.display().to_string()));
 }
 
 #[tokio::test]

@@ -40,6 +40,8 @@ struct Agent {
     stdin: ChildStdin,
     stdout: BoundedLines<ChildStdout>,
     pgid: Option<i32>,
+    /// What it was started for: a turn on another model or in another folder needs a new one.
+    started_for: StartedFor,
     /// Its place among the credential's `max_processes`, given back when it is dropped.
     _place: OwnedSemaphorePermit,
 }
@@ -55,6 +57,14 @@ impl Agent {
         }
         let _ = self.child.kill().await;
     }
+}
+
+/// The model and working directory a process was started with (its arguments, environment
+/// and folder); a process cannot move to others.
+#[derive(PartialEq)]
+struct StartedFor {
+    model: String,
+    cwd: Option<std::path::PathBuf>,
 }
 
 /// One conversation's agent (when alive) and its restart bookkeeping.
@@ -166,8 +176,16 @@ impl Inner {
         })
     }
 
+    /// The model and folder a process for this turn is started with: the turn's folder, else
+    /// the credential's.
+    fn started_for(&self, req: &TurnRequest) -> StartedFor {
+        let cwd = req.cwd.as_ref().map(std::path::PathBuf::from).or_else(|| self.settings.cwd.clone());
+        StartedFor { model: req.model.clone(), cwd }
+    }
+
     fn spawn(&self, req: &TurnRequest, place: OwnedSemaphorePermit) -> Result<Agent, RuntimeError> {
         let s = &self.settings;
+        let started_for = self.started_for(req);
         let mut command = tokio::process::Command::new(&s.program);
         command.args(&s.args);
         if s.dialect == Dialect::ClaudeStreamJson {
@@ -185,11 +203,16 @@ impl Inner {
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .process_group(0);
-        if let Some(cwd) = req.cwd.as_ref().map(std::path::PathBuf::from).or_else(|| s.cwd.clone()) {
+        if let Some(cwd) = &started_for.cwd {
             command.current_dir(cwd);
         }
         let mut child = command.spawn().map_err(|e| {
-            RuntimeError::turn(format!("cannot start the agent program {:?}: {e}", s.program), "agent-spawn")
+            // A missing folder fails the spawn as a missing program would: say which it is.
+            let message = match &started_for.cwd {
+                Some(cwd) if !cwd.is_dir() => format!("the agent's working directory {cwd:?} is not a folder here"),
+                _ => format!("cannot start the agent program {:?}: {e}", s.program),
+            };
+            RuntimeError::turn(message, "agent-spawn")
         })?;
         let stdin = child.stdin.take().ok_or_else(|| RuntimeError::turn("the agent has no stdin", "agent-spawn"))?;
         let stdout = child.stdout.take().ok_or_else(|| RuntimeError::turn("the agent has no stdout", "agent-spawn"))?;
@@ -215,7 +238,7 @@ impl Inner {
             });
         }
         let pgid = child.id().map(|id| id as i32);
-        Ok(Agent { child, stdin, stdout: BoundedLines::new(stdout, self.max_line), pgid, _place: place })
+        Ok(Agent { child, stdin, stdout: BoundedLines::new(stdout, self.max_line), pgid, started_for, _place: place })
     }
 
     /// The line that submits a turn.
@@ -279,6 +302,14 @@ impl Inner {
             Some(agent) => agent.child.try_wait().ok().flatten().is_none(),
             None => false,
         };
+        // The conversation moved to another model or folder: the process goes (not a death:
+        // no backoff), and one started for them resumes the session.
+        if alive && slot.agent.as_ref().is_some_and(|agent| agent.started_for != self.started_for(req)) {
+            if let Some(agent) = slot.agent.take() {
+                tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model or folder");
+                agent.kill().await;
+            }
+        }
         let mut agent = match slot.agent.take() {
             Some(agent) if alive => agent,
             dead => {
