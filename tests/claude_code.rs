@@ -139,9 +139,9 @@ async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_re
     let requests = std::fs::read_to_string(dir.path().join("requests.jsonl")).unwrap();
     let last: Value = requests
         .lines()
+        .rev()
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|r| r["path"].as_str().unwrap().starts_with("/v1/messages") && r["body"]["stream"] == true)
-        .last()
+        .find(|r| r["path"].as_str().unwrap().starts_with("/v1/messages") && r["body"]["stream"] == true)
         .unwrap();
     let model = last["body"]["model"].as_str().unwrap();
     assert!(model.contains("opus"), "the turn ran on {model}");
