@@ -42,6 +42,17 @@ impl Drop for MockApi {
     }
 }
 
+/// The last streamed Messages request the mock API was sent.
+fn last_streamed(dir: &tempfile::TempDir) -> Value {
+    let requests = std::fs::read_to_string(dir.path().join("requests.jsonl")).unwrap();
+    requests
+        .lines()
+        .rev()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|r| r["path"].as_str().unwrap().starts_with("/v1/messages") && r["body"]["stream"] == true)
+        .expect("a streamed request")
+}
+
 fn text_of(events: &[Value]) -> String {
     events.iter().filter(|e| e["type"] == "text-delta").map(|e| e["delta"].as_str().unwrap()).collect()
 }
@@ -136,16 +147,17 @@ async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_re
     assert_eq!(server.put("/conversations/cc/model", json!({"model": "claude/opus"})).await.0, 200);
     let events = server.chat("cc", "on opus now").await;
     assert_eq!(text_of(&events), "Answer to: on opus now ", "{events:?}");
-    let requests = std::fs::read_to_string(dir.path().join("requests.jsonl")).unwrap();
-    let last: Value = requests
-        .lines()
-        .rev()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .find(|r| r["path"].as_str().unwrap().starts_with("/v1/messages") && r["body"]["stream"] == true)
-        .unwrap();
+    let last = last_streamed(&dir);
     let model = last["body"]["model"].as_str().unwrap();
     assert!(model.contains("opus"), "the turn ran on {model}");
     let body = last["body"].to_string();
     assert!(body.contains("hello again"), "the session goes on: {body}");
+
+    // The conversation's reasoning effort is Claude Code's effort.
+    assert_eq!(server.put("/conversations/cc/reasoning-effort", json!({"reasoningEffort": "low"})).await.0, 200);
+    assert_eq!(text_of(&server.chat("cc", "briefly").await), "Answer to: briefly ");
+    let last = last_streamed(&dir);
+    assert_eq!(last["body"]["output_config"]["effort"], "low", "{last}");
+    assert!(last["body"].to_string().contains("on opus now"), "the session goes on: {last}");
     server.stop().await;
 }

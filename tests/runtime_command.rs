@@ -83,6 +83,11 @@ for line in sys.stdin:
         emit(type="something_new", x=1)
         emit(type="text", delta="fine")
         emit(type="done", reason="stop")
+
+# The end of its input: what it keeps is written, taking a moment (as a transcript is).
+time.sleep(0.3)
+with open(os.path.join(here, "goodbyes.log"), "a") as f:
+    f.write(str(os.getpid()) + "\n")
 "#;
 
 /// Reads a little of its input, then leaves: a large prompt's write breaks part-way.
@@ -180,6 +185,8 @@ async fn another_model_or_folder_starts_a_new_process_that_resumes_the_session()
     assert_eq!(server.put("/conversations/c/cwd", json!({"cwd": elsewhere})).await.0, 200);
     assert_eq!(whereabouts(&turn(&server, "c", "where").await), format!("{} fake", elsewhere.display()));
     assert_eq!(starts(dir.path()), vec!["-", "sess-1"], "a new process, resuming the session");
+    let goodbyes = std::fs::read_to_string(dir.path().join("goodbyes.log")).unwrap_or_default();
+    assert_eq!(goodbyes.lines().count(), 1, "the old process was let finish what it keeps, not killed");
     assert_eq!(server.put("/conversations/c/model", json!({"model": "agent/other"})).await.0, 200);
     assert_eq!(whereabouts(&turn(&server, "c", "where").await), format!("{} other", elsewhere.display()));
     assert_eq!(whereabouts(&turn(&server, "c", "where").await), format!("{} other", elsewhere.display()));

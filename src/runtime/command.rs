@@ -30,6 +30,8 @@ use crate::wire::OutputStream;
 
 /// How long an interrupted agent has to finish its turn before it is killed.
 const INTERRUPT_GRACE: Duration = Duration::from_secs(3);
+/// How long an idle agent told to stop (its input closed) has to exit before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(3);
 /// Backoff before restarting a process that died, doubling up to the cap.
 const RESTART_BASE: Duration = Duration::from_millis(250);
 const RESTART_CAP: Duration = Duration::from_secs(10);
@@ -49,22 +51,41 @@ struct Agent {
 impl Agent {
     /// Kills the whole process group, then reaps the leader.
     async fn kill(mut self) {
-        if let Some(pgid) = self.pgid {
-            // SAFETY: kill(2) with a negative pid signals a process group; no memory involved.
-            unsafe {
-                libc::kill(-pgid, libc::SIGKILL);
-            }
-        }
-        let _ = self.child.kill().await;
+        kill_group(self.pgid, &mut self.child).await;
+    }
+
+    /// Ends an idle process as the end of its input does, so that it writes what it keeps
+    /// (Claude Code its session's transcript, which a kill right after a turn cut short:
+    /// the next process resumed without the last turns); its group is killed after
+    /// `STOP_GRACE` or once it exits.
+    async fn stop(self) {
+        let Agent { mut child, stdin, stdout, pgid, .. } = self;
+        drop(stdin);
+        // Its output stays open, unread: a closed pipe could end it before it wrote.
+        let _ = tokio::time::timeout(STOP_GRACE, child.wait()).await;
+        kill_group(pgid, &mut child).await;
+        drop(stdout);
     }
 }
 
+async fn kill_group(pgid: Option<i32>, child: &mut Child) {
+    if let Some(pgid) = pgid {
+        // SAFETY: kill(2) with a negative pid signals a process group; no memory involved.
+        unsafe {
+            libc::kill(-pgid, libc::SIGKILL);
+        }
+    }
+    let _ = child.kill().await;
+}
+
 /// The model and working directory a process was started with (its arguments, environment
-/// and folder); a process cannot move to others.
+/// and folder), and Claude Code's effort (an argument too; the gateway's own dialect gets it
+/// with each turn): a process cannot move to others.
 #[derive(PartialEq)]
 struct StartedFor {
     model: String,
     cwd: Option<std::path::PathBuf>,
+    effort: Option<String>,
 }
 
 /// One conversation's agent (when alive) and its restart bookkeeping.
@@ -160,7 +181,7 @@ impl Inner {
             drop(slot);
             if let Some(agent) = stopped {
                 tracing::info!(credential = %self.name, "stopping the agent process idle longest for a new one");
-                agent.kill().await;
+                agent.stop().await;
             }
             // Its idle timer may have fired while this held the entry.
             self.forget(&id);
@@ -176,11 +197,11 @@ impl Inner {
         })
     }
 
-    /// The model and folder a process for this turn is started with: the turn's folder, else
-    /// the credential's.
+    /// What a process for this turn is started with: the turn's folder, else the credential's.
     fn started_for(&self, req: &TurnRequest) -> StartedFor {
         let cwd = req.cwd.as_ref().map(std::path::PathBuf::from).or_else(|| self.settings.cwd.clone());
-        StartedFor { model: req.model.clone(), cwd }
+        let effort = req.reasoning_effort.clone().filter(|_| self.settings.dialect == Dialect::ClaudeStreamJson);
+        StartedFor { model: req.model.clone(), cwd, effort }
     }
 
     fn spawn(&self, req: &TurnRequest, place: OwnedSemaphorePermit) -> Result<Agent, RuntimeError> {
@@ -189,7 +210,7 @@ impl Inner {
         let mut command = tokio::process::Command::new(&s.program);
         command.args(&s.args);
         if s.dialect == Dialect::ClaudeStreamJson {
-            command.args(claude_args(&req.model, req.session_id.as_deref(), s.unattended));
+            command.args(claude_args(&started_for, req.session_id.as_deref(), s.unattended));
         }
         if let Some(session) = &req.session_id {
             command.env("DISPATCH_SESSION_ID", session);
@@ -307,7 +328,7 @@ impl Inner {
         if alive && slot.agent.as_ref().is_some_and(|agent| agent.started_for != self.started_for(req)) {
             if let Some(agent) = slot.agent.take() {
                 tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model or folder");
-                agent.kill().await;
+                agent.stop().await;
             }
         }
         let mut agent = match slot.agent.take() {
@@ -479,7 +500,7 @@ impl Inner {
                 }
                 if let Some(agent) = state.agent.take() {
                     tracing::info!("stopping an idle agent process");
-                    agent.kill().await;
+                    agent.stop().await;
                 }
             }
             drop(slot);
@@ -516,11 +537,13 @@ impl Runtime for CommandRuntime {
             inner.turns.wait().await;
             let agents: Vec<_> =
                 inner.agents.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, s)| s).collect();
-            for slot in agents {
+            // Every turn has settled: the processes are idle, stopped all at once.
+            let stops = agents.into_iter().map(|slot| async move {
                 if let Some(agent) = slot.lock().await.agent.take() {
-                    agent.kill().await;
+                    agent.stop().await;
                 }
-            }
+            });
+            futures_util::future::join_all(stops).await;
         })
     }
 }
@@ -600,8 +623,9 @@ fn ndjson_event(v: &Value) -> Option<RawEvent> {
 /// The arguments the gateway adds for Claude Code's stream-json mode. Permission requests come
 /// over stdio only with `--permission-prompt-tool stdio` (else `unattended` would have nothing
 /// to answer); the session is resumed as one argument (`--resume=<id>`), so an id that starts
-/// with a dash is not read as a flag.
-fn claude_args(model: &str, session: Option<&str>, unattended: bool) -> Vec<String> {
+/// with a dash is not read as a flag. The effort is passed only when the conversation has one
+/// (else Claude Code's default), so a CLI older than `--effort` still starts.
+fn claude_args(started_for: &StartedFor, session: Option<&str>, unattended: bool) -> Vec<String> {
     // Partial messages: the CLI streams tokens (`stream_event` lines) instead of whole blocks.
     let mut args: Vec<String> = [
         "--print",
@@ -612,11 +636,14 @@ fn claude_args(model: &str, session: Option<&str>, unattended: bool) -> Vec<Stri
         "--verbose",
         "--include-partial-messages",
         "--model",
-        model,
+        &started_for.model,
     ]
     .into_iter()
     .map(str::to_owned)
     .collect();
+    if let Some(effort) = &started_for.effort {
+        args.extend(["--effort".to_owned(), effort.clone()]);
+    }
     if unattended {
         args.extend(["--permission-prompt-tool".to_owned(), "stdio".to_owned()]);
     }
@@ -700,11 +727,15 @@ for line in sys.stdin:
 
     #[test]
     fn claude_code_gets_its_permission_tool_when_unattended_and_its_session_as_one_argument() {
-        let args = claude_args("sonnet", Some("-odd-id"), true);
+        let sonnet =
+            |effort: Option<&str>| StartedFor { model: "sonnet".into(), cwd: None, effort: effort.map(Into::into) };
+        let args = claude_args(&sonnet(Some("low")), Some("-odd-id"), true);
         assert!(args.windows(2).any(|w| w == ["--permission-prompt-tool", "stdio"]), "{args:?}");
+        assert!(args.windows(2).any(|w| w == ["--effort", "low"]), "{args:?}");
         assert_eq!(args.last().unwrap(), "--resume=-odd-id");
-        let args = claude_args("sonnet", None, false);
+        let args = claude_args(&sonnet(None), None, false);
         assert!(!args.iter().any(|a| a.starts_with("--permission-prompt-tool") || a.starts_with("--resume")));
+        assert!(!args.iter().any(|a| a == "--effort"), "no effort asked: Claude Code's default");
         assert!(args.windows(2).any(|w| w == ["--model", "sonnet"]));
     }
 }
