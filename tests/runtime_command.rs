@@ -463,6 +463,8 @@ async fn an_idle_process_is_stopped_and_shutdown_stops_them_all() {
     let first = pids.lines().next().unwrap().to_owned();
     assert!(alive(&first));
     assert!(eventually(100, || async { !alive(&first) }).await, "the idle process was not stopped");
+    let goodbyes = || std::fs::read_to_string(dir.path().join("goodbyes.log")).unwrap_or_default();
+    assert_eq!(goodbyes(), format!("{first}\n"), "stopped at the end of its input, not killed");
     turn(&server, "c1", "echo two").await;
     assert_eq!(starts(dir.path()).len(), 2, "the next turn started a new process");
 
@@ -472,6 +474,7 @@ async fn an_idle_process_is_stopped_and_shutdown_stops_them_all() {
     assert!(alive(pids.last().unwrap()), "the new conversation's process runs");
     server.stop().await;
     assert!(pids.iter().all(|p| !alive(p)), "shutdown stops every agent process");
+    assert_eq!(goodbyes().lines().count(), 3, "each let write what it keeps: {pids:?}");
 }
 
 /// A Claude Code stand-in that runs a turn of its own between the gateway's: after the first
