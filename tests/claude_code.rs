@@ -58,7 +58,7 @@ fn text_of(events: &[Value]) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_reports_errors() {
+async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_model_and_effort_and_reports_errors() {
     let install = "npm install @anthropic-ai/claude-code";
     let Some(claude) = program("DISPATCH_TEST_CLAUDE", "claude", "DISPATCH_REQUIRE_CLAUDE", install) else { return };
     let dir = tempfile::tempdir().unwrap();
@@ -78,20 +78,21 @@ async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_re
         env.insert(k.to_owned(), v);
     }
     let mut config = test_config(dir.path());
-    config.credentials.insert(
-        "claude".into(),
-        Credential::Command(CommandCredential {
+    // `guarded` is the same CLI with nobody to allow its tools.
+    for (name, unattended) in [("claude", true), ("guarded", false)] {
+        let credential = CommandCredential {
             program: claude.display().to_string(),
             args: Vec::new(),
             dialect: Dialect::ClaudeStreamJson,
             models: vec!["sonnet".into(), "opus".into()],
             cwd: Some(work.clone()),
-            env,
+            env: env.clone(),
             idle_timeout_secs: 600,
-            unattended: true,
+            unattended,
             max_processes: 32,
-        }),
-    );
+        };
+        config.credentials.insert(name.into(), Credential::Command(credential));
+    }
     let server = TestServer::start(config).await;
 
     // Tokens stream one by one; the thinking comes first; one model call is one step.
@@ -110,6 +111,27 @@ async fn the_real_claude_code_cli_streams_tokens_counts_one_step_per_call_and_re
     assert_eq!(done["usage"]["outputTokens"], 9, "{done}");
     assert_eq!(done["usage"]["cacheReadTokens"], 100);
     assert_eq!(done["contextSize"], 141, "the whole context, cache included");
+
+    // A tool that needs leave, with nobody to give it: refused, and the model is told so.
+    let made = work.join("tool-ran.txt");
+    let request = json!({"conversationId": "denied", "message": "use a tool please", "model": "guarded/sonnet"});
+    let events: Vec<Value> = server.chat_stream(request).await.collect().await;
+    let result = events.iter().find(|e| e["type"] == "tool-result").unwrap_or_else(|| panic!("a result: {events:?}"));
+    assert_eq!(result["isError"], true, "{result}");
+    assert!(!made.exists(), "the tool did not run: {events:?}");
+    // Unattended: the CLI asks the gateway's leave, which allows it; the tool runs and its
+    // result goes back to the model; a step per model call.
+    let events = server.chat("tools", "use a tool please").await;
+    let call = events.iter().find(|e| e["type"] == "tool-call").unwrap_or_else(|| panic!("a tool call: {events:?}"));
+    assert_eq!(call["toolName"], "Bash", "{call}");
+    assert_eq!(call["input"]["command"], "touch tool-ran.txt && echo tool-ran", "{call}");
+    let result = events.iter().find(|e| e["type"] == "tool-result").expect("a tool result");
+    assert_eq!((&result["toolCallId"], &result["isError"]), (&call["toolCallId"], &json!(false)), "{result}");
+    assert!(result["content"].as_str().unwrap().contains("tool-ran"), "{result}");
+    assert!(made.exists(), "the tool ran in the conversation's folder");
+    assert_eq!(text_of(&events), "The tool said: tool-ran ");
+    assert_eq!(events.iter().filter(|e| e["type"] == "step-complete").count(), 2, "{events:?}");
+    assert_eq!(events.iter().find(|e| e["type"] == "done").unwrap()["reason"], "stop");
 
     // The same process takes the next turn.
     let events = server.chat("cc", "hello again").await;
