@@ -67,6 +67,7 @@ export async function request(method, path, body) {
 export const get = (path) => request("GET", path);
 export const post = (path, body = {}) => request("POST", path, body);
 export const put = (path, body) => request("PUT", path, body);
+export const del = (path) => request("DELETE", path);
 
 /** A conversation id: a UUIDv4, from `getRandomValues` (which, unlike `randomUUID`, works on
  * plain http pages away from localhost). */

@@ -1,5 +1,5 @@
 // One conversation: its sealed history, then the turn in flight over SSE, a composer, a stop
-// button, its title, and its metrics as plots.
+// button, its title, its metrics as plots, and closing or deleting it.
 //
 // The stream is opened first, with a cursor of no turn, so the gateway answers with `resync`
 // and the horizon (`latestSeq`) of the sealed history at that moment; the history is read up
@@ -8,7 +8,7 @@
 // (EventSource resumes by `Last-Event-ID`; a cursor whose turn has sealed meanwhile gets
 // `resync` again). docs/console.md has the whole of it.
 
-import { get, post, put, withToken, conversationPath, ApiError } from "./api.js";
+import { get, post, put, del, withToken, conversationPath, ApiError } from "./api.js";
 import { h } from "./dom.js";
 import { Turn, turnsFromChunks, applyEvent } from "./transcript.js";
 import { TurnPlots } from "./metrics.js";
@@ -44,6 +44,11 @@ export class ConversationView {
     this.sendButton = h("button", { type: "submit", class: "primary" }, "Send");
     this.stopButton = h("button", { type: "button", disabled: true, onclick: () => this.stop() }, "Stop");
     this.plots = new TurnPlots(id);
+    // Deleting asks twice: the first press only shows the confirming button.
+    this.closeButton = h("button", { type: "button", onclick: () => this.close() }, "Close conversation");
+    this.deleteButton = h("button", { type: "button", class: "danger", onclick: () => this.askDelete(true) }, "Delete");
+    this.confirmDelete = h("button", { type: "button", class: "danger", hidden: true, onclick: () => this.remove() }, "Delete for good");
+    this.cancelDelete = h("button", { type: "button", hidden: true, onclick: () => this.askDelete(false) }, "Keep it");
 
     this.message.addEventListener("keydown", (event) => {
       if (event.key === "Enter" && !event.shiftKey) {
@@ -72,6 +77,14 @@ export class ConversationView {
       h("section", { class: "transcript", "aria-label": "Transcript" }, this.note, this.history, this.liveArea),
       form,
       this.plots.element,
+      h(
+        "div",
+        { class: "danger-zone", "aria-label": "Close or delete" },
+        this.closeButton,
+        this.deleteButton,
+        this.confirmDelete,
+        this.cancelDelete,
+      ),
     );
     this.unsubscribe = feed.subscribe((change) => {
       if (change && change.conversationId === id) this.setStatus(change.status);
@@ -212,6 +225,35 @@ export class ConversationView {
       this.feed.touch();
     } catch (e) {
       this.fail(e.status === 404 ? new Error("The conversation starts with its first message; give it a title after that.") : e);
+    }
+  }
+
+  /** Stops a running turn and marks the conversation closed (it stays readable). */
+  async close() {
+    try {
+      await post(`${this.path}/close`);
+      this.alert.textContent = "";
+    } catch (e) {
+      this.fail(e);
+    }
+  }
+
+  askDelete(asking) {
+    this.deleteButton.hidden = asking;
+    this.confirmDelete.hidden = !asking;
+    this.cancelDelete.hidden = !asking;
+    if (asking) this.confirmDelete.focus();
+  }
+
+  /** Deletes the conversation and its log, then goes back to the list. */
+  async remove() {
+    this.askDelete(false);
+    try {
+      await del(this.path);
+      this.feed.touch();
+      location.hash = "#/";
+    } catch (e) {
+      this.fail(e.status === 409 ? new Error("A turn is running; stop it (or close the conversation) first.") : e);
     }
   }
 

@@ -237,6 +237,23 @@ try {
   await page.screenshot({ path: shot("gateway") });
   step("throughput per model and the gateway's state");
 
+  // Closing, and deleting once asked twice.
+  await page.goto(`${px.url}/#/c/watched-elsewhere`);
+  const listed = page.locator('li[data-id="watched-elsewhere"]');
+  await listed.waitFor();
+  await page.getByRole("button", { name: "Close conversation" }).click();
+  await page.locator('.detail-head .status[data-status="closed"]').waitFor({ timeout: 10_000 });
+  await page.getByRole("button", { name: "Delete", exact: true }).click();
+  await page.getByRole("button", { name: "Keep it" }).click();
+  assert.equal((await api(OPEN_URL, "GET", "/conversations/watched-elsewhere/status")).status, 200, "kept");
+  await page.getByRole("button", { name: "Delete", exact: true }).click();
+  await page.screenshot({ path: shot("delete") });
+  await page.getByRole("button", { name: "Delete for good" }).click();
+  await page.waitForURL(/#\/$/);
+  await listed.waitFor({ state: "detached", timeout: 10_000 });
+  assert.equal((await api(OPEN_URL, "GET", "/conversations/watched-elsewhere/status")).status, 404);
+  step("a conversation is closed, and deleted once asked twice");
+
   // 390 pixels wide, and the dark theme.
   const narrow = await open(`${px.url}/#/c/${encodeURIComponent(conversationId)}`, { viewport: { width: 390, height: 844 } });
   await narrow.locator("article.turn").first().waitFor();
