@@ -42,7 +42,8 @@ struct Agent {
     stdin: ChildStdin,
     stdout: BoundedLines<ChildStdout>,
     pgid: Option<i32>,
-    /// What it was started for: a turn on another model or in another folder needs a new one.
+    /// What it was started for: a turn on another model, in another folder or (Claude Code)
+    /// with another effort needs a new one.
     started_for: StartedFor,
     /// Its place among the credential's `max_processes`, given back when it is dropped.
     _place: OwnedSemaphorePermit,
@@ -323,11 +324,11 @@ impl Inner {
             Some(agent) => agent.child.try_wait().ok().flatten().is_none(),
             None => false,
         };
-        // The conversation moved to another model or folder: the process goes (not a death:
-        // no backoff), and one started for them resumes the session.
+        // The conversation moved to another model, folder or effort: the process goes (not a
+        // death: no backoff), and one started for them resumes the session.
         if alive && slot.agent.as_ref().is_some_and(|agent| agent.started_for != self.started_for(req)) {
             if let Some(agent) = slot.agent.take() {
-                tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model or folder");
+                tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model, folder or effort");
                 agent.stop().await;
             }
         }

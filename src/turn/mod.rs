@@ -467,11 +467,10 @@ impl Turns {
     }
 
     /// The stop fence of every runtime: after the turns have sealed, let each runtime settle
-    /// and end what it spawned.
+    /// and end what it spawned, all at once (agent processes get a few seconds each to exit).
     pub async fn shutdown_runtimes(&self) {
-        for runtime in self.registry.runtimes() {
-            runtime.shutdown().await;
-        }
+        let runtimes = self.registry.runtimes();
+        futures_util::future::join_all(runtimes.iter().map(|runtime| runtime.shutdown())).await;
     }
 
     /// Refuses new turns and asks every running turn to end (`done{aborted}`); for shutdown.
