@@ -1226,3 +1226,31 @@ async fn an_unreachable_upstream_is_retried_then_unavailable_and_an_event_that_i
     assert_eq!(metric(&metrics, "dispatch_runtime_errors_total{kind=\"retried\"}"), 3.0, "{metrics}");
     assert_eq!(server.history("gone").await.last().unwrap()["chunk"]["type"], "error");
 }
+
+/// A 200 that is not an event stream (a server that ignored `stream: true`, a proxy's 200 with
+/// an error or a login page) ends the turn `upstream` saying what came, its first bytes
+/// included, and is not retried: the upstream took the request.
+#[tokio::test]
+async fn a_200_that_is_not_an_event_stream_says_what_came_and_is_not_retried() {
+    set_key();
+    let json_error = r#"{"error":{"message":"quota exceeded for this key"}}"#;
+    let page = "<html><body>Sign in to continue</body></html>";
+    let upstream = FakeUpstream::start(vec![
+        raw("200 OK", "", json_error),
+        Reply::Raw(format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/html; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{page}",
+            page.len()
+        )),
+    ])
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let server = gateway(dir.path(), &upstream).await;
+    let events = turn(&server, "json", "hi").await;
+    let error = turn_error(&events, "upstream", "application/json, not an event stream");
+    assert!(error["message"].as_str().unwrap().contains("quota exceeded for this key"), "{error}");
+    assert_eq!(upstream.requests().len(), 1, "not retried");
+    let events = turn(&server, "html", "hi").await;
+    let error = turn_error(&events, "upstream", "text/html; charset=utf-8, not an event stream");
+    assert!(error["message"].as_str().unwrap().contains("Sign in to continue"), "{error}");
+    assert_eq!(upstream.requests().len(), 2, "not retried");
+}

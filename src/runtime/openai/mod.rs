@@ -405,6 +405,20 @@ impl OpenAiRuntime {
                     _ => RuntimeError::turn(message, "upstream"),
                 });
             }
+            // A 200 that is not a stream (a server that ignored `stream: true`, a proxy's error
+            // or sign-in page): the upstream took the request, so not retried; what came is
+            // said. A stream without a media type is read as one.
+            if let Some(kind) =
+                response.headers().get(CONTENT_TYPE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+                && !kind.trim_start().to_ascii_lowercase().starts_with("text/event-stream")
+            {
+                let body = error_body(response.into_body(), self.settings.max_event_bytes, idle).await;
+                let detail: String = body.chars().take(300).collect();
+                return Err(RuntimeError::turn(
+                    format!("the upstream answered {status} with {kind}, not an event stream: {detail}"),
+                    "upstream",
+                ));
+            }
             return Ok((response, estimate));
         }
     }
