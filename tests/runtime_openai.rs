@@ -151,11 +151,13 @@ async fn a_failure_after_content_ends_the_turn_and_is_not_retried() {
     let upstream = FakeUpstream::start(vec![
         Reply::Broken(vec![delta(json!({"content": "partial"}))]),
         Reply::Stream(vec![delta(json!({"content": "partial"})), json!({"error": {"message": "model overloaded"}})]),
+        // Some servers put the error's text in place of the object.
+        Reply::Stream(vec![delta(json!({"content": "partial"})), json!({"error": "worker crashed"})]),
     ])
     .await;
     let dir = tempfile::tempdir().unwrap();
     let server = gateway(dir.path(), &upstream).await;
-    for (conversation, expected) in [("o3", "stream"), ("o4", "model overloaded")] {
+    for (conversation, expected) in [("o3", "stream"), ("o4", "model overloaded"), ("o5", "worker crashed")] {
         let events = server
             .chat_stream(json!({"conversationId": conversation, "message": "hi", "model": "up/m1"}))
             .await
@@ -170,7 +172,7 @@ async fn a_failure_after_content_ends_the_turn_and_is_not_retried() {
         assert_eq!(history[1]["chunk"], json!({"type": "text", "text": "partial"}));
         assert_eq!(history[2]["chunk"]["type"], "error");
     }
-    assert_eq!(upstream.requests().len(), 2, "one request per turn: no retry after content");
+    assert_eq!(upstream.requests().len(), 3, "one request per turn: no retry after content");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -172,7 +172,11 @@ impl Gathered {
     /// Maps one `data:` chunk, sending what it carries.
     async fn chunk(&mut self, sink: &EventSink, data: &Value) -> Result<(), RuntimeError> {
         if let Some(error) = data.get("error") {
-            let message = error.get("message").and_then(Value::as_str).unwrap_or("the upstream reported an error");
+            // `{"message": ...}` as OpenAI sends it, or the text alone.
+            let message = error
+                .as_str()
+                .or_else(|| error.get("message").and_then(Value::as_str))
+                .unwrap_or("the upstream reported an error");
             return Err(RuntimeError::turn(message, "upstream"));
         }
         if let Some(u) = data.get("usage").and_then(usage) {
