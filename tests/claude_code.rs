@@ -181,5 +181,16 @@ async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_mode
     let last = last_streamed(&dir);
     assert_eq!(last["body"]["output_config"]["effort"], "low", "{last}");
     assert!(last["body"].to_string().contains("on opus now"), "the session goes on: {last}");
+
+    // Another folder: a process there cannot find the session, and the turn says why; the
+    // folder set back, the session goes on.
+    let elsewhere = dir.path().join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    assert_eq!(server.put("/conversations/cc/cwd", json!({"cwd": elsewhere})).await.0, 200);
+    let events = server.chat("cc", "from elsewhere").await;
+    turn_error(&events, "error_during_execution", "keeps a session under the folder it started in");
+    assert_eq!(server.put("/conversations/cc/cwd", json!({"cwd": work})).await.0, 200);
+    assert_eq!(text_of(&server.chat("cc", "back home").await), "Answer to: back home ");
+    assert!(last_streamed(&dir)["body"].to_string().contains("briefly"), "the session goes on");
     server.stop().await;
 }

@@ -243,6 +243,13 @@ fn terminal(v: &Value) -> RawEvent {
         if errors.is_empty() { str_of(v, "result").filter(|r| !r.is_empty()) } else { Some(errors.join("; ")) };
     let status = v.get("api_error_status").and_then(Value::as_u64);
     let mut message = reason.unwrap_or_else(|| format!("the agent failed: {subtype}"));
+    // Claude Code finds a session only under the folder it was started in.
+    if message.starts_with("No conversation found with session ID") {
+        message.push_str(
+            " (Claude Code keeps a session under the folder it started in: if the conversation's cwd changed, \
+             set it back, or start a new conversation)",
+        );
+    }
     if let Some(status) = status
         && !message.contains(&status.to_string())
     {
@@ -279,6 +286,15 @@ mod tests {
 
     fn usage_of(events: &[RawEvent]) -> Vec<Usage> {
         events.iter().filter_map(|e| if let RawEvent::Usage(u) = e { Some(*u) } else { None }).collect()
+    }
+
+    #[test]
+    fn a_session_not_found_says_it_lives_under_its_folder() {
+        let line = json!({"type": "result", "subtype": "error_during_execution", "is_error": true,
+            "errors": ["No conversation found with session ID: s-1"]});
+        let RawEvent::Error { message, code } = terminal(&line) else { panic!("an error") };
+        assert_eq!(code.as_deref(), Some("error_during_execution"));
+        assert!(message.starts_with("No conversation found with session ID: s-1 (Claude Code keeps"), "{message}");
     }
 
     #[test]
