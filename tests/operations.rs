@@ -582,11 +582,33 @@ async fn the_open_file_limit_is_raised_at_start() {
     assert_eq!(metric(&cramped.metrics().await, "process_max_fds"), 512.0);
     assert!(eventually(100, || async { said(&cramped, too_low) }).await, "the start warns");
     assert!(cramped.terminate().success());
+    // An agent program it starts gets the limit the gateway started with, not the raised one
+    // (a program that sizes a table by it, or uses select(2), runs as it would from a shell).
+    let agent = dir.path().join("limits.py");
+    std::fs::write(
+        &agent,
+        "import json, resource, sys\n\
+         for line in sys.stdin:\n\
+         \x20   soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n\
+         \x20   print(json.dumps({'type': 'text', 'delta': f'{soft} {hard}'}), flush=True)\n\
+         \x20   print(json.dumps({'type': 'done', 'reason': 'stop'}), flush=True)\n",
+    )
+    .unwrap();
+    let config = dir.path().join("fits.toml");
+    let credential = format!(
+        "default_model = \"probe/limits\"\n[credentials.probe]\nkind = \"command\"\nprogram = \"python3\"\n\
+         args = [{:?}]\ndialect = \"ndjson\"\nmodels = [\"limits\"]\n",
+        agent.display().to_string()
+    );
+    std::fs::write(&config, credential).unwrap();
     let mut args = database("fits.db");
-    args.extend(["--max-streams".into(), "200".into()]);
+    args.extend(["--max-streams".into(), "200".into(), "--config".into(), config.into()]);
     let fits = ChildGateway::spawn_with_open_files(256, 512, &args);
     assert_eq!(metric(&fits.metrics().await, "process_max_fds"), 512.0);
     assert!(!said(&fits, too_low));
+    let events = fits.chat("limits", "what is your limit?").await;
+    let said_limit = events.iter().find(|e| e["type"] == "text-delta").unwrap_or_else(|| panic!("{events:?}"));
+    assert_eq!(said_limit["delta"], "256 512", "the agent's (soft, hard) limit on open files");
     assert!(fits.terminate().success());
 }
 

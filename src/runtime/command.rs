@@ -228,6 +228,16 @@ impl Inner {
         if let Some(cwd) = &started_for.cwd {
             command.current_dir(cwd);
         }
+        if let Some(limit) = crate::open_files::for_children() {
+            // SAFETY: runs in the child between fork and exec, where only async-signal-safe
+            // calls are allowed: setrlimit(2) is one, and nothing is allocated.
+            unsafe {
+                command.pre_exec(move || {
+                    libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+                    Ok(())
+                });
+            }
+        }
         let mut child = command.spawn().map_err(|e| {
             // A missing folder fails the spawn as a missing program would: say which it is.
             let message = match &started_for.cwd {
