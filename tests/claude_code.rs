@@ -165,7 +165,8 @@ async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_mode
     assert_eq!(text_of(&events), "Answer to: after the stop ");
 
     // Another model for the conversation (Claude Code takes it as an argument): its next turn
-    // runs on it, in the same session (the API is sent the earlier turns).
+    // runs on it, in the same session (the API is sent the earlier turns, the last one too:
+    // the old process was let write it before it went).
     assert_eq!(server.put("/conversations/cc/model", json!({"model": "claude/opus"})).await.0, 200);
     let events = server.chat("cc", "on opus now").await;
     assert_eq!(text_of(&events), "Answer to: on opus now ", "{events:?}");
@@ -173,7 +174,7 @@ async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_mode
     let model = last["body"]["model"].as_str().unwrap();
     assert!(model.contains("opus"), "the turn ran on {model}");
     let body = last["body"].to_string();
-    assert!(body.contains("hello again"), "the session goes on: {body}");
+    assert!(body.contains("hello again") && body.contains("after the stop"), "the session goes on: {body}");
 
     // The conversation's reasoning effort is Claude Code's effort.
     assert_eq!(server.put("/conversations/cc/reasoning-effort", json!({"reasoningEffort": "low"})).await.0, 200);
