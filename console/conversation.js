@@ -1,5 +1,6 @@
 // One conversation: its sealed history, then the turn in flight over SSE, a composer, a stop
-// button, its title, its metrics as plots, and closing or deleting it.
+// button, its title, its folder and reasoning effort (for agent programs), its metrics as
+// plots, and closing or deleting it.
 //
 // The stream is opened first, with a cursor of no turn, so the gateway answers with `resync`
 // and the horizon (`latestSeq`) of the sealed history at that moment; the history is read up
@@ -17,6 +18,8 @@ import { TurnPlots } from "./metrics.js";
 const WINDOW = 2000;
 /** A cursor that names no turn in flight: the stream opens with `resync`. */
 const NO_CURSOR = "none:0";
+/** The reasoning efforts the API takes. */
+const EFFORTS = ["low", "medium", "high", "xhigh", "max"];
 
 export class ConversationView {
   constructor(id, feed) {
@@ -33,6 +36,13 @@ export class ConversationView {
     this.work = Promise.resolve();
 
     this.title = h("input", { type: "text", "aria-label": "Title", placeholder: "untitled", maxlength: 500 });
+    this.folder = h("input", { type: "text", "aria-label": "Folder", placeholder: "the credential's folder" });
+    this.effort = h(
+      "select",
+      { "aria-label": "Reasoning effort" },
+      h("option", { value: "" }, "default effort"),
+      EFFORTS.map((e) => h("option", { value: e }, e)),
+    );
     this.status = h("span", { class: "status", "aria-label": "Status" });
     this.stream = h("span", { class: "stream-state", role: "status", "aria-label": "Stream" });
     this.alert = h("p", { class: "alert", role: "alert" });
@@ -66,6 +76,19 @@ export class ConversationView {
       event.preventDefault();
       this.saveTitle();
     });
+    // Where agent programs run and how hard they think; models that have no use for them
+    // ignore them.
+    const settingsForm = h(
+      "form",
+      { class: "settings-form", "aria-label": "Settings" },
+      this.folder,
+      this.effort,
+      h("button", { type: "submit" }, "Save settings"),
+    );
+    settingsForm.addEventListener("submit", (event) => {
+      event.preventDefault();
+      this.saveSettings();
+    });
 
     this.element = h(
       "section",
@@ -73,6 +96,7 @@ export class ConversationView {
       h("a", { href: "#/", class: "back" }, "← Conversations"),
       h("header", { class: "detail-head" }, titleForm, this.status, this.stream),
       h("p", { class: "muted id" }, "id ", h("code", {}, id)),
+      settingsForm,
       this.alert,
       h("section", { class: "transcript", "aria-label": "Transcript" }, this.note, this.history, this.liveArea),
       form,
@@ -100,13 +124,17 @@ export class ConversationView {
   /** The title, status and model choices. */
   async readMeta() {
     try {
-      const [list, models, sticky] = await Promise.all([
+      const [list, models, sticky, cwd, effort] = await Promise.all([
         get(`/conversations?q=${encodeURIComponent(this.id)}&limit=50`),
         get("/models"),
         get(`${this.path}/model`),
+        get(`${this.path}/cwd`),
+        get(`${this.path}/reasoning-effort`),
       ]);
       const meta = list.conversations.find((c) => c.id === this.id);
       if (meta) this.title.value = meta.title;
+      if (document.activeElement !== this.folder) this.folder.value = cwd.cwd || "";
+      if (document.activeElement !== this.effort) this.effort.value = effort.reasoningEffort || "";
       // The stream knows better while it shows a turn in flight.
       if (!this.live) this.setStatus(meta ? meta.status : "new");
       const chosen = this.model.value;
@@ -225,6 +253,17 @@ export class ConversationView {
       this.feed.touch();
     } catch (e) {
       this.fail(e.status === 404 ? new Error("The conversation starts with its first message; give it a title after that.") : e);
+    }
+  }
+
+  async saveSettings() {
+    try {
+      const folder = this.folder.value.trim();
+      await put(`${this.path}/cwd`, { cwd: folder || null });
+      await put(`${this.path}/reasoning-effort`, { reasoningEffort: this.effort.value || null });
+      this.alert.textContent = "";
+    } catch (e) {
+      this.fail(e);
     }
   }
 

@@ -182,6 +182,21 @@ try {
   assert.equal(await replyText(historyTurns.nth(2)), words(80));
   step("the title is saved and the history renders as the stream did");
 
+  // The folder and reasoning effort agent programs get.
+  await page.getByRole("textbox", { name: "Folder" }).fill("/tmp");
+  await page.getByRole("combobox", { name: "Reasoning effort" }).selectOption("low");
+  const saved = page.waitForResponse((r) => r.url().endsWith("/reasoning-effort") && r.request().method() === "PUT");
+  await page.getByRole("button", { name: "Save settings" }).click();
+  assert.equal((await saved).status(), 200);
+  const setting = async (path, key) => (await api(OPEN_URL, "GET", `/conversations/${conversationId}/${path}`)).body[key];
+  assert.equal(await setting("cwd", "cwd"), "/tmp");
+  assert.equal(await setting("reasoning-effort", "reasoningEffort"), "low");
+  await page.reload();
+  await page.locator("article.turn").first().waitFor();
+  await page.waitForFunction(() => document.querySelector('[aria-label="Folder"]').value === "/tmp");
+  assert.equal(await page.getByRole("combobox", { name: "Reasoning effort" }).inputValue(), "low");
+  step("the folder and reasoning effort are saved and read back");
+
   // Plots: as many points as sealed turns, with 5 and with 500.
   const points = async (title) => page.locator("figure.plot", { hasText: title }).locator("circle.point").count();
   await page.locator("figure.plot", { hasText: "Context size" }).locator("circle.point").first().waitFor();
