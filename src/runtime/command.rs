@@ -28,10 +28,9 @@ use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnReque
 use crate::config::{CommandCredential, Dialect};
 use crate::wire::OutputStream;
 
-/// How long an interrupted agent has to finish its turn before it is killed.
-const INTERRUPT_GRACE: Duration = Duration::from_secs(3);
-/// How long an idle agent told to stop (its input closed) has to exit before it is killed.
-const STOP_GRACE: Duration = Duration::from_secs(3);
+/// How long an agent has to wind down before it is killed: to finish an interrupted turn, or
+/// to exit once its input is closed.
+const GRACE: Duration = Duration::from_secs(3);
 /// Backoff before restarting a process that died, doubling up to the cap.
 const RESTART_BASE: Duration = Duration::from_millis(250);
 const RESTART_CAP: Duration = Duration::from_secs(10);
@@ -58,12 +57,12 @@ impl Agent {
     /// Ends an idle process as the end of its input does, so that it writes what it keeps
     /// (Claude Code its session's transcript, which a kill right after a turn cut short:
     /// the next process resumed without the last turns); its group is killed after
-    /// `STOP_GRACE` or once it exits.
+    /// `GRACE` or once it exits.
     async fn stop(self) {
         let Agent { mut child, stdin, stdout, pgid, .. } = self;
         drop(stdin);
         // Its output stays open, unread: a closed pipe could end it before it wrote.
-        let _ = tokio::time::timeout(STOP_GRACE, child.wait()).await;
+        let _ = tokio::time::timeout(GRACE, child.wait()).await;
         kill_group(pgid, &mut child).await;
         drop(stdout);
     }
@@ -423,7 +422,7 @@ impl Inner {
                         // Interrupt at once; the turn is already ending `aborted`.
                         let _ = agent.stdin.write_all(self.interrupt_line().as_bytes()).await;
                         let _ = agent.stdin.flush().await;
-                        interrupted = Some(tokio::time::Instant::now() + INTERRUPT_GRACE);
+                        interrupted = Some(tokio::time::Instant::now() + GRACE);
                         continue;
                     }
                 }
@@ -463,7 +462,7 @@ impl Inner {
                 terminal |= matches!(event, RawEvent::Finish { .. } | RawEvent::Error { .. });
                 if interrupted.is_none() && sink.send(event).await.is_err() {
                     // The turn went away (stopped): keep draining to the agent's terminal.
-                    interrupted = Some(tokio::time::Instant::now() + INTERRUPT_GRACE);
+                    interrupted = Some(tokio::time::Instant::now() + GRACE);
                 }
             }
             if terminal {
