@@ -515,3 +515,39 @@ async fn a_turn_the_agent_starts_itself_is_not_answered_as_the_users() {
     assert_eq!(text(&turn(&server, "bg", "two").await), "answer to two");
     assert_eq!(text(&turn(&server, "bg", "three").await), "answer to three", "subagent lines stay out");
 }
+
+/// Answers every turn, starts a helper of its own, and stays after the end of its input.
+const STUBBORN: &str = r#"
+import json, os, subprocess, sys, time
+here = os.path.dirname(os.path.abspath(__file__))
+helper = subprocess.Popen(["sleep", "1000"])
+with open(os.path.join(here, "stubborn.pids"), "a") as f:
+    f.write(f"{os.getpid()} {helper.pid}\n")
+for line in sys.stdin:
+    if json.loads(line).get("type") == "user":
+        print(json.dumps({"type": "text", "delta": "here"}), flush=True)
+        print(json.dumps({"type": "done", "reason": "stop"}), flush=True)
+while True:
+    time.sleep(1)
+"#;
+
+/// A process told to stop that does not exit at the end of its input is killed after the
+/// grace, with what it started; the turn that needed a new process gets one.
+#[tokio::test]
+async fn an_agent_that_stays_after_the_end_of_its_input_is_killed_with_its_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "stubborn.py", STUBBORN);
+    let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+    turn(&server, "s", "first").await;
+    let pids = || std::fs::read_to_string(dir.path().join("stubborn.pids")).unwrap();
+    let first: Vec<String> = pids().split_whitespace().map(str::to_owned).collect();
+    assert!(first.iter().all(|p| alive(p)), "{first:?}");
+    // Another model: the first process is told to stop, stays, and is killed.
+    let events = server.chat_stream(json!({"conversationId": "s", "message": "second", "model": "agent/other"})).await;
+    let events: Vec<Value> = events.collect().await;
+    assert_eq!(events.iter().find(|e| e["type"] == "text-delta").unwrap()["delta"], "here");
+    // The helper dies of the group's kill a moment after it is sent.
+    let gone = eventually(100, || async { first.iter().all(|p| !alive(p)) }).await;
+    assert!(gone, "the process and its helper are gone: {first:?}");
+    assert_eq!(pids().lines().count(), 2, "a new process took the turn");
+}
