@@ -133,6 +133,28 @@ async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_mode
     assert_eq!(events.iter().filter(|e| e["type"] == "step-complete").count(), 2, "{events:?}");
     assert_eq!(events.iter().find(|e| e["type"] == "done").unwrap()["reason"], "stop");
 
+    // A stop while a tool runs (`sleep 30 && touch late.txt`): the CLI is interrupted, the
+    // tool with it, and the conversation goes on.
+    let tool_running = || {
+        std::fs::read_dir("/proc").unwrap().flatten().any(|p| {
+            std::fs::read(p.path().join("cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains("late.txt"))
+        })
+    };
+    let mut stream = server.chat_stream(json!({"conversationId": "tools", "message": "a slow tool please"})).await;
+    let mut done = Value::Null;
+    while let Some(event) = stream.next_event().await {
+        if event["type"] == "tool-call" {
+            assert!(eventually(200, || async { tool_running() }).await, "the tool runs");
+            server.post("/conversations/tools/stop", json!({})).await;
+        }
+        if event["type"] == "done" {
+            done = event;
+        }
+    }
+    assert_eq!(done["reason"], "aborted", "{done}");
+    assert!(eventually(100, || async { !tool_running() }).await, "the interrupted tool is not left running");
+    assert_eq!(text_of(&server.chat("tools", "and now?").await), "Answer to: and now? ");
+
     // The same process takes the next turn.
     let events = server.chat("cc", "hello again").await;
     assert_eq!(text_of(&events), "Answer to: hello again ");
