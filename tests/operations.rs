@@ -169,7 +169,7 @@ async fn cors_answers_preflights_and_exposes_the_conversation_id() {
         .await
         .unwrap();
     let exposed = r.headers()["access-control-expose-headers"].to_str().unwrap().to_lowercase();
-    assert!(exposed.contains("x-conversation-id"), "{exposed}");
+    assert!(exposed.contains("x-conversation-id") && exposed.contains("retry-after"), "{exposed}");
     EventStream::new(r).collect().await;
 
     // With an allow-list, other origins get no CORS headers.

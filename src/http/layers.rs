@@ -111,7 +111,8 @@ fn cors(origins: &[String]) -> CorsLayer {
             HeaderName::from_static("last-event-id"),
             HeaderName::from_static("idempotency-key"),
         ])
-        .expose_headers([HeaderName::from_static("x-conversation-id"), REQUEST_ID])
+        // Retry-After is not one a page may read unless named (the 503s of a cap carry it).
+        .expose_headers([HeaderName::from_static("x-conversation-id"), REQUEST_ID, header::RETRY_AFTER])
         .max_age(Duration::from_secs(600))
 }
 
