@@ -121,7 +121,7 @@ export class ConversationView {
     await this.readMeta();
   }
 
-  /** The title, status and model choices. */
+  /** The title, status, folder, effort and model choices. */
   async readMeta() {
     try {
       const [list, models, sticky, cwd, effort] = await Promise.all([
