@@ -300,6 +300,7 @@ export class ConversationView {
     this.status.textContent = status;
     this.status.dataset.status = status;
     this.stopButton.disabled = status !== "active";
+    this.closeButton.disabled = status === "closed";
   }
 
   showStream(state) {

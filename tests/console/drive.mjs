@@ -258,6 +258,7 @@ try {
   await listed.waitFor();
   await page.getByRole("button", { name: "Close conversation" }).click();
   await page.locator('.detail-head .status[data-status="closed"]').waitFor({ timeout: 10_000 });
+  assert.ok(await page.getByRole("button", { name: "Close conversation" }).isDisabled(), "closed once");
   await page.getByRole("button", { name: "Delete", exact: true }).click();
   await page.getByRole("button", { name: "Keep it" }).click();
   assert.equal((await api(OPEN_URL, "GET", "/conversations/watched-elsewhere/status")).status, 200, "kept");
