@@ -132,6 +132,7 @@ impl Metrics {
         buffered: usize,
         pacing: Pacing,
         connections: usize,
+        agents: &[crate::runtime::Processes],
     ) -> String {
         let mut out = String::with_capacity(4096);
         let mut counter = |name: &str, help: &str, value: u64| {
@@ -235,6 +236,23 @@ impl Metrics {
         for (code, n) in (100..).zip(&self.responses.0).map(|(code, n)| (code, n.load(Relaxed))).filter(|(_, n)| *n > 0)
         {
             let _ = writeln!(out, "dispatch_http_responses_total{{code=\"{code}\"}} {n}");
+        }
+        if !agents.is_empty() {
+            let _ = writeln!(
+                out,
+                "# HELP dispatch_agent_processes Agent processes running, by credential (max_processes).\n# TYPE dispatch_agent_processes gauge"
+            );
+            let label = |a: &crate::runtime::Processes| a.credential.replace(['\\', '"', '\n'], "_");
+            for a in agents {
+                let _ = writeln!(out, "dispatch_agent_processes{{credential=\"{}\"}} {}", label(a), a.running);
+            }
+            let _ = writeln!(
+                out,
+                "# HELP dispatch_agent_starts_total Agent processes started, by credential (a restart for another model or folder, or after a death, counts).\n# TYPE dispatch_agent_starts_total counter"
+            );
+            for a in agents {
+                let _ = writeln!(out, "dispatch_agent_starts_total{{credential=\"{}\"}} {}", label(a), a.started);
+            }
         }
         let _ = writeln!(
             out,

@@ -191,6 +191,9 @@ async fn another_model_or_folder_starts_a_new_process_that_resumes_the_session()
     assert_eq!(whereabouts(&turn(&server, "c", "where").await), format!("{} other", elsewhere.display()));
     assert_eq!(whereabouts(&turn(&server, "c", "where").await), format!("{} other", elsewhere.display()));
     assert_eq!(starts(dir.path()), vec!["-", "sess-1", "sess-1"], "the same model and folder keep the process");
+    let metrics = server.metrics().await;
+    assert_eq!(metric(&metrics, "dispatch_agent_processes{credential=\"agent\"}"), 1.0, "{metrics}");
+    assert_eq!(metric(&metrics, "dispatch_agent_starts_total{credential=\"agent\"}"), 3.0, "{metrics}");
 
     let gone = dir.path().join("gone");
     assert_eq!(server.put("/conversations/c/cwd", json!({"cwd": gone})).await.0, 200);
@@ -465,6 +468,9 @@ async fn an_idle_process_is_stopped_and_shutdown_stops_them_all() {
     assert!(eventually(100, || async { !alive(&first) }).await, "the idle process was not stopped");
     let goodbyes = || std::fs::read_to_string(dir.path().join("goodbyes.log")).unwrap_or_default();
     assert_eq!(goodbyes(), format!("{first}\n"), "stopped at the end of its input, not killed");
+    // Its place is given back once it is reaped, a moment after it exits.
+    let processes = || async { metric(&server.metrics().await, "dispatch_agent_processes{credential=\"agent\"}") };
+    assert!(eventually(100, || async { processes().await == 0.0 }).await, "no process runs");
     turn(&server, "c1", "echo two").await;
     assert_eq!(starts(dir.path()).len(), 2, "the next turn started a new process");
 

@@ -46,7 +46,8 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     let hub = &state.hub;
     let pacing = crate::metrics::Pacing { window: hub.window(), write_cost: hub.write_cost() };
     let (running, connections) = (state.turns.running(), state.connections.open());
-    let body = state.metrics.render(running, hub.channel_count(), hub.buffered_bytes(), pacing, connections);
+    let agents = state.turns.registry().processes();
+    let body = state.metrics.render(running, hub.channel_count(), hub.buffered_bytes(), pacing, connections, &agents);
     ([(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
 }
 

@@ -116,6 +116,8 @@ struct Inner {
     agents: Mutex<HashMap<String, Arc<tokio::sync::Mutex<AgentState>>>>,
     fence: CancellationToken,
     turns: TaskTracker,
+    /// Processes started so far (`dispatch_agent_starts_total`).
+    started: std::sync::atomic::AtomicU64,
 }
 
 impl CommandRuntime {
@@ -130,6 +132,7 @@ impl CommandRuntime {
                 agents: Mutex::default(),
                 fence: CancellationToken::new(),
                 turns: TaskTracker::new(),
+                started: std::sync::atomic::AtomicU64::new(0),
             }),
         }
     }
@@ -268,6 +271,7 @@ impl Inner {
                 }
             });
         }
+        self.started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pgid = child.id().map(|id| id as i32);
         Ok(Agent { child, stdin, stdout: BoundedLines::new(stdout, self.max_line), pgid, started_for, _place: place })
     }
@@ -527,6 +531,16 @@ enum Outcome {
 }
 
 impl Runtime for CommandRuntime {
+    fn processes(&self) -> Option<super::Processes> {
+        let inner = &self.inner;
+        Some(super::Processes {
+            credential: inner.name.clone(),
+            // A place is held from a process's start until it is gone.
+            running: inner.settings.max_processes - inner.places.available_permits(),
+            started: inner.started.load(std::sync::atomic::Ordering::Relaxed),
+        })
+    }
+
     fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture {
         let inner = self.inner.clone();
         if inner.fence.is_cancelled() {

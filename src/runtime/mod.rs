@@ -220,11 +220,24 @@ pub trait Runtime: Send + Sync + 'static {
         false
     }
 
+    /// The agent processes it runs, for a runtime that runs them (`/metrics`).
+    fn processes(&self) -> Option<Processes> {
+        None
+    }
+
     /// The stop fence: refuse new turns at once, then wait until every turn already started
     /// has settled and whatever the runtime spawned is gone. Called at shutdown.
     fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
         Box::pin(async {})
     }
+}
+
+/// A credential's agent processes: how many run now and how many were started so far.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Processes {
+    pub credential: String,
+    pub running: usize,
+    pub started: u64,
 }
 
 /// What `GET /models` says of one model.
@@ -266,8 +279,14 @@ impl Registry {
         self.models.contains_key(name)
     }
 
-    /// The runtime and the model's own name for a full model name.
-    /// Every distinct runtime, for shutdown.
+    /// The agent processes of every runtime that runs them, by credential.
+    pub fn processes(&self) -> Vec<Processes> {
+        let mut all: Vec<Processes> = self.runtimes().iter().filter_map(|r| r.processes()).collect();
+        all.sort_by(|a, b| a.credential.cmp(&b.credential));
+        all
+    }
+
+    /// Every distinct runtime (for shutdown and `/metrics`).
     pub fn runtimes(&self) -> Vec<Arc<dyn Runtime>> {
         let mut out: Vec<Arc<dyn Runtime>> = Vec::new();
         for m in self.models.values() {
