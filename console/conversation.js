@@ -1,6 +1,6 @@
 // One conversation: its sealed history, then the turn in flight over SSE, a composer, a stop
-// button, its title, its folder and reasoning effort (for agent programs), its metrics as
-// plots, and closing or deleting it.
+// button, its title, its folder and reasoning effort (for agent programs) and a new agent
+// session, its metrics as plots, and closing or deleting it.
 //
 // The stream is opened first, with a cursor of no turn, so the gateway answers with `resync`
 // and the horizon (`latestSeq`) of the sealed history at that moment; the history is read up
@@ -84,6 +84,7 @@ export class ConversationView {
       this.folder,
       this.effort,
       h("button", { type: "submit" }, "Save settings"),
+      h("button", { type: "button", onclick: () => this.newSession() }, "New session"),
     );
     settingsForm.addEventListener("submit", (event) => {
       event.preventDefault();
@@ -264,6 +265,20 @@ export class ConversationView {
       this.alert.textContent = "";
     } catch (e) {
       this.fail(e);
+    }
+  }
+
+  /** Forgets the agent session: the next turn starts a new one (an agent program's memory of
+   *  the earlier turns is gone; the transcript stays). The way on when a session cannot be
+   *  resumed, as Claude Code's after a change of folder. */
+  async newSession() {
+    try {
+      await del(`${this.path}/session`);
+      this.alert.textContent = "The next turn starts a new agent session.";
+    } catch (e) {
+      if (e.status === 409) this.fail(new Error("A turn is running; stop it first."));
+      else if (e.status === 404) this.fail(new Error("The conversation starts with its first message; it has no session yet."));
+      else this.fail(e);
     }
   }
 

@@ -215,5 +215,20 @@ async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_mode
     assert_eq!(server.put("/conversations/cc/cwd", json!({"cwd": work})).await.0, 200);
     assert_eq!(text_of(&server.chat("cc", "back home").await), "Answer to: back home ");
     assert!(last_streamed(&dir)["body"].to_string().contains("briefly"), "the session goes on");
+
+    // A session forgotten: the next turn begins a new one (the API is sent that turn alone,
+    // not what the running process held), and the turns after go on in it; so in another
+    // folder, where the old one could not be resumed.
+    assert_eq!(server.delete("/conversations/cc/session").await.0, 204);
+    assert_eq!(text_of(&server.chat("cc", "a new start").await), "Answer to: a new start ");
+    let body = last_streamed(&dir)["body"].to_string();
+    assert!(body.contains("a new start") && !body.contains("back home"), "a new session: {body}");
+    assert_eq!(text_of(&server.chat("cc", "and on").await), "Answer to: and on ");
+    assert!(last_streamed(&dir)["body"].to_string().contains("a new start"), "the new session goes on");
+    assert_eq!(server.put("/conversations/cc/cwd", json!({"cwd": elsewhere})).await.0, 200);
+    assert_eq!(server.delete("/conversations/cc/session").await.0, 204);
+    assert_eq!(text_of(&server.chat("cc", "in the new folder").await), "Answer to: in the new folder ");
+    let body = last_streamed(&dir)["body"].to_string();
+    assert!(body.contains("in the new folder") && !body.contains("a new start"), "a new session there: {body}");
     server.stop().await;
 }

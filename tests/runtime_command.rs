@@ -19,6 +19,9 @@ with open(os.path.join(here, "starts.log"), "a") as f:
 with open(os.path.join(here, "pids.log"), "a") as f:
     f.write(str(os.getpid()) + "\n")
 session = os.environ.get("DISPATCH_SESSION_ID")
+# A session it begins is named after its start: sess-1 for the first process, sess-2 ...
+with open(os.path.join(here, "starts.log")) as f:
+    new_session = "sess-%d" % len(f.readlines())
 
 def emit(**e):
     sys.stdout.write(json.dumps(e) + "\n")
@@ -33,7 +36,7 @@ for line in sys.stdin:
     print("agent got a turn", file=sys.stderr, flush=True)
     if text.startswith("echo"):
         if session is None:
-            session = "sess-1"
+            session = new_session
             emit(type="session", id=session)
         emit(type="step_start")
         emit(type="text", delta="echo: ")
@@ -199,6 +202,41 @@ async fn another_model_or_folder_starts_a_new_process_that_resumes_the_session()
     assert_eq!(server.put("/conversations/c/cwd", json!({"cwd": gone})).await.0, 200);
     let events = turn(&server, "c", "where").await;
     turn_error(&events, "agent-spawn", &format!("working directory {:?} is not a folder", gone.display().to_string()));
+}
+
+/// A conversation's session can be forgotten between turns: the next turn gets a new process
+/// that starts without one (the old one let go as at any stop) and begins its own, which the
+/// turns after resume; while a turn runs it is refused, and an unknown conversation is 404.
+#[tokio::test]
+async fn a_forgotten_session_is_not_resumed_and_the_next_turn_begins_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+    let said = |events: Vec<Value>| {
+        events.iter().find(|e| e["type"] == "text-delta" && e["delta"] != "echo: ").unwrap()["delta"].clone()
+    };
+    turn(&server, "c", "echo one").await;
+    assert_eq!(said(turn(&server, "c", "echo two").await), "echo two (session=sess-1)");
+
+    assert_eq!(server.delete("/conversations/c/session").await.0, 204);
+    assert_eq!(said(turn(&server, "c", "echo three").await), "echo three (session=None)");
+    assert_eq!(starts(dir.path()), vec!["-", "-"], "a new process, resuming nothing");
+    let goodbyes = std::fs::read_to_string(dir.path().join("goodbyes.log")).unwrap_or_default();
+    assert_eq!(goodbyes.lines().count(), 1, "the old process was let finish what it keeps, not killed");
+    assert_eq!(said(turn(&server, "c", "echo four").await), "echo four (session=sess-2)");
+    assert_eq!(starts(dir.path()), vec!["-", "-"], "the new session's process goes on");
+
+    let (status, body) = server.delete("/conversations/nobody/session").await;
+    assert_eq!((status, body["error"].is_string()), (404, true), "{body}");
+    let (status, _) = server.post("/conversations/c/messages", json!({"message": "stall"})).await;
+    assert_eq!(status, 202);
+    let (status, body) = server.delete("/conversations/c/session").await;
+    assert_eq!(status, 409, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("turn is running"), "{body}");
+    assert_eq!(server.post("/conversations/c/stop", json!({})).await.0, 200);
+    let last = server.get("/conversations/c/last?timeoutMs=10000").await.1;
+    assert_eq!(last["conversationId"], "c", "{last}");
+    assert_eq!(said(turn(&server, "c", "echo five").await), "echo five (session=sess-2)", "refused: kept");
 }
 
 #[tokio::test]

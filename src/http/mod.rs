@@ -133,6 +133,7 @@ api! {
         get: settings::get_reasoning_effort,
         put: settings::put_reasoning_effort,
     },
+    "/conversations/{id}/session" => { delete: settings::forget_session },
     "/conversations/{id}/lsp" => { get: settings::lsp },
     "/metrics/throughput" => { get: throughput::throughput },
     "/ws" => { get: ws::ws },

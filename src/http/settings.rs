@@ -1,10 +1,12 @@
 //! A conversation's settings, which a turn falls back to when its request names none: the
 //! sticky model, the working directory and the reasoning effort; and the language-server
 //! panel of the reference web client (the gateway runs none). Each answers for unknown ids
-//! too: a GET is null, a PUT creates the conversation.
+//! too: a GET is null, a PUT creates the conversation. And the agent session a turn resumes,
+//! which can be forgotten.
 
 use axum::Json;
 use axum::extract::State;
+use axum::http::StatusCode;
 use serde::Serialize;
 
 use super::AppState;
@@ -13,7 +15,7 @@ use super::error::ApiError;
 use super::error::ErrorBody;
 use super::extract::{ConversationId, JsonObject};
 use crate::runtime::REASONING_EFFORTS;
-use crate::store::{Setting, now_ms};
+use crate::store::{Setting, StoreError, now_ms};
 use crate::turn::StartError;
 
 /// Documents the body of `PUT /conversations/:id/model`.
@@ -238,4 +240,32 @@ pub async fn lsp(
 ) -> Result<Json<LspResponse>, ApiError> {
     let cwd = state.store.setting(&id, Setting::Cwd).await?;
     Ok(Json(LspResponse { conversation_id: id, cwd, servers: Vec::new() }))
+}
+
+/// Forgets the agent session the conversation's next turn would resume: that turn starts a
+/// new one (a new agent process), without what the agent program kept of the earlier turns.
+/// The way on for a session that cannot be resumed (Claude Code's, after the conversation
+/// moved to another folder); the log stays.
+#[cfg_attr(feature = "openapi", utoipa::path(
+    delete,
+    path = "/conversations/{id}/session",
+    tag = "conversations",
+    params(("id" = String, Path, description = "Conversation id")),
+    responses(
+        (status = 204, description = "Forgotten (or there was none): the next turn starts a new session"),
+        (status = 400, body = ErrorBody),
+        (status = 404, description = "Unknown conversation, or one being deleted", body = ErrorBody),
+        (status = 409, description = "A turn is running", body = ErrorBody),
+    )
+))]
+pub async fn forget_session(
+    State(state): State<AppState>,
+    ConversationId(id): ConversationId,
+) -> Result<StatusCode, ApiError> {
+    match state.store.forget_session(&id).await {
+        Ok(true) => Ok(StatusCode::NO_CONTENT),
+        Ok(false) => Err(ApiError::NotFound(format!("no conversation {id:?}"))),
+        Err(StoreError::Busy) => Err(ApiError::Conflict("a turn is running in this conversation".into())),
+        Err(e) => Err(e.into()),
+    }
 }

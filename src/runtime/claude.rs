@@ -247,7 +247,7 @@ fn terminal(v: &Value) -> RawEvent {
     if message.starts_with("No conversation found with session ID") {
         message.push_str(
             " (Claude Code keeps a session under the folder it started in: if the conversation's cwd changed, \
-             set it back, or start a new conversation)",
+             set it back, or forget the session (DELETE /conversations/:id/session) to go on in a new one)",
         );
     }
     if let Some(status) = status
@@ -295,6 +295,7 @@ mod tests {
         let RawEvent::Error { message, code } = terminal(&line) else { panic!("an error") };
         assert_eq!(code.as_deref(), Some("error_during_execution"));
         assert!(message.starts_with("No conversation found with session ID: s-1 (Claude Code keeps"), "{message}");
+        assert!(message.contains("DELETE /conversations/:id/session"), "the way on is named: {message}");
     }
 
     #[test]

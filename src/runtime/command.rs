@@ -44,6 +44,9 @@ struct Agent {
     /// What it was started for: a turn on another model, in another folder or (Claude Code)
     /// with another effort needs a new one.
     started_for: StartedFor,
+    /// The session it holds: the one it resumed, or the last it reported. A turn that
+    /// resumes another (or none: the conversation's session was forgotten) needs a new one.
+    session: Option<String>,
     /// Its place among the credential's `max_processes`, given back when it is dropped.
     _place: OwnedSemaphorePermit,
 }
@@ -273,7 +276,8 @@ impl Inner {
         }
         self.started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pgid = child.id().map(|id| id as i32);
-        Ok(Agent { child, stdin, stdout: BoundedLines::new(stdout, self.max_line), pgid, started_for, _place: place })
+        let stdout = BoundedLines::new(stdout, self.max_line);
+        Ok(Agent { child, stdin, stdout, pgid, started_for, session: req.session_id.clone(), _place: place })
     }
 
     /// The line that submits a turn.
@@ -337,11 +341,17 @@ impl Inner {
             Some(agent) => agent.child.try_wait().ok().flatten().is_none(),
             None => false,
         };
-        // The conversation moved to another model, folder or effort: the process goes (not a
-        // death: no backoff), and one started for them resumes the session.
-        if alive && slot.agent.as_ref().is_some_and(|agent| agent.started_for != self.started_for(req)) {
+        // The conversation moved to another model, folder or effort, or its session was
+        // forgotten: the process goes (not a death: no backoff), and one started for them
+        // resumes the session, if any.
+        if alive
+            && slot
+                .agent
+                .as_ref()
+                .is_some_and(|agent| agent.started_for != self.started_for(req) || agent.session != req.session_id)
+        {
             if let Some(agent) = slot.agent.take() {
-                tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model, folder or effort");
+                tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model, folder, effort or session");
                 agent.stop().await;
             }
         }
@@ -464,6 +474,9 @@ impl Inner {
             let mut terminal = false;
             for event in mapped.events {
                 terminal |= matches!(event, RawEvent::Finish { .. } | RawEvent::Error { .. });
+                if let RawEvent::SessionId(id) = &event {
+                    agent.session = Some(id.clone());
+                }
                 if interrupted.is_none() && sink.send(event).await.is_err() {
                     // The turn went away (stopped): keep draining to the agent's terminal.
                     interrupted = Some(tokio::time::Instant::now() + GRACE);

@@ -105,6 +105,25 @@ impl Store {
             .map(drop)
     }
 
+    /// Forgets the runtime session: the next turn starts a new one. False for no
+    /// conversation (or one being deleted); `Busy` while a turn holds its lease on any
+    /// gateway (a turn reads the session after taking the lease, so none resumes what this
+    /// forgot).
+    pub async fn forget_session(&self, conversation_id: &str) -> StoreResult<bool> {
+        let sql = format!(
+            "UPDATE conversations SET session_id = NULL
+             WHERE id = $1 AND deleted_at IS NULL AND (lease_turn IS NULL OR lease_expires_at < {})",
+            self.clock()
+        );
+        if self.execute(Query::new(sql).bind(conversation_id)).await? > 0 {
+            return Ok(true);
+        }
+        match self.conversation(conversation_id).await? {
+            Some(_) => Err(StoreError::Busy),
+            None => Ok(false),
+        }
+    }
+
     /// The text of the last assistant message that has text, in the latest finished turn.
     pub async fn last_text(&self, conversation_id: &str) -> StoreResult<LastText> {
         let sql = "SELECT turn_id FROM turns WHERE conversation_id = $1
@@ -196,6 +215,28 @@ mod tests {
             seal("t4", Some(1.25)).await;
             assert_eq!(ratio("c", "other/model").await, Some(1.25), "{}", t.backend);
             assert_eq!(ratio("c", MODEL).await, None, "{}", t.backend);
+        }
+    }
+
+    /// A session is forgotten only between turns: while a turn holds the lease the turn
+    /// could resume it after the forgetting, so that is refused; an unknown conversation is
+    /// no conversation; the calibration stays.
+    #[tokio::test]
+    async fn a_session_is_forgotten_between_turns_only() {
+        for t in every_backend().await {
+            let store = &t.store;
+            let session = || async { store.runtime_memory("c", "demo/scripted").await.unwrap().session_id };
+            assert!(!store.forget_session("c").await.unwrap(), "{}: no conversation", t.backend);
+            store.begin_test_turn("c", "t1").await;
+            store.set_session_id("c", "s1").await.unwrap();
+            let busy = store.forget_session("c").await;
+            assert!(matches!(busy, Err(crate::store::StoreError::Busy)), "{}: {busy:?}", t.backend);
+            assert_eq!(session().await.as_deref(), Some("s1"), "{}", t.backend);
+            store.seal_test_turn("c", "t1", Some(2.0), &[]).await.unwrap();
+            assert!(store.forget_session("c").await.unwrap(), "{}", t.backend);
+            assert_eq!(session().await, None, "{}", t.backend);
+            let memory = store.runtime_memory("c", "demo/scripted").await.unwrap();
+            assert_eq!(memory.tokens_per_estimate, Some(2.0), "{}", t.backend);
         }
     }
 }

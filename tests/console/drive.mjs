@@ -197,6 +197,13 @@ try {
   assert.equal(await page.getByRole("combobox", { name: "Reasoning effort" }).inputValue(), "low");
   step("the folder and reasoning effort are saved and read back");
 
+  // A new agent session: the session is forgotten, and the page says what that means.
+  const forgotten = page.waitForResponse((r) => r.url().endsWith("/session") && r.request().method() === "DELETE");
+  await page.getByRole("button", { name: "New session" }).click();
+  assert.equal((await forgotten).status(), 204);
+  await page.getByRole("alert").filter({ hasText: "The next turn starts a new agent session." }).waitFor();
+  step("a new agent session is asked for");
+
   // Plots: as many points as sealed turns, with 5 and with 500.
   const points = async (title) => page.locator("figure.plot", { hasText: title }).locator("circle.point").count();
   await page.locator("figure.plot", { hasText: "Context size" }).locator("circle.point").first().waitFor();
