@@ -1,5 +1,5 @@
 // The gateway itself, from `/metrics` (Prometheus text) and `/ready`, read every two seconds
-// while shown.
+// while shown: streams, turns, events, database writes, and agent processes per credential.
 
 import { get, ApiError } from "./api.js";
 import { h, bytes, num } from "./dom.js";
@@ -13,6 +13,17 @@ export function parsePrometheus(text) {
     values[line.slice(0, space)] = Number(line.slice(space + 1));
   }
   return values;
+}
+
+/** The agent processes of each `command` credential: [[credential, running, started]]. */
+export function agentProcesses(values) {
+  const rows = [];
+  for (const [key, running] of Object.entries(values)) {
+    const credential = /^dispatch_agent_processes\{credential="([^"]*)"\}$/.exec(key)?.[1];
+    if (credential === undefined) continue;
+    rows.push([credential, running, values[`dispatch_agent_starts_total{credential="${credential}"}`]]);
+  }
+  return rows.sort(([a], [b]) => a.localeCompare(b));
 }
 
 export class GatewayView {
@@ -42,7 +53,9 @@ export class GatewayView {
     }
     const writes = m["dispatch_sqlite_write_seconds_count"] || 0;
     const mean = writes ? (m["dispatch_sqlite_write_seconds_sum"] / writes) * 1000 : undefined;
-    const card = (label, value) => [h("dt", {}, label), h("dd", { "aria-label": label }, value)];
+    // Each term with its value in one grid cell (a `dl` may group them in a `div`): as two
+    // cells they fell apart wherever the row's width took an odd number of cells.
+    const card = (label, value) => [h("div", {}, h("dt", {}, label), h("dd", { "aria-label": label }, value))];
     this.cards.replaceChildren(
       ...card("SSE streams", num(m['dispatch_open_streams{transport="sse"}'])),
       ...card("NDJSON streams", num(m['dispatch_open_streams{transport="ndjson"}'])),
@@ -58,6 +71,11 @@ export class GatewayView {
       ...card("Events delivered", num(m["dispatch_events_delivered_total"])),
       ...card("Database writes", num(writes)),
       ...card("Mean write", mean === undefined ? "–" : `${num(mean, 2)} ms`),
+      // Each agent process (Claude Code's, say) holds memory of its own.
+      ...agentProcesses(m).flatMap(([credential, running, started]) => [
+        ...card(`Agent processes (${credential})`, num(running)),
+        ...card(`Agent starts (${credential})`, num(started)),
+      ]),
     );
   }
 

@@ -248,7 +248,7 @@ impl Metrics {
             }
             let _ = writeln!(
                 out,
-                "# HELP dispatch_agent_starts_total Agent processes started, by credential (a restart for another model or folder, or after a death, counts).\n# TYPE dispatch_agent_starts_total counter"
+                "# HELP dispatch_agent_starts_total Agent processes started, by credential (a restart for another model, folder, effort or session, or after a death, counts).\n# TYPE dispatch_agent_starts_total counter"
             );
             for a in agents {
                 let _ = writeln!(out, "dispatch_agent_starts_total{{credential=\"{}\"}} {}", label(a), a.started);

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
+use dispatch_gateway::config::{CommandCredential, Credential, Dialect, ScriptedCredential};
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
@@ -119,6 +120,31 @@ fn script(dir: &std::path::Path) -> PathBuf {
     )
 }
 
+/// An agent program (the gateway's NDJSON protocol) that answers every turn with one word and
+/// stays up between turns.
+fn echo_agent(dir: &std::path::Path) -> CommandCredential {
+    let program = dir.join("echo_agent.py");
+    let source = r#"
+import json, sys
+for line in sys.stdin:
+    if json.loads(line).get("type") == "user":
+        for event in ({"type": "text", "delta": "echo"}, {"type": "done", "reason": "stop"}):
+            print(json.dumps(event), flush=True)
+"#;
+    std::fs::write(&program, source).unwrap();
+    CommandCredential {
+        program: "python3".into(),
+        args: vec!["-u".into(), program.display().to_string()],
+        dialect: Dialect::Ndjson,
+        models: vec!["echo".into()],
+        cwd: None,
+        env: Default::default(),
+        idle_timeout_secs: 600,
+        unattended: false,
+        max_processes: 4,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_in_a_real_browser() {
     let chromium = installed("DISPATCH_TEST_CHROMIUM", "chromium");
@@ -131,8 +157,19 @@ async fn the_console_in_a_real_browser() {
     let dir = tempfile::tempdir().unwrap();
     let mut open = test_config(&dir.path().join("open"));
     std::fs::create_dir_all(dir.path().join("open")).unwrap();
-    open.scripted_script = Some(script(dir.path()));
+    // The scripted models, and an agent program whose process the Gateway view counts.
+    let scripted = ScriptedCredential {
+        models: vec!["scripted".into()],
+        pace: None,
+        reasoning: None,
+        script: Some(script(dir.path())),
+    };
+    open.credentials.insert("demo".into(), Credential::Scripted(scripted));
+    open.credentials.insert("agent".into(), Credential::Command(echo_agent(dir.path())));
+    open.default_model = Some("demo/scripted".into());
     let open = TestServer::start(open).await;
+    let events = open.chat_stream(json!({"conversationId": "agent-run", "message": "hi", "model": "agent/echo"})).await;
+    assert_eq!(types(&events.collect().await).last(), Some(&"turn-sealed"));
     std::fs::create_dir_all(dir.path().join("locked")).unwrap();
     let mut locked = test_config(&dir.path().join("locked"));
     locked.api_keys = vec!["console-key".into()];

@@ -256,8 +256,18 @@ try {
   await page.getByRole("status", { name: "Database state" }).filter({ hasText: "Ready" }).waitFor();
   assert.ok(Number(await page.getByLabel("WebSocket sessions", { exact: true }).textContent()) >= 1, "the console's own feed");
   assert.ok(Number((await page.getByLabel("Turns sealed", { exact: true }).textContent()).replace(/,/g, "")) >= 505);
+  // The agent program the test ran a turn on stays up between turns.
+  assert.equal(await page.getByLabel("Agent processes (agent)", { exact: true }).textContent(), "1");
+  assert.equal(await page.getByLabel("Agent starts (agent)", { exact: true }).textContent(), "1");
+  // Each value stands under its own label, whatever the width.
+  const misplaced = await page.evaluate(() =>
+    [...document.querySelectorAll(".cards dd")]
+      .filter((dd) => dd.getBoundingClientRect().left !== dd.previousElementSibling.getBoundingClientRect().left)
+      .map((dd) => dd.getAttribute("aria-label")),
+  );
+  assert.deepEqual(misplaced, [], "values under their labels");
   await page.screenshot({ path: shot("gateway") });
-  step("throughput per model and the gateway's state");
+  step("throughput per model and the gateway's state, its agent processes too");
 
   // Closing, and deleting once asked twice.
   await page.goto(`${px.url}/#/c/watched-elsewhere`);
