@@ -441,6 +441,18 @@ pub struct CommandCredential {
     /// that needs one past it stops the one idle longest, or fails while every one is in a turn.
     #[serde(default = "default_max_processes")]
     pub max_processes: usize,
+    /// Seconds a process has to finish an interrupted turn, or to exit once its input is
+    /// closed (stopped for idleness, for another model, folder or session, for room, at
+    /// shutdown), before its process group is killed; at most `MAX_GRACE_SECS`.
+    #[serde(default = "default_grace")]
+    pub grace_secs: u64,
+}
+
+/// The longest `grace_secs`: shutdown waits for it too.
+pub const MAX_GRACE_SECS: u64 = 60;
+
+fn default_grace() -> u64 {
+    3
 }
 
 fn default_process_idle() -> u64 {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 use crate::bus::Bus;
-use crate::config::{Config, ConfigError, Credential, ScriptedCredential};
+use crate::config::{Config, ConfigError, Credential, MAX_GRACE_SECS, ScriptedCredential};
 use crate::http::{AppState, Shared, router, ws_router};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
@@ -250,6 +250,10 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                 (Arc::new(runtime), c.context_window)
             }
             Credential::Command(c) => {
+                if c.grace_secs > MAX_GRACE_SECS {
+                    let why = format!("`grace_secs` is at most {MAX_GRACE_SECS}, got {}", c.grace_secs);
+                    return Err(ConfigError::credential(name, why));
+                }
                 (Arc::new(CommandRuntime::new(name, c.clone(), config.max_runtime_line_bytes)), None)
             }
         };

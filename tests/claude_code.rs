@@ -90,6 +90,7 @@ async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_mode
             idle_timeout_secs: 600,
             unattended,
             max_processes: 32,
+            grace_secs: 3,
         };
         config.credentials.insert(name.into(), Credential::Command(credential));
     }

@@ -272,3 +272,21 @@ fn a_bad_upstream_url_or_header_stops_the_start_and_names_its_credential() {
         assert!(err.contains("credentials.up") && err.contains(says), "{lines}: {err}");
     }
 }
+
+/// A `command` credential's grace is bounded (shutdown waits for it): past the bound the start
+/// stops, naming the credential and the key; at the bound it starts.
+#[test]
+fn an_agents_grace_past_its_bound_stops_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let credential = |grace: u64| {
+        format!(
+            "[credentials.agent]\nkind = \"command\"\nprogram = \"python3\"\nmodels = [\"m\"]\ngrace_secs = {grace}\n"
+        )
+    };
+    let file = write(dir.path(), &credential(61));
+    let config = load(&["--config", &file], &[]).unwrap();
+    let err = registry(&config).err().map(|e| e.to_string()).expect("refused");
+    assert!(err.contains("credentials.agent") && err.contains("`grace_secs` is at most 60, got 61"), "{err}");
+    let file = write(dir.path(), &credential(60));
+    registry(&load(&["--config", &file], &[]).unwrap()).expect("60 is allowed");
+}

@@ -142,6 +142,7 @@ for line in sys.stdin:
         idle_timeout_secs: 600,
         unattended: false,
         max_processes: 4,
+        grace_secs: 3,
     }
 }
 

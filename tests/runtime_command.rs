@@ -131,6 +131,7 @@ fn config_with(dir: &Path, script: &Path, dialect: Dialect, idle_timeout_secs: u
             idle_timeout_secs,
             unattended: false,
             max_processes: 32,
+            grace_secs: 3,
         }),
     );
     config
@@ -594,4 +595,38 @@ async fn an_agent_that_stays_after_the_end_of_its_input_is_killed_with_its_group
     let gone = eventually(100, || async { first.iter().all(|p| !alive(p)) }).await;
     assert!(gone, "the process and its helper are gone: {first:?}");
     assert_eq!(pids().lines().count(), 2, "a new process took the turn");
+}
+
+/// An agent that takes two seconds after the end of its input to write what it keeps.
+const SLOW_GOODBYE: &str = r#"
+import json, os, sys, time
+here = os.path.dirname(os.path.abspath(__file__))
+for line in sys.stdin:
+    if json.loads(line).get("type") == "user":
+        for event in ({"type": "text", "delta": "hi"}, {"type": "done", "reason": "stop"}):
+            print(json.dumps(event), flush=True)
+time.sleep(2)
+with open(os.path.join(here, "kept.log"), "a") as f:
+    f.write("kept\n")
+"#;
+
+/// The time a stopped agent has to exit is its credential's `grace_secs`: one that needs two
+/// seconds to write what it keeps does so with ten, and is killed before it could with none.
+#[tokio::test]
+async fn a_stopped_agent_has_its_credentials_grace() {
+    for (grace, kept) in [(10, true), (0, false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let script = agent(dir.path(), "slow.py", SLOW_GOODBYE);
+        let mut config = config_with(dir.path(), &script, Dialect::Ndjson, 600);
+        if let Some(Credential::Command(c)) = config.credentials.get_mut("agent") {
+            c.grace_secs = grace;
+        }
+        let server = TestServer::start(config).await;
+        turn(&server, "g", "first").await;
+        // Another model: the first process is stopped (and waited for) before the next starts.
+        let events =
+            server.chat_stream(json!({"conversationId": "g", "message": "second", "model": "agent/other"})).await;
+        assert_eq!(types(&events.collect().await).last(), Some(&"turn-sealed"));
+        assert_eq!(dir.path().join("kept.log").exists(), kept, "grace_secs = {grace}");
+    }
 }

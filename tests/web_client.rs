@@ -152,6 +152,7 @@ async fn side_panel_routes_persist_settings_that_turns_use() {
             idle_timeout_secs: 600,
             unattended: false,
             max_processes: 32,
+            grace_secs: 3,
         }),
     );
     let server = TestServer::start(config).await;

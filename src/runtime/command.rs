@@ -28,9 +28,6 @@ use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnReque
 use crate::config::{CommandCredential, Dialect};
 use crate::wire::OutputStream;
 
-/// How long an agent has to wind down before it is killed: to finish an interrupted turn, or
-/// to exit once its input is closed.
-const GRACE: Duration = Duration::from_secs(3);
 /// Backoff before restarting a process that died, doubling up to the cap.
 const RESTART_BASE: Duration = Duration::from_millis(250);
 const RESTART_CAP: Duration = Duration::from_secs(10);
@@ -47,6 +44,9 @@ struct Agent {
     /// The session it holds: the one it resumed, or the last it reported. A turn that
     /// resumes another (or none: the conversation's session was forgotten) needs a new one.
     session: Option<String>,
+    /// How long it has to wind down before it is killed, to finish an interrupted turn or to
+    /// exit once its input is closed (the credential's `grace_secs`).
+    grace: Duration,
     /// Its place among the credential's `max_processes`, given back when it is dropped.
     _place: OwnedSemaphorePermit,
 }
@@ -59,13 +59,13 @@ impl Agent {
 
     /// Ends an idle process as the end of its input does, so that it writes what it keeps
     /// (Claude Code its session's transcript, which a kill right after a turn cut short:
-    /// the next process resumed without the last turns); its group is killed after
-    /// `GRACE` or once it exits.
+    /// the next process resumed without the last turns); its group is killed after its
+    /// grace or once it exits.
     async fn stop(self) {
-        let Agent { mut child, stdin, stdout, pgid, .. } = self;
+        let Agent { mut child, stdin, stdout, pgid, grace, .. } = self;
         drop(stdin);
         // Its output stays open, unread: a closed pipe could end it before it wrote.
-        let _ = tokio::time::timeout(GRACE, child.wait()).await;
+        let _ = tokio::time::timeout(grace, child.wait()).await;
         kill_group(pgid, &mut child).await;
         drop(stdout);
     }
@@ -277,7 +277,8 @@ impl Inner {
         self.started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pgid = child.id().map(|id| id as i32);
         let stdout = BoundedLines::new(stdout, self.max_line);
-        Ok(Agent { child, stdin, stdout, pgid, started_for, session: req.session_id.clone(), _place: place })
+        let grace = Duration::from_secs(s.grace_secs);
+        Ok(Agent { child, stdin, stdout, pgid, started_for, session: req.session_id.clone(), grace, _place: place })
     }
 
     /// The line that submits a turn.
@@ -436,7 +437,7 @@ impl Inner {
                         // Interrupt at once; the turn is already ending `aborted`.
                         let _ = agent.stdin.write_all(self.interrupt_line().as_bytes()).await;
                         let _ = agent.stdin.flush().await;
-                        interrupted = Some(tokio::time::Instant::now() + GRACE);
+                        interrupted = Some(tokio::time::Instant::now() + agent.grace);
                         continue;
                     }
                 }
@@ -479,7 +480,7 @@ impl Inner {
                 }
                 if interrupted.is_none() && sink.send(event).await.is_err() {
                     // The turn went away (stopped): keep draining to the agent's terminal.
-                    interrupted = Some(tokio::time::Instant::now() + GRACE);
+                    interrupted = Some(tokio::time::Instant::now() + agent.grace);
                 }
             }
             if terminal {
@@ -734,6 +735,7 @@ for line in sys.stdin:
             idle_timeout_secs: 1,
             unattended: false,
             max_processes: 8,
+            grace_secs: 3,
         };
         let runtime = CommandRuntime::new("agent", credential, 1 << 16);
         let mut pids = Vec::new();
