@@ -814,3 +814,55 @@ async fn a_gateway_with_other_retention_limits_says_the_stream_keeps_its_own() {
     assert_eq!(config().await, created, "the stream is as it was");
     assert!(warned(&second), "the second gateway says its limits do not apply");
 }
+
+/// An agent program (the gateway's NDJSON protocol) that logs each start with the session it
+/// resumes, begins a session of its own when it has none, and says which session it is in.
+const SESSION_AGENT: &str = r#"
+import json, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+session = os.environ.get("DISPATCH_SESSION_ID")
+with open(os.path.join(here, "starts.log"), "a") as f:
+    f.write((session or "-") + "\n")
+for line in sys.stdin:
+    if json.loads(line).get("type") != "user":
+        continue
+    if session is None:
+        session = "s-%d" % os.getpid()
+        print(json.dumps({"type": "session", "id": session}), flush=True)
+    print(json.dumps({"type": "text", "delta": "in " + session}), flush=True)
+    print(json.dumps({"type": "done", "reason": "stop"}), flush=True)
+"#;
+
+/// A conversation whose turns move between gateways gets, on a gateway that ran an earlier
+/// turn of it, a new agent process resuming the session rather than the idle one there that
+/// missed the turn run elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_process_that_missed_a_turn_run_on_another_gateway_is_not_used_again() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let agent = dir.path().join("agent.py");
+    std::fs::write(&agent, SESSION_AGENT).unwrap();
+    let config = dir.path().join("gateway.toml");
+    let credential = format!(
+        "default_model = \"agent/echo\"\n[credentials.agent]\nkind = \"command\"\nprogram = \"python3\"\nargs = [\"-u\", {:?}]\nmodels = [\"echo\"]\n",
+        agent.display().to_string()
+    );
+    std::fs::write(&config, credential).unwrap();
+    let args: Vec<std::ffi::OsString> =
+        ["--database", &database.url, "--bus", &nats.url, "--config", config.to_str().unwrap()]
+            .into_iter()
+            .map(Into::into)
+            .collect();
+    let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+    let said = |events: Vec<Value>| events.iter().find(|e| e["type"] == "text-delta").map(|e| e["delta"].clone());
+    let starts = || std::fs::read_to_string(dir.path().join("starts.log")).unwrap_or_default();
+
+    let first = said(a.chat("moving", "one").await).expect("A's agent answers");
+    let session = first.as_str().unwrap().trim_start_matches("in ").to_owned();
+    assert_eq!(said(b.chat("moving", "two").await), Some(json!(format!("in {session}"))), "B resumes it");
+    assert_eq!(said(a.chat("moving", "three").await), Some(json!(format!("in {session}"))));
+    assert_eq!(starts(), format!("-\n{session}\n{session}\n"), "A started a new process for the third turn");
+    assert_eq!(said(a.chat("moving", "four").await), Some(json!(format!("in {session}"))));
+    assert_eq!(starts().lines().count(), 3, "and kept it for the fourth");
+}

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use dispatch_gateway::config::{CommandCredential, Config, Credential, Dialect};
+use dispatch_gateway::config::{CommandCredential, Config, Credential, Dialect, ScriptedCredential};
 use serde_json::{Value, json};
 
 /// The fake agent: one Python program whose behaviour each prompt picks. It appends a line to
@@ -629,4 +629,28 @@ async fn a_stopped_agent_has_its_credentials_grace() {
         assert_eq!(types(&events.collect().await).last(), Some(&"turn-sealed"));
         assert_eq!(dir.path().join("kept.log").exists(), kept, "grace_secs = {grace}");
     }
+}
+
+/// A process kept for a conversation serves its next turn only if it was given the turn
+/// before: after a turn on another runtime (or, in a cluster, on another gateway) the
+/// conversation went on without it, and a new process resumes the session instead.
+#[tokio::test]
+async fn a_process_that_missed_a_turn_of_its_conversation_is_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let mut config = config_with(dir.path(), &script, Dialect::Ndjson, 600);
+    let scripted = ScriptedCredential { models: vec!["scripted".into()], pace: None, reasoning: None, script: None };
+    config.credentials.insert("demo".into(), Credential::Scripted(scripted));
+    let server = TestServer::start(config).await;
+    let on = |model: &str, message: &str| json!({"conversationId": "m", "message": message, "model": model});
+    let sealed = |events: Vec<Value>| types(&events).last() == Some(&"turn-sealed");
+    assert!(sealed(server.chat_stream(on("agent/fake", "echo one")).await.collect().await));
+    assert!(sealed(server.chat_stream(on("agent/fake", "echo two")).await.collect().await));
+    assert_eq!(starts(dir.path()), vec!["-"], "one process for consecutive turns");
+    assert!(sealed(server.chat_stream(on("demo/scripted", "elsewhere")).await.collect().await));
+    let events: Vec<Value> = server.chat_stream(on("agent/fake", "echo three")).await.collect().await;
+    assert!(events.iter().any(|e| e["delta"] == "echo three (session=sess-1)"), "{events:?}");
+    assert_eq!(starts(dir.path()), vec!["-", "sess-1"], "a new process, resuming the session");
+    let goodbyes = std::fs::read_to_string(dir.path().join("goodbyes.log")).unwrap_or_default();
+    assert_eq!(goodbyes.lines().count(), 1, "the old one was stopped");
 }

@@ -44,6 +44,9 @@ struct Agent {
     /// The session it holds: the one it resumed, or the last it reported. A turn that
     /// resumes another (or none: the conversation's session was forgotten) needs a new one.
     session: Option<String>,
+    /// The last turn it was given: a turn whose conversation went on without it (another
+    /// gateway or runtime ran the turn before) needs a new one.
+    last_turn: Option<String>,
     /// How long it has to wind down before it is killed, to finish an interrupted turn or to
     /// exit once its input is closed (the credential's `grace_secs`).
     grace: Duration,
@@ -52,6 +55,12 @@ struct Agent {
 }
 
 impl Agent {
+    /// Whether it can take this turn: started for its model, folder and effort, holding the
+    /// session the turn resumes, and given the conversation's turn before it.
+    fn fits(&self, started_for: &StartedFor, req: &TurnRequest) -> bool {
+        self.started_for == *started_for && self.session == req.session_id && self.last_turn == req.previous_turn_id
+    }
+
     /// Kills the whole process group, then reaps the leader.
     async fn kill(mut self) {
         kill_group(self.pgid, &mut self.child).await;
@@ -278,7 +287,8 @@ impl Inner {
         let pgid = child.id().map(|id| id as i32);
         let stdout = BoundedLines::new(stdout, self.max_line);
         let grace = Duration::from_secs(s.grace_secs);
-        Ok(Agent { child, stdin, stdout, pgid, started_for, session: req.session_id.clone(), grace, _place: place })
+        let (session, last_turn) = (req.session_id.clone(), req.previous_turn_id.clone());
+        Ok(Agent { child, stdin, stdout, pgid, started_for, session, last_turn, grace, _place: place })
     }
 
     /// The line that submits a turn.
@@ -342,17 +352,12 @@ impl Inner {
             Some(agent) => agent.child.try_wait().ok().flatten().is_none(),
             None => false,
         };
-        // The conversation moved to another model, folder or effort, or its session was
-        // forgotten: the process goes (not a death: no backoff), and one started for them
-        // resumes the session, if any.
-        if alive
-            && slot
-                .agent
-                .as_ref()
-                .is_some_and(|agent| agent.started_for != self.started_for(req) || agent.session != req.session_id)
-        {
+        // The conversation moved to another model, folder or effort, its session was
+        // forgotten, or it went on elsewhere: the process goes (not a death: no backoff), and
+        // one started for the turn resumes the session, if any.
+        if alive && slot.agent.as_ref().is_some_and(|agent| !agent.fits(&self.started_for(req), req)) {
             if let Some(agent) = slot.agent.take() {
-                tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model, folder, effort or session");
+                tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model, folder, effort or session, or turns run elsewhere");
                 agent.stop().await;
             }
         }
@@ -421,6 +426,7 @@ impl Inner {
             agent.kill().await;
             return Err(RuntimeError::Ambiguous("the write of the turn to the agent broke part-way".into()));
         }
+        agent.last_turn = Some(req.turn_id.clone());
 
         let mut mapper = Mapper::new(self.settings.dialect, self.settings.unattended);
         let mut interrupted: Option<tokio::time::Instant> = None;
@@ -714,6 +720,7 @@ for line in sys.stdin:
             reasoning_effort: None,
             history: None,
             session_id: None,
+            previous_turn_id: None,
             tokens_per_estimate: None,
             inbox: Arc::default(),
         }

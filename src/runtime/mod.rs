@@ -85,6 +85,9 @@ pub struct TurnRequest {
     pub history: Option<History>,
     /// The runtime's native session of this conversation, to resume.
     pub session_id: Option<String>,
+    /// The conversation's turn before this one, on whichever gateway and runtime ran it: a
+    /// process kept for the conversation that did not run it has missed it.
+    pub previous_turn_id: Option<String>,
     /// What the conversation's last turn reported as [`RawEvent::TokensPerEstimate`], for
     /// runtimes that estimate a request's size.
     pub tokens_per_estimate: Option<f64>,

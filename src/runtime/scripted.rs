@@ -337,6 +337,7 @@ mod tests {
             reasoning_effort: None,
             history: None,
             session_id: None,
+            previous_turn_id: None,
             tokens_per_estimate: None,
             inbox: Default::default(),
         };

@@ -20,6 +20,8 @@ pub struct RuntimeMemory {
     pub session_id: Option<String>,
     /// How many tokens the upstream counted per estimated token in the last counted request.
     pub tokens_per_estimate: Option<f64>,
+    /// The conversation's turn before this one, wherever it ran.
+    pub previous_turn_id: Option<String>,
 }
 
 /// A conversation's log up to a turn's user message, read from its end backwards as far as a
@@ -87,15 +89,22 @@ pub struct ModelThroughput {
 }
 
 impl Store {
-    /// What runtimes left with a conversation for its next turn on `model` (a calibration
-    /// only when that model's request measured it: tokenizers differ).
-    pub async fn runtime_memory(&self, conversation_id: &str, model: &str) -> StoreResult<RuntimeMemory> {
-        let sql = "SELECT session_id, CASE WHEN calibrated_model = $2 THEN tokens_per_estimate END
+    /// What runtimes left with a conversation for its turn `turn_id` on `model` (a
+    /// calibration only when that model's request measured it: tokenizers differ).
+    pub async fn runtime_memory(
+        &self,
+        conversation_id: &str,
+        turn_id: &str,
+        model: &str,
+    ) -> StoreResult<RuntimeMemory> {
+        let sql = "SELECT session_id, CASE WHEN calibrated_model = $2 THEN tokens_per_estimate END,
+                          (SELECT turn_id FROM turns WHERE conversation_id = $1 AND turn_id <> $3
+                           ORDER BY ordinal DESC LIMIT 1)
                    FROM conversations WHERE id = $1";
-        let row: Option<(Option<String>, Option<f64>)> =
-            self.fetch_optional(Query::new(sql).bind(conversation_id).bind(model)).await?;
-        let (session_id, tokens_per_estimate) = row.unwrap_or_default();
-        Ok(RuntimeMemory { session_id, tokens_per_estimate })
+        let q = Query::new(sql).bind(conversation_id).bind(model).bind(turn_id);
+        let row: Option<(Option<String>, Option<f64>, Option<String>)> = self.fetch_optional(q).await?;
+        let (session_id, tokens_per_estimate, previous_turn_id) = row.unwrap_or_default();
+        Ok(RuntimeMemory { session_id, tokens_per_estimate, previous_turn_id })
     }
 
     /// Remembers the runtime session a conversation's next turn resumes.
@@ -178,13 +187,15 @@ mod tests {
         for t in every_backend().await {
             let store = &t.store;
             let ratio = |c: &'static str, model: &'static str| async move {
-                store.runtime_memory(c, model).await.unwrap().tokens_per_estimate
+                store.runtime_memory(c, "next", model).await.unwrap().tokens_per_estimate
             };
             let seal = |turn_id: &'static str, ratio| async move {
                 store.seal_test_turn("c", turn_id, ratio, &[]).await.unwrap();
             };
             assert_eq!(ratio("c", MODEL).await, None, "{}: no conversation", t.backend);
             store.begin_test_turn("c", "t1").await;
+            let first = store.runtime_memory("c", "t1", MODEL).await.unwrap();
+            assert_eq!(first.previous_turn_id, None, "{}: no turn before the first", t.backend);
             seal("t1", None).await;
             assert_eq!(ratio("c", MODEL).await, None, "{}: none reported", t.backend);
             store.begin_test_turn("c", "t2").await;
@@ -192,7 +203,7 @@ mod tests {
             store.begin_test_turn("c", "t3").await;
             seal("t3", None).await;
             store.set_session_id("c", "s1").await.unwrap();
-            let memory = store.runtime_memory("c", MODEL).await.unwrap();
+            let memory = store.runtime_memory("c", "next", MODEL).await.unwrap();
             assert_eq!(
                 (memory.session_id.as_deref(), memory.tokens_per_estimate),
                 (Some("s1"), Some(2.375)),
@@ -212,6 +223,8 @@ mod tests {
                 now: 1,
             };
             store.begin_turn(begin).await.unwrap();
+            let previous = store.runtime_memory("c", "t4", "other/model").await.unwrap().previous_turn_id;
+            assert_eq!(previous.as_deref(), Some("t3"), "{}: the turn before t4", t.backend);
             seal("t4", Some(1.25)).await;
             assert_eq!(ratio("c", "other/model").await, Some(1.25), "{}", t.backend);
             assert_eq!(ratio("c", MODEL).await, None, "{}", t.backend);
@@ -225,7 +238,7 @@ mod tests {
     async fn a_session_is_forgotten_between_turns_only() {
         for t in every_backend().await {
             let store = &t.store;
-            let session = || async { store.runtime_memory("c", "demo/scripted").await.unwrap().session_id };
+            let session = || async { store.runtime_memory("c", "next", "demo/scripted").await.unwrap().session_id };
             assert!(!store.forget_session("c").await.unwrap(), "{}: no conversation", t.backend);
             store.begin_test_turn("c", "t1").await;
             store.set_session_id("c", "s1").await.unwrap();
@@ -235,7 +248,7 @@ mod tests {
             store.seal_test_turn("c", "t1", Some(2.0), &[]).await.unwrap();
             assert!(store.forget_session("c").await.unwrap(), "{}", t.backend);
             assert_eq!(session().await, None, "{}", t.backend);
-            let memory = store.runtime_memory("c", "demo/scripted").await.unwrap();
+            let memory = store.runtime_memory("c", "next", "demo/scripted").await.unwrap();
             assert_eq!(memory.tokens_per_estimate, Some(2.0), "{}", t.backend);
         }
     }

@@ -309,11 +309,11 @@ impl Turns {
         // (`storage`): a runtime must never go on with a made-up history, nor start a fresh
         // session where a resume was due.
         let history = runtime.needs_history().then(|| History::new(self.store.clone(), &req.conversation_id, user_seq));
-        let memory = self.store.runtime_memory(&req.conversation_id, &model).await;
+        let memory = self.store.runtime_memory(&req.conversation_id, &turn_id, &model).await;
         let span = tracing::info_span!("turn", conversation = %ids.0, turn = %ids.1, model = %model);
         let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone());
         match memory {
-            Ok(RuntimeMemory { session_id, tokens_per_estimate }) => {
+            Ok(RuntimeMemory { session_id, tokens_per_estimate, previous_turn_id }) => {
                 let request = TurnRequest {
                     conversation_id: req.conversation_id.clone(),
                     turn_id: turn_id.clone(),
@@ -323,6 +323,7 @@ impl Turns {
                     reasoning_effort,
                     history,
                     session_id,
+                    previous_turn_id,
                     tokens_per_estimate,
                     inbox,
                 };
