@@ -89,19 +89,30 @@ pub struct ModelThroughput {
 }
 
 impl Store {
-    /// What runtimes left with a conversation for its turn `turn_id` on `model` (a
-    /// calibration only when that model's request measured it: tokenizers differ).
+    /// What runtimes left with a conversation for its next turn on `model` (a calibration
+    /// only when that model's request measured it: tokenizers differ); with `previous_of`
+    /// (that turn's id), which turn came before it, for runtimes that keep a process per
+    /// conversation (a subquery more; the others do without).
     pub async fn runtime_memory(
         &self,
         conversation_id: &str,
-        turn_id: &str,
         model: &str,
+        previous_of: Option<&str>,
     ) -> StoreResult<RuntimeMemory> {
-        let sql = "SELECT session_id, CASE WHEN calibrated_model = $2 THEN tokens_per_estimate END,
-                          (SELECT turn_id FROM turns WHERE conversation_id = $1 AND turn_id <> $3
-                           ORDER BY ordinal DESC LIMIT 1)
-                   FROM conversations WHERE id = $1";
-        let q = Query::new(sql).bind(conversation_id).bind(model).bind(turn_id);
+        let previous = match previous_of {
+            Some(_) => {
+                "(SELECT turn_id FROM turns WHERE conversation_id = $1 AND turn_id <> $3 ORDER BY ordinal DESC LIMIT 1)"
+            }
+            None => "CAST(NULL AS TEXT)",
+        };
+        let sql = format!(
+            "SELECT session_id, CASE WHEN calibrated_model = $2 THEN tokens_per_estimate END, {previous}
+             FROM conversations WHERE id = $1"
+        );
+        let mut q = Query::new(sql).bind(conversation_id).bind(model);
+        if let Some(turn_id) = previous_of {
+            q = q.bind(turn_id);
+        }
         let row: Option<(Option<String>, Option<f64>, Option<String>)> = self.fetch_optional(q).await?;
         let (session_id, tokens_per_estimate, previous_turn_id) = row.unwrap_or_default();
         Ok(RuntimeMemory { session_id, tokens_per_estimate, previous_turn_id })
@@ -187,14 +198,14 @@ mod tests {
         for t in every_backend().await {
             let store = &t.store;
             let ratio = |c: &'static str, model: &'static str| async move {
-                store.runtime_memory(c, "next", model).await.unwrap().tokens_per_estimate
+                store.runtime_memory(c, model, None).await.unwrap().tokens_per_estimate
             };
             let seal = |turn_id: &'static str, ratio| async move {
                 store.seal_test_turn("c", turn_id, ratio, &[]).await.unwrap();
             };
             assert_eq!(ratio("c", MODEL).await, None, "{}: no conversation", t.backend);
             store.begin_test_turn("c", "t1").await;
-            let first = store.runtime_memory("c", "t1", MODEL).await.unwrap();
+            let first = store.runtime_memory("c", MODEL, Some("t1")).await.unwrap();
             assert_eq!(first.previous_turn_id, None, "{}: no turn before the first", t.backend);
             seal("t1", None).await;
             assert_eq!(ratio("c", MODEL).await, None, "{}: none reported", t.backend);
@@ -203,7 +214,7 @@ mod tests {
             store.begin_test_turn("c", "t3").await;
             seal("t3", None).await;
             store.set_session_id("c", "s1").await.unwrap();
-            let memory = store.runtime_memory("c", "next", MODEL).await.unwrap();
+            let memory = store.runtime_memory("c", MODEL, None).await.unwrap();
             assert_eq!(
                 (memory.session_id.as_deref(), memory.tokens_per_estimate),
                 (Some("s1"), Some(2.375)),
@@ -223,7 +234,7 @@ mod tests {
                 now: 1,
             };
             store.begin_turn(begin).await.unwrap();
-            let previous = store.runtime_memory("c", "t4", "other/model").await.unwrap().previous_turn_id;
+            let previous = store.runtime_memory("c", "other/model", Some("t4")).await.unwrap().previous_turn_id;
             assert_eq!(previous.as_deref(), Some("t3"), "{}: the turn before t4", t.backend);
             seal("t4", Some(1.25)).await;
             assert_eq!(ratio("c", "other/model").await, Some(1.25), "{}", t.backend);
@@ -238,7 +249,7 @@ mod tests {
     async fn a_session_is_forgotten_between_turns_only() {
         for t in every_backend().await {
             let store = &t.store;
-            let session = || async { store.runtime_memory("c", "next", "demo/scripted").await.unwrap().session_id };
+            let session = || async { store.runtime_memory("c", "demo/scripted", None).await.unwrap().session_id };
             assert!(!store.forget_session("c").await.unwrap(), "{}: no conversation", t.backend);
             store.begin_test_turn("c", "t1").await;
             store.set_session_id("c", "s1").await.unwrap();
@@ -248,7 +259,7 @@ mod tests {
             store.seal_test_turn("c", "t1", Some(2.0), &[]).await.unwrap();
             assert!(store.forget_session("c").await.unwrap(), "{}", t.backend);
             assert_eq!(session().await, None, "{}", t.backend);
-            let memory = store.runtime_memory("c", "next", "demo/scripted").await.unwrap();
+            let memory = store.runtime_memory("c", "demo/scripted", None).await.unwrap();
             assert_eq!(memory.tokens_per_estimate, Some(2.0), "{}", t.backend);
         }
     }

@@ -309,7 +309,9 @@ impl Turns {
         // (`storage`): a runtime must never go on with a made-up history, nor start a fresh
         // session where a resume was due.
         let history = runtime.needs_history().then(|| History::new(self.store.clone(), &req.conversation_id, user_seq));
-        let memory = self.store.runtime_memory(&req.conversation_id, &turn_id, &model).await;
+        // The turn before matters to a runtime that keeps a process per conversation.
+        let previous_of = runtime.processes().is_some().then_some(turn_id.as_str());
+        let memory = self.store.runtime_memory(&req.conversation_id, &model, previous_of).await;
         let span = tracing::info_span!("turn", conversation = %ids.0, turn = %ids.1, model = %model);
         let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone());
         match memory {
