@@ -63,6 +63,10 @@ for line in sys.stdin:
             if json.loads(line).get("type") == "interrupt":
                 emit(type="done", reason="aborted")
                 break
+    elif text.startswith("odd session"):
+        emit(type="session", id="s\nx" if "newline" in text else "s" * 300)
+        emit(type="text", delta="odd")
+        emit(type="done", reason="stop")
     elif text.startswith("crash"):
         emit(type="text", delta="about to crash")
         sys.exit(3)
@@ -653,4 +657,21 @@ async fn a_process_that_missed_a_turn_of_its_conversation_is_replaced() {
     assert_eq!(starts(dir.path()), vec!["-", "sess-1"], "a new process, resuming the session");
     let goodbyes = std::fs::read_to_string(dir.path().join("goodbyes.log")).unwrap_or_default();
     assert_eq!(goodbyes.lines().count(), 1, "the old one was stopped");
+}
+
+/// A session id that could not go back to a process (a control character, past 256 bytes) is
+/// not kept: its turn ends as usual, the next one resumes nothing, and the process stays.
+#[tokio::test]
+async fn a_session_id_that_cannot_be_passed_back_is_not_kept() {
+    for odd in ["odd session newline", "odd session long"] {
+        let dir = tempfile::tempdir().unwrap();
+        let script = agent(dir.path(), "agent.py", AGENT);
+        let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+        let events = turn(&server, "o", odd).await;
+        assert_eq!(events[events.len() - 2]["reason"], "stop", "{odd}: {events:?}");
+        let events = turn(&server, "o", "echo one").await;
+        assert_eq!(events[3]["delta"], "echo one (session=None)", "{odd}: nothing kept");
+        assert_eq!(turn(&server, "o", "echo two").await[3]["delta"], "echo two (session=sess-1)", "{odd}");
+        assert_eq!(starts(dir.path()), vec!["-"], "{odd}: one process throughout");
+    }
 }

@@ -28,6 +28,9 @@ use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnReque
 use crate::config::{CommandCredential, Dialect};
 use crate::wire::OutputStream;
 
+/// Longest session id kept: it goes back to the next process as an argument and a variable.
+const MAX_SESSION_ID: usize = 256;
+
 /// Backoff before restarting a process that died, doubling up to the cap.
 const RESTART_BASE: Duration = Duration::from_millis(250);
 const RESTART_CAP: Duration = Duration::from_secs(10);
@@ -482,6 +485,11 @@ impl Inner {
             for event in mapped.events {
                 terminal |= matches!(event, RawEvent::Finish { .. } | RawEvent::Error { .. });
                 if let RawEvent::SessionId(id) = &event {
+                    if !usable_session(id) {
+                        tracing::warn!(credential = %self.name, conversation = %req.conversation_id,
+                            "the agent reported a session id that cannot be passed back (empty, over {MAX_SESSION_ID} bytes, or with a control character): not kept");
+                        continue;
+                    }
                     agent.session = Some(id.clone());
                 }
                 if interrupted.is_none() && sink.send(event).await.is_err() {
@@ -669,6 +677,14 @@ fn ndjson_event(v: &Value) -> Option<RawEvent> {
 /// to answer); the session is resumed as one argument (`--resume=<id>`), so an id that starts
 /// with a dash is not read as a flag. The effort is passed only when the conversation has one
 /// (else Claude Code's default), so a CLI older than `--effort` still starts.
+/// Whether a session id an agent reported can be given back to a process (an argument, an
+/// environment variable): not empty, at most `MAX_SESSION_ID` bytes, no control character
+/// (a NUL would fail every start of the conversation's processes, a long one the system's
+/// limit on an argument).
+fn usable_session(id: &str) -> bool {
+    !id.is_empty() && id.len() <= MAX_SESSION_ID && !id.chars().any(char::is_control)
+}
+
 fn claude_args(started_for: &StartedFor, session: Option<&str>, unattended: bool) -> Vec<String> {
     // Partial messages: the CLI streams tokens (`stream_event` lines) instead of whole blocks.
     let mut args: Vec<String> = [
