@@ -243,11 +243,12 @@ fn terminal(v: &Value) -> RawEvent {
         if errors.is_empty() { str_of(v, "result").filter(|r| !r.is_empty()) } else { Some(errors.join("; ")) };
     let status = v.get("api_error_status").and_then(Value::as_u64);
     let mut message = reason.unwrap_or_else(|| format!("the agent failed: {subtype}"));
-    // Claude Code finds a session only under the folder it was started in.
+    // Claude Code finds a session only under the folder it was started in, on the machine
+    // it ran on (a cluster's gateways may not share it: docs/cluster.md).
     if message.starts_with("No conversation found with session ID") {
         message.push_str(
-            " (Claude Code keeps a session under the folder it started in: if the conversation's cwd changed, \
-             set it back, or forget the session (DELETE /conversations/:id/session) to go on in a new one)",
+            " (Claude Code keeps a session under the folder it started in, on its machine: if the conversation's \
+             cwd changed, set it back; or forget the session (DELETE /conversations/:id/session) to go on in a new one)",
         );
     }
     if let Some(status) = status
