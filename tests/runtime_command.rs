@@ -675,3 +675,18 @@ async fn a_session_id_that_cannot_be_passed_back_is_not_kept() {
         assert_eq!(starts(dir.path()), vec!["-"], "{odd}: one process throughout");
     }
 }
+
+/// A conversation deleted and made again under its id does not get the agent process the
+/// deleted one left idle (it holds the deleted conversation's turns): its first turn starts a
+/// new process, with no session.
+#[tokio::test]
+async fn a_conversation_made_again_under_a_deleted_ones_id_gets_a_new_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
+    turn(&server, "d", "echo one").await;
+    assert_eq!(turn(&server, "d", "echo two").await[3]["delta"], "echo two (session=sess-1)");
+    assert_eq!(server.delete("/conversations/d").await.0, 204);
+    assert_eq!(turn(&server, "d", "echo again").await[3]["delta"], "echo again (session=None)");
+    assert_eq!(starts(dir.path()), vec!["-", "-"], "a new process, resuming nothing");
+}
