@@ -676,17 +676,27 @@ async fn a_session_id_that_cannot_be_passed_back_is_not_kept() {
     }
 }
 
-/// A conversation deleted and made again under its id does not get the agent process the
-/// deleted one left idle (it holds the deleted conversation's turns): its first turn starts a
-/// new process, with no session.
+/// A deleted conversation's agent process is stopped (as at any stop: its input closed)
+/// rather than left idle with the deleted turns; a conversation made again under the id
+/// starts a new one, with no session. So also when the deletion comes right before the new
+/// turn (the process is checked, not only stopped).
 #[tokio::test]
-async fn a_conversation_made_again_under_a_deleted_ones_id_gets_a_new_process() {
+async fn a_deleted_conversations_process_is_stopped_and_not_given_to_one_made_again() {
     let dir = tempfile::tempdir().unwrap();
     let script = agent(dir.path(), "agent.py", AGENT);
     let server = gateway(dir.path(), &script, Dialect::Ndjson).await;
     turn(&server, "d", "echo one").await;
     assert_eq!(turn(&server, "d", "echo two").await[3]["delta"], "echo two (session=sess-1)");
     assert_eq!(server.delete("/conversations/d").await.0, 204);
+    let processes = || async { metric(&server.metrics().await, "dispatch_agent_processes{credential=\"agent\"}") };
+    assert!(eventually(100, || async { processes().await == 0.0 }).await, "the process was stopped");
+    let goodbyes = std::fs::read_to_string(dir.path().join("goodbyes.log")).unwrap_or_default();
+    assert_eq!(goodbyes.lines().count(), 1, "let go as at any stop, not killed");
     assert_eq!(turn(&server, "d", "echo again").await[3]["delta"], "echo again (session=None)");
     assert_eq!(starts(dir.path()), vec!["-", "-"], "a new process, resuming nothing");
+
+    // Deleted and made again at once: whichever comes first, the new turn gets a new process.
+    assert_eq!(server.delete("/conversations/d").await.0, 204);
+    assert_eq!(turn(&server, "d", "echo anew").await[3]["delta"], "echo anew (session=None)");
+    assert_eq!(starts(dir.path()).len(), 3);
 }

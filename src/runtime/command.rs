@@ -581,6 +581,25 @@ impl Runtime for CommandRuntime {
         Box::pin(tracked)
     }
 
+    fn release(&self, conversation_id: &str) {
+        let inner = self.inner.clone();
+        let Some(slot) = inner.agents.lock().unwrap_or_else(|p| p.into_inner()).get(conversation_id).cloned() else {
+            return;
+        };
+        let conversation_id = conversation_id.to_owned();
+        tokio::spawn(async move {
+            // Should a conversation made again under the id have run a turn first, its process
+            // goes too: its next turn starts another, which resumes its session.
+            let agent = slot.lock().await.agent.take();
+            if let Some(agent) = agent {
+                tracing::info!(credential = %inner.name, conversation = %conversation_id, "stopping the agent process of a deleted conversation");
+                agent.stop().await;
+            }
+            drop(slot);
+            inner.forget(&conversation_id);
+        });
+    }
+
     fn shutdown(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
         let inner = &self.inner;
         Box::pin(async move {

@@ -228,6 +228,10 @@ pub trait Runtime: Send + Sync + 'static {
         None
     }
 
+    /// Lets go of what it keeps for a conversation that is gone (deleted, so no turn runs in
+    /// it): an agent process it kept for it is stopped, in the background.
+    fn release(&self, _conversation_id: &str) {}
+
     /// The stop fence: refuse new turns at once, then wait until every turn already started
     /// has settled and whatever the runtime spawned is gone. Called at shutdown.
     fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
@@ -289,7 +293,7 @@ impl Registry {
         all
     }
 
-    /// Every distinct runtime (for shutdown and `/metrics`).
+    /// Every distinct runtime (for shutdown, deletions and `/metrics`).
     pub fn runtimes(&self) -> Vec<Arc<dyn Runtime>> {
         let mut out: Vec<Arc<dyn Runtime>> = Vec::new();
         for m in self.models.values() {

@@ -451,7 +451,18 @@ impl Turns {
             Err(StartError::Store(StoreError::Deleting)) => return Ok(false),
             reserved => reserved?,
         };
-        Ok(self.store.delete_conversation(conversation_id, &holder).await?)
+        let deleted = self.store.delete_conversation(conversation_id, &holder).await?;
+        if deleted {
+            self.release_runtimes(conversation_id);
+        }
+        Ok(deleted)
+    }
+
+    /// What the runtimes keep for a deleted conversation goes (its agent processes here).
+    fn release_runtimes(&self, conversation_id: &str) {
+        for runtime in self.registry.runtimes() {
+            runtime.release(conversation_id);
+        }
     }
 
     /// Finishes a deletion whose lease (held by `expired`) ended; see `keep_leases`.
@@ -461,7 +472,10 @@ impl Turns {
             return;
         };
         match self.store.resume_deletion(conversation_id, expired, &holder).await {
-            Ok(true) => tracing::warn!(conversation = %conversation_id, "finished a deletion that was cut off"),
+            Ok(true) => {
+                tracing::warn!(conversation = %conversation_id, "finished a deletion that was cut off");
+                self.release_runtimes(conversation_id);
+            }
             Ok(false) => {}
             Err(e) => {
                 tracing::warn!(conversation = %conversation_id, error = %e, "could not finish a deletion that was cut off")
