@@ -113,6 +113,8 @@ async fn malformed_bodies_are_rejected_and_change_nothing() {
         assert_error(status, &got, 400, path);
         let (status, got) = server.delete(path).await;
         assert_error(status, &got, 400, path);
+        let (status, got) = server.delete(&format!("{path}/session")).await;
+        assert_error(status, &got, 400, path);
     }
 
     // Unknown routes and methods.
