@@ -32,6 +32,7 @@ export class ConversationView {
     this.sealedLive = 0;
     this.opened = false;
     this.live = null;
+    this.statusStamp = 0;
     this.lastEventId = "";
     this.work = Promise.resolve();
 
@@ -112,7 +113,8 @@ export class ConversationView {
       ),
     );
     this.unsubscribe = feed.subscribe((change) => {
-      if (change && change.conversationId === id) this.setStatus(change.status);
+      if (change === null) this.readMeta(); // a change the feed may have missed
+      else if (change.conversationId === id) this.setStatus(change.status);
     });
     this.load();
   }
@@ -124,6 +126,8 @@ export class ConversationView {
 
   /** The title, status, folder, effort and model choices. */
   async readMeta() {
+    // A status set while the reads were out (the feed, the stream, a close) is newer than theirs.
+    const stamp = this.statusStamp;
     try {
       const [list, models, sticky, cwd, effort] = await Promise.all([
         get(`/conversations?q=${encodeURIComponent(this.id)}&limit=50`),
@@ -137,7 +141,7 @@ export class ConversationView {
       if (document.activeElement !== this.folder) this.folder.value = cwd.cwd || "";
       if (document.activeElement !== this.effort) this.effort.value = effort.reasoningEffort || "";
       // The stream knows better while it shows a turn in flight.
-      if (!this.live) this.setStatus(meta ? meta.status : "new");
+      if (!this.live && stamp === this.statusStamp) this.setStatus(meta ? meta.status : "new");
       const chosen = this.model.value;
       this.model.replaceChildren(this.model.firstChild, ...models.models.map((m) => h("option", { value: m }, m)));
       this.model.value = sticky.model || chosen;
@@ -210,7 +214,8 @@ export class ConversationView {
       this.history.append(this.live.element);
       this.live = null;
       this.sealedLive += 1;
-      this.setStatus("idle");
+      // A turn a close stopped seals after the conversation was marked closed.
+      if (this.status.dataset.status === "active") this.setStatus("idle");
       this.plots.refresh();
       // A first turn names the conversation after its prompt.
       if (!this.title.value && document.activeElement !== this.title) this.readMeta();
@@ -286,6 +291,7 @@ export class ConversationView {
   async close() {
     try {
       await post(`${this.path}/close`);
+      this.setStatus("closed");
       this.alert.textContent = "";
     } catch (e) {
       this.fail(e);
@@ -312,6 +318,7 @@ export class ConversationView {
   }
 
   setStatus(status) {
+    this.statusStamp++;
     this.status.textContent = status;
     this.status.dataset.status = status;
     this.stopButton.disabled = status !== "active";

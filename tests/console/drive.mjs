@@ -269,12 +269,29 @@ try {
   await page.screenshot({ path: shot("gateway") });
   step("throughput per model and the gateway's state, its agent processes too");
 
-  // Closing, and deleting once asked twice.
+  // Closing, and deleting once asked twice. The view's first read is answered before the close
+  // and held until after it: its status ("idle") is older than the close and must not undo it.
+  const metaRead = /\/conversations\?q=watched-elsewhere&/;
+  let release;
+  const held = new Promise((resolve) => (release = resolve));
+  let answered;
+  const readBeforeClose = new Promise((resolve) => (answered = resolve));
+  await page.route(metaRead, async (route) => {
+    const response = await route.fetch();
+    answered();
+    await held;
+    await route.fulfill({ response });
+  });
   await page.goto(`${px.url}/#/c/watched-elsewhere`);
   const listed = page.locator('li[data-id="watched-elsewhere"]');
   await listed.waitFor();
+  await readBeforeClose;
   await page.getByRole("button", { name: "Close conversation" }).click();
   await page.locator('.detail-head .status[data-status="closed"]').waitFor({ timeout: 10_000 });
+  release(); // later reads pass through the route as they come
+  // The read fills the model choices right after the status.
+  await page.waitForFunction(() => document.querySelector('.detail select[aria-label="Model"]')?.options.length > 1);
+  assert.equal(await page.locator(".detail-head .status").getAttribute("data-status"), "closed", "a read older than the close");
   assert.ok(await page.getByRole("button", { name: "Close conversation" }).isDisabled(), "closed once");
   await page.getByRole("button", { name: "Delete", exact: true }).click();
   await page.getByRole("button", { name: "Keep it" }).click();
