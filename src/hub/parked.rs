@@ -654,7 +654,8 @@ mod tests {
             theirs.push(other);
         }
         // Twenty rounds of everyone (events that are not deltas go at once), each writing to
-        // the 64 sockets at 300 us or more a write: each moves the average 1/16 of the way.
+        // the 64 sockets at 300 us or more a write: each moves the average 1/64 of the way (a
+        // quarter of it in all).
         let start = AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() });
         for _ in 0..20 {
             buffer.publish(&start);
@@ -663,8 +664,8 @@ mod tests {
             let lines = dechunk(&read_now(other)).iter().filter(|b| **b == b'\n').count();
             assert_eq!(lines, 20, "every round wrote to every socket");
         }
-        assert!(hub.write_cost() >= Duration::from_micros(200), "{:?}", hub.write_cost());
-        assert!(buffer.window() >= Duration::from_millis(200), "{:?}", buffer.window());
+        assert!(hub.write_cost() >= Duration::from_micros(60), "{:?}", hub.write_cost());
+        assert!(buffer.window() >= Duration::from_millis(60), "{:?}", buffer.window());
     }
 
     /// The window of [`parked_sinks`].
