@@ -69,6 +69,37 @@ export const post = (path, body = {}) => request("POST", path, body);
 export const put = (path, body) => request("PUT", path, body);
 export const del = (path) => request("DELETE", path);
 
+/** The reads that refresh one view: only the newest one's answer counts (an older read that
+ * answers after it would put back what it replaced), and `element` is `aria-busy` while any is
+ * out. */
+export class Reads {
+  constructor(element) {
+    this.element = element;
+    this.started = 0;
+    this.out = 0;
+  }
+
+  /** `get(path)`, or `undefined` when a newer read started meanwhile (its error too). */
+  async newest(path) {
+    const mine = ++this.started;
+    this.busy(1);
+    try {
+      const answer = await get(path);
+      return mine === this.started ? answer : undefined;
+    } catch (e) {
+      if (mine === this.started) throw e;
+      return undefined;
+    } finally {
+      this.busy(-1);
+    }
+  }
+
+  busy(by) {
+    this.out += by;
+    this.element.setAttribute("aria-busy", String(this.out > 0));
+  }
+}
+
 /** A conversation id: a UUIDv4, from `getRandomValues` (which, unlike `randomUUID`, works on
  * plain http pages away from localhost). */
 export function newConversationId() {

@@ -32,7 +32,9 @@ export class ConversationView {
     this.sealedLive = 0;
     this.opened = false;
     this.live = null;
-    this.statusStamp = 0;
+    // How many times the status was set (`setStatus`) and read (`readMeta`, `readStatus`).
+    this.statusSets = 0;
+    this.statusReads = 0;
     this.lastEventId = "";
     this.work = Promise.resolve();
 
@@ -113,7 +115,7 @@ export class ConversationView {
       ),
     );
     this.unsubscribe = feed.subscribe((change) => {
-      if (change === null) this.readMeta(); // a change the feed may have missed
+      if (change === null) this.readStatus(); // a change the feed may have missed
       else if (change.conversationId === id) this.setStatus(change.status);
     });
     this.load();
@@ -126,28 +128,48 @@ export class ConversationView {
 
   /** The title, status, folder, effort and model choices. */
   async readMeta() {
-    // A status set while the reads were out (the feed, the stream, a close) is newer than theirs.
-    const stamp = this.statusStamp;
+    const stamp = [++this.statusReads, this.statusSets];
     try {
-      const [list, models, sticky, cwd, effort] = await Promise.all([
-        get(`/conversations?q=${encodeURIComponent(this.id)}&limit=50`),
+      const [meta, models, sticky, cwd, effort] = await Promise.all([
+        this.listed(),
         get("/models"),
         get(`${this.path}/model`),
         get(`${this.path}/cwd`),
         get(`${this.path}/reasoning-effort`),
       ]);
-      const meta = list.conversations.find((c) => c.id === this.id);
       if (meta) this.title.value = meta.title;
       if (document.activeElement !== this.folder) this.folder.value = cwd.cwd || "";
       if (document.activeElement !== this.effort) this.effort.value = effort.reasoningEffort || "";
-      // The stream knows better while it shows a turn in flight.
-      if (!this.live && stamp === this.statusStamp) this.setStatus(meta ? meta.status : "new");
+      this.statusRead(meta, stamp);
       const chosen = this.model.value;
       this.model.replaceChildren(this.model.firstChild, ...models.models.map((m) => h("option", { value: m }, m)));
       this.model.value = sticky.model || chosen;
     } catch (e) {
       this.fail(e);
     }
+  }
+
+  /** The status alone (what the feed may have missed while its socket was down). */
+  async readStatus() {
+    const stamp = [++this.statusReads, this.statusSets];
+    try {
+      this.statusRead(await this.listed(), stamp);
+    } catch (e) {
+      this.fail(e);
+    }
+  }
+
+  /** The conversation as the list has it (none before its first message). */
+  async listed() {
+    const list = await get(`/conversations?q=${encodeURIComponent(this.id)}&limit=50`);
+    return list.conversations.find((c) => c.id === this.id);
+  }
+
+  /** A status read, `stamp` being which read it was and how many times the status had been
+   * set when it started: a newer read, or a status set since (the feed, the stream, a close),
+   * knows better; so does the stream while it shows a turn in flight. */
+  statusRead(meta, [read, set]) {
+    if (!this.live && read === this.statusReads && set === this.statusSets) this.showStatus(meta ? meta.status : "new");
   }
 
   connect() {
@@ -318,7 +340,11 @@ export class ConversationView {
   }
 
   setStatus(status) {
-    this.statusStamp++;
+    this.statusSets++;
+    this.showStatus(status);
+  }
+
+  showStatus(status) {
     this.status.textContent = status;
     this.status.dataset.status = status;
     this.stopButton.disabled = status !== "active";

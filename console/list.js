@@ -1,7 +1,7 @@
 // The conversation list: newest activity first, searchable by id prefix and status, and live:
 // a status change anywhere (a new conversation, a turn starting or sealing) reads it again.
 
-import { get, ApiError } from "./api.js";
+import { Reads, ApiError } from "./api.js";
 import { h, when } from "./dom.js";
 
 export class ConversationList {
@@ -16,6 +16,7 @@ export class ConversationList {
     );
     this.items = h("ul", { class: "conversations", "aria-label": "Conversations" });
     this.message = h("p", { class: "muted", role: "status" });
+    this.reads = new Reads(this.items);
     this.search.addEventListener("input", () => this.schedule());
     this.status.addEventListener("change", () => this.refresh());
     this.element = h(
@@ -59,11 +60,12 @@ export class ConversationList {
     if (this.status.value) query.set("status", this.status.value);
     let list;
     try {
-      list = (await get(`/conversations?${query}`)).conversations;
+      list = (await this.reads.newest(`/conversations?${query}`))?.conversations;
     } catch (e) {
       if (e instanceof ApiError && e.status !== 401) this.message.textContent = e.message;
       return;
     }
+    if (!list) return;
     this.message.textContent = list.length ? "" : "No conversations yet.";
     this.items.replaceChildren(...list.map((c) => this.row(c)));
   }

@@ -1,7 +1,7 @@
 // Metrics as plots: a conversation's turns (time to first token, output tokens per second,
 // context size, and the steps of one turn), and the gateway's throughput per model.
 
-import { get, ApiError } from "./api.js";
+import { Reads, ApiError } from "./api.js";
 import { h, ms, num } from "./dom.js";
 import { linePlot, barPlot } from "./plot.js";
 
@@ -22,11 +22,14 @@ export class TurnPlots {
     this.pinned = false;
     this.plots = h("div", { class: "plots" });
     this.element = h("section", { class: "metrics", "aria-label": "Turn metrics" }, h("h2", {}, "Metrics"), this.plots);
+    this.reads = new Reads(this.plots);
   }
 
   async refresh() {
     try {
-      this.turns = (await get(`/conversations/${encodeURIComponent(this.id)}/metrics`)).turns;
+      const answer = await this.reads.newest(`/conversations/${encodeURIComponent(this.id)}/metrics`);
+      if (!answer) return;
+      this.turns = answer.turns;
     } catch (e) {
       if (!(e instanceof ApiError)) throw e;
       return;
@@ -95,6 +98,7 @@ export class ThroughputView {
     this.date.addEventListener("change", () => this.refresh());
     this.message = h("p", { role: "status", class: "muted" });
     this.body = h("div");
+    this.reads = new Reads(this.body);
     this.element = h(
       "section",
       { class: "page", "aria-label": "Throughput" },
@@ -109,11 +113,12 @@ export class ThroughputView {
   async refresh() {
     let data;
     try {
-      data = await get(`/metrics/throughput?period=${this.period.value}&date=${encodeURIComponent(this.date.value)}`);
+      data = await this.reads.newest(`/metrics/throughput?period=${this.period.value}&date=${encodeURIComponent(this.date.value)}`);
     } catch (e) {
       if (e instanceof ApiError && e.status !== 401) this.message.textContent = e.message;
       return;
     }
+    if (!data) return;
     const span = `${new Date(data.start).toLocaleString()} – ${new Date(data.end).toLocaleString()}`;
     this.message.textContent = data.models.length ? `From ${span}` : `No sealed turns from ${span}.`;
     const plot = barPlot({

@@ -91,8 +91,26 @@ try {
   await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("made-");
   await page.waitForFunction(() => document.querySelectorAll("ul.conversations li").length === 1);
   assert.equal(await page.locator("ul.conversations li").getAttribute("data-id"), "made-elsewhere");
+  // A read of the list answered after a newer one does not put its list back: the search for
+  // "made-e" is held until the search is cleared and the whole list shown.
+  const searchRead = /\/conversations\?limit=200&q=made-e$/;
+  let releaseSearch;
+  const searchHeld = new Promise((resolve) => (releaseSearch = resolve));
+  let searchAnswered;
+  const searchFetched = new Promise((resolve) => (searchAnswered = resolve));
+  await page.route(searchRead, async (route) => {
+    const response = await route.fetch();
+    searchAnswered();
+    await searchHeld;
+    await route.fulfill({ response });
+  });
+  await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("made-e");
+  await searchFetched;
   await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("");
   await page.getByRole("link", { name: /Five hundred turns/ }).waitFor();
+  releaseSearch();
+  await page.locator('ul.conversations[aria-busy="false"]').waitFor();
+  assert.ok((await page.locator("ul.conversations li").count()) > 1, "the older read's list did not come back");
   assert.equal((await api(OPEN_URL, "POST", "/conversations/watched-elsewhere/messages", { message: "paced elsewhere" })).status, 202);
   await page.locator('li[data-id="watched-elsewhere"] .status[data-status="active"]').waitFor({ timeout: 10_000 });
   await page.screenshot({ path: shot("list") });
