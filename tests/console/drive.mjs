@@ -75,6 +75,22 @@ async function open(url, options = {}) {
   return page;
 }
 
+/** Holds the answers to the page's requests matching `pattern`: each is fetched from the
+ * gateway at once and given to the page only after `release()`; `answered` resolves once the
+ * first has been fetched (a read answered then, arriving after whatever the test does next). */
+async function holdAnswers(page, pattern) {
+  let release, fetched;
+  const held = new Promise((resolve) => (release = resolve));
+  const answered = new Promise((resolve) => (fetched = resolve));
+  await page.route(pattern, async (route) => {
+    const response = await route.fetch();
+    fetched();
+    await held;
+    await route.fulfill({ response });
+  });
+  return { answered, release };
+}
+
 /** The text of the live reply in the turn `turn` (a locator of an article). */
 const replyText = (turn) => turn.locator(".reply .text").allTextContents().then((t) => t.join(""));
 
@@ -93,22 +109,12 @@ try {
   assert.equal(await page.locator("ul.conversations li").getAttribute("data-id"), "made-elsewhere");
   // A read of the list answered after a newer one does not put its list back: the search for
   // "made-e" is held until the search is cleared and the whole list shown.
-  const searchRead = /\/conversations\?limit=200&q=made-e$/;
-  let releaseSearch;
-  const searchHeld = new Promise((resolve) => (releaseSearch = resolve));
-  let searchAnswered;
-  const searchFetched = new Promise((resolve) => (searchAnswered = resolve));
-  await page.route(searchRead, async (route) => {
-    const response = await route.fetch();
-    searchAnswered();
-    await searchHeld;
-    await route.fulfill({ response });
-  });
+  const search = await holdAnswers(page, /\/conversations\?limit=200&q=made-e$/);
   await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("made-e");
-  await searchFetched;
+  await search.answered;
   await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("");
   await page.getByRole("link", { name: /Five hundred turns/ }).waitFor();
-  releaseSearch();
+  search.release();
   await page.locator('ul.conversations[aria-busy="false"]').waitFor();
   assert.ok((await page.locator("ul.conversations li").count()) > 1, "the older read's list did not come back");
   assert.equal((await api(OPEN_URL, "POST", "/conversations/watched-elsewhere/messages", { message: "paced elsewhere" })).status, 202);
@@ -289,24 +295,14 @@ try {
 
   // Closing, and deleting once asked twice. The view's first read is answered before the close
   // and held until after it: its status ("idle") is older than the close and must not undo it.
-  const metaRead = /\/conversations\?q=watched-elsewhere&/;
-  let release;
-  const held = new Promise((resolve) => (release = resolve));
-  let answered;
-  const readBeforeClose = new Promise((resolve) => (answered = resolve));
-  await page.route(metaRead, async (route) => {
-    const response = await route.fetch();
-    answered();
-    await held;
-    await route.fulfill({ response });
-  });
+  const firstRead = await holdAnswers(page, /\/conversations\?q=watched-elsewhere&/);
   await page.goto(`${px.url}/#/c/watched-elsewhere`);
   const listed = page.locator('li[data-id="watched-elsewhere"]');
   await listed.waitFor();
-  await readBeforeClose;
+  await firstRead.answered;
   await page.getByRole("button", { name: "Close conversation" }).click();
   await page.locator('.detail-head .status[data-status="closed"]').waitFor({ timeout: 10_000 });
-  release(); // later reads pass through the route as they come
+  firstRead.release(); // later reads pass through the route as they come
   // The read fills the model choices right after the status.
   await page.waitForFunction(() => document.querySelector('.detail select[aria-label="Model"]')?.options.length > 1);
   assert.equal(await page.locator(".detail-head .status").getAttribute("data-status"), "closed", "a read older than the close");
