@@ -31,8 +31,17 @@ export class GatewayView {
     this.ready = h("p", { class: "ready", role: "status", "aria-label": "Database state" });
     this.cards = h("dl", { class: "cards" });
     this.element = h("section", { class: "page", "aria-label": "Gateway" }, h("h1", {}, "Gateway"), this.ready, this.cards);
-    this.refresh();
-    this.timer = setInterval(() => this.refresh(), 2000);
+    this.poll();
+  }
+
+  /** Reads, then reads again 2 s after the answer: a gateway slow to answer is not sent a new
+   * read every 2 s on top of those still out (and answers cannot come back out of order). */
+  async poll() {
+    try {
+      await this.refresh();
+    } finally {
+      if (!this.gone) this.timer = setTimeout(() => this.poll(), 2000);
+    }
   }
 
   async refresh() {
@@ -80,6 +89,7 @@ export class GatewayView {
   }
 
   destroy() {
-    clearInterval(this.timer);
+    this.gone = true;
+    clearTimeout(this.timer);
   }
 }

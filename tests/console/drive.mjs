@@ -293,6 +293,26 @@ try {
   await page.screenshot({ path: shot("gateway") });
   step("throughput per model and the gateway's state, its agent processes too");
 
+  // A gateway slow to answer is not sent a read every 2 s on top of those still out: the view
+  // reads again 2 s after an answer (the page's clock is the test's to move).
+  const polled = await (await browser.newContext()).newPage();
+  await polled.clock.install();
+  let metricsReads = 0;
+  polled.on("request", (r) => new URL(r.url()).pathname === "/metrics" && metricsReads++);
+  const slowMetrics = await holdAnswers(polled, (url) => url.pathname === "/metrics");
+  await polled.goto(`${px.url}/#/gateway`);
+  await slowMetrics.answered;
+  await polled.clock.runFor(10_000);
+  assert.equal(metricsReads, 1, "one read of /metrics out at a time");
+  slowMetrics.release();
+  await polled.getByLabel("Turns sealed", { exact: true }).waitFor();
+  const next = polled.waitForRequest((r) => new URL(r.url()).pathname === "/metrics");
+  await polled.clock.runFor(2_000);
+  await next;
+  assert.equal(metricsReads, 2, "read again 2 s after the answer");
+  await polled.context().close();
+  step("the gateway view reads again after an answer, never piling reads on a slow gateway");
+
   // Closing, and deleting once asked twice. The view's first read is answered before the close
   // and held until after it: its status ("idle") is older than the close and must not undo it.
   const firstRead = await holdAnswers(page, /\/conversations\?q=watched-elsewhere&/);
