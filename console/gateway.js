@@ -1,5 +1,5 @@
-// The gateway itself, from `/metrics` (Prometheus text) and `/ready`, read every two seconds
-// while shown: streams, turns, events, database writes, and agent processes per credential.
+// The gateway itself, from `/metrics` (Prometheus text) and `/ready`, read again two seconds
+// after each answer while shown: streams, turns, events, database writes, and agent processes per credential.
 
 import { get, ApiError } from "./api.js";
 import { h, bytes, num } from "./dom.js";
