@@ -37,7 +37,17 @@ function route() {
     return;
   }
   const list = new ConversationList(feed, () => (location.hash = `#/c/${newConversationId()}`));
-  const id = hash.startsWith("/c/") ? decodeURIComponent(hash.slice(3)) : null;
+  // A hand-typed or cut address may not decode (`%E0%A4%A`): it names no conversation, and
+  // says so, rather than leave a blank page.
+  let id = null;
+  let unreadable = false;
+  if (hash.startsWith("/c/")) {
+    try {
+      id = decodeURIComponent(hash.slice(3));
+    } catch {
+      unreadable = true;
+    }
+  }
   if (id) {
     const view = new ConversationView(id, feed);
     list.select(id);
@@ -48,7 +58,11 @@ function route() {
     show(list);
     main.replaceChildren(
       list.element,
-      h("section", { class: "detail empty", "aria-label": "Conversation" }, h("p", { class: "muted" }, "Pick a conversation, or start a new one.")),
+      h(
+        "section",
+        { class: "detail empty", "aria-label": "Conversation" },
+        h("p", { class: "muted" }, unreadable ? "That address names no conversation. Pick one, or start a new one." : "Pick a conversation, or start a new one."),
+      ),
     );
     main.className = "split";
   }

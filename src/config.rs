@@ -152,6 +152,13 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub history_page_chunks: u64,
 
+    /// Most bytes of chunks a history page holds: a page ends at this many bytes or
+    /// `--history-page-chunks` chunks, whichever comes first (a single chunk larger than it
+    /// is one page).
+    #[arg(long, env = "DISPATCH_HISTORY_PAGE_BYTES", default_value_t = 4 * 1024 * 1024,
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 32))]
+    pub history_page_bytes: u64,
+
     /// Most turns a metrics read holds at once: a longer read is sent in pages of this many,
     /// each read when the previous one is written.
     #[arg(long, env = "DISPATCH_METRICS_PAGE_TURNS", default_value_t = 1000,
@@ -167,6 +174,17 @@ pub struct Config {
     /// Bytes a turn's replay buffer may hold before runs of deltas in it are coalesced.
     #[arg(long, env = "DISPATCH_TURN_BUFFER_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub turn_buffer_bytes: usize,
+
+    /// Most bytes a turn's replay buffer holds, every event kind and framing counted: past it
+    /// (after coalescing) its oldest events go, and a watcher that needed them gets `resync`
+    /// and reads history.
+    #[arg(long, env = "DISPATCH_TURN_BUFFER_MAX_BYTES", default_value_t = 64 * 1024 * 1024)]
+    pub turn_buffer_max_bytes: usize,
+
+    /// Most bytes the replay buffers of every turn hold together: past it the turn publishing
+    /// gives up its oldest events, as past `--turn-buffer-max-bytes`.
+    #[arg(long, env = "DISPATCH_REPLAY_MAX_BYTES", default_value_t = 1024 * 1024 * 1024)]
+    pub replay_max_bytes: usize,
 
     /// Largest line an agent program prints (the `command` runtimes) or event an
     /// OpenAI-compatible upstream streams, in bytes: past it the turn ends with an error. Also
@@ -264,9 +282,30 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_MAX_QUEUED_BYTES", default_value_t = 256 * 1024)]
     pub max_queued_bytes: usize,
 
-    /// Origins allowed by CORS, comma-separated; `*` (the default) allows any.
-    #[arg(long, env = "DISPATCH_CORS_ORIGINS", value_delimiter = ',', default_value = "*")]
+    /// Origins whose pages may use the gateway (CORS, WebSocket handshakes, state changes),
+    /// comma-separated: `scheme://host[:port]`, `scheme://host:*` for any port, `*` for any
+    /// origin. The default lets pages on this machine in (a web client's dev server) and no
+    /// others (docs/security.md).
+    #[arg(
+        long,
+        env = "DISPATCH_CORS_ORIGINS",
+        value_delimiter = ',',
+        default_value = "http://localhost:*,http://127.0.0.1:*,http://[::1]:*"
+    )]
     pub cors_origins: Vec<String>,
+
+    /// Host names the gateway answers to, comma-separated (`*`: any); a request naming another
+    /// `Host` is refused (421) before routing, which closes DNS rebinding. Default: listening on
+    /// a loopback address, the loopback names (`localhost`, `127.0.0.1`, `[::1]`, any port);
+    /// listening beyond loopback, any (a proxy in front decides).
+    #[arg(long, env = "DISPATCH_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+
+    /// Bytes of request bodies (and WebSocket messages being assembled) the gateway reads at
+    /// once, over every connection; past it a request is answered 503 with Retry-After.
+    #[arg(long, env = "DISPATCH_MAX_READING_BYTES", default_value_t = 64 * 1024 * 1024,
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
+    pub max_reading_bytes: u64,
 
     /// Seconds a client may take to send a complete request head.
     #[arg(long, env = "DISPATCH_HEADER_READ_TIMEOUT_SECS", default_value_t = 10)]
@@ -429,6 +468,10 @@ pub struct CommandCredential {
     pub dialect: Dialect,
     pub models: Vec<String>,
     pub cwd: Option<PathBuf>,
+    /// The folders a turn's agent may work in (a request's or conversation's `cwd` must lie
+    /// inside one, symlinks followed). Default: `cwd`, else the gateway's working directory.
+    #[serde(default)]
+    pub cwd_roots: Vec<PathBuf>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
     /// Seconds a process may sit without a turn before it is stopped.
@@ -446,6 +489,36 @@ pub struct CommandCredential {
     /// shutdown), before its process group is killed; at most `MAX_GRACE_SECS`.
     #[serde(default = "default_grace")]
     pub grace_secs: u64,
+}
+
+/// The origins of pages on this machine: what `--cors-origins` allows by default.
+pub const LOOPBACK_ORIGINS: [&str; 3] = ["http://localhost:*", "http://127.0.0.1:*", "http://[::1]:*"];
+
+/// The names of this machine a loopback listener answers to by default.
+const LOOPBACK_HOSTS: [&str; 3] = ["localhost", "127.0.0.1", "[::1]"];
+
+/// `host` (`name[:port]`, `[v6]:port`) without its port.
+fn host_name(host: &[u8]) -> &[u8] {
+    if host.starts_with(b"[") {
+        return host.iter().position(|b| *b == b']').map_or(host, |end| &host[..=end]);
+    }
+    host.iter().position(|b| *b == b':').map_or(host, |colon| &host[..colon])
+}
+
+/// Whether an allowed-origin entry covers `origin`: equal (ASCII case aside), `*`, or
+/// `scheme://host:*` and `origin` that host with any port or none.
+fn origin_matches(entry: &[u8], origin: &[u8]) -> bool {
+    if entry == b"*" || entry.eq_ignore_ascii_case(origin) {
+        return true;
+    }
+    let Some(prefix) = entry.strip_suffix(b":*") else { return false };
+    let Some(rest) =
+        origin.get(..prefix.len()).filter(|p| p.eq_ignore_ascii_case(prefix)).map(|_| &origin[prefix.len()..])
+    else {
+        return false;
+    };
+    rest.is_empty()
+        || rest.strip_prefix(b":").is_some_and(|port| !port.is_empty() && port.iter().all(u8::is_ascii_digit))
 }
 
 /// The longest `grace_secs`: shutdown waits for it too.
@@ -743,9 +816,45 @@ impl Config {
         max.min(u32::MAX as usize)
     }
 
-    /// Whether a browser page from `origin` may use the gateway (CORS, WebSocket handshakes).
+    /// Whether a browser page from `origin` may use the gateway (CORS, WebSocket handshakes,
+    /// state changes): an entry equal to it, `*`, or `scheme://host:*` for any port of a host.
     pub fn allows_origin(&self, origin: &[u8]) -> bool {
-        self.cors_origins.iter().any(|o| o == "*" || o.as_bytes() == origin)
+        self.cors_origins.iter().any(|o| origin_matches(o.as_bytes(), origin))
+    }
+
+    /// Whether a request naming `host` (`name[:port]`, as its `Host` header) is served: the
+    /// `--allowed-hosts` names (any port), or by default the loopback names while listening on
+    /// loopback and any name beyond it.
+    pub fn allows_host(&self, host: &[u8]) -> bool {
+        let name = host_name(host);
+        if self.allowed_hosts.is_empty() {
+            return !self.listen.ip().is_loopback()
+                || LOOPBACK_HOSTS.iter().any(|h| name.eq_ignore_ascii_case(h.as_bytes()));
+        }
+        self.allowed_hosts.iter().any(|h| h == "*" || name.eq_ignore_ascii_case(host_name(h.as_bytes())))
+    }
+
+    /// Whether a page from `origin` may change state or open a WebSocket on a request that
+    /// names `host`: an allowed origin, or the gateway's own, which is the origin of a host it
+    /// answers to by name (`--allowed-hosts` or a loopback name), never whatever `Host` the
+    /// request says.
+    pub fn admits_origin(&self, origin: &[u8], host: Option<&[u8]>) -> bool {
+        if self.allows_origin(origin) {
+            return true;
+        }
+        let authority = origin.strip_prefix(b"http://").or_else(|| origin.strip_prefix(b"https://"));
+        let (Some(authority), Some(host)) = (authority, host) else { return false };
+        if !authority.eq_ignore_ascii_case(host) {
+            return false;
+        }
+        let name = host_name(host);
+        LOOPBACK_HOSTS.iter().any(|h| name.eq_ignore_ascii_case(h.as_bytes()))
+            || self.allowed_hosts.iter().any(|h| h != "*" && name.eq_ignore_ascii_case(host_name(h.as_bytes())))
+    }
+
+    /// Whether any origin may use the gateway (`--cors-origins *`).
+    pub fn any_origin(&self) -> bool {
+        self.cors_origins.iter().any(|o| o == "*")
     }
 
     /// The defaults, as if started with no flags and no environment (for tests and embedding).
@@ -774,9 +883,12 @@ impl Config {
             scripted_script: None,
             max_body_bytes: 1024 * 1024,
             history_page_chunks: 1000,
+            history_page_bytes: 4 * 1024 * 1024,
             metrics_page_turns: 1000,
             delete_batch_rows: 1000,
             turn_buffer_bytes: 16 * 1024 * 1024,
+            turn_buffer_max_bytes: 64 * 1024 * 1024,
+            replay_max_bytes: 1024 * 1024 * 1024,
             max_runtime_line_bytes: 16 * 1024 * 1024,
             max_runtime_request_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
@@ -798,7 +910,9 @@ impl Config {
             ws_message_timeout_secs: 10,
             max_queued_messages: 32,
             max_queued_bytes: 256 * 1024,
-            cors_origins: vec!["*".to_owned()],
+            cors_origins: LOOPBACK_ORIGINS.iter().map(|o| (*o).to_owned()).collect(),
+            allowed_hosts: Vec::new(),
+            max_reading_bytes: 64 * 1024 * 1024,
             ws_listen: None,
             print_openapi: false,
             backup: None,
@@ -864,5 +978,42 @@ mod tests {
         }
         // A PostgreSQL user alone is no secret.
         assert_eq!(super::redacted("postgres://u@h/db", false), "postgres://u@h/db");
+    }
+
+    #[test]
+    fn origins_match_exactly_or_by_any_port_of_a_host() {
+        let m = |entry: &str, origin: &str| super::origin_matches(entry.as_bytes(), origin.as_bytes());
+        assert!(m("http://localhost:*", "http://localhost:5173"));
+        assert!(m("http://localhost:*", "http://localhost"));
+        assert!(m("http://127.0.0.1:*", "http://127.0.0.1:8080"));
+        assert!(m("http://[::1]:*", "http://[::1]:3000"));
+        assert!(m("https://app.example", "https://APP.example"));
+        assert!(m("*", "http://evil.example"));
+        assert!(!m("http://localhost:*", "http://localhost.evil.example"));
+        assert!(!m("http://localhost:*", "http://localhost:80x"));
+        assert!(!m("http://localhost:*", "http://localhost:"));
+        assert!(!m("http://localhost:*", "https://localhost:5173"));
+        assert!(!m("http://127.0.0.1:*", "http://127.0.0.10:80"));
+        assert!(!m("https://app.example", "https://app.example.evil"));
+        assert!(!m("http://localhost:*", "null"));
+    }
+
+    #[test]
+    fn a_loopback_listener_answers_to_loopback_names_only_unless_told() {
+        let mut config = Config::defaults();
+        for good in ["localhost", "localhost:24203", "127.0.0.1:1", "[::1]:24203", "LOCALHOST"] {
+            assert!(config.allows_host(good.as_bytes()), "{good}");
+        }
+        for bad in ["evil.example", "evil.example:24203", "127.0.0.1.evil.example", "localhost.evil", "[::2]:1"] {
+            assert!(!config.allows_host(bad.as_bytes()), "{bad}");
+        }
+        config.allowed_hosts = vec!["gateway.example".into()];
+        assert!(config.allows_host(b"gateway.example:443"));
+        assert!(!config.allows_host(b"localhost:24203"));
+        config.allowed_hosts = vec!["*".into()];
+        assert!(config.allows_host(b"anything.example"));
+        config.allowed_hosts.clear();
+        config.listen = "0.0.0.0:24203".parse().unwrap();
+        assert!(config.allows_host(b"anything.example"), "beyond loopback a proxy in front decides");
     }
 }

@@ -147,6 +147,7 @@ pub async fn serve(
                 http1::Next::Hyper(prefix) => prefix,
                 http1::Next::Closed => {
                     let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
+                    linger(&stream).await;
                     drop(slot);
                     return;
                 }
@@ -197,6 +198,29 @@ pub async fn serve(
     }
     drop(listener);
     slots.all_closed().await;
+}
+
+/// After the gateway has closed its side: reads and drops what the client still sends (a body
+/// it was refused before it was read), for a moment and a bounded amount, until the client
+/// closes too. Closing a socket with unread bytes resets it, and a reset can reach the client
+/// before the answer it was sent.
+async fn linger(stream: &TcpStream) {
+    const MOST: usize = 4 * 1024 * 1024;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    let mut dropped = 0;
+    let mut scratch = [0u8; 4096];
+    while dropped < MOST {
+        match stream.try_read(&mut scratch) {
+            Ok(0) => return,
+            Ok(n) => dropped += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if tokio::time::timeout_at(deadline, stream.readable()).await.is_err() {
+                    return;
+                }
+            }
+            Err(_) => return,
+        }
+    }
 }
 
 /// A pause in accepting (out of file descriptors, or at --max-connections), logged when it

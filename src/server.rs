@@ -53,7 +53,12 @@ impl Gateway {
         let flush = crate::hub::FlushWindow::new(config.flush_sweeps, Duration::from_millis(config.flush_max_ms));
         let bus = connect_bus(&config, &metrics, &store).await?;
         let remote = bus.clone().map(|bus| Arc::new(bus) as Arc<dyn crate::hub::Remote>);
-        let hub = Hub::with_remote(config.turn_buffer_bytes, flush, remote);
+        let caps = crate::hub::Caps {
+            coalesce: config.turn_buffer_bytes,
+            turn: config.turn_buffer_max_bytes,
+            total: config.replay_max_bytes,
+        };
+        let hub = Hub::with_remote(caps, flush, remote);
         let queue_limits =
             crate::runtime::QueueLimits { messages: config.max_queued_messages, bytes: config.max_queued_bytes };
         let limits = crate::turn::TurnLimits {
@@ -63,12 +68,14 @@ impl Gateway {
         };
         let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), limits, bus);
         let connections = crate::net::ConnectionSlots::new(config.max_connections());
+        let reading = crate::live::ReadingBudget::new(config.max_reading_bytes as usize);
         Ok(Gateway {
             state: AppState::new(Shared {
                 config: Arc::new(config),
                 store,
                 hub,
                 turns,
+                reading,
                 connections,
                 metrics,
                 drained: Default::default(),
@@ -87,10 +94,20 @@ impl Gateway {
         if open {
             tracing::info!("auth is off: no API keys are configured");
         }
-        for addr in std::iter::once(addr).chain(self.state.config.ws_listen) {
+        let config = &self.state.config;
+        for addr in std::iter::once(addr).chain(config.ws_listen) {
             if open && !addr.ip().is_loopback() {
                 tracing::warn!(%addr, "listening beyond loopback with no API keys: anyone who can reach this port can use the gateway");
             }
+            if !addr.ip().is_loopback() && config.allowed_hosts.is_empty() {
+                tracing::warn!(%addr, "listening beyond loopback with no --allowed-hosts: any Host is served (set the names clients use, or let a proxy in front check them)");
+            }
+        }
+        if config.any_origin() {
+            tracing::warn!(
+                "--cors-origins is *: a page of any web site the operator visits may use this gateway{}",
+                if open { ", and no key is needed" } else { "" }
+            );
         }
         TcpListener::bind(addr).await.map_err(|source| StartupError::Listen { addr: addr.to_string(), source })
     }

@@ -86,6 +86,7 @@ async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_mode
             dialect: Dialect::ClaudeStreamJson,
             models: vec!["sonnet".into(), "opus".into()],
             cwd: Some(work.clone()),
+            cwd_roots: vec![dir.path().to_owned()],
             env: env.clone(),
             idle_timeout_secs: 600,
             unattended,

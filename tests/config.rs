@@ -290,3 +290,44 @@ fn an_agents_grace_past_its_bound_stops_the_start() {
     let file = write(dir.path(), &credential(60));
     registry(&load(&["--config", &file], &[]).unwrap()).expect("60 is allowed");
 }
+
+/// The start says when the gateway is open to more than this machine's pages: listening
+/// beyond loopback with any Host served or no keys, or `*` origins; the defaults say nothing of
+/// the kind.
+#[test]
+fn the_start_says_when_pages_or_hosts_are_let_in_beyond_this_machine() {
+    use std::io::BufRead;
+    let lines_until_listening = |args: &[&str]| -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("g.db");
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
+            .args(["--database", db.to_str().unwrap()])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut seen = String::new();
+        for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
+            let line = line.unwrap();
+            seen += &line;
+            seen.push('\n');
+            if line.contains("dispatch-gateway listening") {
+                break;
+            }
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        seen
+    };
+    let quiet = lines_until_listening(&["--listen", "127.0.0.1:0"]);
+    assert!(quiet.contains("dispatch-gateway listening"), "{quiet}");
+    assert!(!quiet.contains("WARN"), "{quiet}");
+    let wide = lines_until_listening(&["--listen", "0.0.0.0:0"]);
+    assert!(wide.contains("no --allowed-hosts") && wide.contains("with no API keys"), "{wide}");
+    let named = lines_until_listening(&["--listen", "0.0.0.0:0", "--allowed-hosts", "gw.example", "--api-keys", "k"]);
+    assert!(!named.contains("WARN"), "{named}");
+    let any = lines_until_listening(&["--listen", "127.0.0.1:0", "--cors-origins", "*"]);
+    assert!(any.contains("--cors-origins is *") && any.contains("no key is needed"), "{any}");
+}

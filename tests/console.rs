@@ -138,6 +138,7 @@ for line in sys.stdin:
         dialect: Dialect::Ndjson,
         models: vec!["echo".into()],
         cwd: None,
+        cwd_roots: Vec::new(),
         env: Default::default(),
         idle_timeout_secs: 600,
         unattended: false,

@@ -230,7 +230,7 @@ async fn handshake(server: &TestServer, version: &str) -> (String, tokio::net::T
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
     let request = format!(
-        "GET /ws HTTP/1.1\r\nhost: gateway\r\nupgrade: websocket\r\nconnection: keep-alive, Upgrade\r\n\
+        "GET /ws HTTP/1.1\r\nhost: localhost\r\nupgrade: websocket\r\nconnection: keep-alive, Upgrade\r\n\
          sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: {version}\r\n\r\n"
     );
     socket.write_all(request.as_bytes()).await.unwrap();

@@ -18,7 +18,7 @@ const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
 
 fn upgrade(path: &str, extra: &str) -> Vec<u8> {
     format!(
-        "GET {path} HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-version: 13\r\nsec-websocket-key: {KEY}\r\n{extra}\r\n"
+        "GET {path} HTTP/1.1\r\nhost: localhost\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-version: 13\r\nsec-websocket-key: {KEY}\r\n{extra}\r\n"
     )
     .into_bytes()
 }
@@ -336,7 +336,7 @@ async fn cleartext_http2_is_not_spoken() {
     assert!(closed_by_peer(&mut socket, Duration::from_secs(5)).await);
     // After a request served as HTTP/1.1, the preface is not HTTP/2 either.
     let mut socket = TcpStream::connect(server.addr).await.unwrap();
-    let raw = exchange(&mut socket, b"POST /conversations HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}").await;
+    let raw = exchange(&mut socket, b"POST /conversations HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}").await;
     assert_eq!(raw.status, 201);
     socket.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.unwrap();
     let mut seen = raw.rest;
@@ -353,7 +353,7 @@ async fn cleartext_http2_is_not_spoken() {
     let mut socket = TcpStream::connect(server.addr).await.unwrap();
     let raw = exchange(
         &mut socket,
-        b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQAAP__\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nhost: localhost\r\nconnection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQAAP__\r\n\r\n",
     )
     .await;
     assert_eq!(raw.status, 200, "{}", raw.head);
@@ -366,12 +366,12 @@ async fn a_slow_body_is_cut_on_streaming_routes_too() {
     config.request_timeout_secs = 1;
     let server = TestServer::start(config).await;
     for head in [
-        "POST /chat HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mess",
+        "POST /chat HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mess",
         // A body the gateway reads itself, on a route that is not streaming: 408, not the
         // handler's 503 for a request that ran out of time.
-        "PUT /conversations/s/title HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"tit",
-        "GET /ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\ncontent-length: 50\r\n\r\nab",
-        "GET /conversations/s/events HTTP/1.1\r\nhost: x\r\ncontent-length: 50\r\n\r\nab",
+        "PUT /conversations/s/title HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"tit",
+        "GET /ws HTTP/1.1\r\nhost: localhost\r\nupgrade: websocket\r\nconnection: upgrade\r\ncontent-length: 50\r\n\r\nab",
+        "GET /conversations/s/events HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 50\r\n\r\nab",
     ] {
         let mut socket = TcpStream::connect(server.addr).await.unwrap();
         let raw = exchange(&mut socket, head.as_bytes()).await;
@@ -381,7 +381,7 @@ async fn a_slow_body_is_cut_on_streaming_routes_too() {
     }
     // A client that leaves part way through a body gets nothing, and the gateway goes on.
     let mut socket = TcpStream::connect(server.addr).await.unwrap();
-    socket.write_all(b"PUT /conversations/s/title HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{").await.unwrap();
+    socket.write_all(b"PUT /conversations/s/title HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{").await.unwrap();
     socket.shutdown().await.unwrap();
     let mut answer = Vec::new();
     tokio::time::timeout(Duration::from_secs(5), socket.read_to_end(&mut answer)).await.unwrap().unwrap();
@@ -436,7 +436,7 @@ async fn a_websocket_after_a_kept_alive_request_closes_errors_with_their_codes()
     let too_big = frame(0x81, &[b'a'; 2000]);
     for (bytes, code) in [(not_utf8, 1007), (unmasked, 1002), (too_big, 1009)] {
         let mut socket = TcpStream::connect(server.addr).await.unwrap();
-        let raw = exchange(&mut socket, b"GET /models HTTP/1.1\r\nhost: x\r\n\r\n").await;
+        let raw = exchange(&mut socket, b"GET /models HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
         assert_eq!(raw.status, 200);
         let body = json_body(&mut socket, &raw).await;
         assert!(body["models"].is_array());
@@ -462,16 +462,16 @@ async fn hand_written_paths_answer_errors_as_json() {
     let server = TestServer::start(test_config(dir.path())).await;
     let many: String = (0..150).map(|i| format!("x-h{i}: v\r\n")).collect();
     let cases: Vec<(Vec<u8>, u16)> = vec![
-        (b"GET /ws HTTP/1.1\r\nhost: x\r\n\r\n".to_vec(), 400),
+        (b"GET /ws HTTP/1.1\r\nhost: localhost\r\n\r\n".to_vec(), 400),
         (b"GET /ws HTTP/1.0\r\nupgrade: websocket\r\nconnection: upgrade\r\nsec-websocket-version: 13\r\nsec-websocket-key: a\r\n\r\n".to_vec(), 426),
         (b"GET / HTTP/1.1\r\nho st: x\r\n\r\n".to_vec(), 400),
         (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03".to_vec(), 400),
-        (format!("GET /health HTTP/1.1\r\nhost: x\r\nx-pad: {}\r\n\r\n", "p".repeat(70 * 1024)).into_bytes(), 431),
-        (format!("GET /health HTTP/1.1\r\nhost: x\r\n{many}\r\n").into_bytes(), 431),
+        (format!("GET /health HTTP/1.1\r\nhost: localhost\r\nx-pad: {}\r\n\r\n", "p".repeat(70 * 1024)).into_bytes(), 431),
+        (format!("GET /health HTTP/1.1\r\nhost: localhost\r\n{many}\r\n").into_bytes(), 431),
         // Framing hyper refuses with an empty 400 (where the body ends is unknown).
-        (b"POST /conversations HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n{}".to_vec(), 400),
-        (b"POST /conversations HTTP/1.1\r\nhost: x\r\ncontent-length: +2\r\n\r\n{}".to_vec(), 400),
-        (b"GET /health HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n".to_vec(), 400),
+        (b"POST /conversations HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n{}".to_vec(), 400),
+        (b"POST /conversations HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: +2\r\n\r\n{}".to_vec(), 400),
+        (b"GET /health HTTP/1.1\r\nhost: localhost\r\ntransfer-encoding: gzip\r\n\r\n".to_vec(), 400),
         (b"POST /conversations HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n".to_vec(), 400),
     ];
     for (request, status) in cases {
@@ -499,12 +499,12 @@ async fn request_heads_are_held_to_the_configured_length_and_header_count() {
     let server = TestServer::start(config).await;
     let head = |pad: usize, extra: usize| {
         let lines: String = (0..extra).map(|i| format!("x-h{i}: v\r\n")).collect();
-        format!("GET /health HTTP/1.1\r\nhost: x\r\nx-pad: {}\r\n{lines}\r\n", "p".repeat(pad)).into_bytes()
+        format!("GET /health HTTP/1.1\r\nhost: localhost\r\nx-pad: {}\r\n{lines}\r\n", "p".repeat(pad)).into_bytes()
     };
     // A kept-alive request with a body first: what follows on that connection is hyper's,
     // held to the same limits (and answered with hyper's own empty 431).
     let post =
-        b"POST /conversations HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+        b"POST /conversations HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
     for after_a_body in [false, true] {
         let connect = || async {
             let mut socket = TcpStream::connect(server.addr).await.unwrap();

@@ -81,10 +81,13 @@ async fn slow_stalled_and_churning_clients_do_not_hurt_the_turn_or_the_process()
                     match (lane + i) % 3 {
                         0 => {}
                         1 => {
-                            let _ = s.write_all(b"GET /conversations/hostile/events HTTP/1.1\r\nhost: x\r\n").await;
+                            let _ =
+                                s.write_all(b"GET /conversations/hostile/events HTTP/1.1\r\nhost: localhost\r\n").await;
                         }
                         _ => {
-                            let _ = s.write_all(b"GET /conversations/hostile/events HTTP/1.1\r\nhost: x\r\n\r\n").await;
+                            let _ = s
+                                .write_all(b"GET /conversations/hostile/events HTTP/1.1\r\nhost: localhost\r\n\r\n")
+                                .await;
                             let mut buf = [0u8; 64];
                             let _ = tokio::time::timeout(Duration::from_millis(5), s.read(&mut buf)).await;
                         }

@@ -103,8 +103,8 @@ async fn a_stream_then_pipelined_and_later_requests_share_one_connection() {
     // The stream and, behind it on the same write, the next request.
     send(
         &mut conn,
-        "GET /conversations/keep/events?until=sealed HTTP/1.1\r\nhost: gateway\r\n\r\n\
-         GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n",
+        "GET /conversations/keep/events?until=sealed HTTP/1.1\r\nhost: localhost\r\n\r\n\
+         GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n",
     )
     .await;
     // The head arrives before any event (an EventSource opens on it).
@@ -137,17 +137,18 @@ async fn a_stream_then_pipelined_and_later_requests_share_one_connection() {
     assert_eq!((health.status, health.text()), (200, r#"{"ok":true}"#.to_owned()));
 
     // A bad stream request is a JSON error with a length, and the connection carries on.
-    send(&mut conn, "GET /conversations/keep/events?format=xml HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    send(&mut conn, "GET /conversations/keep/events?format=xml HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
     let bad = read_response(&mut conn).await;
     assert_eq!(bad.status, 400);
     assert!(bad.chunks.is_empty());
     let error: serde_json::Value = serde_json::from_slice(&bad.body).unwrap();
     assert!(error["error"].as_str().unwrap().contains("format"), "{error}");
-    send(&mut conn, "GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    send(&mut conn, "GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
     assert_eq!(read_response(&mut conn).await.status, 200);
 
     // A stream request after requests the general server answered is still answered.
-    send(&mut conn, "GET /conversations/keep/events?format=ndjson&sinceSeq=0 HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    send(&mut conn, "GET /conversations/keep/events?format=ndjson&sinceSeq=0 HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await;
     assert_eq!(read_head(&mut conn).await.0, 200);
     drop(conn);
     server.stop().await;
@@ -159,7 +160,7 @@ async fn a_watcher_that_sends_more_than_a_next_request_while_its_stream_is_open_
     let server = TestServer::start(test_config(dir.path())).await;
     for (sent, cut) in [(8 * 1024, false), (20 * 1024, true)] {
         let mut conn = connect(&server).await;
-        send(&mut conn, "GET /conversations/chatty/events HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+        send(&mut conn, "GET /conversations/chatty/events HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
         assert_eq!(read_head(&mut conn).await.0, 200);
         // Kept as the start of its next request, up to 16 KiB; past that the gateway closes.
         send(&mut conn, &format!("GET /health HTTP/1.1\r\nx-pad: {}", "p".repeat(sent))).await;
@@ -178,7 +179,7 @@ async fn connection_close_is_honoured_and_a_dropped_watcher_frees_its_stream() {
 
     // `Connection: close`: the answer says so and the server closes after it.
     let mut conn = connect(&server).await;
-    send(&mut conn, "GET /conversations/c/events?format=xml HTTP/1.1\r\nhost: gateway\r\nConnection: close\r\n\r\n")
+    send(&mut conn, "GET /conversations/c/events?format=xml HTTP/1.1\r\nhost: localhost\r\nConnection: close\r\n\r\n")
         .await;
     let bad = read_response(&mut conn).await;
     assert_eq!((bad.status, bad.header("connection")), (400, Some("close")));
@@ -188,7 +189,7 @@ async fn connection_close_is_honoured_and_a_dropped_watcher_frees_its_stream() {
 
     // The one stream place is taken, and freed as soon as its client goes away.
     let mut watcher = connect(&server).await;
-    send(&mut watcher, "GET /conversations/c/events HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    send(&mut watcher, "GET /conversations/c/events HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
     assert_eq!(read_head(&mut watcher).await.0, 200);
     let (status, body) = server.get("/conversations/c/events").await;
     assert_eq!(status, 503, "{body}");
@@ -208,13 +209,13 @@ async fn a_stream_request_with_a_long_head_is_still_served() {
     let pad = "p".repeat(40 * 1024);
     send(
         &mut conn,
-        &format!("GET /conversations/long/events?format=xml HTTP/1.1\r\nhost: gateway\r\nx-pad: {pad}\r\n\r\n"),
+        &format!("GET /conversations/long/events?format=xml HTTP/1.1\r\nhost: localhost\r\nx-pad: {pad}\r\n\r\n"),
     )
     .await;
     let bad = read_response(&mut conn).await;
     assert_eq!(bad.status, 400, "{}", bad.text());
     // And the next one on that connection too.
-    send(&mut conn, "GET /conversations/long/events?format=xml HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    send(&mut conn, "GET /conversations/long/events?format=xml HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
     assert_eq!(read_response(&mut conn).await.status, 400);
 }
 
@@ -247,7 +248,7 @@ async fn a_lone_watcher_of_a_paced_turn_is_written_by_the_turns_rounds_at_the_de
     // The default flush window, closed for one watcher: once the turn knows its spacing, its
     // rounds write to the parked stream instead of waking the watcher's task.
     let (server, mut conn) = paced(dir.path()).await;
-    send(&mut conn, "GET /conversations/lone/events?until=sealed HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    send(&mut conn, "GET /conversations/lone/events?until=sealed HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
     assert_eq!(read_head(&mut conn).await.0, 200);
     let (text, written) = watched_turn(&server, &mut conn, "lone").await;
     let deltas = text.matches(r#""type":"text-delta""#).count();
@@ -264,11 +265,11 @@ async fn a_watch_after_other_reads_on_a_kept_alive_connection_is_written_by_the_
     // itself can be).
     let (server, mut conn) = paced(dir.path()).await;
     // A web client's reads first, then its EventSource, on the same connection.
-    send(&mut conn, "GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    send(&mut conn, "GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
     assert_eq!(read_response(&mut conn).await.status, 200);
-    send(&mut conn, "GET /conversations/reads/history HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    send(&mut conn, "GET /conversations/reads/history HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
     read_response(&mut conn).await;
-    send(&mut conn, "GET /conversations/reads/events?until=sealed HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    send(&mut conn, "GET /conversations/reads/events?until=sealed HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
     assert_eq!(read_head(&mut conn).await.0, 200);
     let (_, written) = watched_turn(&server, &mut conn, "reads").await;
     assert!(written > 0.0, "the turn's rounds wrote to the watcher's socket ({written} writes)");
@@ -281,13 +282,15 @@ async fn a_watch_after_requests_with_bodies_on_a_kept_alive_connection_is_writte
     let (server, mut conn) = paced(dir.path()).await;
     // A web client's writes first: a body in one piece, one in two (the socket's read ends
     // inside it), a request with none pipelined with the next.
-    send(&mut conn, "POST /conversations HTTP/1.1\r\nhost: gateway\r\ncontent-length: 15\r\n\r\n{\"id\":\"posted\"}")
+    send(&mut conn, "POST /conversations HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{\"id\":\"posted\"}")
         .await;
     let created = read_response(&mut conn).await;
     assert_eq!(created.status, 201, "{}", created.text());
     let title = r#"{"title":"in two pieces"}"#;
-    let head =
-        format!("PUT /conversations/posted/title HTTP/1.1\r\nhost: gateway\r\ncontent-length: {}\r\n\r\n", title.len());
+    let head = format!(
+        "PUT /conversations/posted/title HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        title.len()
+    );
     send(&mut conn, &format!("{head}{}", &title[..9])).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     send(&mut conn, &title[9..]).await;
@@ -298,7 +301,7 @@ async fn a_watch_after_requests_with_bodies_on_a_kept_alive_connection_is_writte
     );
     send(
         &mut conn,
-        "DELETE /conversations/nobody HTTP/1.1\r\nhost: gateway\r\n\r\nGET /health HTTP/1.1\r\nhost: gateway\r\n\r\n",
+        "DELETE /conversations/nobody HTTP/1.1\r\nhost: localhost\r\n\r\nGET /health HTTP/1.1\r\nhost: localhost\r\n\r\n",
     )
     .await;
     let missing = read_response(&mut conn).await;
@@ -306,7 +309,7 @@ async fn a_watch_after_requests_with_bodies_on_a_kept_alive_connection_is_writte
     assert!(serde_json::from_slice::<serde_json::Value>(&missing.body).unwrap()["error"].is_string());
     assert_eq!(read_response(&mut conn).await.status, 200);
     // Then its EventSource, on the same connection: parked like any other watch.
-    send(&mut conn, "GET /conversations/posted/events?until=sealed HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    send(&mut conn, "GET /conversations/posted/events?until=sealed HTTP/1.1\r\nhost: localhost\r\n\r\n").await;
     assert_eq!(read_head(&mut conn).await.0, 200);
     let (_, written) = watched_turn(&server, &mut conn, "posted").await;
     assert!(written > 0.0, "the turn's rounds wrote to the watcher's socket ({written} writes)");
@@ -323,12 +326,12 @@ async fn a_request_names_its_host_once() {
     let mut conn = connect(&server).await;
     let refused = [
         "GET /health HTTP/1.1\r\n\r\n",
-        "GET /health HTTP/1.1\r\nhost: gateway\r\nhost: elsewhere\r\n\r\n",
+        "GET /health HTTP/1.1\r\nhost: localhost\r\nhost: elsewhere\r\n\r\n",
         "GET /health HTTP/1.1\r\nhost: user@gateway\r\n\r\n",
         "GET /health HTTP/1.1\r\nhost: gateway/health\r\n\r\n",
         // Not the gateway's own path (a chunked body): the general server's.
         "POST /conversations HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
-        "GET /ws HTTP/1.1\r\nhost: gateway\r\nhost: evil.example\r\nupgrade: websocket\r\nconnection: upgrade\r\n\
+        "GET /ws HTTP/1.1\r\nhost: localhost\r\nhost: evil.example\r\nupgrade: websocket\r\nconnection: upgrade\r\n\
          sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\norigin: http://evil.example\r\n\r\n",
     ];
     for request in refused {
@@ -339,7 +342,7 @@ async fn a_request_names_its_host_once() {
         assert!(body["error"].as_str().is_some_and(|e| e.contains("Host")), "{body}");
     }
     // The connection goes on, now on the general server.
-    for host in ["gateway", "gateway:8080", "[::1]:8080", "127.0.0.1"] {
+    for host in ["localhost", "localhost:8080", "[::1]:8080", "127.0.0.1"] {
         send(&mut conn, &format!("GET /health HTTP/1.1\r\nhost: {host}\r\n\r\n")).await;
         assert_eq!(read_response(&mut conn).await.status, 200, "{host}");
     }

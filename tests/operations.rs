@@ -147,17 +147,18 @@ async fn api_keys_guard_every_route_but_the_public_ones() {
 async fn cors_answers_preflights_and_exposes_the_conversation_id() {
     let dir = tempfile::tempdir().unwrap();
     let server = TestServer::start(test_config(dir.path())).await;
+    // By default a page on this machine (a web client's dev server) is let in, on any port.
     let preflight = server
         .client
         .request(reqwest::Method::OPTIONS, server.url("/chat"))
-        .header("origin", "http://app.example")
+        .header("origin", "http://localhost:5173")
         .header("access-control-request-method", "POST")
         .header("access-control-request-headers", "content-type, authorization, last-event-id, idempotency-key")
         .send()
         .await
         .unwrap();
     assert_eq!(preflight.status(), 200);
-    assert_eq!(preflight.headers()["access-control-allow-origin"], "*");
+    assert_eq!(preflight.headers()["access-control-allow-origin"], "http://localhost:5173");
     let methods = preflight.headers()["access-control-allow-methods"].to_str().unwrap().to_lowercase();
     for m in ["get", "post", "put", "delete", "options"] {
         assert!(methods.contains(m), "{methods}");
@@ -165,7 +166,7 @@ async fn cors_answers_preflights_and_exposes_the_conversation_id() {
     let r = server
         .client
         .post(server.url("/chat"))
-        .header("origin", "http://app.example")
+        .header("origin", "http://localhost:5173")
         .json(&json!({"message": "hi"}))
         .send()
         .await
@@ -220,7 +221,7 @@ async fn limits_streams_slow_headers_and_websocket_frames() {
 
     // A client that never finishes its request head is disconnected.
     let mut slow = tokio::net::TcpStream::connect(server.addr).await.unwrap();
-    slow.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    slow.write_all(b"GET /health HTTP/1.1\r\nhost: localhost\r\n").await.unwrap();
     let mut buf = Vec::new();
     let closed = tokio::time::timeout(Duration::from_secs(30), slow.read_to_end(&mut buf)).await;
     assert!(closed.is_ok(), "the slow client was not disconnected");
@@ -519,7 +520,7 @@ async fn metrics_count_responses_by_status() {
     for refused in [
         "GET /health HTTP/1.1\r\nbad header line\r\n\r\n".to_owned(),
         format!("GET /{} HTTP/1.1\r\n", "a".repeat(70_000)),
-        "POST /conversations HTTP/1.1\r\nhost: gateway\r\ncontent-length: 10\r\n\r\n{}".to_owned(),
+        "POST /conversations HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer key-one\r\ncontent-type: application/json\r\ncontent-length: 10\r\n\r\n{}".to_owned(),
         "GET /health HTTP/1.1\r\nconnection: close\r\n\r\n".to_owned(),
     ] {
         let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
@@ -720,13 +721,13 @@ async fn a_websocket_session_keeps_its_connections_place() {
         let mut session = tokio::net::TcpStream::connect(server.addr).await.unwrap();
         if chunked_first {
             // A body without a length is hyper's to read; the upgrade then comes to hyper too.
-            let request = "POST /conversations/w/queue HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
+            let request = "POST /conversations/w/queue HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
                            transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n";
             let answer = exchange(&mut session, request.as_bytes()).await;
             assert_eq!(answer.status, 400, "{}", answer.head);
             read_until(&mut session, answer.rest, b"}").await;
         }
-        let upgrade = "GET /ws HTTP/1.1\r\nhost: gateway\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
+        let upgrade = "GET /ws HTTP/1.1\r\nhost: localhost\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
                        sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n";
         let answer = exchange(&mut session, upgrade.as_bytes()).await;
         assert_eq!(answer.status, 101, "{}", answer.head);

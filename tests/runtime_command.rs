@@ -131,6 +131,7 @@ fn config_with(dir: &Path, script: &Path, dialect: Dialect, idle_timeout_secs: u
             dialect,
             models: vec!["fake".into(), "other".into()],
             cwd: None,
+            cwd_roots: vec![std::env::current_dir().unwrap(), dir.to_owned()],
             env: BTreeMap::new(),
             idle_timeout_secs,
             unattended: false,
@@ -203,10 +204,62 @@ async fn another_model_or_folder_starts_a_new_process_that_resumes_the_session()
     assert_eq!(metric(&metrics, "dispatch_agent_processes{credential=\"agent\"}"), 1.0, "{metrics}");
     assert_eq!(metric(&metrics, "dispatch_agent_starts_total{credential=\"agent\"}"), 3.0, "{metrics}");
 
-    let gone = dir.path().join("gone");
+    // A folder that is not there is refused as one outside the roots, naming the value asked
+    // for only; so is one that went away after it was set, when a turn would start there.
+    let gone = dir.path().join("gone").display().to_string();
+    let (status, body) = server.put("/conversations/c/cwd", json!({"cwd": gone})).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(
+        body["error"],
+        format!("`cwd` {gone:?} is not a folder the agent may work in (the credential's cwd_roots)")
+    );
+    std::fs::create_dir(&gone).unwrap();
     assert_eq!(server.put("/conversations/c/cwd", json!({"cwd": gone})).await.0, 200);
-    let events = turn(&server, "c", "where").await;
-    turn_error(&events, "agent-spawn", &format!("working directory {:?} is not a folder", gone.display().to_string()));
+    std::fs::remove_dir(&gone).unwrap();
+    let (status, body) = server.post("/conversations/c/messages", json!({"message": "where"})).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("is not a folder the agent may work in"), "{body}");
+}
+
+/// An agent works only inside its credential's folders (spec 8.1): a request or a
+/// conversation that names another place (the root, `..`, a symlink out of the root) is
+/// refused with 400 before anything starts, and the answer says nothing of the host's folders.
+#[tokio::test]
+async fn an_agent_works_only_inside_its_credentials_folders() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = agent(dir.path(), "agent.py", AGENT);
+    let mut config = config_with(dir.path(), &script, Dialect::Ndjson, 600);
+    let root = dir.path().join("root");
+    std::fs::create_dir_all(root.join("project")).unwrap();
+    std::os::unix::fs::symlink(dir.path(), root.join("escape")).unwrap();
+    if let Some(Credential::Command(agent)) = config.credentials.get_mut("agent") {
+        agent.cwd_roots = vec![root.clone()];
+    }
+    let server = TestServer::start(config).await;
+    for (i, refused) in
+        ["/", "/root", "../../..", "..", "escape", "escape/..", "/etc/cron.d", "missing"].iter().enumerate()
+    {
+        let (status, body) = server.put("/conversations/c/cwd", json!({"cwd": refused})).await;
+        assert_eq!(status, 400, "PUT cwd {refused}: {body}");
+        let error = body["error"].as_str().unwrap();
+        assert!(!error.contains(&dir.path().display().to_string()), "no host path: {error}");
+        let id = format!("r{i}");
+        let (status, body) =
+            server.post("/chat", json!({"conversationId": id, "message": "where", "cwd": refused})).await;
+        assert_eq!(status, 400, "POST /chat cwd {refused}: {body}");
+        assert_eq!(server.get(&format!("/conversations/{id}")).await.1["chunks"], json!([]), "nothing started");
+    }
+    // Inside the root, relative to it or absolute, the agent works there.
+    let whereabouts = |events: &[Value]| events.iter().find(|e| e["type"] == "text-delta").unwrap()["delta"].clone();
+    assert_eq!(server.put("/conversations/c/cwd", json!({"cwd": "project"})).await.0, 200);
+    let project = root.join("project").canonicalize().unwrap();
+    assert_eq!(whereabouts(&turn(&server, "c", "where").await), format!("{} fake", project.display()));
+    let events: Vec<Value> = server
+        .chat_stream(json!({"conversationId": "d", "message": "where", "cwd": root.display().to_string()}))
+        .await
+        .collect()
+        .await;
+    assert_eq!(whereabouts(&events), format!("{} fake", root.canonicalize().unwrap().display()));
 }
 
 /// A conversation's session can be forgotten between turns: the next turn gets a new process

@@ -174,7 +174,7 @@ async fn a_thousand_watchers_all_get_every_event_in_order_beside_one_that_never_
     // One connection that asks for the stream and never reads a byte of it.
     let mut stalled = tokio::net::TcpStream::connect(server.addr).await.unwrap();
     stalled
-        .write_all(b"GET /conversations/fan/events HTTP/1.1\r\nhost: gateway\r\naccept: text/event-stream\r\n\r\n")
+        .write_all(b"GET /conversations/fan/events HTTP/1.1\r\nhost: localhost\r\naccept: text/event-stream\r\n\r\n")
         .await
         .unwrap();
 
@@ -425,7 +425,7 @@ async fn a_watcher_whose_socket_does_not_drain_is_closed_and_does_not_hold_the_t
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let mut stalled = socket.connect(server.addr).await.unwrap();
-    stalled.write_all(b"GET /conversations/drain/events HTTP/1.1\r\nhost: gateway\r\n\r\n").await.unwrap();
+    stalled.write_all(b"GET /conversations/drain/events HTTP/1.1\r\nhost: localhost\r\n\r\n").await.unwrap();
     let mut healthy = server.ndjson("drain", "?until=sealed").await;
     let sse_open = "dispatch_open_streams{transport=\"sse\"}";
     let open = eventually(100, || async { server.metrics().await.contains(&format!("{sse_open} 1")) }).await;

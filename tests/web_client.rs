@@ -148,6 +148,7 @@ async fn side_panel_routes_persist_settings_that_turns_use() {
             dialect: Dialect::Ndjson,
             models: vec!["fake".into()],
             cwd: None,
+            cwd_roots: vec![std::env::current_dir().unwrap(), dir.path().to_owned()],
             env: BTreeMap::new(),
             idle_timeout_secs: 600,
             unattended: false,

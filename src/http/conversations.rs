@@ -183,15 +183,20 @@ pub async fn history(
         },
     };
     // Stored chunks pass through unparsed: the body is assembled around the pages' JSON.
-    let most = state.config.history_page_chunks;
+    // Pages end at `--history-page-chunks` chunks or `--history-page-bytes` bytes, whichever
+    // comes first: a reader that stalls holds a few pages, whatever the chunks' sizes.
+    let (most, bytes) = (state.config.history_page_chunks, state.config.history_page_bytes as usize);
     if window.limit.is_some_and(|limit| limit <= most) {
-        let page = state.store.history(&id, window).await?;
-        let mut body = [HistoryDocument::HEAD, &page.items].concat();
-        body.extend(HistoryDocument { latest: page.last_seq.unwrap_or(window.since_seq) }.tail());
-        return Ok(json(body));
+        let page = state.store.history_within(&id, window, bytes).await?;
+        // A window past the bytes of one page is read again in pages (rare: chunks of MiBs).
+        if !page.cut {
+            let mut body = [HistoryDocument::HEAD, &page.items].concat();
+            body.extend(HistoryDocument { latest: page.last_seq.unwrap_or(window.since_seq) }.tail());
+            return Ok(json(body));
+        }
     }
     let document = HistoryDocument { latest: window.since_seq };
-    paged(document, state.store.history_pages(id, window, most)).await
+    paged(document, state.store.history_pages(id, window, most, bytes)).await
 }
 
 /// `{"chunks": [...], "latestSeq": n}`, `latestSeq` the last chunk's seq (or `sinceSeq`).

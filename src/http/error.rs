@@ -25,6 +25,12 @@ pub enum ApiError {
     Forbidden(String),
     #[error("{0}")]
     NotFound(String),
+    /// 421: the request names a host this gateway does not answer to (DNS rebinding).
+    #[error("{0}")]
+    MisdirectedHost(String),
+    /// 415: a body that is not typed as JSON.
+    #[error("{0}")]
+    UnsupportedType(String),
     #[error("{0}")]
     Conflict(String),
     #[error("request body is larger than {0} bytes")]
@@ -57,6 +63,8 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MisdirectedHost(_) => StatusCode::MISDIRECTED_REQUEST,
+            ApiError::UnsupportedType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::TooLarge(_) | ApiError::LimitExceeded(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::SlowBody(_) => StatusCode::REQUEST_TIMEOUT,
@@ -112,6 +120,7 @@ impl From<StartError> for ApiError {
     fn from(e: StartError) -> Self {
         match e {
             StartError::UnknownModel(m) => ApiError::BadRequest(format!("unknown model {m:?}; GET /models lists them")),
+            e @ StartError::Folder(_) => ApiError::BadRequest(e.to_string()),
             StartError::Busy => ApiError::Conflict(StartError::Busy.to_string()),
             e @ StartError::ShuttingDown => ApiError::Unavailable(e.to_string()),
             e @ StartError::Full(_) => ApiError::AtCapacity(e.to_string()),

@@ -10,6 +10,21 @@ use serde_json::{Map, Value};
 use super::AppState;
 use super::error::ApiError;
 
+/// Why a body could not be read: past the limit (413), not in time (408), or cut (400).
+pub(super) fn body_error(e: axum::Error, limit: usize) -> ApiError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(e) = source {
+        if e.is::<LengthLimitError>() {
+            return ApiError::TooLarge(limit);
+        }
+        if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut) {
+            return ApiError::SlowBody("the request body did not arrive in time".into());
+        }
+        source = e.source();
+    }
+    ApiError::bad("could not read the request body")
+}
+
 /// A request body that must be a JSON object.
 pub struct JsonObject(pub Map<String, Value>);
 
@@ -23,13 +38,7 @@ impl FromRequest<AppState> for JsonObject {
         if declared.is_some_and(|n| n > limit as u64) {
             return Err(ApiError::TooLarge(limit));
         }
-        let bytes = axum::body::to_bytes(req.into_body(), limit).await.map_err(|e| {
-            if e.into_inner().is::<LengthLimitError>() {
-                ApiError::TooLarge(limit)
-            } else {
-                ApiError::bad("could not read the request body")
-            }
-        })?;
+        let bytes = axum::body::to_bytes(req.into_body(), limit).await.map_err(|e| body_error(e, limit))?;
         match serde_json::from_slice::<Value>(&bytes) {
             Ok(Value::Object(map)) => Ok(JsonObject(map)),
             Ok(_) => Err(ApiError::bad("Request body must be a JSON object")),

@@ -26,14 +26,17 @@ pub(super) fn is_public(path: &str) -> bool {
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
-/// Wraps the router, outermost first: request id, log line (and span), the Host check, CORS (so
-/// preflights are answered before auth), API keys, timeouts.
+/// Wraps the router, outermost first: request id, log line (and span), the guard (host, origin,
+/// body type), CORS (so preflights are answered before auth), API keys, the reading budget,
+/// timeouts. Everything up to the budget looks at the request's head only: no byte of a body is
+/// read for a request that is refused.
 pub fn wrap(router: Router<AppState>, state: &AppState) -> Router<AppState> {
     router
         .layer(middleware::from_fn_with_state(state.clone(), timeout))
+        .layer(middleware::from_fn_with_state(state.clone(), budget))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
-        .layer(cors(&state.config.cors_origins))
-        .layer(middleware::from_fn(one_host))
+        .layer(cors(&state.config))
+        .layer(middleware::from_fn_with_state(state.clone(), guard))
         .layer(PropagateRequestIdLayer::new(REQUEST_ID))
         .layer(middleware::from_fn_with_state(state.clone(), trace))
         .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
@@ -71,20 +74,85 @@ async fn trace(State(state): State<AppState>, req: Request, next: Next) -> Respo
     response
 }
 
-/// An HTTP/1.1 request names one host, and any request at most one, as `host[:port]` (RFC 9112
-/// 3.2): the WebSocket origin check reads it, and with two a proxy in front may have read the
-/// other. HTTP/2 names it in the request's URI instead.
-async fn one_host(req: Request, next: Next) -> Response {
-    let mut hosts = req.headers().get_all(header::HOST).iter();
-    let valid = match (hosts.next(), hosts.next()) {
-        (None, _) => req.version() != Version::HTTP_11,
-        (Some(host), None) => host.is_empty() || is_host(host.as_bytes()),
-        (Some(_), Some(_)) => false,
-    };
-    if !valid {
-        return ApiError::bad("the request must name its host in one Host header, as host[:port]").into_response();
+/// What a request must be before anything else looks at it (spec 8.1), from its head alone:
+/// - It names one host, as `host[:port]` (RFC 9112 3.2; with two, a proxy in front may have
+///   read the other), and one this gateway answers to (421 otherwise): a page whose name was
+///   re-bound to this machine's address names its own host, so it reads nothing (DNS
+///   rebinding).
+/// - A state change (POST, PUT, PATCH, DELETE) or a WebSocket handshake from a browser page
+///   comes from an allowed origin or the gateway's own (403 otherwise): browsers send simple
+///   requests across origins without asking first.
+/// - A body is typed as JSON (415 otherwise): a form or a `no-cors` fetch cannot send that type
+///   without a preflight, which CORS answers only for allowed origins.
+async fn guard(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    match admit(&state.config, &req) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
     }
-    next.run(req).await
+}
+
+fn admit(config: &crate::config::Config, req: &Request) -> Result<(), ApiError> {
+    let headers = req.headers();
+    let mut hosts = headers.get_all(header::HOST).iter();
+    let host = match (hosts.next(), hosts.next()) {
+        (None, _) if req.version() != Version::HTTP_11 => req.uri().authority().map(|a| a.as_str().as_bytes()),
+        (Some(host), None) if host.is_empty() || is_host(host.as_bytes()) => Some(host.as_bytes()),
+        _ => return Err(ApiError::bad("the request must name its host in one Host header, as host[:port]")),
+    };
+    if let Some(host) = host.filter(|h| !h.is_empty())
+        && !config.allows_host(host)
+    {
+        return Err(ApiError::MisdirectedHost(
+            "this gateway does not answer to that host name (--allowed-hosts)".into(),
+        ));
+    }
+    let changes = matches!(*req.method(), Method::POST | Method::PUT | Method::PATCH | Method::DELETE);
+    let handshake = headers.contains_key(header::UPGRADE);
+    if (changes || handshake)
+        && let Some(origin) = headers.get(header::ORIGIN)
+        && !config.admits_origin(origin.as_bytes(), host)
+    {
+        return Err(ApiError::Forbidden("this page's origin is not allowed here (--cors-origins)".into()));
+    }
+    if changes && has_body(headers) && !is_json(headers.get(header::CONTENT_TYPE)) {
+        return Err(ApiError::UnsupportedType(
+            "a request body must be JSON, sent as Content-Type: application/json".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether a request has a body: a length above zero, or a transfer coding.
+fn has_body(headers: &axum::http::HeaderMap) -> bool {
+    headers.contains_key(header::TRANSFER_ENCODING)
+        || headers.get(header::CONTENT_LENGTH).is_some_and(|v| v.as_bytes().iter().any(|b| *b != b'0'))
+}
+
+/// `application/json`, or any `+json` type, with or without parameters (a charset).
+fn is_json(value: Option<&HeaderValue>) -> bool {
+    let Some(value) = value.and_then(|v| v.to_str().ok()) else { return false };
+    let essence = value.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let Some((kind, subtype)) = essence.split_once('/') else { return false };
+    kind == "application" && (subtype == "json" || subtype.ends_with("+json"))
+}
+
+/// Takes room in the reading budget (`--max-reading-bytes`) for the body a request declares,
+/// held until the body is read or dropped: the bodies the gateway reads at once, over every
+/// connection, stay within it (503 with Retry-After past it). A chunked body, whose length is
+/// not known, takes the body limit.
+async fn budget(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if !has_body(req.headers()) {
+        return next.run(req).await;
+    }
+    let max = state.config.max_body_bytes;
+    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    let Some(permit) = state.reading.try_take(declared.unwrap_or(max).min(max)) else {
+        let message = "the gateway is reading as many request bodies as it may at once; try again shortly";
+        return ApiError::AtCapacity(message.into()).into_response();
+    };
+    let (parts, body) = req.into_parts();
+    let body = axum::body::Body::new(crate::live::Budgeted::new(body, permit));
+    next.run(Request::from_parts(parts, body)).await
 }
 
 /// `host[:port]`: an authority without user information, its port digits.
@@ -96,11 +164,13 @@ fn is_host(value: &[u8]) -> bool {
     port.is_empty() || port.strip_prefix(':').is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit()))
 }
 
-fn cors(origins: &[String]) -> CorsLayer {
-    let allow_origin = if origins.iter().any(|o| o == "*") {
+fn cors(config: &std::sync::Arc<crate::config::Config>) -> CorsLayer {
+    let allow_origin = if config.any_origin() {
         AllowOrigin::any()
     } else {
-        AllowOrigin::list(origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()))
+        // Entries may name any port of a host (`http://localhost:*`).
+        let config = config.clone();
+        AllowOrigin::predicate(move |origin, _| config.allows_origin(origin.as_bytes()))
     };
     CorsLayer::new()
         .allow_origin(allow_origin)
@@ -160,18 +230,6 @@ async fn authenticate(State(state): State<AppState>, req: Request, next: Next) -
     response
 }
 
-/// Whether reading a body failed because it passed the size limit.
-fn is_length_limit(error: &axum::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(e) = source {
-        if e.is::<http_body_util::LengthLimitError>() {
-            return true;
-        }
-        source = e.source();
-    }
-    false
-}
-
 /// Streaming routes run as long as their stream; `/last` has its own bound.
 fn is_streaming(path: &str) -> bool {
     path == "/chat" || path == "/ws" || path.ends_with("/events") || path.ends_with("/last")
@@ -186,8 +244,7 @@ async fn timeout(State(state): State<AppState>, req: Request, next: Next) -> Res
         let max = state.config.max_body_bytes;
         let bytes = match tokio::time::timeout(limit, axum::body::to_bytes(body, max)).await {
             Ok(Ok(bytes)) => bytes,
-            Ok(Err(e)) if is_length_limit(&e) => return ApiError::TooLarge(max).into_response(),
-            Ok(Err(_)) => return ApiError::bad("the request body could not be read").into_response(),
+            Ok(Err(e)) => return super::extract::body_error(e, max).into_response(),
             Err(_) => return ApiError::SlowBody("the request body did not arrive in time".into()).into_response(),
         };
         return next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await;
@@ -200,7 +257,28 @@ async fn timeout(State(state): State<AppState>, req: Request, next: Next) -> Res
 
 #[cfg(test)]
 mod tests {
-    use super::{is_host, key_matches};
+    use super::{is_host, is_json, key_matches};
+
+    #[test]
+    fn a_json_body_is_typed_as_json() {
+        let typed = |v: &str| is_json(Some(&axum::http::HeaderValue::from_str(v).unwrap()));
+        for good in
+            ["application/json", "application/json; charset=utf-8", "Application/JSON", "application/merge-patch+json"]
+        {
+            assert!(typed(good), "{good}");
+        }
+        for bad in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            "json",
+            "",
+            "application/jsonp",
+        ] {
+            assert!(!typed(bad), "{bad}");
+        }
+        assert!(!is_json(None));
+    }
 
     #[test]
     fn a_host_is_a_name_or_address_and_a_port() {

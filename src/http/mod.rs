@@ -54,6 +54,8 @@ pub struct Shared {
     pub store: Store,
     pub hub: Arc<Hub>,
     pub turns: Arc<Turns>,
+    /// Bytes of request bodies and WebSocket messages being read (`--max-reading-bytes`).
+    pub reading: crate::live::ReadingBudget,
     /// The listeners' places for connections (`--max-connections`).
     pub connections: crate::net::ConnectionSlots,
     pub metrics: Arc<crate::metrics::Metrics>,

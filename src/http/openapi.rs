@@ -22,9 +22,10 @@ pub fn refine(mut doc: Value) -> Value {
     if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {
         for (path, operations) in paths.iter_mut() {
             let Some(operations) = operations.as_object_mut() else { continue };
-            for operation in operations.values_mut() {
+            for (method, operation) in operations.iter_mut() {
+                let takes_body = operation.get("requestBody").is_some();
                 if let Some(responses) = operation.get_mut("responses").and_then(Value::as_object_mut) {
-                    complete_responses(path, responses);
+                    complete_responses(path, method, takes_body, responses);
                 }
             }
         }
@@ -46,11 +47,16 @@ pub fn refine(mut doc: Value) -> Value {
 /// handler gave none):
 /// - 401 on every route but the public ones: with `--api-keys` set, a request without a valid key
 ///   is refused before it reaches the handler;
+/// - 421 on every route: a request naming a host the gateway does not answer to
+///   (`--allowed-hosts`) is refused before routing;
+/// - 403 on every state change and on `/ws`: a browser page of an origin the gateway does not
+///   let in (`--cors-origins`);
+/// - 415 on every route that takes a body: one not typed as JSON;
 /// - 500 on every route whose handler answers errors with an `ErrorBody` (but `/ws`, which
 ///   answers its errors on the socket once upgraded, and the public ones: `/ready` reports a
 ///   failing database as 503): a storage failure that no other status describes; the details
 ///   go to the gateway's log, not to the client.
-fn complete_responses(path: &str, responses: &mut Map<String, Value>) {
+fn complete_responses(path: &str, method: &str, takes_body: bool, responses: &mut Map<String, Value>) {
     let error = |description: &str| {
         json!({
             "description": description,
@@ -64,6 +70,15 @@ fn complete_responses(path: &str, responses: &mut Map<String, Value>) {
     let public = super::layers::is_public(path);
     if !public {
         responses.entry("401").or_insert_with(|| error("Missing or wrong API key (only when keys are configured)"));
+    }
+    responses.entry("421").or_insert_with(|| error("The request names a host the gateway does not answer to"));
+    if matches!(method, "post" | "put" | "patch" | "delete") || path == "/ws" {
+        responses.entry("403").or_insert_with(|| error("A browser page of an origin the gateway does not let in"));
+    }
+    if takes_body {
+        responses
+            .entry("415")
+            .or_insert_with(|| error("The body is not typed as JSON (Content-Type: application/json)"));
     }
     if answers_errors && !public && path != "/ws" {
         responses

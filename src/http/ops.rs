@@ -29,7 +29,7 @@ pub async fn ready(State(state): State<AppState>) -> Result<Response, ApiError> 
         response.extensions_mut().insert(super::error::Expected);
         return Ok(response);
     }
-    if let Some(why) = state.store.write_fault() {
+    if let Some(why) = state.store.current_write_fault().await {
         return Err(ApiError::Unavailable(format!("the database cannot take writes: {why}")));
     }
     if !state.store.ping().await {

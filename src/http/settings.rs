@@ -183,6 +183,18 @@ pub async fn put_cwd(
     body: JsonObject,
 ) -> Result<Json<CwdResponse>, ApiError> {
     let cwd = check_cwd(put_value(&body, "cwd")?)?;
+    // Checked against the folders of the model the conversation's next turn runs on (checked
+    // again when a turn starts: the model, or the folder, may change meanwhile).
+    if let Some(asked) = cwd {
+        let model = state.store.setting(&id, Setting::Model).await?;
+        let registry = state.turns.registry();
+        let model = model.unwrap_or_else(|| registry.default_model().to_owned());
+        if let Some((runtime, _)) = registry.resolve(&model)
+            && runtime.folder(asked).is_none()
+        {
+            return Err(crate::turn::StartError::Folder(asked.to_owned()).into());
+        }
+    }
     state.store.set_setting(&id, Setting::Cwd, cwd, now_ms()).await?;
     Ok(Json(CwdResponse { conversation_id: id, cwd: cwd.map(str::to_owned) }))
 }

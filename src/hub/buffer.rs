@@ -38,7 +38,7 @@ pub(super) struct BufferState {
 pub struct TurnBuffer {
     pub conversation_id: Arc<str>,
     pub turn_id: Arc<str>,
-    cap: usize,
+    caps: super::Caps,
     state: RwLock<BufferState>,
     pub(super) grown: Notify,
     pacing: Mutex<Pacing>,
@@ -68,7 +68,7 @@ impl TurnBuffer {
     pub(super) fn new(
         conversation_id: &str,
         turn_id: &str,
-        cap: usize,
+        caps: super::Caps,
         flush: Arc<FlushWindow>,
         readers: Arc<AtomicUsize>,
         held: Arc<AtomicUsize>,
@@ -77,8 +77,8 @@ impl TurnBuffer {
         TurnBuffer {
             conversation_id: Arc::from(conversation_id),
             turn_id: Arc::from(turn_id),
-            cap,
-            state: RwLock::new(BufferState { threshold: cap, ..BufferState::default() }),
+            caps,
+            state: RwLock::new(BufferState { threshold: caps.coalesce, ..BufferState::default() }),
             grown: Notify::new(),
             pacing: Mutex::default(),
             readers,
@@ -133,6 +133,9 @@ impl TurnBuffer {
         st.sealed = last;
         if st.bytes > st.threshold {
             self.coalesce(&mut st);
+        }
+        if st.bytes > self.caps.turn || self.held.load(Relaxed) > self.caps.total {
+            self.evict(&mut st);
         }
         (index, paced)
     }
@@ -298,8 +301,28 @@ impl TurnBuffer {
         st.bytes = st.events.iter().map(|f| f.size()).sum();
         // The change, either way (the atomic add wraps like the subtraction).
         self.held.fetch_add(st.bytes.wrapping_sub(before), Relaxed);
-        st.threshold = self.cap.max(st.bytes + self.cap / 2);
+        st.threshold = self.caps.coalesce.max(st.bytes + self.caps.coalesce / 2);
         tracing::debug!(turn = %self.turn_id, before, after = st.bytes, "coalesced the replay buffer");
+    }
+
+    /// Drops the oldest events until the buffer is within its cap and the hub within its total
+    /// (or only the newest event is left): a watcher whose position went with them is `Lost`
+    /// and reads history (`resync`), as one whose position was coalesced away. Three quarters
+    /// of the cap stay after a pass, so passes are a quarter of a cap of new events apart.
+    fn evict(&self, st: &mut BufferState) {
+        let before = st.bytes;
+        let goal = self.caps.turn / 4 * 3;
+        let over_total = self.held.load(Relaxed).saturating_sub(self.caps.total / 4 * 3);
+        let mut dropped = 0;
+        let mut n = 0;
+        while n + 1 < st.events.len() && (before - dropped > goal || dropped < over_total) {
+            dropped += st.events[n].size();
+            n += 1;
+        }
+        st.events.drain(..n);
+        st.bytes -= dropped;
+        self.held.fetch_sub(dropped, Relaxed);
+        tracing::warn!(turn = %self.turn_id, before, after = st.bytes, events = n, "the replay buffer is at its cap: its oldest events went");
     }
 
     pub(super) fn attached(&self) -> MutexGuard<'_, Attached> {

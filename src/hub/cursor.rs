@@ -11,13 +11,32 @@ use super::event::EncodedEvent;
 /// enough (tens of KiB) that a lagging connection holds little beside the shared buffer.
 pub const BATCH: usize = 128;
 
+/// Most bytes one batch holds (as NDJSON lines; the other framings are about as long), at
+/// least one event: a batch of large events (tool results of MiBs) would otherwise be joined
+/// into one write of up to `BATCH` of them, held whole by a connection that stopped reading.
+pub const BATCH_BYTES: usize = 256 * 1024;
+
+/// Where a batch from `start` ends: after `max` events, or the first event that brings it to
+/// `BATCH_BYTES`.
+pub(super) fn batch_end(events: &[Arc<EncodedEvent>], start: usize, max: usize) -> usize {
+    let most = events.len().min(start.saturating_add(max));
+    let mut bytes = 0;
+    for (i, event) in events.iter().enumerate().take(most).skip(start) {
+        bytes += event.line.len();
+        if bytes >= BATCH_BYTES {
+            return i + 1;
+        }
+    }
+    most
+}
+
 /// What a cursor hands out next.
 #[derive(Debug)]
 pub enum Delivery {
     /// Events in order, all from one turn.
     Events(Vec<Arc<EncodedEvent>>),
-    /// The cursor's position was coalesced away; it now reads its turn (this one) from the
-    /// beginning.
+    /// The cursor's position was coalesced away, or dropped with the oldest events of a buffer
+    /// at its cap; it now reads its turn (this one) from the first event the buffer holds.
     Lost { turn_id: Arc<str> },
     /// A single-turn cursor has delivered `turn-sealed`.
     End,
@@ -142,11 +161,14 @@ impl Cursor {
                     let (batch, at_end) = {
                         let st = buffer.state();
                         let start = start_of(&st.events, *next);
-                        if st.events.get(start).is_some_and(|f| f.first < *next) {
-                            *next = 0;
+                        // Lost: its position was coalesced into an event that began before it, or
+                        // went with the oldest events past the buffer's cap. It goes on from the
+                        // first event still held.
+                        if st.events.get(start).is_some_and(|f| f.first != *next) {
+                            *next = st.events.first().map_or(0, |f| f.first);
                             return Delivery::Lost { turn_id: buffer.turn_id.clone() };
                         }
-                        let end = st.events.len().min(start.saturating_add(max));
+                        let end = batch_end(&st.events, start, max);
                         let batch: Vec<Arc<EncodedEvent>> = st.events[start..end].to_vec();
                         if st.sealed {
                             reader.sealed();

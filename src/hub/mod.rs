@@ -47,6 +47,18 @@ struct Channel {
     following: Option<Arc<Following>>,
 }
 
+/// What replay buffers may hold, in bytes (every framing of every event counted).
+#[derive(Debug, Clone, Copy)]
+pub struct Caps {
+    /// Past this a buffer's runs of deltas are coalesced (`--turn-buffer-bytes`).
+    pub coalesce: usize,
+    /// Past this, after coalescing, a buffer's oldest events go (`--turn-buffer-max-bytes`).
+    pub turn: usize,
+    /// Past this over every buffer, the buffer publishing gives up its oldest events
+    /// (`--replay-max-bytes`).
+    pub total: usize,
+}
+
 /// The per-conversation channels. The lock is held only for a few pointer moves, never across
 /// an `.await`, so a `std` mutex fits.
 pub struct Hub {
@@ -55,25 +67,26 @@ pub struct Hub {
     readers: Arc<AtomicUsize>,
     /// Bytes held by every live replay buffer (in flight, or sealed and still being read).
     held: Arc<AtomicUsize>,
-    /// Per-turn buffer size past which deltas are coalesced.
-    buffer_cap: usize,
+    /// What a replay buffer may hold.
+    caps: Caps,
     flush: Arc<FlushWindow>,
     remote: Option<Arc<dyn Remote>>,
 }
 
 impl Hub {
-    /// A hub of one gateway alone.
+    /// A hub of one gateway alone, whose buffers coalesce deltas past `buffer_cap` bytes and
+    /// are otherwise unbounded (tests).
     pub fn new(buffer_cap: usize, flush: FlushWindow) -> Arc<Hub> {
-        Hub::with_remote(buffer_cap, flush, None)
+        Hub::with_remote(Caps { coalesce: buffer_cap, turn: usize::MAX, total: usize::MAX }, flush, None)
     }
 
     /// A hub that shares turns with other gateways through `remote`.
-    pub fn with_remote(buffer_cap: usize, flush: FlushWindow, remote: Option<Arc<dyn Remote>>) -> Arc<Hub> {
+    pub fn with_remote(caps: Caps, flush: FlushWindow, remote: Option<Arc<dyn Remote>>) -> Arc<Hub> {
         Arc::new(Hub {
             channels: Mutex::default(),
             readers: Arc::default(),
             held: Arc::default(),
-            buffer_cap,
+            caps,
             flush: Arc::new(flush),
             remote,
         })
@@ -94,7 +107,7 @@ impl Hub {
     /// starting at once would otherwise cost a wake-up and a write per event per watcher). The
     /// caller guarantees one turn at a time per conversation.
     pub fn begin_turn(&self, conversation_id: &str, turn_id: &str, opening: &[AgentEvent]) -> Arc<TurnBuffer> {
-        let outbox = self.remote.as_ref().map(|r| r.outbox(conversation_id, turn_id, self.buffer_cap));
+        let outbox = self.remote.as_ref().map(|r| r.outbox(conversation_id, turn_id, self.caps.coalesce));
         self.open(conversation_id, turn_id, opening, outbox)
     }
 
@@ -116,7 +129,7 @@ impl Hub {
         let buffer = Arc::new(TurnBuffer::new(
             conversation_id,
             turn_id,
-            self.buffer_cap,
+            self.caps,
             self.flush.clone(),
             self.readers.clone(),
             self.held.clone(),
@@ -276,6 +289,51 @@ mod tests {
         match cursor.next_batch(usize::MAX).await {
             Delivery::Events(f) => f,
             other => panic!("expected frames, got {other:?}"),
+        }
+    }
+
+    fn tool_result(i: usize, size: usize) -> AgentEvent {
+        AgentEvent::ToolResult(crate::wire::TurnToolResultEvent {
+            conversation_id: "c".into(),
+            turn_id: "t".into(),
+            step_id: "t#0".into(),
+            tool_call_id: format!("call_{i}"),
+            tool_name: "read".into(),
+            content: "x".repeat(size),
+            is_error: false,
+            duration_ms: None,
+        })
+    }
+
+    /// Events that do not coalesce (tool results) are held within the buffer's hard cap and the
+    /// hub's total: the oldest go, and a watcher whose position went with them is told (and
+    /// reads on from the first event still held), while one at the front reads every event.
+    #[tokio::test]
+    async fn a_buffer_past_its_cap_gives_up_its_oldest_events() {
+        let caps = Caps { coalesce: 1 << 20, turn: 100_000, total: usize::MAX };
+        let hub = Hub::with_remote(caps, FlushWindow::default(), None);
+        let buffer = hub.begin_turn("c", "t", &[]);
+        let (mut behind, _) = hub.subscribe("c", None).await;
+        let (mut front, _) = hub.subscribe("c", None).await;
+        let mut seen = 0;
+        for i in 0..60 {
+            buffer.publish(&tool_result(i, 10_000));
+            assert!(buffer.bytes() <= 100_000 + 40_000, "{} bytes after {i}", buffer.bytes());
+            seen += frames(&mut front).await.len();
+        }
+        assert_eq!(seen, 60, "a watcher that keeps up loses nothing");
+        assert_eq!(hub.buffered_bytes(), buffer.bytes());
+        assert!(matches!(behind.next_batch(usize::MAX).await, Delivery::Lost { .. }));
+        let rest = frames(&mut behind).await;
+        assert!(rest[0].first > 0 && rest.last().unwrap().last == 59, "from the first held on: {}", rest[0].first);
+
+        // Over the hub's total, the buffer publishing gives up its oldest.
+        let caps = Caps { coalesce: 1 << 20, turn: usize::MAX, total: 50_000 };
+        let hub = Hub::with_remote(caps, FlushWindow::default(), None);
+        let buffer = hub.begin_turn("c", "t", &[]);
+        for i in 0..30 {
+            buffer.publish(&tool_result(i, 10_000));
+            assert!(hub.buffered_bytes() <= 50_000 + 40_000, "{} bytes after {i}", hub.buffered_bytes());
         }
     }
 

@@ -24,7 +24,7 @@ use bytes::{Bytes, BytesMut};
 use tokio::sync::Notify;
 
 use super::buffer::TurnBuffer;
-use super::cursor::{BATCH, start_of};
+use super::cursor::{BATCH, batch_end, start_of};
 use super::event::Encoding;
 use super::pacing::PHASES;
 use crate::encoding::{CHUNK_END, chunk_size};
@@ -240,10 +240,10 @@ fn chunk(buffer: &TurnBuffer, next: u32, encoding: Encoding) -> Ready {
     let st = buffer.state();
     let start = start_of(&st.events, next);
     let Some(first) = st.events.get(start) else { return Ready::Nothing };
-    if first.first < next {
+    if first.first != next {
         return Ready::Lost;
     }
-    let end = st.events.len().min(start + BATCH);
+    let end = batch_end(&st.events, start, BATCH);
     let events = &st.events[start..end];
     let len: usize = events.iter().map(|f| encoding.len(f)).sum();
     let mut size = [0u8; 18];

@@ -15,10 +15,12 @@ use axum::http::Extensions;
 use axum::response::Response;
 use tokio_util::sync::CancellationToken;
 
+mod reading;
 mod session;
 mod subscriptions;
 mod watch;
 
+pub use reading::{Budgeted, Reading, ReadingBudget};
 pub use session::{Ops, Session, SessionSetup};
 pub use subscriptions::Subscriptions;
 pub use watch::{Format, Step, Wake, Watch, WatchSetup};

@@ -44,6 +44,8 @@ pub struct SessionSetup {
     pub max_message: usize,
     /// How long a frame, or a fragmented message, may take to arrive whole.
     pub message_timeout: Duration,
+    /// The gateway's room for messages being assembled (`--max-reading-bytes`).
+    pub reading: super::ReadingBudget,
     /// Holds the session's place under the stream cap.
     pub permit: StreamPermit,
 }
@@ -61,6 +63,8 @@ pub struct Session {
     pub drained: CancellationToken,
     pub max_message: usize,
     pub message_timeout: Duration,
+    /// The gateway's room for messages being assembled (`--max-reading-bytes`).
+    pub reading: super::ReadingBudget,
     _permit: StreamPermit,
 }
 
@@ -79,6 +83,7 @@ impl Session {
             drained: setup.drained,
             max_message: setup.max_message,
             message_timeout: setup.message_timeout,
+            reading: setup.reading,
             _permit: setup.permit,
         };
         session.send(&json!({"type": "catalog", "catalog": []}));

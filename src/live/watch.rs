@@ -1,7 +1,6 @@
 //! One SSE or NDJSON watcher: what it writes and when it ends, decided here for every way of
 //! writing it (a connection that writes the socket itself, or a response body under hyper).
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -111,6 +110,22 @@ pub enum Step {
     Idle,
     /// End the stream now.
     End,
+    /// Write these bytes (an `error` event saying why), then end the stream as a cut one: the
+    /// connection closes without the body's end (no chunked last-chunk), so no client or proxy
+    /// takes what it got for the whole of it.
+    Cut(Bytes),
+}
+
+/// How long a cut stream served by hyper waits for its last bytes to be written before it fails.
+const CUT_GRACE: Duration = Duration::from_secs(1);
+
+/// How far a watch's body has come to its end.
+#[derive(Clone, Copy)]
+enum End {
+    No,
+    Whole,
+    /// Its last bytes were written: the error that cuts it is due.
+    Cut,
 }
 
 /// The log could not be read for a `resync`: never send a made-up `latestSeq`.
@@ -160,7 +175,14 @@ impl Watch {
             Wake::Delivery(delivery) => delivery,
             Wake::Tick if std::mem::take(&mut self.sent) => return Step::Idle,
             Wake::Tick => return Step::Write(self.format.keepalive()),
-            Wake::Drained => self.cursor.try_batch(BATCH).unwrap_or(Delivery::End),
+            Wake::Drained => match self.cursor.try_batch(BATCH) {
+                Some(delivery) => delivery,
+                // Shutdown with a turn still unsealed under the cursor: it ends cut, saying so.
+                None if self.cursor.position().is_some() => {
+                    return self.cut("the gateway is shutting down before this turn's end", "shutdown");
+                }
+                None => Delivery::End,
+            },
         };
         let step = match delivery {
             Delivery::Events(events) => {
@@ -176,12 +198,17 @@ impl Watch {
                 self.metrics.lag_recoveries.fetch_add(1, Relaxed);
                 match resync_message(&self.store, &self.conversation_id, &self.cursor).await {
                     Ok(message) => Step::Write(message),
-                    Err(Unreadable) => Step::End,
+                    Err(Unreadable) => self.cut("the log could not be read to resync this stream", "storage"),
                 }
             }
-            Delivery::Lost { .. } => {
+            // NDJSON cannot say `resync`: the watcher is cut, and reads history for the rest.
+            Delivery::Lost { turn_id } => {
                 self.metrics.subscriber_drops.fetch_add(1, Relaxed);
-                Step::End
+                self.cut_in(
+                    &turn_id,
+                    "this stream fell too far behind the turn; read the history for the rest",
+                    "lagged",
+                )
             }
             Delivery::End => Step::End,
         };
@@ -193,6 +220,26 @@ impl Watch {
     pub fn unparked(&mut self, back: &Unparked) -> bool {
         self.sent |= back.sent;
         back.sealed && self.until_sealed
+    }
+
+    /// The step that ends the stream cut, with an `error` event (`code`) for the turn it reads.
+    fn cut(&self, message: &str, code: &str) -> Step {
+        let turn_id = self.cursor.replaying().unwrap_or_else(|| Arc::from(""));
+        self.cut_in(&turn_id, message, code)
+    }
+
+    fn cut_in(&self, turn_id: &str, message: &str, code: &str) -> Step {
+        let error = crate::wire::AgentEvent::Error(crate::wire::TurnErrorEvent {
+            conversation_id: self.conversation_id.clone(),
+            turn_id: turn_id.to_owned(),
+            message: message.to_owned(),
+            code: Some(code.to_owned()),
+        });
+        let json = serde_json::to_string(&error).expect("an event serializes");
+        Step::Cut(Bytes::from(match self.format {
+            Format::Ndjson => format!("{json}\n"),
+            Format::Sse => format!("data: {json}\n\n"),
+        }))
     }
 
     fn wrote(&mut self, step: Step) -> Step {
@@ -233,16 +280,27 @@ impl Watch {
 
     /// The watcher as a response body, for a connection served by hyper: the same steps, one
     /// chunk per write.
-    pub fn into_body(self) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
-        futures_util::stream::unfold((self, true, false), |(mut watch, first, done)| async move {
-            if done {
-                return None;
+    /// A cut stream ends with an error, on which hyper closes the connection without the
+    /// body's end.
+    pub fn into_body(self) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
+        futures_util::stream::unfold((self, true, End::No), |(mut watch, first, end)| async move {
+            match end {
+                End::No => {}
+                End::Whole => return None,
+                End::Cut => {
+                    // hyper drops what it has not flushed when a body fails: the error event
+                    // is given a moment to go out first. (The body's end is withheld either way.)
+                    tokio::time::sleep(CUT_GRACE).await;
+                    let cut = std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the stream was cut");
+                    return Some((Err(cut), (watch, false, End::Whole)));
+                }
             }
             let mut step = if first { watch.opening().await } else { Step::Idle };
             loop {
                 match step {
-                    Step::Write(bytes) => return Some((Ok(bytes), (watch, false, false))),
-                    Step::Last(bytes) => return Some((Ok(bytes), (watch, false, true))),
+                    Step::Write(bytes) => return Some((Ok(bytes), (watch, false, End::No))),
+                    Step::Last(bytes) => return Some((Ok(bytes), (watch, false, End::Whole))),
+                    Step::Cut(bytes) => return Some((Ok(bytes), (watch, false, End::Cut))),
                     Step::End => return None,
                     Step::Idle => {}
                 }

@@ -4,7 +4,9 @@
 //! SSE or NDJSON watcher, a WebSocket upgrade, and the reads a web client makes between them),
 //! and a `POST`, `PUT`, `DELETE`, `PATCH` or `OPTIONS` whose body has a `Content-Length` within
 //! the body limit (a web client's messages), run through the same router, middleware and
-//! handler as any request; only the body is read and the response written here. A response that hands over a live stream ([`Handoff`]) is served on the socket
+//! handler as any request; only the body is read and the response written here. The body is
+//! read from the socket as the handler reads it, so the layers' checks of the head (host,
+//! origin, key, reading budget) come before any byte of it. A response that hands over a live stream ([`Handoff`]) is served on the socket
 //! next: a watch as chunks, each batch in one vectored write, a session by `net::websocket`.
 //! Such a stream holds no per-connection read or write buffer while it is open (a generic
 //! HTTP/1.1 connection keeps several KiB of each for its whole life, which is most of what an
@@ -56,17 +58,8 @@ pub async fn serve(
 ) -> Next {
     let mut pending = Vec::new();
     loop {
-        let (request, close) = match read_head(stream, &mut pending, limits, drained).await {
-            Head::Direct(request, close, 0) => (request, close),
-            // Boxed: inline, its timers and its 408 would grow every connection's task, idle
-            // watchers' too.
-            Head::Direct(mut request, close, length) => {
-                let Some(body) = Box::pin(read_body(stream, &mut pending, length, limits, metrics)).await else {
-                    return Next::Closed;
-                };
-                *request.body_mut() = Body::from(body);
-                (request, close)
-            }
+        let (mut request, close, length) = match read_head(stream, &mut pending, limits, drained).await {
+            Head::Direct(request, close, length) => (request, close, length),
             Head::Other => return Next::Hyper(pending),
             Head::Closed => return Next::Closed,
             Head::Refused(status, why) => {
@@ -77,11 +70,31 @@ pub async fn serve(
                 return Next::Closed;
             }
         };
+        // The body is read from the socket only when the handler asks for it, after the
+        // layers have checked the head (host, origin, type, key, reading budget): a refused
+        // request costs no more than its head.
+        let read = (length > 0).then(|| {
+            let body = SocketBody::new(stream, &mut pending, length, limits.body_read_timeout);
+            let read = body.read.clone();
+            *request.body_mut() = Body::new(body);
+            read
+        });
         let response = match router.clone().oneshot(request).await {
             Ok(response) => response,
             Err(never) => match never {},
         };
-        match respond(stream, response, close, &mut pending, limits).await {
+        // A client that left part way through its body gets nothing. A body the handler left
+        // unread (or part read) leaves the connection where no request starts: it closes after
+        // the answer.
+        let read = read.map(|read| read.load(std::sync::atomic::Ordering::Acquire));
+        if read == Some(BODY_GONE) {
+            return Next::Closed;
+        }
+        if read.is_some_and(|read| read != BODY_WHOLE) {
+            let _ = respond(stream, response, true, &mut Vec::new(), limits, false).await;
+            return Next::Closed;
+        }
+        match respond(stream, response, close, &mut pending, limits, true).await {
             Ok(true) => {}
             Ok(false) | Err(_) => return Next::Closed,
         }
@@ -173,51 +186,94 @@ async fn read_head(
     }
 }
 
-/// How much a body's buffer grows at a time while the body arrives.
+/// The most of a body one read takes from the socket.
 const BODY_STEP: usize = 64 * 1024;
 
-/// Reads a request body of `length` bytes that follows its head: the bytes already read first,
-/// then the socket's, no further than the body's end (what follows is the next request's).
-/// `None` when the client left, or the body did not arrive within the body timeout (answered
-/// 408 here): the connection ends.
-async fn read_body(
-    stream: &TcpStream,
-    pending: &mut Vec<u8>,
-    length: usize,
-    limits: &ConnectionLimits,
-    metrics: &Metrics,
-) -> Option<Vec<u8>> {
-    let deadline = Instant::now() + limits.body_read_timeout;
-    let mut filled = length.min(pending.len());
-    let mut body: Vec<u8> = pending.drain(..filled).collect();
-    if pending.is_empty() {
-        *pending = Vec::new();
-    }
-    while filled < length {
-        // The buffer grows with what arrives, a step at a time: a declared length costs
-        // nothing until its bytes come.
-        if filled == body.len() {
-            body.resize(filled + (length - filled).min(BODY_STEP), 0);
+/// A request body read from the socket as its handler reads it: the bytes that came with the
+/// head first, then the socket's, no further than the body's end (what follows is the next
+/// request's). An error when the client leaves or the body does not arrive within the body
+/// timeout (`TimedOut`: the handler answers 408).
+struct SocketBody {
+    stream: Arc<TcpStream>,
+    first: Option<bytes::Bytes>,
+    left: usize,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    /// How far it was read: `BODY_WHOLE` once all of it, `BODY_GONE` when the client left.
+    read: Arc<std::sync::atomic::AtomicU8>,
+}
+
+const BODY_WHOLE: u8 = 1;
+const BODY_GONE: u8 = 2;
+
+impl SocketBody {
+    fn new(stream: &Arc<TcpStream>, pending: &mut Vec<u8>, length: usize, timeout: Duration) -> SocketBody {
+        let have = length.min(pending.len());
+        let first: Vec<u8> = pending.drain(..have).collect();
+        if pending.is_empty() {
+            *pending = Vec::new();
         }
-        match stream.try_read(&mut body[filled..]) {
-            Ok(0) => return None,
-            Ok(n) => {
-                filled += n;
-                continue;
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(_) => return None,
-        }
-        tokio::select! {
-            ready = stream.readable() => if ready.is_err() { return None },
-            _ = tokio::time::sleep_until(deadline) => {
-                let why = "the request body did not arrive in time";
-                let _ = refuse(stream, StatusCode::REQUEST_TIMEOUT, why, limits.drain_timeout, metrics).await;
-                return None;
-            }
+        SocketBody {
+            stream: stream.clone(),
+            first: (!first.is_empty()).then(|| first.into()),
+            left: length - have,
+            deadline: Box::pin(tokio::time::sleep(timeout)),
+            read: Arc::default(),
         }
     }
-    Some(body)
+}
+
+impl http_body::Body for SocketBody {
+    type Data = bytes::Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, io::Error>>> {
+        let this = &mut *self;
+        if let Some(first) = this.first.take() {
+            if this.left == 0 {
+                this.read.store(BODY_WHOLE, std::sync::atomic::Ordering::Release);
+            }
+            return Poll::Ready(Some(Ok(http_body::Frame::data(first))));
+        }
+        if this.left == 0 {
+            this.read.store(BODY_WHOLE, std::sync::atomic::Ordering::Release);
+            return Poll::Ready(None);
+        }
+        loop {
+            let mut buf = vec![0u8; this.left.min(BODY_STEP)];
+            match this.stream.try_read(&mut buf) {
+                Ok(0) => {
+                    this.read.store(BODY_GONE, std::sync::atomic::Ordering::Release);
+                    return Poll::Ready(Some(Err(io::ErrorKind::UnexpectedEof.into())));
+                }
+                Ok(n) => {
+                    buf.truncate(n);
+                    this.left -= n;
+                    if this.left == 0 {
+                        this.read.store(BODY_WHOLE, std::sync::atomic::Ordering::Release);
+                    }
+                    return Poll::Ready(Some(Ok(http_body::Frame::data(buf.into()))));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Poll::Ready(Some(Err(e))),
+            }
+            if this.deadline.as_mut().poll(cx).is_ready() {
+                let late = io::Error::new(io::ErrorKind::TimedOut, "the request body did not arrive in time");
+                return Poll::Ready(Some(Err(late)));
+            }
+            match this.stream.poll_read_ready(cx) {
+                Poll::Ready(Ok(())) => continue,
+                Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e))),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact((self.left + self.first.as_ref().map_or(0, |f| f.len())) as u64)
+    }
 }
 
 #[allow(clippy::large_enum_variant)]
@@ -350,6 +406,7 @@ async fn respond(
     close: bool,
     pending: &mut Vec<u8>,
     limits: &ConnectionLimits,
+    listen: bool,
 ) -> io::Result<bool> {
     let drain = limits.drain_timeout;
     let (parts, mut body) = response.into_parts();
@@ -412,8 +469,9 @@ async fn respond(
     }
     loop {
         let step = poll_fn(|cx| {
-            // The client side first: its end (or reset) ends the stream at once.
-            if poll_gone(stream, pending, limits, cx).is_ready() {
+            // The client side first: its end (or reset) ends the stream at once. (Not while
+            // the request's own body is still on the socket: that is no next request.)
+            if listen && poll_gone(stream, pending, limits, cx).is_ready() {
                 return Poll::Ready(BodyStep::Gone);
             }
             Pin::new(&mut body).poll_frame(cx).map(BodyStep::Frame)
@@ -552,6 +610,10 @@ async fn watch_stream(
                 return Ok(true);
             }
             Step::End => return Ok(true),
+            Step::Cut(bytes) => {
+                write_chunk(stream, &bytes, drain).await?;
+                return Ok(false);
+            }
             Step::Idle => {}
         }
         let wake = match watch.cursor.try_batch(BATCH) {

@@ -36,7 +36,7 @@ use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use super::http1::{Parking, write_all};
 use crate::encoding::{WS_CLOSE, put_ws_frame};
 use crate::hub::{Delivery, Encoding};
-use crate::live::{Cancelled, Session};
+use crate::live::{Cancelled, Reading, ReadingBudget, Session};
 use crate::turn::StatusChange;
 
 /// Close codes (RFC 6455, 7.4.1).
@@ -46,6 +46,8 @@ const INVALID_PAYLOAD: u16 = 1007;
 const POLICY: u16 = 1008;
 const TOO_BIG: u16 = 1009;
 const INTERNAL: u16 = 1011;
+/// The server is out of room for now (RFC 6455 7.4.1, registered 1013): the reading budget.
+const TRY_AGAIN_LATER: u16 = 1013;
 
 /// Most bytes one read of the client's socket takes.
 const READ: usize = 16 * 1024;
@@ -76,11 +78,13 @@ struct FrameDecoder {
     /// How much of a fragmented text message is known to be valid UTF-8: checked as each
     /// fragment comes, so a bad one fails at once (not after the rest of the message).
     valid: usize,
+    /// Room in the reading budget for what `buf` and `partial` hold past one read.
+    reading: Option<Reading>,
 }
 
 impl FrameDecoder {
     fn new(read: Vec<u8>, max: usize) -> FrameDecoder {
-        FrameDecoder { buf: read, at: 0, max, partial: None, valid: 0 }
+        FrameDecoder { buf: read, at: 0, max, partial: None, valid: 0, reading: None }
     }
 
     /// The next whole message or control frame, `None` until more bytes arrive, or the close
@@ -170,6 +174,26 @@ impl FrameDecoder {
                 _ => Err(PROTOCOL_ERROR),
             };
         }
+    }
+
+    /// Keeps room in the gateway's reading budget for what an incomplete frame or message holds
+    /// past one read's worth; false when the budget has no more.
+    fn within(&mut self, budget: &ReadingBudget) -> bool {
+        let holds = self.buf.len() - self.at + self.partial.as_ref().map_or(0, |(_, p)| p.len());
+        if holds <= READ {
+            self.reading = None;
+            return true;
+        }
+        let has = self.reading.as_ref().map_or(0, Reading::bytes);
+        if holds <= has {
+            return true;
+        }
+        let Some(more) = budget.try_take(holds - has) else { return false };
+        match &mut self.reading {
+            Some(reading) => reading.merge(more),
+            None => self.reading = Some(more),
+        }
+        true
     }
 
     /// Whether part of a frame, or of a fragmented message, has arrived and its rest has not.
@@ -316,6 +340,9 @@ pub async fn serve(stream: &Arc<TcpStream>, mut session: Session, read: Vec<u8>,
             (true, false) => incomplete_until = Some(Box::pin(tokio::time::sleep(message_timeout))),
             (false, true) => incomplete_until = None,
             _ => {}
+        }
+        if !frames.within(&session.reading) {
+            break Some(TRY_AGAIN_LATER);
         }
         // Everything there is to write, in one write; held status changes go with it.
         if !held.is_empty() && !session.out().is_empty() {

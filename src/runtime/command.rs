@@ -83,6 +83,15 @@ impl Agent {
     }
 }
 
+/// `cwd` resolved (against the first root when relative) and canonicalized, symlinks followed
+/// and `..` gone, when it is a folder inside one of `roots` (themselves canonical).
+fn inside(roots: &[std::path::PathBuf], cwd: &str) -> Option<std::path::PathBuf> {
+    let asked = std::path::Path::new(cwd);
+    let path = if asked.is_absolute() { asked.to_owned() } else { roots.first()?.join(asked) };
+    let path = path.canonicalize().ok()?;
+    (path.is_dir() && roots.iter().any(|root| path.starts_with(root))).then_some(path)
+}
+
 async fn kill_group(pgid: Option<i32>, child: &mut Child) {
     if let Some(pgid) = pgid {
         // SAFETY: kill(2) with a negative pid signals a process group; no memory involved.
@@ -121,6 +130,8 @@ pub struct CommandRuntime {
 
 struct Inner {
     name: String,
+    /// The folders its agents may work in, canonical (`cwd_roots`).
+    roots: Vec<std::path::PathBuf>,
     settings: CommandCredential,
     /// The longest line the program may print (`--max-runtime-line-bytes`).
     max_line: usize,
@@ -138,8 +149,25 @@ struct Inner {
 impl CommandRuntime {
     pub fn new(name: &str, mut settings: CommandCredential, max_line: usize) -> CommandRuntime {
         settings.max_processes = settings.max_processes.max(1);
+        // The folders its agents may work in, as they are now (symlinks followed): its
+        // `cwd_roots`, else its `cwd`, else the gateway's working directory.
+        let mut roots = settings.cwd_roots.clone();
+        if roots.is_empty() {
+            roots.extend(settings.cwd.clone().or_else(|| std::env::current_dir().ok()));
+        }
+        let roots = roots
+            .iter()
+            .filter_map(|root| match root.canonicalize() {
+                Ok(root) => Some(root),
+                Err(e) => {
+                    tracing::warn!(credential = name, root = %root.display(), error = %e, "an agent folder root cannot be read; left out");
+                    None
+                }
+            })
+            .collect();
         CommandRuntime {
             inner: Arc::new(Inner {
+                roots,
                 name: name.to_owned(),
                 places: Arc::new(Semaphore::new(settings.max_processes)),
                 settings,
@@ -258,7 +286,7 @@ impl Inner {
         let mut child = command.spawn().map_err(|e| {
             // A missing folder fails the spawn as a missing program would: say which it is.
             let message = match &started_for.cwd {
-                Some(cwd) if !cwd.is_dir() => format!("the agent's working directory {cwd:?} is not a folder here"),
+                Some(cwd) if !cwd.is_dir() => "the agent's working directory is no longer a folder".to_owned(),
                 _ => format!("cannot start the agent program {:?}: {e}", s.program),
             };
             RuntimeError::turn(message, "agent-spawn")
@@ -559,6 +587,10 @@ enum Outcome {
 }
 
 impl Runtime for CommandRuntime {
+    fn folder(&self, cwd: &str) -> Option<String> {
+        inside(&self.inner.roots, cwd).map(|path| path.to_string_lossy().into_owned())
+    }
+
     fn processes(&self) -> Option<super::Processes> {
         let inner = &self.inner;
         Some(super::Processes {
@@ -773,6 +805,7 @@ for line in sys.stdin:
             dialect: Dialect::Ndjson,
             models: vec!["echo".into()],
             cwd: None,
+            cwd_roots: Vec::new(),
             env: Default::default(),
             idle_timeout_secs: 1,
             unattended: false,
@@ -782,7 +815,7 @@ for line in sys.stdin:
         let runtime = CommandRuntime::new("agent", credential, 1 << 16);
         let mut pids = Vec::new();
         for conversation in ["c1", "c2", "c3"] {
-            let (sink, mut events) = tokio::sync::mpsc::channel(16);
+            let (sink, mut events) = crate::runtime::event_queue(16, 1 << 20);
             runtime.run_turn(request(conversation), sink, CancellationToken::new()).await.unwrap();
             assert!(matches!(events.recv().await, Some(RawEvent::TextDelta(_))));
             let state = runtime.inner.agent_state(conversation);
@@ -800,7 +833,7 @@ for line in sys.stdin:
             assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists(), "process {pid} still runs");
         }
         // A forgotten conversation starts afresh.
-        let (sink, _events) = tokio::sync::mpsc::channel(16);
+        let (sink, _events) = crate::runtime::event_queue(16, 1 << 20);
         runtime.run_turn(request("c1"), sink, CancellationToken::new()).await.unwrap();
         assert_eq!(inner.agents.lock().unwrap().len(), 1);
         runtime.shutdown().await;
@@ -818,5 +851,28 @@ for line in sys.stdin:
         assert!(!args.iter().any(|a| a.starts_with("--permission-prompt-tool") || a.starts_with("--resume")));
         assert!(!args.iter().any(|a| a == "--effort"), "no effort asked: Claude Code's default");
         assert!(args.windows(2).any(|w| w == ["--model", "sonnet"]));
+    }
+
+    #[test]
+    fn an_agent_folder_lies_inside_a_root_once_resolved() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("project/sub")).unwrap();
+        std::fs::create_dir_all(dir.path().join("outside")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("outside"), root.join("escape")).unwrap();
+        std::os::unix::fs::symlink(root.join("project"), root.join("alias")).unwrap();
+        std::fs::write(root.join("file"), "").unwrap();
+        let roots = vec![root.canonicalize().unwrap()];
+        let at = |cwd: &str| super::inside(&roots, cwd);
+        assert_eq!(at("project"), Some(roots[0].join("project")));
+        assert_eq!(at("project/sub/.."), Some(roots[0].join("project")));
+        assert_eq!(at("alias/sub"), Some(roots[0].join("project/sub")), "a symlink inside the root is followed");
+        assert_eq!(at(root.to_str().unwrap()), Some(roots[0].clone()));
+        for refused in
+            ["/", "/root", "../../..", "..", "escape", "escape/.", "file", "missing", "project/../../outside"]
+        {
+            assert_eq!(at(refused), None, "{refused}");
+        }
+        assert_eq!(super::inside(&[], "project"), None, "no root, no folder");
     }
 }

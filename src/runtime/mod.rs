@@ -163,7 +163,80 @@ impl Inbox {
     }
 }
 
-pub type EventSink = mpsc::Sender<RawEvent>;
+/// Where a runtime sends its raw events: a queue to its turn bounded in events and in bytes.
+/// A runtime that produces faster than its turn writes (a burst of tool results of MiBs, an
+/// upstream's large events) waits for room, as for a full queue of small ones, instead of
+/// making the gateway hold all of it.
+#[derive(Clone)]
+pub struct EventSink {
+    queue: mpsc::Sender<Queued>,
+    bytes: Arc<tokio::sync::Semaphore>,
+    most: usize,
+}
+
+/// A raw event in the queue, with the room it takes there (none for a small one: those are
+/// bounded by the queue's length).
+struct Queued {
+    event: RawEvent,
+    _room: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// The turn's end of an [`EventSink`].
+pub struct EventQueue(mpsc::Receiver<Queued>);
+
+/// A queue of at most `events` raw events and `bytes` bytes of their text (an event larger
+/// than that takes all of it: it waits for the queue to empty).
+pub fn event_queue(events: usize, bytes: usize) -> (EventSink, EventQueue) {
+    let (queue, receiver) = mpsc::channel(events.max(1));
+    let most = bytes.clamp(1, u32::MAX as usize);
+    (EventSink { queue, bytes: Arc::new(tokio::sync::Semaphore::new(most)), most }, EventQueue(receiver))
+}
+
+/// Events at most this large take no room in the queue's bytes: the queue's length bounds them.
+const SMALL_EVENT: usize = 4096;
+
+impl EventSink {
+    /// Queues `event`, waiting for room; an error (with the event) once the turn no longer
+    /// reads its queue.
+    pub async fn send(&self, event: RawEvent) -> Result<(), mpsc::error::SendError<RawEvent>> {
+        let size = event.bytes();
+        let room = if size > SMALL_EVENT {
+            let n = size.min(self.most) as u32;
+            match self.bytes.clone().acquire_many_owned(n).await {
+                Ok(room) => Some(room),
+                Err(_) => return Err(mpsc::error::SendError(event)),
+            }
+        } else {
+            None
+        };
+        self.queue.send(Queued { event, _room: room }).await.map_err(|e| mpsc::error::SendError(e.0.event))
+    }
+}
+
+impl EventQueue {
+    /// The next event, its room in the queue given back; `None` once every sink is gone.
+    pub async fn recv(&mut self) -> Option<RawEvent> {
+        self.0.recv().await.map(|queued| queued.event)
+    }
+}
+
+impl RawEvent {
+    /// About how many bytes the event holds (its text and JSON).
+    fn bytes(&self) -> usize {
+        match self {
+            RawEvent::TextDelta(text) | RawEvent::ReasoningDelta(text) | RawEvent::UserInput(text) => text.len(),
+            RawEvent::ToolCall { id, name, input } => {
+                id.len() + name.len() + serde_json::to_vec(input).map_or(0, |json| json.len())
+            }
+            RawEvent::ToolOutput { id, data, .. } => id.len() + data.len(),
+            RawEvent::ToolResult { id, name, content, .. } => id.len() + name.len() + content.len(),
+            RawEvent::Error { message, .. } => message.len(),
+            RawEvent::Finish { reason } => reason.len(),
+            RawEvent::SessionId(id) => id.len(),
+            RawEvent::StepStart | RawEvent::Usage(_) | RawEvent::StepEnd | RawEvent::TokensPerEstimate(_) => 0,
+        }
+    }
+}
 
 pub type RuntimeFuture = Pin<Box<dyn Future<Output = Result<(), RuntimeError>> + Send>>;
 
@@ -217,6 +290,14 @@ impl RuntimeError {
 ///   silent fresh start.
 pub trait Runtime: Send + Sync + 'static {
     fn run_turn(&self, request: TurnRequest, sink: EventSink, cancel: CancellationToken) -> RuntimeFuture;
+
+    /// The folder a turn asked for (`cwd`), as the runtime will use it: for a runtime that runs
+    /// programs on this host, resolved and checked against the folders it may work in;
+    /// `None` when it may not work there (the caller answers with the request's own value only:
+    /// no host path, no word on whether it exists). Runtimes that use no folder take any.
+    fn folder(&self, cwd: &str) -> Option<String> {
+        Some(cwd.to_owned())
+    }
 
     /// Whether `TurnRequest::history` should be given.
     fn needs_history(&self) -> bool {

@@ -6,6 +6,7 @@
 //! calls with results, errors, stalls and long outputs.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -21,7 +22,8 @@ use crate::wire::{OutputStream, Usage};
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Script {
-    pub rules: Vec<Rule>,
+    /// Shared with the turns that play them (a rule may hold MiBs of tool results).
+    pub rules: Vec<Arc<Rule>>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -106,12 +108,12 @@ impl ScriptedRuntime {
         ScriptedRuntime { pace, reasoning, script }
     }
 
-    fn plan(&self, prompt: &str) -> Rule {
+    fn plan(&self, prompt: &str) -> Arc<Rule> {
         if let Some(rule) = self.script.rules.iter().find(|r| r.pattern.as_deref().is_none_or(|p| prompt.contains(p))) {
             return rule.clone();
         }
         let words = prompt.split_whitespace().count();
-        Rule {
+        Arc::new(Rule {
             pattern: None,
             pace: None,
             steps: vec![StepScript {
@@ -128,7 +130,7 @@ impl ScriptedRuntime {
             }],
             finish: None,
             error: None,
-        }
+        })
     }
 }
 
@@ -228,7 +230,7 @@ async fn stream_text(
 }
 
 async fn play(
-    rule: Rule,
+    rule: Arc<Rule>,
     default_pace: f64,
     req: TurnRequest,
     sink: EventSink,
@@ -301,9 +303,9 @@ async fn play(
             context += (tool.result.len() as u64).div_ceil(4);
         }
     }
-    let terminal = match rule.error {
-        Some(e) => RawEvent::Error { message: e.message, code: e.code },
-        None => RawEvent::Finish { reason: rule.finish.unwrap_or_else(|| "stop".to_owned()) },
+    let terminal = match &rule.error {
+        Some(e) => RawEvent::Error { message: e.message.clone(), code: e.code.clone() },
+        None => RawEvent::Finish { reason: rule.finish.clone().unwrap_or_else(|| "stop".to_owned()) },
     };
     send(&sink, terminal).await
 }
@@ -341,9 +343,9 @@ mod tests {
             tokens_per_estimate: None,
             inbox: Default::default(),
         };
-        let (sink, mut events) = tokio::sync::mpsc::channel(1024);
+        let (sink, mut events) = crate::runtime::event_queue(1024, 1 << 20);
         let start = Instant::now();
-        tokio::spawn(async move { play(rule, 0.0, request, sink, CancellationToken::new()).await.ok() });
+        tokio::spawn(async move { play(Arc::new(rule), 0.0, request, sink, CancellationToken::new()).await.ok() });
         let mut at = Vec::new();
         while let Some(event) = events.recv().await {
             if matches!(event, RawEvent::TextDelta(_)) {

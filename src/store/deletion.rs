@@ -213,7 +213,7 @@ mod tests {
     async fn reads_begun(store: &Store) -> (Pages<crate::store::HistoryPage>, Pages<Vec<crate::wire::TurnMetrics>>) {
         use futures_util::TryStreamExt;
         let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: false };
-        let mut chunks: Pages<_> = Box::pin(store.history_pages("c".into(), all, 5));
+        let mut chunks: Pages<_> = Box::pin(store.history_pages("c".into(), all, 5, usize::MAX));
         let mut turns: Pages<_> = Box::pin(store.turn_metrics_pages("c".into(), 1));
         assert_eq!(chunks.try_next().await.unwrap().unwrap().last_seq, Some(5));
         assert_eq!(turns.try_next().await.unwrap().unwrap().len(), 1);
@@ -244,7 +244,7 @@ mod tests {
             assert!(matches!(chunks.try_next().await, Err(StoreError::DeletedDuringRead)), "{b}");
             assert!(matches!(turns.try_next().await, Err(StoreError::DeletedDuringRead)), "{b}");
             // Untouched, the same reads run to their end.
-            let pages: Vec<_> = store.history_pages("c".into(), all, 5).try_collect().await.unwrap();
+            let pages: Vec<_> = store.history_pages("c".into(), all, 5, usize::MAX).try_collect().await.unwrap();
             assert_eq!(pages.iter().map(|p| p.last_seq.unwrap()).collect::<Vec<_>>(), [5, 10, 15, 18], "{b}");
             let pages: Vec<_> = store.turn_metrics_pages("c".into(), 1).try_collect().await.unwrap();
             assert_eq!(pages.len(), 3, "{b}");

@@ -21,9 +21,17 @@ pub struct HistoryPage {
     pub items: Vec<u8>,
     /// Seq of the last chunk in the window.
     pub last_seq: Option<u64>,
+    /// The window ended at its byte limit: chunks after `last_seq` were left for another read.
+    pub cut: bool,
 }
 
 impl HistoryPage {
+    /// Whether the page holds `max_bytes` or more (a page takes at least one chunk, whatever
+    /// its size).
+    pub(super) fn full(&self, max_bytes: usize) -> bool {
+        self.items.len() >= max_bytes && self.last_seq.is_some()
+    }
+
     /// Adds one stored row, its role and chunk text as stored. Both backends refuse to store a
     /// chunk that is not JSON or a role outside the four, so what is joined is JSON.
     pub(super) fn push(&mut self, seq: i64, role: &[u8], chunk: &[u8]) {
@@ -75,7 +83,18 @@ impl Store {
 
     /// A window of the log, the stored JSON text joined unparsed.
     pub async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<HistoryPage> {
-        on_backend!(self, b => b.history(conversation_id, w).await)
+        self.history_within(conversation_id, w, usize::MAX).await
+    }
+
+    /// [`Store::history`], ending the window once it holds `max_bytes` (at least one chunk):
+    /// then `cut` is set, and the chunks after `last_seq` are left for another read.
+    pub async fn history_within(
+        &self,
+        conversation_id: &str,
+        w: HistoryWindow,
+        max_bytes: usize,
+    ) -> StoreResult<HistoryPage> {
+        on_backend!(self, b => b.history(conversation_id, w, max_bytes).await)
     }
 
     /// The window `w` read in pages of at most `page` chunks, one read after another, so that a
@@ -87,6 +106,7 @@ impl Store {
         conversation_id: String,
         w: HistoryWindow,
         page: u64,
+        page_bytes: usize,
     ) -> impl futures_util::Stream<Item = StoreResult<HistoryPage>> + Send + 'static {
         let page = page.max(1);
         let start = (self.clone(), conversation_id, None::<(u64, u64, Option<String>)>);
@@ -106,14 +126,19 @@ impl Store {
             }
             let hi = end.min(lo.saturating_add(page).saturating_add(1));
             let range = HistoryWindow { since_seq: lo, before_seq: Some(hi), limit: None, inflight: true };
-            let got = store.history(&id, range).await?;
+            let got = store.history_within(&id, range, page_bytes).await?;
             store.still(&id, &born).await?;
-            // Rows below the fixed end only go with the conversation's deletion, which `still`
-            // reports: a short page is a log that lost rows otherwise.
-            if got.last_seq != Some(hi - 1) {
-                return Err(StoreError::Corrupt(format!("seqs {} to {} are not all in the log", lo + 1, hi - 1)));
-            }
-            Ok(Some((got, (store, id, Some((hi - 1, end, born))))))
+            // A page cut at its bytes goes on after its last chunk.
+            let last = match got.last_seq {
+                Some(last) if got.cut && last > lo => last,
+                // Rows below the fixed end only go with the conversation's deletion, which
+                // `still` reports: a short page is a log that lost rows otherwise.
+                Some(last) if last == hi - 1 => last,
+                _ => {
+                    return Err(StoreError::Corrupt(format!("seqs {} to {} are not all in the log", lo + 1, hi - 1)));
+                }
+            };
+            Ok(Some((got, (store, id, Some((last, end, born))))))
         })
     }
 

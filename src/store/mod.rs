@@ -172,6 +172,9 @@ macro_rules! on_backend {
 }
 use on_backend;
 
+/// The least time between two probes of a database whose writes failed.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
 #[derive(Clone)]
 pub struct Store {
     backend: Backend,
@@ -180,6 +183,8 @@ pub struct Store {
     metrics: Arc<Metrics>,
     /// Why the last write failed, while writes fail (for `/ready`).
     write_fault: Arc<Mutex<Option<String>>>,
+    /// When the database was last probed for a write fault (see `current_write_fault`).
+    probed: Arc<Mutex<Option<std::time::Instant>>>,
     /// The writer task's queue (group commit, see `batch`); `None` in the task's own copy, so
     /// the task ends when the last handle to the store is dropped.
     queue: Option<tokio::sync::mpsc::UnboundedSender<batch::Queued>>,
@@ -207,6 +212,7 @@ impl Store {
             delete_batch_rows: limits.delete_batch_rows.max(1),
             metrics,
             write_fault: Arc::default(),
+            probed: Arc::default(),
             queue: None,
         };
         let (queue, writes) = tokio::sync::mpsc::unbounded_channel();
@@ -242,6 +248,27 @@ impl Store {
     /// Why writes fail, while they do.
     pub fn write_fault(&self) -> Option<String> {
         self.write_fault.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Why writes fail now: while a fault is set, the database is probed with a write that
+    /// changes nothing, at most once per `PROBE_EVERY` (readiness checks come as often as a
+    /// load balancer likes), and a probe that passes clears the fault. Without it, a fault
+    /// stayed until some other write succeeded, which behind a load balancer that stopped
+    /// sending turns never came.
+    pub async fn current_write_fault(&self) -> Option<String> {
+        let fault = self.write_fault()?;
+        {
+            let mut last = self.probed.lock().unwrap_or_else(|p| p.into_inner());
+            if last.is_some_and(|at| at.elapsed() < PROBE_EVERY) {
+                return Some(fault);
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        let probed = on_backend!(self, b => b.probe_write().await);
+        match self.noted(probed) {
+            Ok(()) => None,
+            Err(_) => Some(self.write_fault().unwrap_or(fault)),
+        }
     }
 
     /// Answers whether the database serves a trivial query.

@@ -18,6 +18,8 @@ enum Run {
 #[derive(Debug)]
 pub struct ChunkAssembler {
     pending: Vec<NewChunk>,
+    /// Bytes of tool results in `pending`.
+    results: usize,
     run: Run,
     /// An assistant message is open in this step: the next assistant chunk continues it.
     in_message: bool,
@@ -25,7 +27,7 @@ pub struct ChunkAssembler {
 
 impl Default for ChunkAssembler {
     fn default() -> Self {
-        ChunkAssembler { pending: Vec::new(), run: Run::None, in_message: false }
+        ChunkAssembler { pending: Vec::new(), results: 0, run: Run::None, in_message: false }
     }
 }
 
@@ -64,6 +66,7 @@ impl ChunkAssembler {
     }
 
     pub fn tool_result(&mut self, result: ToolResultChunk) {
+        self.results += result.content.len();
         self.pending.push(NewChunk { role: Role::Tool, chunk: Chunk::ToolResult(result), new_message: true });
         self.run = Run::None;
         self.in_message = false;
@@ -95,7 +98,14 @@ impl ChunkAssembler {
     /// Hands out what is ready to be written, in order.
     pub fn take(&mut self) -> Vec<NewChunk> {
         self.run = Run::None;
+        self.results = 0;
         std::mem::take(&mut self.pending)
+    }
+
+    /// Bytes of tool results waiting to be written: each is a message of its own, so they may
+    /// be written as they come, and a step's results of MiBs are not held until its end.
+    pub fn pending_results(&self) -> usize {
+        self.results
     }
 
     pub fn has_pending(&self) -> bool {

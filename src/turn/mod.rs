@@ -53,6 +53,10 @@ pub struct Started {
 pub enum StartError {
     #[error("unknown model {0:?}")]
     UnknownModel(String),
+    /// The turn's `cwd` (the request's or the conversation's, as given) is not a folder its
+    /// agent may work in.
+    #[error("`cwd` {0:?} is not a folder the agent may work in (the credential's cwd_roots)")]
+    Folder(String),
     #[error("a turn is already generating for this conversation")]
     Busy,
     #[error("the gateway is shutting down")]
@@ -262,6 +266,10 @@ impl Turns {
         let reasoning_effort = req.reasoning_effort.clone().or(settings.reasoning_effort);
         let Some((runtime, native_model)) = self.registry.resolve(&model) else {
             return Err(StartError::UnknownModel(model));
+        };
+        let cwd = match cwd {
+            Some(asked) => Some(runtime.folder(&asked).ok_or(StartError::Folder(asked))?),
+            None => None,
         };
         let mut reservation = self.reserve(&req.conversation_id, Busy::Starting)?;
 

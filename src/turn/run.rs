@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::Turns;
@@ -16,6 +15,9 @@ use crate::wire::*;
 
 /// How many raw events a runtime may run ahead of the turn.
 const RAW_QUEUE: usize = 256;
+
+/// Most bytes of raw events waiting for the turn (see `runtime::event_queue`).
+const RAW_QUEUE_BYTES: usize = 4 * 1024 * 1024;
 /// Retries of a runtime that was provably not reached, and the first backoff (doubling).
 const MAX_RETRIES: u32 = 3;
 const RETRY_BASE: std::time::Duration = std::time::Duration::from_millis(200);
@@ -137,7 +139,7 @@ impl TurnRun {
             code: Some("timeout".into()),
         };
         let end = 'attempts: loop {
-            let (sink, mut raw) = mpsc::channel(RAW_QUEUE);
+            let (sink, mut raw) = crate::runtime::event_queue(RAW_QUEUE, RAW_QUEUE_BYTES);
             let mut task = tokio::spawn(runtime.run_turn(request.clone(), sink, runtime_cancel.clone()));
             let failure = loop {
                 tokio::select! {

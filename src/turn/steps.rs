@@ -11,6 +11,10 @@ use super::tally::{OpenStep, TurnTally};
 use crate::runtime::RawEvent;
 use crate::wire::*;
 
+/// Bytes of tool results that wait for the step's next write at most: past it they are written
+/// at once (a step of many large results would otherwise hold them all until its end).
+const PERSIST_RESULTS: usize = 1024 * 1024;
+
 /// How a turn ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum End {
@@ -158,6 +162,9 @@ impl TurnSteps {
                     is_error,
                     duration_ms,
                 })));
+                if self.assembler.pending_results() >= PERSIST_RESULTS {
+                    out.push(Effect::Persist);
+                }
                 self.boundary = now;
             }
             RawEvent::Usage(usage) => {
@@ -392,6 +399,38 @@ mod tests {
                 _ => None,
             }).collect();
             prop_assert_eq!(published_text, texts);
+        }
+    }
+
+    /// Tool results are written once they add up to `PERSIST_RESULTS`, not held to the
+    /// step's end; small ones wait for it.
+    #[test]
+    fn large_tool_results_are_written_as_they_come() {
+        let now = Instant::now();
+        let mut steps = TurnSteps::new("c", "t", now);
+        let mut out = Vec::new();
+        let result = |i: usize, size: usize| RawEvent::ToolResult {
+            id: format!("call{i}"),
+            name: "read".into(),
+            content: "r".repeat(size),
+            is_error: false,
+            duration_ms: None,
+        };
+        let persists = |out: &Vec<Effect>| out.iter().filter(|e| matches!(e, Effect::Persist)).count();
+        steps.handle(RawEvent::TextDelta("hi".into()), now, &mut out);
+        steps.handle(RawEvent::StepEnd, now, &mut out);
+        out.clear();
+        for i in 0..4 {
+            steps.handle(result(i, 100), now, &mut out);
+        }
+        assert_eq!(persists(&out), 0, "small results wait for the step's next write");
+        for i in 0..3 {
+            out.clear();
+            steps.handle(result(10 + i, 600 * 1024), now, &mut out);
+            assert_eq!(persists(&out), usize::from(i % 2 == 1), "result {i}");
+            if i % 2 == 1 {
+                assert_eq!(steps.assembler.take().len(), 7, "the text, four small results and two large");
+            }
         }
     }
 }

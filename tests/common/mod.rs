@@ -328,7 +328,7 @@ pub async fn raw_get(server: &TestServer, path: &str, accept: &str) -> tokio::ne
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
     let mut stream = socket.connect(server.addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nhost: gateway\r\naccept: {accept}\r\n\r\n");
+    let request = format!("GET {path} HTTP/1.1\r\nhost: localhost\r\naccept: {accept}\r\n\r\n");
     stream.write_all(request.as_bytes()).await.unwrap();
     stream
 }

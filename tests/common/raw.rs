@@ -68,7 +68,7 @@ pub async fn json_body(socket: &mut TcpStream, raw: &Raw) -> Value {
 
 /// `GET path` on a connection kept alive after it: the body, as text.
 pub async fn get_kept_alive(socket: &mut TcpStream, path: &str) -> String {
-    let raw = exchange(socket, format!("GET {path} HTTP/1.1\r\nhost: gateway\r\n\r\n").as_bytes()).await;
+    let raw = exchange(socket, format!("GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n").as_bytes()).await;
     assert_eq!(raw.status, 200, "{}", raw.head);
     String::from_utf8(body(socket, &raw).await).unwrap()
 }

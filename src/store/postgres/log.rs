@@ -8,16 +8,24 @@ use crate::store::log::{HistoryPage, HistoryWindow, NewChunk};
 use crate::store::{StoreError, StoreResult};
 
 impl Postgres {
-    pub(crate) async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<HistoryPage> {
+    pub(crate) async fn history(
+        &self,
+        conversation_id: &str,
+        w: HistoryWindow,
+        max_bytes: usize,
+    ) -> StoreResult<HistoryPage> {
+        use futures_util::TryStreamExt;
         let (since, before) = w.bounds();
-        let rows = sqlx::query(sqlx::AssertSqlSafe(window_sql(w.limit, w.inflight)))
-            .bind(conversation_id)
-            .bind(since)
-            .bind(before)
-            .fetch_all(&self.pool)
-            .await?;
+        let sql = window_sql(w.limit, w.inflight);
+        // Row by row, so that a page cut at `max_bytes` holds no more than that (and a row).
+        let mut rows =
+            sqlx::query(sqlx::AssertSqlSafe(sql)).bind(conversation_id).bind(since).bind(before).fetch(&self.pool);
         let mut page = HistoryPage::default();
-        for row in &rows {
+        while let Some(row) = rows.try_next().await? {
+            if page.full(max_bytes) {
+                page.cut = true;
+                break;
+            }
             let (role, chunk): (&str, &str) = (row.try_get(1)?, row.try_get(2)?);
             page.push(row.try_get(0)?, role.as_bytes(), chunk.as_bytes());
         }

@@ -92,6 +92,21 @@ impl Postgres {
         )
     }
 
+    /// A write that changes nothing once done: a row of the migrations' table taken and given
+    /// back in one transaction (a read-only or full database refuses it).
+    pub(crate) async fn probe_write(&self) -> StoreResult<()> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+             VALUES (-1, 'write probe', false, '\\x00', 0)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("DELETE FROM _sqlx_migrations WHERE version = -1").execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     pub(crate) async fn ping(&self) -> bool {
         sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
     }

@@ -13,11 +13,16 @@ impl Sqlite {
     /// row buffers into the page (the database refuses to store a chunk that is not JSON or a
     /// role outside the four, migration 0003). Windows of at most `INLINE_WINDOW_LIMIT` chunks
     /// are read on the calling thread (see `readers.rs`), larger ones on the blocking pool.
-    pub(crate) async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<HistoryPage> {
+    pub(crate) async fn history(
+        &self,
+        conversation_id: &str,
+        w: HistoryWindow,
+        max_bytes: usize,
+    ) -> StoreResult<HistoryPage> {
         let (since, before) = w.bounds();
         let sql = window_sql(w.limit, w.inflight);
         let conversation_id = conversation_id.to_owned();
-        let read = move |c: &rusqlite::Connection| read_window(c, &sql, &conversation_id, since, before);
+        let read = move |c: &rusqlite::Connection| read_window(c, &sql, &conversation_id, since, before, max_bytes);
         if w.limit.is_some_and(|l| l <= INLINE_WINDOW_LIMIT) {
             self.readers.run(read).await
         } else {
@@ -65,11 +70,16 @@ fn read_window(
     conversation_id: &str,
     since: i64,
     before: i64,
+    max_bytes: usize,
 ) -> rusqlite::Result<HistoryPage> {
     let mut statement = c.prepare_cached(sql)?;
     let mut rows = statement.query((conversation_id, since, before))?;
     let mut page = HistoryPage::default();
     while let Some(row) = rows.next()? {
+        if page.full(max_bytes) {
+            page.cut = true;
+            break;
+        }
         page.push(row.get(0)?, text(row, 1)?, text(row, 2)?);
     }
     Ok(page)

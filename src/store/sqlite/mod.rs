@@ -160,6 +160,25 @@ impl Sqlite {
         )
     }
 
+    /// A write that changes nothing once done, through the writer: a row of the migrations'
+    /// table taken and given back in one transaction, large enough to need pages of its own
+    /// (a full database refuses it) and committed (a locked or read-only one refuses that).
+    pub(crate) async fn probe_write(&self) -> StoreResult<()> {
+        self.writer
+            .run(|c| {
+                let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+                tx.execute(
+                    "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+                     VALUES (-1, 'write probe', 0, zeroblob(16384), 0)",
+                    (),
+                )?;
+                tx.execute("DELETE FROM _sqlx_migrations WHERE version = -1", ())?;
+                tx.commit()?;
+                Ok(())
+            })
+            .await
+    }
+
     pub(crate) async fn ping(&self) -> bool {
         self.readers.run(|c| c.query_row("SELECT 1", (), |_| Ok(()))).await.is_ok()
     }
