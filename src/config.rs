@@ -152,9 +152,10 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub history_page_chunks: u64,
 
-    /// Most bytes of chunks a history page holds: a page ends at this many bytes or
-    /// `--history-page-chunks` chunks, whichever comes first (a single chunk larger than it
-    /// is one page).
+    /// Most bytes of chunks a history page holds, and of turns' metrics a metrics page: a page
+    /// ends at this many bytes or at its count (`--history-page-chunks`,
+    /// `--metrics-page-turns`), whichever comes first (one chunk or turn larger than it is a
+    /// page of its own).
     #[arg(long, env = "DISPATCH_HISTORY_PAGE_BYTES", default_value_t = 4 * 1024 * 1024,
           value_parser = clap::value_parser!(u64).range(1024..=1 << 32))]
     pub history_page_bytes: u64,

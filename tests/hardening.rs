@@ -293,6 +293,34 @@ async fn a_wait_for_the_last_answer_counts_as_a_stream() {
     assert_eq!(server.get("/conversations/a/last").await.0, 200);
 }
 
+/// Messages being assembled count in the gateway's reading budget (`--max-reading-bytes`,
+/// shared with request bodies): sessions that would hold more than it between them are closed
+/// 1013 (try again later) while their frames are still arriving; whole small messages go on.
+#[tokio::test]
+async fn messages_being_assembled_count_in_the_reading_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.max_reading_bytes = 256 * 1024;
+    config.max_body_bytes = 1024 * 1024;
+    let server = TestServer::start(config).await;
+    // Two sessions each send most of a 200 KB frame: the first fits, the second does not.
+    let announced = frame(0x81, &vec![b'a'; 200_000]);
+    let (mut first, first_rest) = raw_ws(server.addr, "/ws", "").await;
+    first.write_all(&announced[..150_000]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (mut second, rest) = raw_ws(server.addr, "/ws", "").await;
+    second.write_all(&announced[..150_000]).await.unwrap();
+    assert_eq!(close_code(&mut second, rest).await, Some(1013));
+    // The first finishes its message (an op the session answers) and its room is given back.
+    first.write_all(&announced[150_000..]).await.unwrap();
+    let (mut third, rest) = raw_ws(server.addr, "/ws", "").await;
+    third.write_all(&announced[..150_000]).await.unwrap();
+    third.write_all(&announced[150_000..]).await.unwrap();
+    third.write_all(&frame(0x88, &[0x03, 0xe8])).await.unwrap();
+    assert_eq!(close_code(&mut third, rest).await, Some(1000), "room was given back");
+    drop(first_rest);
+}
+
 #[tokio::test]
 async fn a_frame_or_message_that_never_finishes_is_cut() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,14 +13,20 @@ fn seqs(body: &Value) -> Vec<u64> {
 async fn history_windows_and_parameter_rules() {
     // Read whole (one page of up to 1000 chunks) and in pages of 2 and of 1: the same answers.
     for page in [1000, 2, 1] {
-        history_windows(page).await;
+        history_windows(page, 4 * 1024 * 1024).await;
     }
+    // Pages that end at their bytes (`--history-page-bytes`) before their chunks: the same
+    // answers again, whether a read has a `limit` or not.
+    history_windows(1000, 1).await;
 }
 
-async fn history_windows(page: u64) {
+async fn history_windows(page: u64, page_bytes: u64) {
     let dir = tempfile::tempdir().unwrap();
     let mut config = test_config(dir.path());
     config.history_page_chunks = page;
+    config.history_page_bytes = page_bytes;
+    // A page of one chunk when a page ends at its first chunk's bytes.
+    let page = if page_bytes < 1024 { 1 } else { page };
     let server = TestServer::start(config).await;
     for i in 0..3 {
         server.chat("hist", &format!("message {i}")).await;

@@ -22,6 +22,8 @@ async fn server_on(dir: &std::path::Path, database: Database) -> TestServer {
     // History reads of more than two chunks go out in pages, on both backends.
     config.history_page_chunks = 2;
     config.metrics_page_turns = 2;
+    // And pages that end at their bytes first: every page one chunk.
+    config.history_page_bytes = 1;
     TestServer::start(config).await
 }
 

@@ -253,7 +253,9 @@ impl Document for MetricsDocument {
     responses((status = 200, body = MetricsResponse), (status = 400, body = ErrorBody), (status = 409, description = "The conversation was deleted while it was read", body = ErrorBody))
 ))]
 pub async fn metrics(State(state): State<AppState>, ConversationId(id): ConversationId) -> Result<Response, ApiError> {
-    paged(MetricsDocument, state.store.turn_metrics_pages(id, state.config.metrics_page_turns)).await
+    // Pages end at `--metrics-page-turns` turns or `--history-page-bytes` bytes of their JSON.
+    let pages = state.store.turn_metrics_pages(id, state.config.metrics_page_turns, state.config.history_page_bytes);
+    paged(MetricsDocument, pages).await
 }
 
 /// Renames a conversation.

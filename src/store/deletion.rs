@@ -214,7 +214,7 @@ mod tests {
         use futures_util::TryStreamExt;
         let all = HistoryWindow { since_seq: 0, before_seq: None, limit: None, inflight: false };
         let mut chunks: Pages<_> = Box::pin(store.history_pages("c".into(), all, 5, usize::MAX));
-        let mut turns: Pages<_> = Box::pin(store.turn_metrics_pages("c".into(), 1));
+        let mut turns: Pages<_> = Box::pin(store.turn_metrics_pages("c".into(), 1, u64::MAX));
         assert_eq!(chunks.try_next().await.unwrap().unwrap().last_seq, Some(5));
         assert_eq!(turns.try_next().await.unwrap().unwrap().len(), 1);
         (chunks, turns)
@@ -246,7 +246,7 @@ mod tests {
             // Untouched, the same reads run to their end.
             let pages: Vec<_> = store.history_pages("c".into(), all, 5, usize::MAX).try_collect().await.unwrap();
             assert_eq!(pages.iter().map(|p| p.last_seq.unwrap()).collect::<Vec<_>>(), [5, 10, 15, 18], "{b}");
-            let pages: Vec<_> = store.turn_metrics_pages("c".into(), 1).try_collect().await.unwrap();
+            let pages: Vec<_> = store.turn_metrics_pages("c".into(), 1, u64::MAX).try_collect().await.unwrap();
             assert_eq!(pages.len(), 3, "{b}");
             store.close().await;
         }

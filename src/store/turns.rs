@@ -140,14 +140,17 @@ impl Store {
         self.write(job).await?.status()
     }
 
-    /// Every sealed turn's metrics, in turn order, `page` turns at a time: each page is read
-    /// when the stream is polled for it, after the turns of the one before.
+    /// Every sealed turn's metrics, in turn order, `page` turns at a time and at most
+    /// `page_bytes` of their JSON (at least one turn): each page is read when the stream is
+    /// polled for it, after the turns of the one before.
     pub fn turn_metrics_pages(
         &self,
         conversation_id: String,
         page: u64,
+        page_bytes: u64,
     ) -> impl futures_util::Stream<Item = StoreResult<Vec<TurnMetrics>>> + Send + 'static {
         let page = page.clamp(1, i64::MAX as u64) as i64;
+        let page_bytes = page_bytes.clamp(1, i64::MAX as u64) as i64;
         // After which ordinal the next page starts, and the log the read began with
         // (`Store::incarnation`); `None` once the last page is out.
         let start = (self.clone(), conversation_id, None::<Option<(i64, Option<String>)>>);
@@ -157,17 +160,26 @@ impl Store {
                 Some(None) => return Ok(None),
                 None => (0, store.incarnation(&id).await?),
             };
-            let sql = "SELECT ordinal, metrics FROM turns
-                       WHERE conversation_id = $1 AND metrics IS NOT NULL AND ordinal > $2
-                         AND EXISTS (SELECT 1 FROM conversations WHERE id = $1 AND deleted_at IS NULL)
-                       ORDER BY ordinal LIMIT $3";
-            let rows: Vec<(i64, String)> =
-                store.fetch_all(Query::new(sql).bind(id.as_str()).bind(after).bind(page)).await?;
+            // The page's first `page` turns, then of those the ones whose JSON before them is
+            // under `page_bytes` (the first always): `taken` counts the turns before that cut.
+            let sql = "SELECT ordinal, metrics, taken FROM (
+                           SELECT ordinal, metrics, count(*) OVER () AS taken,
+                                  sum(length(metrics)) OVER (ORDER BY ordinal) - length(metrics) AS before
+                           FROM (SELECT ordinal, metrics FROM turns
+                                 WHERE conversation_id = $1 AND metrics IS NOT NULL AND ordinal > $2
+                                   AND EXISTS (SELECT 1 FROM conversations WHERE id = $1 AND deleted_at IS NULL)
+                                 ORDER BY ordinal LIMIT $3) AS first_turns
+                       ) AS sized
+                       WHERE before < $4 ORDER BY ordinal";
+            let query = Query::new(sql).bind(id.as_str()).bind(after).bind(page).bind(page_bytes);
+            let rows: Vec<(i64, String, i64)> = store.fetch_all(query).await?;
             // A page cut short by a deletion must not pass for the last.
             store.still(&id, &born).await?;
-            let Some(&(last, _)) = rows.last() else { return Ok(None) };
-            let next = (rows.len() as i64 == page).then_some((last, born));
-            let metrics = rows.iter().map(|(_, json)| parse_metrics(json)).collect::<StoreResult<Vec<_>>>()?;
+            let Some(&(last, _, taken)) = rows.last() else { return Ok(None) };
+            // More may follow a full page, or one its bytes cut.
+            let more = taken == page || (rows.len() as i64) < taken;
+            let next = more.then_some((last, born));
+            let metrics = rows.iter().map(|(_, json, _)| parse_metrics(json)).collect::<StoreResult<Vec<_>>>()?;
             Ok(Some((metrics, (store, id, Some(next)))))
         })
     }
@@ -175,10 +187,12 @@ impl Store {
 
 #[cfg(test)]
 impl Store {
-    /// Every sealed turn's metrics in one list (for tests).
+    /// Every sealed turn's metrics in one list (for tests), read in pages that end at their
+    /// first turn's bytes, so that the bytes' cut is read on both backends.
     pub(crate) async fn turn_metrics(&self, conversation_id: &str) -> StoreResult<Vec<TurnMetrics>> {
         use futures_util::TryStreamExt;
-        let pages: Vec<Vec<TurnMetrics>> = self.turn_metrics_pages(conversation_id.to_owned(), 2).try_collect().await?;
+        let pages: Vec<Vec<TurnMetrics>> =
+            self.turn_metrics_pages(conversation_id.to_owned(), 2, 1).try_collect().await?;
         Ok(pages.concat())
     }
 
