@@ -147,6 +147,11 @@ pub async fn serve(
                 http1::Next::Hyper(prefix) => prefix,
                 http1::Next::Closed => {
                     let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
+                    drop(slot);
+                    return;
+                }
+                http1::Next::Linger => {
+                    let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
                     linger(&stream).await;
                     drop(slot);
                     return;
@@ -200,9 +205,9 @@ pub async fn serve(
     slots.all_closed().await;
 }
 
-/// After the gateway has closed its side: reads and drops what the client still sends (a body
-/// it was refused before it was read), for a moment and a bounded amount, until the client
-/// closes too. Closing a socket with unread bytes resets it, and a reset can reach the client
+/// After the gateway has closed its side of a connection whose last request's body it left
+/// unread (refused from the head): reads and drops what the client still sends, for a moment
+/// and a bounded amount, until the client closes too. Closing a socket with unread bytes resets it, and a reset can reach the client
 /// before the answer it was sent.
 async fn linger(stream: &TcpStream) {
     const MOST: usize = 4 * 1024 * 1024;

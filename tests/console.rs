@@ -149,13 +149,7 @@ for line in sys.stdin:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_in_a_real_browser() {
-    let chromium = installed("DISPATCH_TEST_CHROMIUM", "chromium");
-    let playwright = std::env::var_os("DISPATCH_TEST_PLAYWRIGHT").map(PathBuf::from);
-    let (Some(chromium), Some(playwright)) = (chromium, playwright) else {
-        assert!(std::env::var_os("DISPATCH_REQUIRE_BROWSER").is_none(), "Chromium and playwright-core are required");
-        eprintln!("skipped: needs Chromium and $DISPATCH_TEST_PLAYWRIGHT (npm install playwright-core)");
-        return;
-    };
+    let Some((chromium, playwright)) = browser() else { return };
     let dir = tempfile::tempdir().unwrap();
     let mut open = test_config(&dir.path().join("open"));
     std::fs::create_dir_all(dir.path().join("open")).unwrap();

@@ -307,7 +307,8 @@ async fn messages_being_assembled_count_in_the_reading_budget() {
     let announced = frame(0x81, &vec![b'a'; 200_000]);
     let (mut first, first_rest) = raw_ws(server.addr, "/ws", "").await;
     first.write_all(&announced[..150_000]).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held = || async { server.state.reading.in_use() >= 140_000 };
+    assert!(eventually(200, held).await, "the first session's frame takes room");
     let (mut second, rest) = raw_ws(server.addr, "/ws", "").await;
     second.write_all(&announced[..150_000]).await.unwrap();
     assert_eq!(close_code(&mut second, rest).await, Some(1013));

@@ -186,7 +186,8 @@ async fn bodies_being_read_are_capped_in_total() {
         socket.write_all(&vec![b'a'; 512 * 1024]).await.unwrap();
         stalled.push(socket);
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let spent = || async { server.state.reading.in_use() >= 3 * 1024 * 1024 };
+    assert!(eventually(200, spent).await, "the three bodies take the budget");
     let r = server.client.post(server.url("/conversations")).json(&json!({"id": "late"})).send().await.unwrap();
     assert_eq!(r.status(), 503);
     assert!(r.headers().contains_key("retry-after"));
@@ -208,13 +209,7 @@ async fn bodies_being_read_are_capped_in_total() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_browser_pages_cannot_drive_a_default_gateway() {
-    let chromium = installed("DISPATCH_TEST_CHROMIUM", "chromium");
-    let playwright = std::env::var_os("DISPATCH_TEST_PLAYWRIGHT").map(PathBuf::from);
-    let (Some(chromium), Some(playwright)) = (chromium, playwright) else {
-        assert!(std::env::var_os("DISPATCH_REQUIRE_BROWSER").is_none(), "Chromium and playwright-core are required");
-        eprintln!("skipped: needs Chromium and $DISPATCH_TEST_PLAYWRIGHT (npm install playwright-core)");
-        return;
-    };
+    let Some((chromium, playwright)) = browser() else { return };
     let dir = tempfile::tempdir().unwrap();
     let mut config = test_config(dir.path());
     config.scripted_script = Some(write_script(

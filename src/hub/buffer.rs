@@ -28,6 +28,9 @@ pub(super) struct BufferState {
     /// Index the next published event gets.
     next_index: u32,
     bytes: usize,
+    /// The longest NDJSON line among `events` (at least: events that went keep their share), so
+    /// that a batch of small events needs no sum of its bytes (see `cursor::batch_end`).
+    pub(super) largest: usize,
     /// Coalesce when `bytes` passes this (the cap, raised after each pass so that passes are
     /// at least half a cap of new events apart).
     threshold: usize,
@@ -125,6 +128,7 @@ impl TurnBuffer {
         let encoded = Arc::new(EncodedEvent::build(&self.turn_id, index, index, kind, &json));
         st.next_index += 1;
         st.bytes += encoded.size();
+        st.largest = st.largest.max(encoded.line.len());
         self.held.fetch_add(encoded.size(), Relaxed);
         if let Some(outbox) = &self.outbox {
             outbox.send(index, &encoded.line, last);
@@ -299,6 +303,7 @@ impl TurnBuffer {
         flush(&mut run, &mut out);
         st.events = out;
         st.bytes = st.events.iter().map(|f| f.size()).sum();
+        st.largest = st.events.iter().map(|f| f.line.len()).max().unwrap_or(0);
         // The change, either way (the atomic add wraps like the subtraction).
         self.held.fetch_add(st.bytes.wrapping_sub(before), Relaxed);
         st.threshold = self.caps.coalesce.max(st.bytes + self.caps.coalesce / 2);

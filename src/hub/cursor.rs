@@ -17,9 +17,13 @@ pub const BATCH: usize = 128;
 pub const BATCH_BYTES: usize = 256 * 1024;
 
 /// Where a batch from `start` ends: after `max` events, or the first event that brings it to
-/// `BATCH_BYTES`.
-pub(super) fn batch_end(events: &[Arc<EncodedEvent>], start: usize, max: usize) -> usize {
+/// `BATCH_BYTES`. `largest` is the longest line among `events`: when `max` of them cannot reach
+/// the bytes (deltas, the usual case) the events are not looked at.
+pub(super) fn batch_end(events: &[Arc<EncodedEvent>], largest: usize, start: usize, max: usize) -> usize {
     let most = events.len().min(start.saturating_add(max));
+    if largest.saturating_mul(most - start.min(most)) < BATCH_BYTES {
+        return most;
+    }
     let mut bytes = 0;
     for (i, event) in events.iter().enumerate().take(most).skip(start) {
         bytes += event.line.len();
@@ -168,7 +172,7 @@ impl Cursor {
                             *next = st.events.first().map_or(0, |f| f.first);
                             return Delivery::Lost { turn_id: buffer.turn_id.clone() };
                         }
-                        let end = batch_end(&st.events, start, max);
+                        let end = batch_end(&st.events, st.largest, start, max);
                         let batch: Vec<Arc<EncodedEvent>> = st.events[start..end].to_vec();
                         if st.sealed {
                             reader.sealed();
@@ -247,6 +251,23 @@ mod tests {
                 assert_eq!(start_of(events, next), events.partition_point(|f| f.last < next), "next {next}");
             }
         }
+    }
+
+    #[test]
+    fn a_batch_ends_at_its_count_or_its_bytes() {
+        let event = |i: u32, size: usize| {
+            Arc::new(EncodedEvent::build("t", i, i, Kind::Other, format!("\"{}\"", "x".repeat(size)).as_bytes()))
+        };
+        let small: Vec<_> = (0..300).map(|i| event(i, 10)).collect();
+        let largest = small.iter().map(|f| f.line.len()).max().unwrap();
+        assert_eq!(batch_end(&small, largest, 0, BATCH), BATCH);
+        assert_eq!(batch_end(&small, largest, 250, BATCH), 300);
+        let large: Vec<_> = (0..10).map(|i| event(i, 100_000)).collect();
+        let largest = large.iter().map(|f| f.line.len()).max().unwrap();
+        assert_eq!(batch_end(&large, largest, 0, BATCH), 3, "three lines of 100 KB pass 256 KiB");
+        assert_eq!(batch_end(&large, largest, 9, BATCH), 10);
+        let huge = vec![event(0, 1_000_000), event(1, 10)];
+        assert_eq!(batch_end(&huge, 1_000_003, 0, BATCH), 1, "at least one event");
     }
 
     #[test]

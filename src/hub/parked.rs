@@ -243,7 +243,7 @@ fn chunk(buffer: &TurnBuffer, next: u32, encoding: Encoding) -> Ready {
     if first.first != next {
         return Ready::Lost;
     }
-    let end = batch_end(&st.events, start, BATCH);
+    let end = batch_end(&st.events, st.largest, start, BATCH);
     let events = &st.events[start..end];
     let len: usize = events.iter().map(|f| encoding.len(f)).sum();
     let mut size = [0u8; 18];

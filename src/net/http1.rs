@@ -43,6 +43,9 @@ use crate::metrics::Metrics;
 pub enum Next {
     /// Close it.
     Closed,
+    /// Close it, and drop what the client still sends for a moment first: the answer went to a
+    /// request whose body was left unread.
+    Linger,
     /// Serve it with hyper, which reads these bytes first.
     Hyper(Vec<u8>),
 }
@@ -92,7 +95,7 @@ pub async fn serve(
         }
         if read.is_some_and(|read| read != BODY_WHOLE) {
             let _ = respond(stream, response, true, &mut Vec::new(), limits, false).await;
-            return Next::Closed;
+            return Next::Linger;
         }
         match respond(stream, response, close, &mut pending, limits, true).await {
             Ok(true) => {}

@@ -637,6 +637,21 @@ pub fn program(env_var: &str, name: &str, required: &str, install: &str) -> Opti
     found
 }
 
+/// Chromium and playwright-core's folder for a browser test (`$DISPATCH_TEST_CHROMIUM`, else
+/// `chromium` on the PATH; `$DISPATCH_TEST_PLAYWRIGHT`), or `None`, said, when either is
+/// missing: then the test passes without them, unless `DISPATCH_REQUIRE_BROWSER` is set (as
+/// `.ci/run` does, after installing both).
+pub fn browser() -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+    let chromium = installed("DISPATCH_TEST_CHROMIUM", "chromium");
+    let playwright = std::env::var_os("DISPATCH_TEST_PLAYWRIGHT").map(std::path::PathBuf::from);
+    let (Some(chromium), Some(playwright)) = (chromium, playwright) else {
+        assert!(std::env::var_os("DISPATCH_REQUIRE_BROWSER").is_none(), "Chromium and playwright-core are required");
+        eprintln!("skipped: needs Chromium and $DISPATCH_TEST_PLAYWRIGHT (npm install playwright-core)");
+        return None;
+    };
+    Some((chromium, playwright))
+}
+
 /// A program the tests drive for real: `$env_var`, else `name` on the PATH.
 pub fn installed(env_var: &str, name: &str) -> Option<std::path::PathBuf> {
     if let Some(path) = std::env::var_os(env_var) {
