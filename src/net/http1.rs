@@ -200,6 +200,8 @@ struct SocketBody {
     stream: Arc<TcpStream>,
     first: Option<bytes::Bytes>,
     left: usize,
+    /// What the socket gave, read into spare capacity (no zeroing per read).
+    buf: bytes::BytesMut,
     deadline: Pin<Box<tokio::time::Sleep>>,
     /// How far it was read: `BODY_WHOLE` once all of it, `BODY_GONE` when the client left.
     read: Arc<std::sync::atomic::AtomicU8>,
@@ -219,6 +221,7 @@ impl SocketBody {
             stream: stream.clone(),
             first: (!first.is_empty()).then(|| first.into()),
             left: length - have,
+            buf: bytes::BytesMut::new(),
             deadline: Box::pin(tokio::time::sleep(timeout)),
             read: Arc::default(),
         }
@@ -245,19 +248,20 @@ impl http_body::Body for SocketBody {
             return Poll::Ready(None);
         }
         loop {
-            let mut buf = vec![0u8; this.left.min(BODY_STEP)];
-            match this.stream.try_read(&mut buf) {
+            // No further than the body's end: what follows is the next request's.
+            let step = this.left.min(BODY_STEP);
+            this.buf.reserve(step);
+            match this.stream.try_read_buf(&mut bytes::BufMut::limit(&mut this.buf, step)) {
                 Ok(0) => {
                     this.read.store(BODY_GONE, std::sync::atomic::Ordering::Release);
                     return Poll::Ready(Some(Err(io::ErrorKind::UnexpectedEof.into())));
                 }
                 Ok(n) => {
-                    buf.truncate(n);
                     this.left -= n;
                     if this.left == 0 {
                         this.read.store(BODY_WHOLE, std::sync::atomic::Ordering::Release);
                     }
-                    return Poll::Ready(Some(Ok(http_body::Frame::data(buf.into()))));
+                    return Poll::Ready(Some(Ok(http_body::Frame::data(this.buf.split().freeze()))));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Poll::Ready(Some(Err(e))),
