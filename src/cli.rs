@@ -65,7 +65,9 @@ async fn serve(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     let gateway = Gateway::build(config).await?;
     let listener = gateway.bind().await?;
     let ws_listener = gateway.bind_ws().await?;
-    tracing::info!(addr = %listener.local_addr()?, "dispatch-gateway listening");
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "dispatch-gateway listening");
+    tracing::info!(url = %console_url(addr), "the console");
     if let Some(ws) = &ws_listener {
         tracing::info!(addr = %ws.local_addr()?, "WebSocket listener (any path)");
     }
@@ -104,4 +106,14 @@ fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'stati
     Ok(async {
         let _ = tokio::signal::ctrl_c().await;
     })
+}
+
+/// Where a browser on this machine opens the console: the listener's address, or `localhost`
+/// for a listener on every address (which a browser cannot open, and which answers to
+/// `localhost` by default).
+fn console_url(addr: std::net::SocketAddr) -> String {
+    if addr.ip().is_unspecified() {
+        return format!("http://localhost:{}/", addr.port());
+    }
+    format!("http://{addr}/")
 }

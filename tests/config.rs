@@ -291,9 +291,9 @@ fn an_agents_grace_past_its_bound_stops_the_start() {
     registry(&load(&["--config", &file], &[]).unwrap()).expect("60 is allowed");
 }
 
-/// The start says when the gateway is open to more than this machine's pages: listening
-/// beyond loopback with any Host served or no keys, or `*` origins; the defaults say nothing of
-/// the kind.
+/// The start says where the console is, and when the gateway is open to more than this
+/// machine's pages: listening beyond loopback with any Host served or no keys, or `*` origins;
+/// the defaults say nothing of the kind.
 #[test]
 fn the_start_says_when_pages_or_hosts_are_let_in_beyond_this_machine() {
     use std::io::BufRead;
@@ -310,10 +310,15 @@ fn the_start_says_when_pages_or_hosts_are_let_in_beyond_this_machine() {
             .unwrap();
         let mut seen = String::new();
         for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
-            let line = line.unwrap();
+            // Without the colours a terminal would get.
+            let mut line = line.unwrap();
+            while let Some(start) = line.find('\x1b') {
+                let end = line[start..].find('m').map_or(line.len(), |m| start + m + 1);
+                line.replace_range(start..end, "");
+            }
             seen += &line;
             seen.push('\n');
-            if line.contains("dispatch-gateway listening") {
+            if line.contains("the console") {
                 break;
             }
         }
@@ -323,9 +328,12 @@ fn the_start_says_when_pages_or_hosts_are_let_in_beyond_this_machine() {
     };
     let quiet = lines_until_listening(&["--listen", "127.0.0.1:0"]);
     assert!(quiet.contains("dispatch-gateway listening"), "{quiet}");
+    // And where the console is (a listener on every address: at localhost).
+    assert!(quiet.contains("url=http://127.0.0.1:"), "{quiet}");
     assert!(!quiet.contains("WARN"), "{quiet}");
     let wide = lines_until_listening(&["--listen", "0.0.0.0:0"]);
     assert!(wide.contains("no --allowed-hosts") && wide.contains("with no API keys"), "{wide}");
+    assert!(wide.contains("url=http://localhost:"), "{wide}");
     let named = lines_until_listening(&["--listen", "0.0.0.0:0", "--allowed-hosts", "gw.example", "--api-keys", "k"]);
     assert!(!named.contains("WARN"), "{named}");
     let any = lines_until_listening(&["--listen", "127.0.0.1:0", "--cors-origins", "*"]);
