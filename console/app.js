@@ -73,20 +73,39 @@ const dialog = document.getElementById("key-dialog");
 const form = document.getElementById("key-form");
 const input = document.getElementById("key-input");
 const message = document.getElementById("key-message");
+function askForKey() {
+  dialog.returnValue = "";
+  if (!dialog.open) dialog.showModal();
+  input.focus();
+}
 onUnauthorized((tried) => {
   message.textContent = tried
     ? "The gateway refused that key. Enter a valid API key."
     : "This gateway needs an API key (one of its --api-keys).";
-  if (!dialog.open) dialog.showModal();
-  input.focus();
+  askForKey();
 });
 form.addEventListener("submit", (event) => {
   event.preventDefault();
   setApiKey(input.value.trim());
   input.value = "";
-  dialog.close();
+  dialog.close("key");
   feed.restart();
   route();
+});
+// Dismissed (Escape) without a key: the views have nothing to show, so the page says why and
+// offers the prompt again instead of staying blank.
+dialog.addEventListener("close", () => {
+  if (dialog.returnValue === "key") return;
+  show();
+  main.replaceChildren(
+    h(
+      "section",
+      { class: "detail empty", "aria-label": "API key needed" },
+      h("p", { class: "muted" }, "This gateway needs an API key before the console can show anything."),
+      h("button", { type: "button", class: "primary", onclick: askForKey }, "Enter an API key"),
+    ),
+  );
+  main.className = "single";
 });
 
 window.addEventListener("hashchange", route);
