@@ -69,7 +69,13 @@ export class ConversationView {
         this.send();
       }
     });
-    const form = h("form", { class: "composer", "aria-label": "Composer" }, this.message, h("div", { class: "composer-tools" }, this.model, this.sendButton, this.stopButton));
+    // Errors show in the composer, which stays on screen: above the transcript, a failed Send
+    // said nothing a user could see.
+    const form = h("form", { class: "composer", "aria-label": "Composer" }, this.alert, this.message, h("div", { class: "composer-tools" }, this.model, this.sendButton, this.stopButton));
+    // A turn scrolled into view ends above the composer (which sticks to the bottom), not
+    // under it: its height is the turns' scroll margin (style.css).
+    this.resizer = new ResizeObserver(() => this.element.style.setProperty("--composer-height", `${form.offsetHeight}px`));
+    this.resizer.observe(form);
     form.addEventListener("submit", (event) => {
       event.preventDefault();
       this.send();
@@ -101,7 +107,6 @@ export class ConversationView {
       h("header", { class: "detail-head" }, titleForm, this.status, this.stream),
       h("p", { class: "muted id" }, "id ", h("code", {}, id)),
       settingsForm,
-      this.alert,
       h("section", { class: "transcript", "aria-label": "Transcript" }, this.note, this.history, this.liveArea),
       form,
       this.plots.element,
@@ -214,6 +219,8 @@ export class ConversationView {
       }
       const turns = turnsFromChunks(window.chunks).slice(this.sealedLive);
       this.history.append(...turns.map((t) => t.element));
+      // A conversation opens at its newest turn, where a reader picks it up.
+      if (this.horizon === 0 && !this.live) turns.at(-1)?.element.scrollIntoView({ block: "end", behavior: "instant" });
       this.horizon = latestSeq;
       this.sealedLive = 0;
     }
@@ -362,6 +369,7 @@ export class ConversationView {
   }
 
   destroy() {
+    this.resizer.disconnect();
     this.source?.close();
     clearTimeout(this.retry);
     this.unsubscribe();

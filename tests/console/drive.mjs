@@ -51,6 +51,13 @@ function proxy(target) {
   );
 }
 
+/** Fails unless `locator` lies wholly inside its page's viewport (`what` says what it is). */
+async function inView(locator, what) {
+  const box = await locator.boundingBox();
+  const height = locator.page().viewportSize().height;
+  assert.ok(box && box.y >= 0 && box.y + box.height <= height, `${what}: ${JSON.stringify(box)} in a viewport ${height} px high`);
+}
+
 async function api(base, method, route, body) {
   const r = await fetch(base + route, {
     method,
@@ -185,14 +192,23 @@ try {
   await page.screenshot({ path: shot("tool-calls") });
   step("a tool-call turn is grouped by step");
 
-  // Stop a turn.
+  // Stop a turn; a Send while it runs is refused, and says so where the user looks.
   await send("endless please");
   await page.locator('article.turn[data-sealed="false"] .reply .text').filter({ hasText: "token token" }).waitFor();
+  await send("while it runs");
+  const refused = page.getByRole("alert").filter({ hasText: "already" });
+  await refused.waitFor();
+  await inView(refused, "a refused Send's error");
   await page.getByRole("button", { name: "Stop" }).click();
   await page.locator('.done[data-reason="aborted"]').waitFor();
   assert.match(await page.locator('.done[data-reason="aborted"]').textContent(), /done · aborted/);
+  // The turn streamed into view ends above the composer, its footer included.
+  const footer = await page.locator('.done[data-reason="aborted"]').boundingBox();
+  const composer = await page.locator("form.composer").boundingBox();
+  assert.ok(footer.y + footer.height <= composer.y + 1, `the footer (${JSON.stringify(footer)}) must end above the composer (${JSON.stringify(composer)})`);
+  await inView(page.locator('.done[data-reason="aborted"]'), "the stopped turn's footer");
   await page.screenshot({ path: shot("aborted") });
-  step("Stop ends the turn with done{aborted}");
+  step("Stop ends the turn with done{aborted}; a refused Send and the turn's end are in view");
 
   // The title, editable; and the history renders tool calls as the live stream did.
   await page.getByRole("textbox", { name: "Title" }).fill("Console test");
@@ -246,6 +262,9 @@ try {
   assert.equal(await points("Context size"), 1);
   await page.locator("section.metrics").screenshot({ path: shot("plots-1") });
   await page.goto(`${px.url}/#/c/many-turns`);
+  // It opens at its newest turn.
+  await page.locator("article.turn", { hasText: "question 499" }).waitFor();
+  await inView(page.locator("article.turn").last(), "the newest of 500 turns on opening");
   const ttft = page.locator("figure.plot", { hasText: "Time to first token" });
   await page.locator("figure.plot", { hasText: "Context size" }).locator("circle.point").nth(499).waitFor({ state: "attached" });
   const manyTurns = (await api(OPEN_URL, "GET", "/conversations/many-turns/metrics")).body.turns;
