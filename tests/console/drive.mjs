@@ -109,6 +109,14 @@ try {
   await page.getByRole("link", { name: /Five hundred turns/ }).waitFor();
   assert.equal((await api(OPEN_URL, "POST", "/conversations", { id: "made-elsewhere", title: "Made elsewhere" })).status, 201);
   await page.getByRole("link", { name: /Made elsewhere/ }).waitFor({ timeout: 10_000 });
+  // A title of forty characters shows whole.
+  const long = "Planning the release of version two now";
+  assert.equal((await api(OPEN_URL, "POST", "/conversations", { id: "long-title", title: long })).status, 201);
+  const longTitle = page.locator('li[data-id="long-title"] .title');
+  await longTitle.waitFor({ timeout: 10_000 });
+  assert.equal(await longTitle.textContent(), long);
+  const size = await longTitle.evaluate((el) => [el.scrollWidth, el.clientWidth, el.scrollHeight, el.clientHeight]);
+  assert.ok(size[0] <= size[1] + 1 && size[2] <= size[3] + 1, `a forty-character title is not cut: ${size}`);
   // A titled row shows its id, which is what the search takes.
   assert.match(await page.locator('li[data-id="made-elsewhere"] .meta').first().textContent(), /^made-elsewhere · /);
   await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("made-");
@@ -265,6 +273,8 @@ try {
   // It opens at its newest turn.
   await page.locator("article.turn", { hasText: "question 499" }).waitFor();
   await inView(page.locator("article.turn").last(), "the newest of 500 turns on opening");
+  // The list stays beside the conversation, scrolled 80,000 px down.
+  await inView(page.getByRole("button", { name: "New conversation" }), "the list beside a long conversation");
   const ttft = page.locator("figure.plot", { hasText: "Time to first token" });
   await page.locator("figure.plot", { hasText: "Context size" }).locator("circle.point").nth(499).waitFor({ state: "attached" });
   const manyTurns = (await api(OPEN_URL, "GET", "/conversations/many-turns/metrics")).body.turns;
