@@ -143,7 +143,8 @@ export class ThroughputView {
         ),
       ),
     );
-    this.body.replaceChildren(plot, table);
+    // A narrow window scrolls the table, not the page.
+    this.body.replaceChildren(plot, h("div", { class: "table-scroll" }, table));
   }
 
   destroy() {}

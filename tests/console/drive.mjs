@@ -373,6 +373,10 @@ try {
   assert.ok(await narrow.getByRole("link", { name: "← Conversations" }).isVisible());
   assert.ok((await narrow.evaluate(() => document.documentElement.scrollWidth)) <= 390, "no sideways scrolling at 390 px");
   await narrow.screenshot({ path: shot("narrow") });
+  const narrowThroughput = await open(`${px.url}/#/throughput`, { viewport: { width: 390, height: 844 } });
+  await narrowThroughput.getByRole("table", { name: "Throughput per model" }).locator("tbody tr").first().waitFor();
+  const wide = await narrowThroughput.evaluate(() => document.documentElement.scrollWidth);
+  assert.ok(wide <= 390, `the throughput view scrolls no page sideways at 390 px (${wide} px wide)`);
   const dark = await open(`${px.url}/#/c/${encodeURIComponent(conversationId)}`, { colorScheme: "dark" });
   await dark.locator("article.turn").first().waitFor();
   const background = await dark.evaluate(() => getComputedStyle(document.body).backgroundColor);
