@@ -131,9 +131,15 @@ fn has_body(headers: &axum::http::HeaderMap) -> bool {
 /// `application/json`, or any `+json` type, with or without parameters (a charset).
 fn is_json(value: Option<&HeaderValue>) -> bool {
     let Some(value) = value.and_then(|v| v.to_str().ok()) else { return false };
-    let essence = value.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    // Compared in place (no lowercased copy): it runs on every request with a body.
+    let essence = value.split(';').next().unwrap_or("").trim();
     let Some((kind, subtype)) = essence.split_once('/') else { return false };
-    kind == "application" && (subtype == "json" || subtype.ends_with("+json"))
+    let json = |s: &str| s.eq_ignore_ascii_case("json");
+    kind.eq_ignore_ascii_case("application")
+        && (json(subtype)
+            || subtype.len() > 5
+                && json(&subtype[subtype.len() - 4..])
+                && subtype.as_bytes()[subtype.len() - 5] == b'+')
 }
 
 /// Takes room in the reading budget (`--max-reading-bytes`) for the body a request declares,
@@ -262,9 +268,13 @@ mod tests {
     #[test]
     fn a_json_body_is_typed_as_json() {
         let typed = |v: &str| is_json(Some(&axum::http::HeaderValue::from_str(v).unwrap()));
-        for good in
-            ["application/json", "application/json; charset=utf-8", "Application/JSON", "application/merge-patch+json"]
-        {
+        for good in [
+            "application/json",
+            "application/json; charset=utf-8",
+            "Application/JSON",
+            "application/merge-patch+json",
+            "APPLICATION/LD+JSON",
+        ] {
             assert!(typed(good), "{good}");
         }
         for bad in [
@@ -274,6 +284,9 @@ mod tests {
             "json",
             "",
             "application/jsonp",
+            "application/xjson",
+            "application/+json",
+            "text/json",
         ] {
             assert!(!typed(bad), "{bad}");
         }
