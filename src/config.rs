@@ -260,10 +260,56 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_SHUTDOWN_GRACE_MS", default_value_t = 1000)]
     pub shutdown_grace_ms: u64,
 
-    /// API keys, comma-separated. When set, every route but /health, /ready and /openapi.json
-    /// needs `Authorization: Bearer <key>` (or `?access_token=<key>`).
+    /// API keys, comma-separated: each is an administrator's credential (docs/identity.md).
+    /// With keys or tokens set, every route but /health, /ready, /openapi.json and the pages
+    /// needs `Authorization: Bearer <key or token>`, `?access_token=` or the session cookie.
     #[arg(long, env = "DISPATCH_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
+
+    /// A file whose bytes (less one trailing newline) are the HS256 secret that signs tokens.
+    #[arg(long, env = "DISPATCH_JWT_SECRET_FILE", value_name = "FILE")]
+    pub jwt_secret_file: Option<PathBuf>,
+
+    /// A PEM public key (RSA: RS256; EC P-256: ES256) that signs tokens.
+    #[arg(long, env = "DISPATCH_JWT_PUBLIC_KEY_FILE", value_name = "FILE")]
+    pub jwt_public_key_file: Option<PathBuf>,
+
+    /// A JWKS URL whose keys sign tokens: fetched at start, cached, fetched again for a token
+    /// naming an unknown `kid` (at most once a minute).
+    #[arg(long, env = "DISPATCH_JWKS_URL")]
+    pub jwks_url: Option<String>,
+
+    /// Largest JWKS document read, in bytes; a bigger one is not taken.
+    #[arg(long, env = "DISPATCH_JWKS_MAX_BYTES", default_value_t = 1024 * 1024,
+          value_parser = clap::value_parser!(u64).range(1024..=64 * 1024 * 1024))]
+    pub jwks_max_bytes: u64,
+
+    /// Seconds between JWKS fetches a token with an unknown `kid` may cause (60; tests
+    /// shorten it).
+    #[arg(skip = 60u64)]
+    pub jwks_refetch_secs: u64,
+
+    /// The `iss` every token must carry, when set.
+    #[arg(long, env = "DISPATCH_JWT_ISSUER")]
+    pub jwt_issuer: Option<String>,
+
+    /// The `aud` every token must carry (one of its values), when set.
+    #[arg(long, env = "DISPATCH_JWT_AUDIENCE")]
+    pub jwt_audience: Option<String>,
+
+    /// Marks the session cookie `Secure` for requests whose `X-Forwarded-Proto` is `https`:
+    /// set it only behind a proxy that sets that header itself.
+    #[arg(long, env = "DISPATCH_TRUST_FORWARDED_PROTO")]
+    pub trust_forwarded_proto: bool,
+
+    /// A folder of static files (a web client) served from the gateway's own origin at
+    /// `--web-path`: its pages then sign in once and use the session cookie.
+    #[arg(long, env = "DISPATCH_WEB_ROOT", value_name = "DIR")]
+    pub web_root: Option<PathBuf>,
+
+    /// Where `--web-root` is served: a path that starts and ends with `/`.
+    #[arg(long, env = "DISPATCH_WEB_PATH", default_value = "/app/")]
+    pub web_path: String,
 
     /// Conversations one WebSocket session may subscribe to at once; past it `chat.error`.
     #[arg(long, env = "DISPATCH_MAX_WS_SUBSCRIPTIONS", default_value_t = 256)]
@@ -346,6 +392,32 @@ pub struct Config {
     /// `DISPATCH_CREDENTIALS__<NAME>__<KEY>` variables. None: the `demo` scripted credential.
     #[arg(skip)]
     pub credentials: BTreeMap<String, Credential>,
+
+    /// What each subject who is not an administrator may use, from the file's `[quotas]`
+    /// table (docs/identity.md).
+    #[arg(skip)]
+    pub quotas: Quotas,
+}
+
+/// Per-subject limits, checked before a turn starts (and a stream opens), counted in the
+/// database so that every gateway of a cluster shares them. Absent: no limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quotas {
+    /// Turns running at once.
+    pub concurrent_turns: Option<u32>,
+    /// Turns started in the last 60 seconds.
+    pub turns_per_minute: Option<u32>,
+    /// Live streams (SSE, NDJSON, WebSocket sessions, `/last` waits) open at once.
+    pub streams: Option<u32>,
+    /// Tokens (`usage` input + output) of turns started in the last 24 hours.
+    pub tokens_per_day: Option<u64>,
+}
+
+impl Quotas {
+    pub fn any(&self) -> bool {
+        *self != Quotas::default()
+    }
 }
 
 /// One credential: a provider kind with its settings and models.
@@ -542,6 +614,8 @@ fn default_max_processes() -> usize {
 struct FileConfig {
     #[serde(default)]
     credentials: BTreeMap<String, Credential>,
+    #[serde(default)]
+    quotas: Quotas,
     #[serde(flatten)]
     settings: toml::Table,
 }
@@ -678,6 +752,7 @@ impl Config {
             .map_err(|e| ConfigError::file(&path, e))?;
         let raw: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::file(&path, e))?;
         let table = raw.get("credentials").and_then(|c| c.as_table()).cloned().unwrap_or_default();
+        config.quotas = file.quotas;
         config.credentials = if credential_env.is_empty() {
             file.credentials
         } else {
@@ -773,6 +848,12 @@ impl Config {
         }
         if self.api_keys.iter().any(|k| k.trim().is_empty()) {
             return Err(ConfigError::EmptyApiKey);
+        }
+        if !(self.web_path.len() > 1 && self.web_path.starts_with('/') && self.web_path.ends_with('/')) {
+            return Err(ConfigError::Arguments(format!(
+                "--web-path {:?}: a path that starts and ends with `/`, not `/` alone",
+                self.web_path
+            )));
         }
         if !cfg!(feature = "cluster") {
             if matches!(self.database, crate::store::Database::Postgres(_)) {
@@ -907,6 +988,17 @@ impl Config {
             shutdown_timeout_secs: 10,
             shutdown_grace_ms: 1000,
             api_keys: Vec::new(),
+            jwt_secret_file: None,
+            jwt_public_key_file: None,
+            jwks_url: None,
+            jwks_max_bytes: 1024 * 1024,
+            jwks_refetch_secs: 60,
+            jwt_issuer: None,
+            jwt_audience: None,
+            trust_forwarded_proto: false,
+            web_root: None,
+            web_path: "/app/".into(),
+            quotas: Quotas::default(),
             max_ws_subscriptions: 256,
             ws_message_timeout_secs: 10,
             max_queued_messages: 32,

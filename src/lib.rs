@@ -17,6 +17,8 @@ pub mod encoding;
 pub mod http;
 /// Replay buffers and fan-out of turn events.
 pub mod hub;
+/// Who a request comes from: API keys, signed tokens, session cookies.
+pub mod identity;
 /// Live streams between the routes that open them and the connections that serve them.
 pub mod live;
 /// Counters for `GET /metrics`.

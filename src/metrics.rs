@@ -301,6 +301,8 @@ impl BusCounters {
 pub struct StreamPermit {
     metrics: std::sync::Arc<Metrics>,
     transport: Transport,
+    /// What else the stream holds until it ends (its subject's place under a quota).
+    _held: Option<Box<dyn Send + Sync>>,
 }
 
 impl StreamPermit {
@@ -312,7 +314,13 @@ impl StreamPermit {
             gauge.fetch_sub(1, Relaxed);
             return None;
         }
-        Some(StreamPermit { metrics: metrics.clone(), transport })
+        Some(StreamPermit { metrics: metrics.clone(), transport, _held: None })
+    }
+
+    /// The permit holding `held` too, for as long as the stream lives.
+    pub fn holding(mut self, held: impl Send + Sync + 'static) -> StreamPermit {
+        self._held = Some(Box::new(held));
+        self
     }
 }
 

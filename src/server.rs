@@ -30,6 +30,9 @@ pub enum StartupError {
     Bus(#[from] crate::bus::BusError),
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: String, source: std::io::Error },
+    /// A token key that cannot be read or used.
+    #[error("{0}")]
+    Identity(String),
 }
 
 /// A gateway ready to serve: store open, runtimes registered.
@@ -41,6 +44,7 @@ impl Gateway {
     pub async fn build(mut config: Config) -> Result<Gateway, StartupError> {
         config.check()?;
         let registry = registry(&config)?;
+        let auth = Arc::new(crate::identity::Authenticator::new(&config).map_err(StartupError::Identity)?);
         let metrics = Arc::new(Metrics::default());
         let limits = StoreOptions {
             busy_timeout: Duration::from_millis(config.sqlite_busy_timeout_ms),
@@ -66,7 +70,11 @@ impl Gateway {
             max_turns: config.max_turns as usize,
             max_duration: Duration::from_secs(config.max_turn_secs),
         };
-        let turns = Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), limits, bus);
+        // Users (who see only their own) come only with signed tokens: keys are administrators.
+        let identities = crate::turn::Identities { quotas: config.quotas, users: auth.takes_tokens() };
+        let turns =
+            Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), limits, bus, identities);
+        let stream_quota = crate::identity::StreamQuota::new(store.clone(), &config.quotas);
         let connections = crate::net::ConnectionSlots::new(config.max_connections());
         let reading = crate::live::ReadingBudget::new(config.max_reading_bytes as usize);
         Ok(Gateway {
@@ -78,6 +86,8 @@ impl Gateway {
                 reading,
                 connections,
                 metrics,
+                auth,
+                stream_quota,
                 drained: Default::default(),
             }),
         })
@@ -90,9 +100,9 @@ impl Gateway {
     /// Binds the configured address.
     pub async fn bind(&self) -> Result<TcpListener, StartupError> {
         let addr = self.state.config.listen;
-        let open = self.state.config.api_keys.is_empty();
+        let open = !self.state.auth.enabled();
         if open {
-            tracing::info!("auth is off: no API keys are configured");
+            tracing::info!("auth is off: no API keys or token keys are configured");
         }
         let config = &self.state.config;
         for addr in std::iter::once(addr).chain(config.ws_listen) {

@@ -219,6 +219,9 @@ pub struct ConversationMeta {
     pub status: ConversationStatus,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// The subject that created it (spec 8.4); absent for one created with auth off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// Every event a turn emits outward, discriminated by `type`.

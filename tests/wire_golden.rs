@@ -293,6 +293,7 @@ fn metrics_and_conversation_meta() {
             title: "T".into(),
             status: ConversationStatus::Idle,
             model: None,
+            owner: None,
         },
         r#"{"id":"c","createdAt":1,"lastActivityAt":2,"title":"T","status":"idle"}"#,
     );
@@ -304,8 +305,9 @@ fn metrics_and_conversation_meta() {
             title: "".into(),
             status: ConversationStatus::Closed,
             model: Some("demo/scripted".into()),
+            owner: Some("alice".into()),
         },
-        r#"{"id":"c","createdAt":1,"lastActivityAt":2,"title":"","status":"closed","model":"demo/scripted"}"#,
+        r#"{"id":"c","createdAt":1,"lastActivityAt":2,"title":"","status":"closed","model":"demo/scripted","owner":"alice"}"#,
     );
 }
 

@@ -9,7 +9,7 @@ use super::AppState;
 use super::error::ApiError;
 #[cfg(feature = "openapi")]
 use super::error::ErrorBody;
-use super::extract::JsonObject;
+use super::extract::{Caller, JsonObject};
 use super::stream::{watch, watch_response};
 use crate::live::Format;
 use crate::turn::StartTurn;
@@ -37,12 +37,13 @@ pub struct ChatRequest {
 
 /// Reads a `ChatRequest` (of `POST /chat` or a WebSocket `chat` operation) with the gateway's
 /// error sentences.
-pub fn parse_chat(body: &JsonObject) -> Result<StartTurn, ApiError> {
+pub fn parse_chat(body: &JsonObject, caller: &crate::identity::Identity) -> Result<StartTurn, ApiError> {
     let conversation_id = body.conversation_id("conversationId")?.unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
     Ok(StartTurn {
         conversation_id,
         message: body.message("message")?,
         model: body.optional_str("model")?.map(str::to_owned),
+        caller: caller.clone(),
         cwd: super::settings::check_cwd(body.optional_str("cwd")?)?.map(str::to_owned),
         reasoning_effort: match body.optional_str("reasoningEffort")? {
             Some(effort) => {
@@ -73,10 +74,15 @@ pub fn parse_chat(body: &JsonObject) -> Result<StartTurn, ApiError> {
         (status = 503, description = "Shutting down, or as many turns run as `--max-turns` allows, or as many streams are open as `--max-streams` allows", body = ErrorBody, headers(("Retry-After" = u32, description = "Seconds to wait before trying again, when a cap is reached"))),
     )
 ))]
-pub async fn chat(State(state): State<AppState>, headers: HeaderMap, body: JsonObject) -> Result<Response, ApiError> {
-    let start = parse_chat(&body)?;
+pub async fn chat(
+    State(state): State<AppState>,
+    Caller(caller): Caller,
+    headers: HeaderMap,
+    body: JsonObject,
+) -> Result<Response, ApiError> {
+    let start = parse_chat(&body, &caller)?;
     let format = if wants_sse(&headers) { Format::Sse } else { Format::Ndjson };
-    let permit = state.stream_permit(format.transport())?;
+    let permit = state.open_stream(format.transport(), &caller).await?;
     let started = state.turns.start(start).await?;
     let cursor = state.hub.read_turn(&started.buffer);
     let id = started.conversation_id.clone();

@@ -13,8 +13,9 @@ use super::error::ErrorBody;
 /// Where the console's modules are served from; public like `/` (see `layers::is_public`).
 pub(super) const ASSETS: &str = "/console/";
 
-/// The page: scripts and styles only from the gateway itself, never framed.
-const POLICY: &str = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; \
+/// The page: scripts and styles only from the gateway itself, never framed (also the policy of
+/// a web client under `--web-root`).
+pub(super) const POLICY: &str = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; \
                       connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'";
 
 const JS: &str = "text/javascript; charset=utf-8";
@@ -36,13 +37,17 @@ const FILES: &[(&str, &str, &str)] = &[
 
 fn serve(media_type: &'static str, body: &'static str) -> Response {
     let mut response = ([(header::CONTENT_TYPE, media_type)], body).into_response();
-    let headers = response.headers_mut();
+    secure(response.headers_mut());
+    response
+}
+
+/// The headers every page the gateway serves carries.
+pub(super) fn secure(headers: &mut axum::http::HeaderMap) {
     // Revalidated on every load, so a new gateway's console is never mixed with an old one's
     // cached modules.
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
     headers.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(POLICY));
-    response
 }
 
 /// The web console: conversations live, a composer, metrics as plots, the gateway's own state.

@@ -13,7 +13,7 @@ use super::AppState;
 use super::error::ApiError;
 #[cfg(feature = "openapi")]
 use super::error::ErrorBody;
-use super::extract::{ConversationId, JsonObject, QueryParams};
+use super::extract::{Caller, ConversationId, JsonObject, QueryParams, SeenId};
 use crate::hub::Delivery;
 use crate::runtime::QueuedMessage;
 use crate::turn::{StartError, StartTurn};
@@ -141,6 +141,7 @@ async fn replay(state: &AppState, id: &str, key: &str, hash: &str) -> Result<Opt
 pub async fn messages(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
+    Caller(caller): Caller,
     headers: HeaderMap,
     body: JsonObject,
 ) -> Result<Response, ApiError> {
@@ -153,7 +154,7 @@ pub async fn messages(
     {
         return Ok(answer);
     }
-    let req = StartTurn { conversation_id: id.clone(), message, model, cwd: None, reasoning_effort: None };
+    let req = StartTurn { conversation_id: id.clone(), message, model, cwd: None, reasoning_effort: None, caller };
     let respond = |turn_id: &str| {
         let answer = TurnAccepted { conversation_id: id.clone(), turn_id: turn_id.to_owned() };
         (hash.clone(), serde_json::to_string(&answer).unwrap_or_default())
@@ -193,9 +194,10 @@ pub async fn messages(
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = StopResponse), (status = 400, body = ErrorBody))
 ))]
-pub async fn stop(State(state): State<AppState>, ConversationId(id): ConversationId) -> Json<StopResponse> {
-    let aborted_turn = state.turns.stop(&id).await;
-    Json(StopResponse { conversation_id: id, aborted_turn })
+pub async fn stop(State(state): State<AppState>, seen: SeenId) -> Json<StopResponse> {
+    // Another subject's conversation: nothing to stop, as for an unknown one.
+    let aborted_turn = seen.visible && state.turns.stop(&seen.id).await;
+    Json(StopResponse { conversation_id: seen.id, aborted_turn })
 }
 
 /// Like stop, and the conversation's status becomes `closed` (idempotent).
@@ -206,12 +208,9 @@ pub async fn stop(State(state): State<AppState>, ConversationId(id): Conversatio
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = StopResponse), (status = 400, body = ErrorBody))
 ))]
-pub async fn close(
-    State(state): State<AppState>,
-    ConversationId(id): ConversationId,
-) -> Result<Json<StopResponse>, ApiError> {
-    let aborted_turn = state.turns.close(&id).await?;
-    Ok(Json(StopResponse { conversation_id: id, aborted_turn }))
+pub async fn close(State(state): State<AppState>, seen: SeenId) -> Result<Json<StopResponse>, ApiError> {
+    let aborted_turn = if seen.visible { state.turns.close(&seen.id).await? } else { false };
+    Ok(Json(StopResponse { conversation_id: seen.id, aborted_turn }))
 }
 
 /// Steers the running turn (delivered at its next step boundary) or starts a turn.
@@ -232,10 +231,11 @@ pub async fn close(
 pub async fn queue(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
+    Caller(caller): Caller,
     body: JsonObject,
 ) -> Result<Json<QueueResponse>, ApiError> {
     let text = body.message("text")?;
-    let queued = state.turns.queue(&id, text).await?;
+    let queued = state.turns.queue(&id, text, &caller).await?;
     Ok(Json(QueueResponse { conversation_id: id, started_turn: queued.started_turn, queue: queued.queue }))
 }
 
@@ -282,13 +282,17 @@ pub async fn status(
 ))]
 pub async fn last(
     State(state): State<AppState>,
-    ConversationId(id): ConversationId,
+    seen: SeenId,
     query: QueryParams,
 ) -> Result<Json<LastResponse>, ApiError> {
     let wait = query.integer("timeoutMs", 0, MAX_LAST_WAIT_MS)?.unwrap_or(DEFAULT_LAST_WAIT_MS);
+    let id = seen.id;
+    if !seen.visible {
+        return Ok(Json(LastResponse { conversation_id: id, content: String::new(), turn_id: None }));
+    }
     if let Some(buffer) = state.hub.current(&id).await {
         // A wait holds its connection as long as a stream does: it counts as one.
-        let _permit = state.stream_permit(crate::metrics::Transport::Last)?;
+        let _permit = state.open_stream(crate::metrics::Transport::Last, &seen.caller).await?;
         let mut cursor = state.hub.read_turn(&buffer);
         drop(buffer);
         let sealed = async { while !matches!(cursor.next_batch(usize::MAX).await, Delivery::End) {} };

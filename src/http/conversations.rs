@@ -10,7 +10,7 @@ use super::AppState;
 use super::error::ApiError;
 #[cfg(feature = "openapi")]
 use super::error::ErrorBody;
-use super::extract::{ConversationId, JsonObject, QueryParams, check_id};
+use super::extract::{Caller, ConversationId, JsonObject, QueryParams, SeenId, check_id};
 use super::paged::{Document, json, paged};
 use crate::store::{ConversationFilter, HistoryPage, HistoryWindow, NewConversation, now_ms};
 use crate::turn::StartError;
@@ -105,7 +105,11 @@ fn title_field(body: &JsonObject, required: bool) -> Result<Option<String>, ApiE
         (status = 413, body = ErrorBody),
     )
 ))]
-pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<Response, ApiError> {
+pub async fn create(
+    State(state): State<AppState>,
+    Caller(caller): Caller,
+    body: JsonObject,
+) -> Result<Response, ApiError> {
     let id = match body.optional_str("id")? {
         Some(id) => check_id(id).map_err(|e| ApiError::bad(format!("`id`: {e}")))?.to_owned(),
         None => uuid::Uuid::new_v4().to_string(),
@@ -117,8 +121,10 @@ pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<R
     {
         return Err(StartError::UnknownModel(m.to_owned()).into());
     }
-    let meta =
-        state.store.create_conversation(NewConversation { id: &id, title: &title, model, now: now_ms() }).await?;
+    let meta = state
+        .store
+        .create_conversation(NewConversation { id: &id, title: &title, model, owner: caller.owner(), now: now_ms() })
+        .await?;
     state.turns.created(&id);
     Ok((StatusCode::CREATED, Json(meta)).into_response())
 }
@@ -132,10 +138,15 @@ pub async fn create(State(state): State<AppState>, body: JsonObject) -> Result<R
         ("q" = Option<String>, Query, description = "Id prefix"),
         ("status" = Option<String>, Query, description = "Comma-separated statuses: active, idle, closed"),
         ("limit" = Option<u64>, Query, description = "At most this many (default 100, max 1000)"),
+        ("owner" = Option<String>, Query, description = "Administrators: only this subject's conversations (a user sees only their own, whatever this says)"),
     ),
     responses((status = 200, body = ConversationList), (status = 400, body = ErrorBody))
 ))]
-pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<Json<ConversationList>, ApiError> {
+pub async fn list(
+    State(state): State<AppState>,
+    Caller(caller): Caller,
+    query: QueryParams,
+) -> Result<Json<ConversationList>, ApiError> {
     let limit = query.integer("limit", 1, MAX_LIST_LIMIT)?.unwrap_or(DEFAULT_LIST_LIMIT);
     let mut statuses = Vec::new();
     for s in query.get("status").unwrap_or("").split(',').map(str::trim).filter(|s| !s.is_empty()) {
@@ -149,7 +160,12 @@ pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<J
         Some(q) => Some(check_id(q).map_err(|e| ApiError::bad(format!("`q` is an id prefix: {e}")))?.to_owned()),
         None => None,
     };
-    let filter = ConversationFilter { id_prefix, statuses, limit: limit as u32 };
+    // A user lists their own; an administrator everyone's, or one subject's with `?owner=`.
+    let owner = match caller.viewer() {
+        Some(viewer) => Some(viewer.to_string()),
+        None => query.get("owner").filter(|o| !o.is_empty()).map(str::to_owned),
+    };
+    let filter = ConversationFilter { id_prefix, statuses, owner, limit: limit as u32 };
     Ok(Json(ConversationList { conversations: state.store.list_conversations(&filter).await? }))
 }
 
@@ -167,11 +183,8 @@ pub async fn list(State(state): State<AppState>, query: QueryParams) -> Result<J
     ),
     responses((status = 200, description = "The sealed turns' chunks in the window (and the running turn's with `include=inflight`); `latestSeq` is the seq of the last one returned, or `sinceSeq`. A long read goes out in pages; one a deletion overtakes after the answer began is cut off before its end", body = HistoryResponse), (status = 400, body = ErrorBody), (status = 409, description = "The conversation was deleted while it was read", body = ErrorBody))
 ))]
-pub async fn history(
-    State(state): State<AppState>,
-    ConversationId(id): ConversationId,
-    query: QueryParams,
-) -> Result<Response, ApiError> {
+pub async fn history(State(state): State<AppState>, seen: SeenId, query: QueryParams) -> Result<Response, ApiError> {
+    let id = seen.id;
     let window = HistoryWindow {
         since_seq: query.integer("sinceSeq", 0, u64::MAX)?.unwrap_or(0),
         before_seq: query.integer("beforeSeq", 1, u64::MAX)?,
@@ -182,6 +195,10 @@ pub async fn history(
             Some(other) => return Err(ApiError::bad(format!("`include` takes inflight, got {other:?}"))),
         },
     };
+    // Another subject's conversation reads as an unknown one: empty.
+    if !seen.visible {
+        return Ok(json(format!(r#"{{"chunks":[],"latestSeq":{}}}"#, window.since_seq).into_bytes()));
+    }
     // Stored chunks pass through unparsed: the body is assembled around the pages' JSON.
     // Pages end at `--history-page-chunks` chunks or `--history-page-bytes` bytes, whichever
     // comes first: a reader that stalls holds a few pages, whatever the chunks' sizes.
@@ -252,7 +269,11 @@ impl Document for MetricsDocument {
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = MetricsResponse), (status = 400, body = ErrorBody), (status = 409, description = "The conversation was deleted while it was read", body = ErrorBody))
 ))]
-pub async fn metrics(State(state): State<AppState>, ConversationId(id): ConversationId) -> Result<Response, ApiError> {
+pub async fn metrics(State(state): State<AppState>, seen: SeenId) -> Result<Response, ApiError> {
+    if !seen.visible {
+        return Ok(json(br#"{"turns":[]}"#.to_vec()));
+    }
+    let id = seen.id;
     // Pages end at `--metrics-page-turns` turns or `--history-page-bytes` bytes of their JSON.
     let pages = state.store.turn_metrics_pages(id, state.config.metrics_page_turns, state.config.history_page_bytes);
     paged(MetricsDocument, pages).await

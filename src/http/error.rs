@@ -15,12 +15,22 @@ pub struct ErrorBody {
     pub error: String,
 }
 
+/// The body of a 429: which quota was reached.
+#[derive(Debug, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct QuotaBody {
+    pub error: String,
+    /// `concurrent_turns`, `turns_per_minute`, `streams` or `tokens_per_day`.
+    pub limit: String,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     #[error("{0}")]
     BadRequest(String),
-    #[error("missing or invalid API key")]
-    Unauthorized,
+    /// 401: no credential, or one that is not valid (the sentence says which and why).
+    #[error("{0}")]
+    Unauthorized(String),
     #[error("{0}")]
     Forbidden(String),
     #[error("{0}")]
@@ -47,6 +57,9 @@ pub enum ApiError {
     /// streams end, so the answer says when to try again.
     #[error("{0}")]
     AtCapacity(String),
+    /// 429: past one of the caller's quotas.
+    #[error("{}", .0.message)]
+    Quota(crate::identity::QuotaExceeded),
     /// The detail is logged, never sent.
     #[error("internal error")]
     Internal(String),
@@ -60,7 +73,8 @@ impl ApiError {
     fn status(&self) -> StatusCode {
         match self {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Quota(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MisdirectedHost(_) => StatusCode::MISDIRECTED_REQUEST,
@@ -90,6 +104,13 @@ pub const RETRY_AFTER_SECS: u32 = 5;
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        if let ApiError::Quota(q) = self {
+            let body = QuotaBody { error: q.message, limit: q.limit.to_owned() };
+            let mut response = (StatusCode::TOO_MANY_REQUESTS, Json(body)).into_response();
+            let seconds = q.retry_after_secs.min(u64::from(u32::MAX)) as u32;
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, seconds.into());
+            return response;
+        }
         let mut response = (self.status(), Json(ErrorBody { error: self.to_string() })).into_response();
         match self {
             ApiError::Internal(detail) => {
@@ -122,6 +143,8 @@ impl From<StartError> for ApiError {
             StartError::UnknownModel(m) => ApiError::BadRequest(format!("unknown model {m:?}; GET /models lists them")),
             e @ StartError::Folder(_) => ApiError::BadRequest(e.to_string()),
             StartError::Busy => ApiError::Conflict(StartError::Busy.to_string()),
+            e @ StartError::NotFound(_) => ApiError::NotFound(e.to_string()),
+            StartError::Quota(q) => ApiError::Quota(q),
             e @ StartError::ShuttingDown => ApiError::Unavailable(e.to_string()),
             e @ StartError::Full(_) => ApiError::AtCapacity(e.to_string()),
             StartError::QueueFull(full @ crate::runtime::QueueFull::Messages(_)) => {
@@ -131,6 +154,15 @@ impl From<StartError> for ApiError {
                 ApiError::LimitExceeded(StartError::QueueFull(full).to_string())
             }
             StartError::Store(e) => e.into(),
+        }
+    }
+}
+
+impl From<crate::identity::QuotaError> for ApiError {
+    fn from(e: crate::identity::QuotaError) -> Self {
+        match e {
+            crate::identity::QuotaError::Exceeded(q) => ApiError::Quota(q),
+            crate::identity::QuotaError::Store(e) => e.into(),
         }
     }
 }

@@ -9,9 +9,9 @@ use super::AppState;
 use super::error::ApiError;
 #[cfg(feature = "openapi")]
 use super::error::ErrorBody;
-use super::extract::{ConversationId, QueryParams};
+use super::extract::{QueryParams, SeenId};
 use super::stream::{watch, watch_response};
-use crate::hub::EventId;
+use crate::hub::{Cursor, EventId};
 use crate::live::Format;
 
 /// Follows a conversation: the in-flight turn's events replayed from its start (or right after
@@ -39,7 +39,7 @@ use crate::live::Format;
 ))]
 pub async fn events(
     State(state): State<AppState>,
-    ConversationId(id): ConversationId,
+    seen: SeenId,
     headers: HeaderMap,
     query: QueryParams,
 ) -> Result<Response, ApiError> {
@@ -68,7 +68,12 @@ pub async fn events(
         } else {
             None
         };
-    let permit = state.stream_permit(format.transport())?;
+    let permit = state.open_stream(format.transport(), &seen.caller).await?;
+    let id = seen.id;
+    // Another subject's conversation is watched as an id nobody uses: nothing ever comes.
+    if !seen.visible || !super::claim(&state, &id, &seen.caller).await? {
+        return Ok(watch_response(watch(&state, Cursor::idle(), format, id, until_sealed, false, permit)));
+    }
     let (cursor, resync_first) = state.hub.subscribe(&id, resume.as_ref()).await;
     Ok(watch_response(watch(&state, cursor, format, id, until_sealed, resync_first, permit)))
 }

@@ -9,6 +9,8 @@ use serde_json::{Map, Value};
 
 use super::AppState;
 use super::error::ApiError;
+use crate::identity::Identity;
+use crate::store::Ownership;
 
 /// Why a body could not be read: past the limit (413), not in time (408), or cut (400).
 pub(super) fn body_error(e: axum::Error, limit: usize) -> ApiError {
@@ -95,17 +97,69 @@ pub fn check_id(id: &str) -> Result<&str, String> {
 }
 
 /// The `:id` of a `/conversations/:id...` path, validated.
-pub struct ConversationId(pub String);
+/// Who calls: the identity `layers::authenticate` found.
+pub struct Caller(pub Identity);
 
-impl<S: Send + Sync> FromRequestParts<S> for ConversationId {
+impl<S: Send + Sync> FromRequestParts<S> for Caller {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        let Path(id) = Path::<String>::from_request_parts(parts, state)
-            .await
-            .map_err(|_| ApiError::bad("invalid conversation id in the path"))?;
-        check_id(&id).map_err(ApiError::BadRequest)?;
-        Ok(ConversationId(id))
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<Identity>()
+            .cloned()
+            .map(Caller)
+            .ok_or_else(|| ApiError::Unauthorized("this route needs an API key or a token".into()))
+    }
+}
+
+/// The conversation id of the path, and whether the caller may see that conversation: an
+/// administrator sees all, a user their own and ids nobody has used.
+async fn path_id(parts: &mut Parts, state: &AppState) -> Result<(String, Identity, bool), ApiError> {
+    let Path(id) = Path::<String>::from_request_parts(parts, state)
+        .await
+        .map_err(|_| ApiError::bad("invalid conversation id in the path"))?;
+    check_id(&id).map_err(ApiError::BadRequest)?;
+    let Caller(caller) = Caller::from_request_parts(parts, state).await?;
+    let visible = match caller.viewer() {
+        None => true,
+        Some(_) => match state.store.ownership(&id).await? {
+            Ownership::Unused => true,
+            Ownership::Owned(owner) => caller.may_see(owner.as_deref()),
+        },
+    };
+    Ok((id, caller, visible))
+}
+
+/// A conversation id the caller may use: another subject's conversation is answered 404, as an
+/// unknown one is by the routes that take this (spec 8.4).
+pub struct ConversationId(pub String);
+
+impl FromRequestParts<AppState> for ConversationId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+        match path_id(parts, state).await? {
+            (id, _, true) => Ok(ConversationId(id)),
+            (id, _, false) => Err(ApiError::NotFound(format!("no conversation {id:?}"))),
+        }
+    }
+}
+
+/// A conversation id read by a route that answers an unknown id with an empty answer: the
+/// route gives that answer when `visible` is false (another subject's conversation).
+pub struct SeenId {
+    pub id: String,
+    pub visible: bool,
+    pub caller: Identity,
+}
+
+impl FromRequestParts<AppState> for SeenId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+        let (id, caller, visible) = path_id(parts, state).await?;
+        Ok(SeenId { id, visible, caller })
     }
 }
 

@@ -14,14 +14,19 @@ use tracing::Instrument;
 
 use super::AppState;
 use super::error::{ApiError, InternalDetail};
+use crate::identity::{AuthError, Identity};
+use crate::store::now_ms;
 
 /// Routes anyone may call, keys or not.
-const PUBLIC: &[&str] = &["/health", "/ready", "/openapi.json", "/"];
+const PUBLIC: &[&str] = &["/health", "/ready", "/openapi.json", "/", "/auth/session"];
 
-/// Whether anyone may call `path`, keys or not: the probes, the API's description, and the
-/// console's page and modules (which hold no data: the page asks for a key when the API does).
-pub(super) fn is_public(path: &str) -> bool {
-    PUBLIC.contains(&path) || path.starts_with(super::console::ASSETS)
+/// Whether anyone may call `path`, keys or not: the probes, the API's description, signing in,
+/// the console's page and modules and a `--web-root` client's files (which hold no data: the
+/// pages ask for a key or token when the API does).
+pub(super) fn is_public(config: &crate::config::Config, path: &str) -> bool {
+    PUBLIC.contains(&path)
+        || path.starts_with(super::console::ASSETS)
+        || config.web_root.is_some() && path.starts_with(&config.web_path)
 }
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -192,47 +197,109 @@ fn cors(config: &std::sync::Arc<crate::config::Config>) -> CorsLayer {
         .max_age(Duration::from_secs(600))
 }
 
-/// Whether `presented` is one of `keys`, in a time that depends on neither where the inputs
-/// differ nor their lengths: both sides are hashed to 32 bytes, then compared in constant time,
-/// against every key (no early exit at a match).
-fn key_matches(keys: &[String], presented: &[u8]) -> bool {
-    use ring::digest::{SHA256, digest};
-    use subtle::ConstantTimeEq;
-    let presented = digest(&SHA256, presented);
-    let mut found = subtle::Choice::from(0);
-    for key in keys {
-        found |= digest(&SHA256, key.as_bytes()).as_ref().ct_eq(presented.as_ref());
-    }
-    bool::from(found)
+/// Where a request's credential came from.
+enum Presented<'a> {
+    /// `Authorization: Bearer`, or `?access_token=` (EventSource and WebSocket clients, which
+    /// cannot set headers).
+    Token(std::borrow::Cow<'a, str>),
+    /// The session cookie (`POST /auth/session`).
+    Cookie(&'a str),
+    /// An `Authorization` header of another scheme.
+    Other,
 }
 
-/// The key a request presents: `Authorization: Bearer <key>`, else `?access_token=<key>` (for
-/// EventSource and WebSocket clients, which cannot set headers).
-fn presented_key(req: &Request) -> Option<String> {
-    if let Some(value) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
-        let (scheme, key) = value.split_once(' ')?;
-        return scheme.eq_ignore_ascii_case("bearer").then(|| key.trim().to_owned());
+/// The request's credential: the header first, then `?access_token=`, then the cookie.
+fn presented(req: &Request) -> Option<Presented<'_>> {
+    if let Some(value) = req.headers().get(header::AUTHORIZATION) {
+        let value = value.to_str().ok();
+        return Some(match value.and_then(|v| v.split_once(' ')) {
+            Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") => Presented::Token(token.trim().into()),
+            _ => Presented::Other,
+        });
     }
-    form_urlencoded::parse(req.uri().query()?.as_bytes())
-        .find(|(k, _)| k == "access_token")
-        .map(|(_, v)| v.into_owned())
+    if let Some(token) = req
+        .uri()
+        .query()
+        .and_then(|q| form_urlencoded::parse(q.as_bytes()).find(|(k, _)| k == "access_token").map(|(_, v)| v))
+    {
+        return Some(Presented::Token(token));
+    }
+    super::auth::session_cookie(req.headers()).map(Presented::Cookie)
 }
 
-async fn authenticate(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    let keys = &state.config.api_keys;
+/// Who the request comes from (spec 8.3): the identity goes into the request's extensions for
+/// the handlers. A public path is served without a credential (and with one, as its subject).
+/// A request authenticated by the session cookie alone must come from an allowed page to
+/// change anything (its `Origin` present and admitted): the cookie goes along with requests a
+/// browser makes for any page, which is what cross-site request forgery uses. Every state
+/// change is logged with its subject (`dispatch::audit`).
+async fn authenticate(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let auth = &state.auth;
+    if !auth.enabled() {
+        req.extensions_mut().insert(Identity::anonymous());
+        return next.run(req).await;
+    }
     // A public path is public as the plain route it names: an upgrade of it is a WebSocket
-    // session (on `--ws-listen` every path upgrades), and needs a key like any other.
-    let public = is_public(req.uri().path()) && !req.headers().contains_key(header::UPGRADE);
-    if keys.is_empty() || public {
+    // session (on `--ws-listen` every path upgrades), and needs a credential like any other.
+    let public = is_public(&state.config, req.uri().path()) && !req.headers().contains_key(header::UPGRADE);
+    let found = match presented(&req) {
+        Some(Presented::Token(token)) => auth.identify(&token).await.map(|identity| (identity, false)),
+        Some(Presented::Cookie(id)) => match state.store.session(&crate::identity::session_hash(id), now_ms()).await {
+            Ok(Some(session)) => Ok((session.identity(), true)),
+            Ok(None) => Err(AuthError::Invalid("the session has ended; sign in again".into())),
+            Err(e) => return ApiError::from(e).into_response(),
+        },
+        Some(Presented::Other) => Err(AuthError::Invalid("the Authorization scheme must be Bearer".into())),
+        None => Err(AuthError::Missing),
+    };
+    let (identity, by_cookie) = match found {
+        Ok(found) => found,
+        Err(e) if public => {
+            // The route decides (`GET /auth/session` says why it knows nobody).
+            req.extensions_mut().insert(std::sync::Arc::new(e));
+            return next.run(req).await;
+        }
+        Err(e) => return refusal(&e),
+    };
+    let changes = matches!(*req.method(), Method::POST | Method::PUT | Method::PATCH | Method::DELETE);
+    if by_cookie && (changes || req.headers().contains_key(header::UPGRADE)) {
+        let host = req.headers().get(header::HOST).map(|h| h.as_bytes());
+        let origin = req.headers().get(header::ORIGIN).map(|o| o.as_bytes());
+        if !origin.is_some_and(|origin| state.config.admits_origin(origin, host)) {
+            let message = "a request signed in by the session cookie alone must come from an allowed page (Origin)";
+            return ApiError::Forbidden(message.into()).into_response();
+        }
+    }
+    if !changes {
+        req.extensions_mut().insert(identity);
         return next.run(req).await;
     }
-    // No key is never a key (an empty one is refused at start too).
-    let valid = presented_key(&req).is_some_and(|key| !key.is_empty() && key_matches(keys, key.as_bytes()));
-    if valid {
-        return next.run(req).await;
-    }
-    let mut response = ApiError::Unauthorized.into_response();
-    response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+    let subject = identity.subject.clone();
+    let admin = identity.admin;
+    req.extensions_mut().insert(identity);
+    let response = next.run(req).await;
+    tracing::info!(
+        target: "dispatch::audit",
+        subject = %subject,
+        admin,
+        method = %method,
+        path = %path,
+        status = response.status().as_u16(),
+        "state change"
+    );
+    response
+}
+
+/// The 401 for a request without a valid credential, with its challenge (RFC 6750): a bare
+/// `Bearer` when there was none, `invalid_token` when there was a bad one.
+pub(super) fn refusal(e: &AuthError) -> Response {
+    let challenge = match e {
+        AuthError::Missing => "Bearer",
+        AuthError::Invalid(_) => "Bearer error=\"invalid_token\"",
+    };
+    let mut response = ApiError::Unauthorized(e.to_string()).into_response();
+    response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
     response
 }
 
@@ -263,7 +330,7 @@ async fn timeout(State(state): State<AppState>, req: Request, next: Next) -> Res
 
 #[cfg(test)]
 mod tests {
-    use super::{is_host, is_json, key_matches};
+    use super::{is_host, is_json};
 
     #[test]
     fn a_json_body_is_typed_as_json() {
@@ -303,16 +370,5 @@ mod tests {
         for bad in ["a b", "user@gateway", "gateway/path", "gateway:port", "gateway?q", "[::1", "[::1]x"] {
             assert!(!is_host(bad.as_bytes()), "{bad}");
         }
-    }
-
-    #[test]
-    fn keys_compare_exactly() {
-        let keys = ["secret".to_owned(), "other".to_owned()];
-        assert!(key_matches(&keys, b"secret"));
-        assert!(key_matches(&keys, b"other"));
-        assert!(!key_matches(&keys, b"secreT"));
-        assert!(!key_matches(&keys, b"secret2"));
-        assert!(!key_matches(&keys, b""));
-        assert!(!key_matches(&[], b"secret"));
     }
 }

@@ -1,5 +1,6 @@
 //! The HTTP API: one module per resource, merged into one router.
 
+mod auth;
 mod chat;
 mod console;
 mod control;
@@ -16,6 +17,7 @@ mod paged;
 mod settings;
 pub(crate) mod stream;
 mod throughput;
+mod web;
 pub mod ws;
 
 use std::sync::Arc;
@@ -59,25 +61,61 @@ pub struct Shared {
     /// The listeners' places for connections (`--max-connections`).
     pub connections: crate::net::ConnectionSlots,
     pub metrics: Arc<crate::metrics::Metrics>,
+    /// Checks keys and tokens.
+    pub auth: Arc<crate::identity::Authenticator>,
+    /// Each subject's open streams, against the `streams` quota.
+    pub stream_quota: Arc<crate::identity::StreamQuota>,
     /// Cancelled at shutdown once every turn has sealed: live streams deliver what is left
     /// and end.
     pub drained: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {
-    /// A place for one more live stream, or 503 when the cap is reached.
-    pub fn stream_permit(
+    /// A place for one more live stream of `caller`: 503 when the gateway's cap is reached,
+    /// 429 past the caller's `streams` quota.
+    pub async fn open_stream(
         &self,
         transport: crate::metrics::Transport,
+        caller: &crate::identity::Identity,
     ) -> Result<crate::metrics::StreamPermit, ApiError> {
-        crate::metrics::StreamPermit::acquire(&self.metrics, transport, self.config.max_streams)
-            .ok_or_else(|| ApiError::AtCapacity("too many open streams; try again later".into()))
+        let permit = crate::metrics::StreamPermit::acquire(&self.metrics, transport, self.config.max_streams)
+            .ok_or_else(|| ApiError::AtCapacity("too many open streams; try again later".into()))?;
+        let Some(subject) = caller.viewer() else { return Ok(permit) };
+        Ok(match self.stream_quota.take(subject).await? {
+            Some(place) => permit.holding(place),
+            None => permit,
+        })
     }
 
     /// The keep-alive period of live streams.
     pub fn keepalive(&self) -> Option<std::time::Duration> {
         (self.config.keepalive_secs > 0).then(|| std::time::Duration::from_secs(self.config.keepalive_secs))
     }
+}
+
+/// Before a user watches conversation `id`: when nobody has used it, it becomes theirs (a
+/// conversation row with no turn), so that nobody else can start a turn there and have it
+/// streamed to them. False when it is (by now) another subject's. Administrators claim nothing.
+pub(crate) async fn claim(state: &AppState, id: &str, caller: &crate::identity::Identity) -> Result<bool, ApiError> {
+    let Some(viewer) = caller.viewer() else { return Ok(true) };
+    if state.store.ownership(id).await? == crate::store::Ownership::Unused {
+        let new = crate::store::NewConversation {
+            id,
+            title: "",
+            model: None,
+            owner: Some(viewer),
+            now: crate::store::now_ms(),
+        };
+        match state.store.create_conversation(new).await {
+            Ok(_) => {
+                state.turns.created(id);
+                return Ok(true);
+            }
+            Err(crate::store::StoreError::Exists | crate::store::StoreError::Deleting) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(matches!(state.store.ownership(id).await?, crate::store::Ownership::Owned(Some(owner)) if *owner == **viewer))
 }
 
 /// Every route of the API, once: each path with its methods' handlers. It builds the router;
@@ -108,6 +146,7 @@ macro_rules! api {
                 (name = "control", description = "Start, stop, steer and inspect turns"),
                 (name = "operations", description = "Health and operations"),
                 (name = "console", description = "The web console's page and modules"),
+                (name = "auth", description = "Browser sessions: sign in with a token or key, get the session cookie"),
             )
         )]
         struct ApiDoc;
@@ -139,6 +178,7 @@ api! {
     "/conversations/{id}/lsp" => { get: settings::lsp },
     "/metrics/throughput" => { get: throughput::throughput },
     "/ws" => { get: ws::ws },
+    "/auth/session" => { get: auth::get_session, post: auth::begin_session, delete: auth::end_session },
     "/openapi.json" => { get: ops::openapi_json },
     "/ready" => { get: ops::ready },
     "/metrics" => { get: ops::metrics },
@@ -163,6 +203,10 @@ pub fn generated_openapi_json() -> String {
 /// The routes bound to the gateway's state.
 pub fn router(state: AppState) -> Router {
     let router = api().fallback(not_found).method_not_allowed_fallback(method_not_allowed);
+    let router = match &state.config.web_root {
+        Some(root) => router.merge(web::router(root.clone(), &state.config.web_path)),
+        None => router,
+    };
     #[cfg(feature = "docs-ui")]
     let router = router.merge(docs_ui());
     layers::wrap(router, &state).with_state(state)

@@ -67,9 +67,11 @@ fn complete_responses(path: &str, method: &str, takes_body: bool, responses: &mu
         r.pointer("/content/application~1json/schema/$ref").and_then(Value::as_str)
             == Some("#/components/schemas/ErrorBody")
     });
-    let public = super::layers::is_public(path);
+    let public = super::layers::is_public(&crate::config::Config::defaults(), path);
     if !public {
-        responses.entry("401").or_insert_with(|| error("Missing or wrong API key (only when keys are configured)"));
+        responses.entry("401").or_insert_with(|| {
+            error("No credential, or one that is not valid (only when keys or token keys are configured)")
+        });
     }
     responses.entry("421").or_insert_with(|| error("The request names a host the gateway does not answer to"));
     if matches!(method, "post" | "put" | "patch" | "delete") || path == "/ws" {

@@ -13,7 +13,7 @@ use super::AppState;
 use super::error::ApiError;
 #[cfg(feature = "openapi")]
 use super::error::ErrorBody;
-use super::extract::{ConversationId, JsonObject};
+use super::extract::{Caller, ConversationId, JsonObject, SeenId};
 use crate::runtime::REASONING_EFFORTS;
 use crate::store::{Setting, StoreError, now_ms};
 use crate::turn::StartError;
@@ -120,11 +120,10 @@ fn put_value<'b>(body: &'b JsonObject, field: &str) -> Result<Option<&'b str>, A
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = ModelResponse), (status = 400, body = ErrorBody))
 ))]
-pub async fn get_model(
-    State(state): State<AppState>,
-    ConversationId(id): ConversationId,
-) -> Result<Json<ModelResponse>, ApiError> {
-    let model = state.store.setting(&id, Setting::Model).await?;
+pub async fn get_model(State(state): State<AppState>, seen: SeenId) -> Result<Json<ModelResponse>, ApiError> {
+    let id = seen.id;
+    // Another subject's conversation reads as an unknown one: nothing set.
+    let model = if seen.visible { state.store.setting(&id, Setting::Model).await? } else { None };
     Ok(Json(ModelResponse { conversation_id: id, model }))
 }
 
@@ -140,6 +139,7 @@ pub async fn get_model(
 pub async fn put_model(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
+    Caller(caller): Caller,
     body: JsonObject,
 ) -> Result<Json<ModelResponse>, ApiError> {
     let model = put_value(&body, "model")?;
@@ -148,7 +148,7 @@ pub async fn put_model(
     {
         return Err(StartError::UnknownModel(m.to_owned()).into());
     }
-    state.store.set_setting(&id, Setting::Model, model, now_ms()).await?;
+    state.store.set_setting(&id, Setting::Model, model, caller.owner(), now_ms()).await?;
     Ok(Json(ModelResponse { conversation_id: id, model: model.map(str::to_owned) }))
 }
 
@@ -160,11 +160,10 @@ pub async fn put_model(
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = CwdResponse), (status = 400, body = ErrorBody))
 ))]
-pub async fn get_cwd(
-    State(state): State<AppState>,
-    ConversationId(id): ConversationId,
-) -> Result<Json<CwdResponse>, ApiError> {
-    let cwd = state.store.setting(&id, Setting::Cwd).await?;
+pub async fn get_cwd(State(state): State<AppState>, seen: SeenId) -> Result<Json<CwdResponse>, ApiError> {
+    let id = seen.id;
+    // Another subject's conversation reads as an unknown one: nothing set.
+    let cwd = if seen.visible { state.store.setting(&id, Setting::Cwd).await? } else { None };
     Ok(Json(CwdResponse { conversation_id: id, cwd }))
 }
 
@@ -180,6 +179,7 @@ pub async fn get_cwd(
 pub async fn put_cwd(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
+    Caller(caller): Caller,
     body: JsonObject,
 ) -> Result<Json<CwdResponse>, ApiError> {
     let cwd = check_cwd(put_value(&body, "cwd")?)?;
@@ -195,7 +195,7 @@ pub async fn put_cwd(
             return Err(crate::turn::StartError::Folder(asked.to_owned()).into());
         }
     }
-    state.store.set_setting(&id, Setting::Cwd, cwd, now_ms()).await?;
+    state.store.set_setting(&id, Setting::Cwd, cwd, caller.owner(), now_ms()).await?;
     Ok(Json(CwdResponse { conversation_id: id, cwd: cwd.map(str::to_owned) }))
 }
 
@@ -209,9 +209,11 @@ pub async fn put_cwd(
 ))]
 pub async fn get_reasoning_effort(
     State(state): State<AppState>,
-    ConversationId(id): ConversationId,
+    seen: SeenId,
 ) -> Result<Json<ReasoningEffortResponse>, ApiError> {
-    let reasoning_effort = state.store.setting(&id, Setting::ReasoningEffort).await?;
+    let id = seen.id;
+    // Another subject's conversation reads as an unknown one: nothing set.
+    let reasoning_effort = if seen.visible { state.store.setting(&id, Setting::ReasoningEffort).await? } else { None };
     Ok(Json(ReasoningEffortResponse { conversation_id: id, reasoning_effort }))
 }
 
@@ -227,13 +229,14 @@ pub async fn get_reasoning_effort(
 pub async fn put_reasoning_effort(
     State(state): State<AppState>,
     ConversationId(id): ConversationId,
+    Caller(caller): Caller,
     body: JsonObject,
 ) -> Result<Json<ReasoningEffortResponse>, ApiError> {
     let effort = put_value(&body, "reasoningEffort")?;
     if let Some(e) = effort {
         check_effort(e)?;
     }
-    state.store.set_setting(&id, Setting::ReasoningEffort, effort, now_ms()).await?;
+    state.store.set_setting(&id, Setting::ReasoningEffort, effort, caller.owner(), now_ms()).await?;
     Ok(Json(ReasoningEffortResponse { conversation_id: id, reasoning_effort: effort.map(str::to_owned) }))
 }
 
@@ -246,11 +249,10 @@ pub async fn put_reasoning_effort(
     params(("id" = String, Path, description = "Conversation id")),
     responses((status = 200, body = LspResponse), (status = 400, body = ErrorBody))
 ))]
-pub async fn lsp(
-    State(state): State<AppState>,
-    ConversationId(id): ConversationId,
-) -> Result<Json<LspResponse>, ApiError> {
-    let cwd = state.store.setting(&id, Setting::Cwd).await?;
+pub async fn lsp(State(state): State<AppState>, seen: SeenId) -> Result<Json<LspResponse>, ApiError> {
+    let id = seen.id;
+    // Another subject's conversation reads as an unknown one: nothing set.
+    let cwd = if seen.visible { state.store.setting(&id, Setting::Cwd).await? } else { None };
     Ok(Json(LspResponse { conversation_id: id, cwd, servers: Vec::new() }))
 }
 

@@ -15,7 +15,7 @@ use serde_json::{Map, Value, json};
 use super::AppState;
 use super::chat::parse_chat;
 use super::error::{ApiError, ErrorBody};
-use super::extract::{JsonObject, check_id};
+use super::extract::{Caller, JsonObject, check_id};
 use crate::encoding::has_token;
 use crate::live::{Handoff, Live, Ops, Session, SessionSetup};
 use crate::metrics::Transport;
@@ -34,7 +34,7 @@ use crate::turn::StartError;
         (status = 503, description = "As many streams are open as `--max-streams` allows", body = ErrorBody, headers(("Retry-After" = u32, description = "Seconds to wait before trying again, when a cap is reached"))),
     )
 ))]
-pub async fn ws(State(state): State<AppState>, request: Request) -> Result<Response, ApiError> {
+pub async fn ws(State(state): State<AppState>, Caller(caller): Caller, request: Request) -> Result<Response, ApiError> {
     if request.version() < Version::HTTP_11 {
         let body = ErrorBody { error: "a WebSocket upgrade needs HTTP/1.1".into() };
         return Ok((StatusCode::UPGRADE_REQUIRED, axum::Json(body)).into_response());
@@ -50,14 +50,14 @@ pub async fn ws(State(state): State<AppState>, request: Request) -> Result<Respo
     };
     // The page's `Origin` was checked with the request's head (`layers::guard`): a page of
     // another site gets no session (cross-site WebSocket hijacking).
-    let permit = state.stream_permit(Transport::WebSocket)?;
+    let permit = state.open_stream(Transport::WebSocket, &caller).await?;
     let mut response = StatusCode::SWITCHING_PROTOCOLS.into_response();
     let headers = response.headers_mut();
     headers.insert(header::UPGRADE, header::HeaderValue::from_static("websocket"));
     headers.insert(header::CONNECTION, header::HeaderValue::from_static("upgrade"));
     headers.insert(header::SEC_WEBSOCKET_ACCEPT, accept);
     let session = Session::new(SessionSetup {
-        ops: Arc::new(WsOps { state: state.clone() }),
+        ops: Arc::new(WsOps { state: state.clone(), caller: caller.clone() }),
         hub: state.hub.clone(),
         max_subscriptions: state.config.max_ws_subscriptions,
         store: state.store.clone(),
@@ -69,6 +69,7 @@ pub async fn ws(State(state): State<AppState>, request: Request) -> Result<Respo
         message_timeout: Duration::from_secs(state.config.ws_message_timeout_secs.max(1)),
         reading: state.reading.clone(),
         permit,
+        viewer: caller.viewer().cloned(),
     });
     Handoff::attach(&mut response, Live::Session(Box::new(session)));
     Ok(response)
@@ -113,6 +114,8 @@ fn accept_value(key: &[u8]) -> String {
 /// The ops of the reference web client's protocol.
 struct WsOps {
     state: AppState,
+    /// Who opened the session: its ops act as them.
+    caller: crate::identity::Identity,
 }
 
 impl Ops for WsOps {
@@ -144,7 +147,10 @@ impl WsOps {
             "chat.send" => self.chat_send(session, &op, conversation_id.as_deref()).await,
             "chat.subscribe" => {
                 // Never answered with an error, whatever the id; only past the cap.
-                if let Some(id) = conversation_id.filter(|id| check_id(id).is_ok()) {
+                // Another subject's conversation is followed as an id nobody uses: silently.
+                if let Some(id) = conversation_id.filter(|id| check_id(id).is_ok())
+                    && self.claim(session, &id).await
+                {
                     subscribe(session, &id).await;
                 }
             }
@@ -161,12 +167,15 @@ impl WsOps {
     }
 
     async fn chat_send(&self, session: &mut Session, op: &JsonObject, conversation_id: Option<&str>) {
-        let start = match parse_chat(op) {
+        let start = match parse_chat(op, &self.caller) {
             Ok(start) => start,
             Err(e) => return chat_error(session, conversation_id, e.to_string()),
         };
         // Subscribe first, so the turn is watched from its first event.
         let id = start.conversation_id.clone();
+        if !self.claim(session, &id).await {
+            return chat_error(session, Some(&id), format!("no conversation {id:?}"));
+        }
         if !subscribe(session, &id).await {
             return;
         }
@@ -188,10 +197,13 @@ impl WsOps {
             Ok(t) => t,
             Err(e) => return chat_error(session, Some(id), e.to_string()),
         };
+        if !self.claim(session, id).await {
+            return chat_error(session, Some(id), format!("no conversation {id:?}"));
+        }
         if !subscribe(session, id).await {
             return;
         }
-        if let Err(e) = self.state.turns.queue(id, text).await {
+        if let Err(e) = self.state.turns.queue(id, text, &self.caller).await {
             let message = ApiError::from(e).to_string();
             chat_error(session, Some(id), message);
         }
@@ -200,6 +212,20 @@ impl WsOps {
 
 /// Idempotent; false (and a `chat.error` naming the cap) when the session holds as many
 /// subscriptions as it may.
+impl WsOps {
+    /// Whether the session's subject may follow `id` (claiming it when nobody has used it); a
+    /// database failure is said in a `chat.error` and answers false.
+    async fn claim(&self, session: &mut Session, id: &str) -> bool {
+        match super::claim(&self.state, id, &self.caller).await {
+            Ok(ok) => ok,
+            Err(e) => {
+                chat_error(session, Some(id), e.to_string());
+                false
+            }
+        }
+    }
+}
+
 async fn subscribe(session: &mut Session, conversation_id: &str) -> bool {
     if session.subscriptions().add(conversation_id).await {
         return true;

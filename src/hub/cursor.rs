@@ -100,6 +100,12 @@ impl Cursor {
         Cursor { at, follow, release: Some((hub.clone(), buffer.conversation_id.clone())) }
     }
 
+    /// A cursor that never reads anything: the stream of a conversation the watcher may not see
+    /// (it looks like one of an id nobody uses).
+    pub fn idle() -> Cursor {
+        Cursor { at: Position::Waiting(Arc::new(NextTurn::default())), follow: true, release: None }
+    }
+
     /// Waits for the turn that will fill `next`, then follows every later one.
     pub(super) fn waiting(hub: &Arc<Hub>, conversation_id: Arc<str>, next: Arc<NextTurn>) -> Cursor {
         Cursor { at: Position::Waiting(next), follow: true, release: Some((hub.clone(), conversation_id)) }

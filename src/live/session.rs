@@ -48,6 +48,8 @@ pub struct SessionSetup {
     pub reading: super::ReadingBudget,
     /// Holds the session's place under the stream cap.
     pub permit: StreamPermit,
+    /// The user whose conversations alone the session hears of (`None`: an administrator).
+    pub viewer: Option<Arc<str>>,
 }
 
 pub struct Session {
@@ -66,6 +68,7 @@ pub struct Session {
     /// The gateway's room for messages being assembled (`--max-reading-bytes`).
     pub reading: super::ReadingBudget,
     _permit: StreamPermit,
+    viewer: Option<Arc<str>>,
 }
 
 impl Session {
@@ -85,6 +88,7 @@ impl Session {
             message_timeout: setup.message_timeout,
             reading: setup.reading,
             _permit: setup.permit,
+            viewer: setup.viewer,
         };
         session.send(&json!({"type": "catalog", "catalog": []}));
         session
@@ -112,6 +116,9 @@ impl Session {
     /// Queues `conversation.statusChanged`, encoded by the first session that writes the
     /// change and shared by every other.
     pub fn status_changed(&mut self, change: &StatusChange) {
+        if !change.visible_to(self.viewer.as_deref()) {
+            return;
+        }
         let text = change.encoded(|conversation_id, status| {
             let message =
                 json!({"type": "conversation.statusChanged", "conversationId": conversation_id, "status": status});

@@ -386,11 +386,12 @@ impl Inner {
         // The conversation moved to another model, folder or effort, its session was
         // forgotten, or it went on elsewhere: the process goes (not a death: no backoff), and
         // one started for the turn resumes the session, if any.
-        if alive && slot.agent.as_ref().is_some_and(|agent| !agent.fits(&self.started_for(req), req)) {
-            if let Some(agent) = slot.agent.take() {
-                tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model, folder, effort or session, or turns run elsewhere");
-                agent.stop().await;
-            }
+        if alive
+            && slot.agent.as_ref().is_some_and(|agent| !agent.fits(&self.started_for(req), req))
+            && let Some(agent) = slot.agent.take()
+        {
+            tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model, folder, effort or session, or turns run elsewhere");
+            agent.stop().await;
         }
         let mut agent = match slot.agent.take() {
             Some(agent) if alive => agent,

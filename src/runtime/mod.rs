@@ -5,7 +5,7 @@
 
 mod claude;
 pub mod command;
-mod http_client;
+pub mod http_client;
 mod lines;
 pub mod openai;
 pub mod scripted;

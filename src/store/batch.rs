@@ -35,6 +35,8 @@ pub(super) enum Write {
         default_title: String,
         /// Key, body hash, response.
         idempotency: Option<(String, String, String)>,
+        owner: Option<String>,
+        quota_subject: Option<String>,
         now: i64,
         /// How long the turn's lease on its conversation lasts unless renewed, in ms (from the
         /// database's clock: see `lease`).
@@ -122,6 +124,8 @@ impl Write {
             user_text,
             default_title,
             idempotency,
+            owner,
+            quota_subject,
             now,
             ..
         } = self
@@ -140,6 +144,8 @@ impl Write {
                 body_hash,
                 response,
             }),
+            owner: owner.as_deref(),
+            quota_subject: quota_subject.as_deref(),
             now: *now,
         })
     }

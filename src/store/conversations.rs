@@ -5,19 +5,24 @@ use super::sql::Query;
 use super::{Store, StoreError, StoreResult};
 use crate::wire::{ConversationMeta, ConversationStatus};
 
-/// A conversation row's listed columns: id, title, status, model, created_at, last_activity_at.
-type ConversationRow = (String, String, String, Option<String>, i64, i64);
+/// A conversation row's listed columns: id, title, status, model, created_at, last_activity_at,
+/// owner.
+type ConversationRow = (String, String, String, Option<String>, i64, i64, Option<String>);
 
-const META_COLUMNS: &str = "id, title, status, model, created_at, last_activity_at";
+const META_COLUMNS: &str = "id, title, status, model, created_at, last_activity_at, owner";
 
-fn meta((id, title, status, model, created_at, last_activity_at): ConversationRow) -> StoreResult<ConversationMeta> {
-    Ok(ConversationMeta { status: super::status_of(&status)?, id, created_at, last_activity_at, title, model })
+fn meta(
+    (id, title, status, model, created_at, last_activity_at, owner): ConversationRow,
+) -> StoreResult<ConversationMeta> {
+    Ok(ConversationMeta { status: super::status_of(&status)?, id, created_at, last_activity_at, title, model, owner })
 }
 
 pub struct NewConversation<'a> {
     pub id: &'a str,
     pub title: &'a str,
     pub model: Option<&'a str>,
+    /// The subject creating it (none with auth off).
+    pub owner: Option<&'a str>,
     pub now: i64,
 }
 
@@ -26,14 +31,26 @@ pub struct NewConversation<'a> {
 pub struct ConversationFilter {
     pub id_prefix: Option<String>,
     pub statuses: Vec<ConversationStatus>,
+    /// Only this subject's conversations.
+    pub owner: Option<String>,
     pub limit: u32,
+}
+
+/// Who owns a conversation, as far as the store knows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ownership {
+    /// No such conversation (or one being deleted): nobody has it.
+    Unused,
+    /// It exists, owned by this subject (`None`: by nobody, only administrators see it).
+    Owned(Option<String>),
 }
 
 impl Store {
     pub async fn create_conversation(&self, c: NewConversation<'_>) -> StoreResult<ConversationMeta> {
-        let sql = "INSERT INTO conversations (id, title, model, created_at, last_activity_at)
-                   VALUES ($1, $2, $3, $4, $4) ON CONFLICT (id) DO NOTHING";
-        if self.execute(Query::new(sql).bind(c.id).bind(c.title).bind(c.model).bind(c.now)).await? == 0 {
+        let sql = "INSERT INTO conversations (id, title, model, created_at, last_activity_at, owner)
+                   VALUES ($1, $2, $3, $4, $4, $5) ON CONFLICT (id) DO NOTHING";
+        let q = Query::new(sql).bind(c.id).bind(c.title).bind(c.model).bind(c.now).bind(c.owner);
+        if self.execute(q).await? == 0 {
             return Err(StoreError::Exists);
         }
         Ok(ConversationMeta {
@@ -43,7 +60,15 @@ impl Store {
             title: c.title.to_owned(),
             status: ConversationStatus::Idle,
             model: c.model.map(str::to_owned),
+            owner: c.owner.map(str::to_owned),
         })
+    }
+
+    /// Who owns conversation `id`.
+    pub async fn ownership(&self, id: &str) -> StoreResult<Ownership> {
+        let sql = "SELECT owner FROM conversations WHERE id = $1 AND deleted_at IS NULL";
+        let row: Option<(Option<String>,)> = self.fetch_optional(Query::new(sql).bind(id)).await?;
+        Ok(row.map_or(Ownership::Unused, |(owner,)| Ownership::Owned(owner)))
     }
 
     pub async fn conversation(&self, id: &str) -> StoreResult<Option<ConversationMeta>> {
@@ -66,6 +91,9 @@ impl Store {
             // primary key answers.
             sql.push_str(&format!(" AND id >= {} AND id < {}", next(), next()));
         }
+        if f.owner.is_some() {
+            sql.push_str(&format!(" AND owner = {}", next()));
+        }
         if !f.statuses.is_empty() {
             // Values are bound, only the placeholders are generated.
             let marks: Vec<String> = f.statuses.iter().map(|_| next()).collect();
@@ -75,6 +103,9 @@ impl Store {
         let mut q = Query::new(sql);
         if let Some(prefix) = &f.id_prefix {
             q = q.bind(prefix).bind(format!("{prefix}\u{7f}"));
+        }
+        if let Some(owner) = &f.owner {
+            q = q.bind(owner.as_str());
         }
         for s in &f.statuses {
             q = q.bind(s.as_str());
@@ -103,15 +134,22 @@ impl Store {
         Ok(self.execute(q).await? > 0)
     }
 
-    /// Sets (or clears) one of the conversation's settings, creating the conversation when
-    /// missing; `Deleting` while it is being deleted.
-    pub async fn set_setting(&self, id: &str, setting: Setting, value: Option<&str>, now: i64) -> StoreResult<()> {
+    /// Sets (or clears) one of the conversation's settings, creating the conversation (owned by
+    /// `owner`) when missing; `Deleting` while it is being deleted.
+    pub async fn set_setting(
+        &self,
+        id: &str,
+        setting: Setting,
+        value: Option<&str>,
+        owner: Option<&str>,
+        now: i64,
+    ) -> StoreResult<()> {
         let column = setting.column();
         let sql = format!(
-            "INSERT INTO conversations (id, {column}, created_at, last_activity_at) VALUES ($1, $2, $3, $3)
+            "INSERT INTO conversations (id, {column}, created_at, last_activity_at, owner) VALUES ($1, $2, $3, $3, $4)
              ON CONFLICT (id) DO UPDATE SET {column} = $2 WHERE conversations.deleted_at IS NULL"
         );
-        match self.execute(Query::new(sql).bind(id).bind(value).bind(now)).await? {
+        match self.execute(Query::new(sql).bind(id).bind(value).bind(now).bind(owner)).await? {
             0 => Err(StoreError::Deleting),
             _ => Ok(()),
         }
@@ -125,11 +163,15 @@ impl Store {
 
     /// Every setting of the conversation (all `None` for an unknown one).
     pub async fn settings(&self, id: &str) -> StoreResult<Settings> {
-        let sql = "SELECT model, cwd, reasoning_effort FROM conversations WHERE id = $1 AND deleted_at IS NULL";
-        let row: Option<(Option<String>, Option<String>, Option<String>)> =
-            self.fetch_optional(Query::new(sql).bind(id)).await?;
-        let (model, cwd, reasoning_effort) = row.unwrap_or_default();
-        Ok(Settings { model, cwd, reasoning_effort })
+        let sql = "SELECT model, cwd, reasoning_effort, owner FROM conversations WHERE id = $1 AND deleted_at IS NULL";
+        type Row = (Option<String>, Option<String>, Option<String>, Option<String>);
+        let row: Option<Row> = self.fetch_optional(Query::new(sql).bind(id)).await?;
+        let ownership = match &row {
+            Some((_, _, _, owner)) => Ownership::Owned(owner.clone()),
+            None => Ownership::Unused,
+        };
+        let (model, cwd, reasoning_effort, _) = row.unwrap_or_default();
+        Ok(Settings { model, cwd, reasoning_effort, ownership })
     }
 }
 
@@ -151,12 +193,13 @@ impl Setting {
     }
 }
 
-/// A conversation's settings.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// A conversation's settings, and who owns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
     pub model: Option<String>,
     pub cwd: Option<String>,
     pub reasoning_effort: Option<String>,
+    pub ownership: Ownership,
 }
 
 impl Settings {

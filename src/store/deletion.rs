@@ -169,7 +169,10 @@ mod tests {
             assert_eq!(counted, [2], "{b}: only the other conversation's turns");
             assert!(!store.set_title("c", "x").await.unwrap(), "{b}");
             assert!(!store.close_conversation("c").await.unwrap(), "{b}");
-            assert!(matches!(store.set_setting("c", Setting::Model, Some("m"), 1).await, Err(StoreError::Deleting)));
+            assert!(matches!(
+                store.set_setting("c", Setting::Model, Some("m"), None, 1).await,
+                Err(StoreError::Deleting)
+            ));
             assert_eq!(store.settings("c").await.unwrap().model, None, "{b}");
             // No turn opens in it, and a second deletion finds nothing to delete.
             let begin = crate::store::BeginTurn {
@@ -180,6 +183,8 @@ mod tests {
                 user_text: "hi",
                 default_title: "hi",
                 idempotency: None,
+                owner: None,
+                quota_subject: None,
                 now: 3,
             };
             assert!(matches!(store.begin_turn(begin).await, Err(StoreError::Deleting)), "{b}");

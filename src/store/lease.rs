@@ -160,6 +160,8 @@ mod tests {
                 user_text: "again",
                 default_title: "again",
                 idempotency: None,
+                owner: None,
+                quota_subject: None,
                 now: 2,
             };
             assert!(matches!(store.begin_turn(second).await, Err(StoreError::Busy)), "{b}");

@@ -17,7 +17,9 @@ mod lease;
 mod log;
 #[cfg(feature = "cluster")]
 mod postgres;
+mod quotas;
 mod reads;
+mod sessions;
 mod sql;
 mod sqlite;
 mod turns;
@@ -29,9 +31,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::metrics::Metrics;
-pub use conversations::{ConversationFilter, NewConversation, Setting, Settings};
+pub use conversations::{ConversationFilter, NewConversation, Ownership, Setting, Settings};
 pub use log::{HistoryPage, HistoryWindow, NewChunk};
+pub use quotas::QuotaUse;
 pub use reads::{History, HistoryChunk, LastText, ModelThroughput, RuntimeMemory};
+pub use sessions::StoredSession;
 pub use sqlite::backup::BackupError;
 pub use turns::{BeginTurn, INTERRUPTED_MESSAGE, IdempotencyRecord, SealTurn, user_chunk};
 

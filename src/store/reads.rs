@@ -231,6 +231,8 @@ mod tests {
                 user_text: "hi",
                 default_title: "hi",
                 idempotency: None,
+                owner: None,
+                quota_subject: None,
                 now: 1,
             };
             store.begin_turn(begin).await.unwrap();

@@ -26,6 +26,10 @@ pub struct BeginTurn<'a> {
     pub default_title: &'a str,
     /// Recorded in the same transaction, so a retried request finds it whatever happens next.
     pub idempotency: Option<IdempotencyRecord<'a>>,
+    /// The owner of a conversation the turn creates.
+    pub owner: Option<&'a str>,
+    /// The subject whose quotas count the turn (none: an administrator, or no quotas).
+    pub quota_subject: Option<&'a str>,
     pub now: i64,
 }
 
@@ -102,6 +106,8 @@ impl Store {
             user_text: t.user_text.to_owned(),
             default_title: t.default_title.to_owned(),
             idempotency: t.idempotency.map(|r| (r.key.to_owned(), r.body_hash.to_owned(), r.response.to_owned())),
+            owner: t.owner.map(str::to_owned),
+            quota_subject: t.quota_subject.map(str::to_owned),
             now: t.now,
             lease_ms: self.lease_ms(),
         };
@@ -206,6 +212,8 @@ impl Store {
             user_text: "hi",
             default_title: "hi",
             idempotency: None,
+            owner: None,
+            quota_subject: None,
             now: 1,
         };
         self.begin_turn(begin).await.unwrap();

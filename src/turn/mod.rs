@@ -25,7 +25,9 @@ use std::sync::atomic::Ordering::Relaxed;
 use tracing::Instrument;
 
 use crate::bus::Bus;
+use crate::config::Quotas;
 use crate::hub::{Hub, TurnBuffer};
+use crate::identity::Identity;
 use crate::metrics::Metrics;
 use crate::runtime::{Inbox, QueueFull, QueueLimits, QueuedMessage, Registry, TurnRequest};
 use crate::store::{BeginTurn, History, IdempotencyRecord, RuntimeMemory, Store, StoreError, now_ms};
@@ -40,6 +42,9 @@ pub struct StartTurn {
     pub model: Option<String>,
     pub cwd: Option<String>,
     pub reasoning_effort: Option<String>,
+    /// Who asks: a user may start turns only in their own conversations (or a new one, which
+    /// becomes theirs), within their quotas.
+    pub caller: Identity,
 }
 
 /// A turn that has begun: its user message is in the log and its buffer is open.
@@ -59,6 +64,12 @@ pub enum StartError {
     Folder(String),
     #[error("a turn is already generating for this conversation")]
     Busy,
+    /// Another subject's conversation: answered as an unknown one.
+    #[error("no conversation {0:?}")]
+    NotFound(String),
+    /// Past one of the caller's quotas.
+    #[error("{}", .0.message)]
+    Quota(crate::identity::QuotaExceeded),
     #[error("the gateway is shutting down")]
     ShuttingDown,
     #[error("{}", queue_full(*.0))]
@@ -95,16 +106,26 @@ pub struct StatusChange(Arc<Change>);
 struct Change {
     conversation_id: String,
     status: ConversationStatus,
+    /// The conversation's owner, when users may be watching (else not looked up: everyone
+    /// watching is an administrator).
+    owner: Option<String>,
     encoded: std::sync::OnceLock<bytes::Bytes>,
 }
 
 impl StatusChange {
-    fn new(conversation_id: &str, status: ConversationStatus) -> StatusChange {
+    fn new(conversation_id: &str, status: ConversationStatus, owner: Option<String>) -> StatusChange {
         StatusChange(Arc::new(Change {
             conversation_id: conversation_id.to_owned(),
             status,
+            owner,
             encoded: std::sync::OnceLock::new(),
         }))
+    }
+
+    /// Whether a session of `viewer` (`None`: an administrator) hears of this change: a user
+    /// hears only of their own conversations.
+    pub fn visible_to(&self, viewer: Option<&str>) -> bool {
+        viewer.is_none() || self.0.owner.as_deref() == viewer
     }
 
     /// The change as a transport encodes it: `encode` runs once for all the clones.
@@ -162,6 +183,18 @@ pub struct Turns {
     limits: TurnLimits,
     /// The other gateways, when there are some.
     bus: Option<Bus>,
+    /// What users may use (administrators have no quota).
+    quotas: Quotas,
+    /// With users about (signed tokens taken), status changes go through here to have their
+    /// conversation's owner looked up, in order, before sessions hear of them.
+    owners: Option<tokio::sync::mpsc::UnboundedSender<(String, ConversationStatus)>>,
+}
+
+/// Who may do what with turns: the quotas, and whether users (not only administrators) call.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Identities {
+    pub quotas: Quotas,
+    pub users: bool,
 }
 
 /// Frees a reservation unless the reservation was turned into a running turn.
@@ -187,8 +220,14 @@ impl Turns {
         metrics: Arc<Metrics>,
         limits: TurnLimits,
         bus: Option<Bus>,
+        identities: Identities,
     ) -> Arc<Turns> {
         let (statuses, _) = broadcast::channel(1024);
+        let owners = identities.users.then(|| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            tokio::spawn(resolve_owners(store.clone(), statuses.clone(), rx));
+            tx
+        });
         let turns = Arc::new(Turns {
             store: store.clone(),
             hub,
@@ -199,6 +238,8 @@ impl Turns {
             metrics,
             limits,
             bus: bus.clone(),
+            quotas: identities.quotas,
+            owners,
         });
         tokio::spawn(keep_leases(Arc::downgrade(&turns), store));
         if let Some(bus) = bus {
@@ -206,7 +247,7 @@ impl Turns {
             let weak = Arc::downgrade(&turns);
             tokio::spawn(crate::bus::relay_statuses(bus.clone(), move |conversation_id, status| {
                 let Some(turns) = weak.upgrade() else { return false };
-                let _ = turns.statuses.send(StatusChange::new(conversation_id, status));
+                turns.tell_sessions(conversation_id, status);
                 true
             }));
             let weak = Arc::downgrade(&turns);
@@ -227,9 +268,21 @@ impl Turns {
     }
 
     fn announce(&self, conversation_id: &str, status: ConversationStatus) {
-        let _ = self.statuses.send(StatusChange::new(conversation_id, status));
+        self.tell_sessions(conversation_id, status);
         if let Some(bus) = &self.bus {
             bus.announce(conversation_id, status);
+        }
+    }
+
+    /// Hands a change to the WebSocket sessions (through the owner lookup, with users about).
+    fn tell_sessions(&self, conversation_id: &str, status: ConversationStatus) {
+        match &self.owners {
+            Some(owners) => {
+                let _ = owners.send((conversation_id.to_owned(), status));
+            }
+            None => {
+                let _ = self.statuses.send(StatusChange::new(conversation_id, status, None));
+            }
         }
     }
 
@@ -261,6 +314,18 @@ impl Turns {
         }
         // The request's settings, else the conversation's, else the defaults.
         let settings = self.store.settings(&req.conversation_id).await?;
+        if let crate::store::Ownership::Owned(owner) = &settings.ownership
+            && !req.caller.may_see(owner.as_deref())
+        {
+            return Err(StartError::NotFound(req.conversation_id));
+        }
+        let quota_subject = self.quotas.any().then(|| req.caller.viewer()).flatten();
+        if let Some(subject) = quota_subject {
+            crate::identity::check_turn_quotas(&self.store, &self.quotas, subject).await.map_err(|e| match e {
+                crate::identity::QuotaError::Exceeded(q) => StartError::Quota(q),
+                crate::identity::QuotaError::Store(e) => StartError::from(e),
+            })?;
+        }
         let model = req.model.clone().or(settings.model).unwrap_or_else(|| self.registry.default_model().to_owned());
         let cwd = req.cwd.clone().or(settings.cwd);
         let reasoning_effort = req.reasoning_effort.clone().or(settings.reasoning_effort);
@@ -289,6 +354,8 @@ impl Turns {
                 user_text: &req.message,
                 default_title: &default_title(&req.message),
                 idempotency,
+                owner: req.caller.owner(),
+                quota_subject: quota_subject.map(|s| &**s),
                 now: now_ms(),
             })
             .await?;
@@ -321,7 +388,8 @@ impl Turns {
         let previous_of = runtime.processes().is_some().then_some(turn_id.as_str());
         let memory = self.store.runtime_memory(&req.conversation_id, &model, previous_of).await;
         let span = tracing::info_span!("turn", conversation = %ids.0, turn = %ids.1, model = %model);
-        let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone());
+        let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone())
+            .for_caller(req.caller.clone(), quota_subject.is_some());
         match memory {
             Ok(RuntimeMemory { session_id, tokens_per_estimate, previous_turn_id }) => {
                 let request = TurnRequest {
@@ -430,7 +498,12 @@ impl Turns {
 
     /// Steers the running turn with `text` (delivered at its next step boundary), or starts a
     /// turn with it when none runs.
-    pub async fn queue(self: &Arc<Self>, conversation_id: &str, text: String) -> Result<Queued, StartError> {
+    pub async fn queue(
+        self: &Arc<Self>,
+        conversation_id: &str,
+        text: String,
+        caller: &Identity,
+    ) -> Result<Queued, StartError> {
         let message = QueuedMessage { id: uuid::Uuid::now_v7().to_string(), text, queued_at: now_ms() };
         if let Some(Busy::Running { inbox, .. }) = self.lock().get(conversation_id) {
             let queue = inbox.push(message, self.limits.queue).map_err(StartError::QueueFull)?;
@@ -446,6 +519,7 @@ impl Turns {
             model: None,
             cwd: None,
             reasoning_effort: None,
+            caller: caller.clone(),
         };
         self.start(req).await?;
         Ok(Queued { started_turn: true, queue: Vec::new() })
@@ -637,5 +711,22 @@ fn default_title(message: &str) -> String {
     match line.char_indices().nth(80) {
         Some((cut, _)) => format!("{}…", &line[..cut]),
         None => line.to_owned(),
+    }
+}
+
+/// Looks up the owner of each changed conversation, in order, and hands the change to the
+/// sessions (a user's session hears only of their own conversations). A change whose lookup
+/// fails goes to administrators only.
+async fn resolve_owners(
+    store: Store,
+    statuses: broadcast::Sender<StatusChange>,
+    mut changes: tokio::sync::mpsc::UnboundedReceiver<(String, ConversationStatus)>,
+) {
+    while let Some((conversation_id, status)) = changes.recv().await {
+        let owner = match store.ownership(&conversation_id).await {
+            Ok(crate::store::Ownership::Owned(owner)) => owner,
+            _ => None,
+        };
+        let _ = statuses.send(StatusChange::new(&conversation_id, status, owner));
     }
 }

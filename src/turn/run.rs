@@ -37,6 +37,10 @@ pub(super) struct TurnRun {
     unwritten: Vec<NewChunk>,
     /// The effects of the event at hand (kept for its allocation).
     effects: Vec<Effect>,
+    /// Who started the turn: a queued message left over starts the next turn as them.
+    caller: crate::identity::Identity,
+    /// The caller's day of tokens counts this turn's (a user, with quotas).
+    counts_tokens: bool,
 }
 
 /// A turn whose seal the database refused: retried with backoff until it commits (or the
@@ -107,7 +111,16 @@ impl TurnRun {
             inbox,
             unwritten: Vec::new(),
             effects: Vec::new(),
+            caller: crate::identity::Identity::anonymous(),
+            counts_tokens: false,
         }
+    }
+
+    /// The turn as `caller`'s, its tokens counted against their day with `counts_tokens`.
+    pub(super) fn for_caller(mut self, caller: crate::identity::Identity, counts_tokens: bool) -> TurnRun {
+        self.caller = caller;
+        self.counts_tokens = counts_tokens;
+        self
     }
 
     /// Runs the turn to its seal. Boxed because a turn may start the next one (queued
@@ -281,6 +294,13 @@ impl TurnRun {
             now: now_ms(),
             tokens_per_estimate: self.steps.tokens_per_estimate,
         };
+        let tokens = turn_metrics.usage.input_tokens.saturating_add(turn_metrics.usage.output_tokens);
+        if self.counts_tokens
+            && tokens > 0
+            && let Err(e) = self.store.add_turn_tokens(&self.caller.subject, &self.turn_id, tokens).await
+        {
+            tracing::warn!(error = %e, "could not count the turn's tokens against its subject's quota");
+        }
         let sealed_now = match self.store.seal_turn(seal, &rest).await {
             Ok(status) => Some(status),
             // Marked interrupted by another gateway: nothing of it is to be written any more,
@@ -352,6 +372,7 @@ impl TurnRun {
             model: None,
             cwd: None,
             reasoning_effort: None,
+            caller: self.caller.clone(),
         };
         if let Err(e) = self.turns.start(next).await {
             tracing::warn!(conversation = %self.conversation_id, error = %e, "could not start the queued turn");

@@ -62,6 +62,8 @@ pub fn opening<'a>(
         user_text: text,
         default_title: text,
         idempotency: None,
+        owner: None,
+        quota_subject: None,
         now: 1,
     }
 }

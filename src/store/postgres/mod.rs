@@ -24,6 +24,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (3, "token calibration", include_str!("../../../migrations/postgres/0003_token_calibration.sql")),
     (4, "deletion", include_str!("../../../migrations/postgres/0004_deletion.sql")),
     (5, "calibrated model", include_str!("../../../migrations/postgres/0005_calibrated_model.sql")),
+    (6, "identities", include_str!("../../../migrations/postgres/0006_identities.sql")),
 ];
 
 /// The database server's clock in epoch ms, for lease times: every gateway compares them on

@@ -79,8 +79,8 @@ async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>, lease_ms: i64) -
     let sql = format!(
         "WITH c AS (
              INSERT INTO conversations
-                 (id, title, status, created_at, last_activity_at, turn_count, model, lease_turn, lease_expires_at)
-             VALUES ($1, $2, 'active', $3, $3, 1, $4, $5, {} + $7)
+                 (id, title, status, created_at, last_activity_at, turn_count, model, lease_turn, lease_expires_at, owner)
+             VALUES ($1, $2, 'active', $3, $3, 1, $4, $5, {} + $7, $8)
              ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
                  turn_count = conversations.turn_count + 1,
                  title = CASE WHEN conversations.title = '' THEN excluded.title ELSE conversations.title END,
@@ -101,10 +101,24 @@ async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>, lease_ms: i64) -
         .bind(t.turn_id)
         .bind(t.model)
         .bind(lease_ms)
+        .bind(t.owner)
         .execute(&mut *conn)
         .await?;
     if opened.rows_affected() == 0 {
         return Err(StoreError::Busy);
+    }
+    if let Some(subject) = t.quota_subject {
+        sqlx::query("DELETE FROM quota_turns WHERE subject = $1 AND started_at < $2")
+            .bind(subject)
+            .bind(t.now - super::super::quotas::DAY_MS)
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query("INSERT INTO quota_turns (subject, turn_id, started_at) VALUES ($1, $2, $3)")
+            .bind(subject)
+            .bind(t.turn_id)
+            .bind(t.now)
+            .execute(&mut *conn)
+            .await?;
     }
     if let Some(record) = &t.idempotency {
         sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")

@@ -37,6 +37,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (8, "token calibration", include_str!("../../../migrations/sqlite/0008_token_calibration.sql")),
     (9, "deletion", include_str!("../../../migrations/sqlite/0009_deletion.sql")),
     (10, "calibrated model", include_str!("../../../migrations/sqlite/0010_calibrated_model.sql")),
+    (11, "identities", include_str!("../../../migrations/sqlite/0011_identities.sql")),
 ];
 
 /// The database's clock in epoch ms, for lease times (see `store/lease.rs`).

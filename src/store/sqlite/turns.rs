@@ -94,12 +94,12 @@ fn begin_to(script: &mut Script, t: &BeginTurn<'_>, lease_ms: i64) -> StoreResul
     script
         .sql(
             "INSERT INTO conversations
-                 (id, title, status, created_at, last_activity_at, turn_count, model, lease_turn, lease_expires_at)
+                 (id, title, status, created_at, last_activity_at, turn_count, model, lease_turn, lease_expires_at, owner)
              VALUES (?, ?, 'active', ?, ?, 1, ?, ?, ? + ",
         )
         .sql(super::NOW_MS)
         .sql(
-            ")
+            ", ?)
              ON CONFLICT (id) DO UPDATE SET status = 'active', last_activity_at = excluded.last_activity_at,
                  turn_count = turn_count + 1, title = CASE WHEN title = '' THEN excluded.title ELSE title END,
                  model = coalesce(excluded.model, model),
@@ -115,11 +115,27 @@ fn begin_to(script: &mut Script, t: &BeginTurn<'_>, lease_ms: i64) -> StoreResul
         .bind(t.sticky_model)
         .bind(t.turn_id)
         .bind(lease_ms)
+        .bind(t.owner)
         .bind(t.turn_id)
         .bind(t.model)
         .bind(t.now)
         .bind(t.conversation_id)
         .bind(t.turn_id);
+    if let Some(subject) = t.quota_subject {
+        script
+            .sql(
+                "DELETE FROM quota_turns WHERE subject = ? AND started_at < ?;
+                 INSERT INTO quota_turns (subject, turn_id, started_at)
+                 SELECT ?, ?, ? WHERE EXISTS (SELECT 1 FROM conversations WHERE id = ? AND lease_turn = ?);",
+            )
+            .bind(subject)
+            .bind(t.now - super::super::quotas::DAY_MS)
+            .bind(subject)
+            .bind(t.turn_id)
+            .bind(t.now)
+            .bind(t.conversation_id)
+            .bind(t.turn_id);
+    }
     if let Some(record) = &t.idempotency {
         script
             .sql(

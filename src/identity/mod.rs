@@ -1,0 +1,180 @@
+//! Who a request comes from (spec 8.3): an API key (an administrator), a signed token (its
+//! `sub` is the subject; `scope` with `dispatch:admin` makes an administrator), or the session
+//! cookie a browser got for one of those. With neither keys nor token keys configured, auth is
+//! off and every request is the one anonymous administrator.
+//!
+//! Every credential is checked from the request's head: the layer that calls
+//! [`Authenticator::identify`] runs before any byte of the body is read.
+
+mod jwks;
+mod quotas;
+mod tokens;
+
+use std::sync::Arc;
+
+use ring::digest::{SHA256, digest};
+use subtle::ConstantTimeEq;
+
+pub use quotas::{QuotaError, QuotaExceeded, StreamPlace, StreamQuota, check_turn_quotas};
+pub use tokens::TokenError;
+
+use crate::config::Config;
+
+/// Scope that makes a token's subject an administrator.
+pub const ADMIN_SCOPE: &str = "dispatch:admin";
+
+/// How long a session begun with an API key lasts (a token's session ends at its `exp`).
+pub const KEY_SESSION_SECS: u64 = 12 * 60 * 60;
+
+/// Who a request comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// The token's `sub`; `key:<hash prefix>` for an API key; `anonymous` with auth off.
+    pub subject: Arc<str>,
+    /// Sees and may do everything, has no quota.
+    pub admin: bool,
+    /// When the credential stops being valid (Unix seconds): a token's `exp`; none for a key.
+    pub expires_at: Option<u64>,
+    /// Auth is off: the subject owns nothing (what it creates has no owner).
+    pub anonymous: bool,
+}
+
+impl Identity {
+    /// The identity of every request while auth is off.
+    pub fn anonymous() -> Identity {
+        Identity { subject: Arc::from("anonymous"), admin: true, expires_at: None, anonymous: true }
+    }
+
+    /// Whether this identity may see a conversation owned by `owner` (`None`: no owner, as
+    /// conversations from before identities or from a gateway with auth off).
+    pub fn may_see(&self, owner: Option<&str>) -> bool {
+        self.admin || owner == Some(&*self.subject)
+    }
+
+    /// The owner stored for a conversation this identity creates.
+    pub fn owner(&self) -> Option<&str> {
+        (!self.anonymous).then_some(&*self.subject)
+    }
+
+    /// The subject whose conversations alone this identity sees; `None` for an administrator.
+    pub fn viewer(&self) -> Option<&Arc<str>> {
+        (!self.admin).then_some(&self.subject)
+    }
+}
+
+/// Why a credential was refused: each says so in the 401's error.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("this route needs an API key or a token (Authorization: Bearer, ?access_token= or the session cookie)")]
+    Missing,
+    #[error("the API key or token is not valid: {0}")]
+    Invalid(String),
+}
+
+/// Checks API keys and tokens.
+pub struct Authenticator {
+    /// SHA-256 of each API key, with its subject.
+    keys: Vec<([u8; 32], Arc<str>)>,
+    tokens: Option<tokens::Tokens>,
+}
+
+impl Authenticator {
+    /// From the configuration: reads the token keys' files (a missing or bad one stops the
+    /// start) and begins fetching the JWKS, if any.
+    pub fn new(config: &Config) -> Result<Authenticator, String> {
+        let keys = config
+            .api_keys
+            .iter()
+            .map(|key| {
+                let hash: [u8; 32] = digest(&SHA256, key.as_bytes()).as_ref().try_into().expect("32 bytes");
+                let subject = format!("key:{}", hex(&hash[..4]));
+                (hash, Arc::from(subject))
+            })
+            .collect();
+        Ok(Authenticator { keys, tokens: tokens::Tokens::new(config)? })
+    }
+
+    /// Whether requests need a credential.
+    pub fn enabled(&self) -> bool {
+        !self.keys.is_empty() || self.tokens.is_some()
+    }
+
+    /// Whether signed tokens are taken.
+    pub fn takes_tokens(&self) -> bool {
+        self.tokens.is_some()
+    }
+
+    /// The identity `credential` (a key or a token) proves.
+    pub async fn identify(&self, credential: &str) -> Result<Identity, AuthError> {
+        if credential.is_empty() {
+            return Err(AuthError::Missing);
+        }
+        if let Some(subject) = self.key(credential.as_bytes()) {
+            return Ok(Identity { subject, admin: true, expires_at: None, anonymous: false });
+        }
+        match &self.tokens {
+            Some(tokens) if credential.bytes().filter(|b| *b == b'.').count() == 2 => {
+                tokens.verify(credential).await.map_err(|e| AuthError::Invalid(e.to_string()))
+            }
+            Some(_) => Err(AuthError::Invalid("neither a key nor a token".into())),
+            None => Err(AuthError::Invalid("not a key".into())),
+        }
+    }
+
+    /// The subject of the key `presented` is, compared in a time that depends on neither where
+    /// the inputs differ nor their lengths: both sides are hashed to 32 bytes, then compared in
+    /// constant time against every key (no early exit at a match).
+    fn key(&self, presented: &[u8]) -> Option<Arc<str>> {
+        let presented = digest(&SHA256, presented);
+        let mut found = None;
+        for (hash, subject) in &self.keys {
+            if bool::from(hash.ct_eq(presented.as_ref())) {
+                found = Some(subject.clone());
+            }
+        }
+        found
+    }
+}
+
+/// What the store keeps of a session's id: its SHA-256, in hex.
+pub fn session_hash(id: &str) -> String {
+    hex(digest(&SHA256, id.as_bytes()).as_ref())
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_keys(keys: &[&str]) -> Authenticator {
+        let mut config = Config::defaults();
+        config.api_keys = keys.iter().map(|k| (*k).to_owned()).collect();
+        Authenticator::new(&config).unwrap()
+    }
+
+    #[tokio::test]
+    async fn keys_compare_exactly_and_are_administrators() {
+        let auth = with_keys(&["secret", "other"]);
+        let one = auth.identify("secret").await.unwrap();
+        assert!(one.admin && one.subject.starts_with("key:"));
+        let two = auth.identify("other").await.unwrap();
+        assert_ne!(one.subject, two.subject, "each key is its own subject");
+        for bad in ["secreT", "secret2", "", "a.b.c"] {
+            assert!(auth.identify(bad).await.is_err(), "{bad}");
+        }
+        assert!(!with_keys(&[]).enabled());
+    }
+
+    #[test]
+    fn users_see_their_own() {
+        let alice = Identity { subject: Arc::from("alice"), admin: false, expires_at: None, anonymous: false };
+        assert!(alice.may_see(Some("alice")));
+        assert!(!alice.may_see(Some("bob")));
+        assert!(!alice.may_see(None), "a conversation with no owner is the administrators'");
+        assert!(Identity::anonymous().may_see(Some("bob")));
+        assert_eq!(Identity::anonymous().owner(), None);
+    }
+}

@@ -1,0 +1,188 @@
+//! Signed tokens (JWT): which key checks a token, and what its claims must say.
+//!
+//! The key is chosen by the gateway's configuration and the token's `alg`, never by the token
+//! alone: an HS256 token is checked only with `--jwt-secret-file`'s secret, an RS256 or ES256
+//! one only with a public key of that type (`--jwt-public-key-file`, or the JWKS key its
+//! `kid` names). So `alg: none` has no key, and an HS256 token "signed" with the public key's
+//! bytes (key confusion) is checked against the secret, or refused when there is none.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
+
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use serde::Deserialize;
+
+use super::jwks::Jwks;
+use super::{ADMIN_SCOPE, Identity};
+use crate::config::Config;
+
+/// Clock skew allowed on `exp`, `nbf` and `iat`, in seconds.
+const LEEWAY_SECS: u64 = 30;
+
+/// Why a token was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("the token has expired")]
+    Expired,
+    #[error("the token is not valid yet")]
+    NotYet,
+    #[error("the token's signature does not verify")]
+    Signature,
+    #[error("the token's `alg` {0} is not one this gateway takes")]
+    Algorithm(String),
+    #[error("the token's issuer is not --jwt-issuer")]
+    Issuer,
+    #[error("the token's audience is not --jwt-audience")]
+    Audience,
+    #[error("the token names no key this gateway knows (`kid` {0:?})")]
+    UnknownKey(Option<String>),
+    #[error("the token's signing keys cannot be fetched now: {0}")]
+    KeysUnavailable(String),
+    #[error("the token lacks a claim it needs: {0}")]
+    Claim(String),
+    #[error("the token is malformed")]
+    Malformed,
+}
+
+/// The claims the gateway reads.
+#[derive(Debug, Deserialize)]
+struct Claims {
+    /// Required (checked by the validation too; optional here so that its absence is said).
+    #[serde(default)]
+    sub: Option<String>,
+    #[serde(default)]
+    exp: Option<u64>,
+    #[serde(default)]
+    iat: Option<u64>,
+    #[serde(default)]
+    scope: Option<String>,
+}
+
+pub(super) struct Tokens {
+    secret: Option<DecodingKey>,
+    /// The public key and the one algorithm its type signs with.
+    public: Option<(DecodingKey, Algorithm)>,
+    jwks: Option<Arc<Jwks>>,
+    issuer: Option<String>,
+    audience: Option<String>,
+}
+
+impl Tokens {
+    /// `None` when no token key is configured.
+    pub(super) fn new(config: &Config) -> Result<Option<Tokens>, String> {
+        let secret = match &config.jwt_secret_file {
+            Some(path) => {
+                let mut bytes = read(path, "--jwt-secret-file")?;
+                if bytes.last() == Some(&b'\n') {
+                    bytes.pop();
+                }
+                if bytes.len() < 32 {
+                    return Err(format!(
+                        "--jwt-secret-file {}: an HS256 secret needs at least 32 bytes",
+                        path.display()
+                    ));
+                }
+                Some(DecodingKey::from_secret(&bytes).map_err(|e| format!("--jwt-secret-file: {e}"))?)
+            }
+            None => None,
+        };
+        let public = match &config.jwt_public_key_file {
+            Some(path) => Some(
+                public_key(&read(path, "--jwt-public-key-file")?)
+                    .map_err(|e| format!("--jwt-public-key-file {}: {e}", path.display()))?,
+            ),
+            None => None,
+        };
+        let jwks = match &config.jwks_url {
+            Some(url) => Some(Jwks::start(
+                url,
+                config.jwks_max_bytes as usize,
+                std::time::Duration::from_secs(config.jwks_refetch_secs),
+            )?),
+            None => None,
+        };
+        if secret.is_none() && public.is_none() && jwks.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(Tokens {
+            secret,
+            public,
+            jwks,
+            issuer: config.jwt_issuer.clone(),
+            audience: config.jwt_audience.clone(),
+        }))
+    }
+
+    /// The identity a valid token proves.
+    pub(super) async fn verify(&self, token: &str) -> Result<Identity, TokenError> {
+        let header = jsonwebtoken::decode_header(token).map_err(|_| TokenError::Malformed)?;
+        let key = match header.alg {
+            Algorithm::HS256 => self.secret.clone().ok_or(TokenError::Algorithm("HS256".into()))?,
+            alg @ (Algorithm::RS256 | Algorithm::ES256) => match (&self.public, &self.jwks, &header.kid) {
+                (_, Some(jwks), Some(kid)) => jwks.key(kid, alg).await?,
+                (Some((key, public_alg)), _, _) if *public_alg == alg => key.clone(),
+                (_, Some(_), None) => return Err(TokenError::UnknownKey(None)),
+                _ => return Err(TokenError::Algorithm(format!("{alg:?}"))),
+            },
+            other => return Err(TokenError::Algorithm(format!("{other:?}"))),
+        };
+        let mut validation = Validation::new(header.alg);
+        validation.leeway = LEEWAY_SECS;
+        validation.validate_nbf = true;
+        validation.required_spec_claims = HashSet::from(["exp".to_owned(), "sub".to_owned()]);
+        if let Some(issuer) = &self.issuer {
+            validation.set_issuer(&[issuer]);
+            validation.required_spec_claims.insert("iss".into());
+        }
+        match &self.audience {
+            Some(audience) => {
+                validation.set_audience(&[audience]);
+                validation.required_spec_claims.insert("aud".into());
+            }
+            None => validation.validate_aud = false,
+        }
+        let claims = jsonwebtoken::decode::<Claims>(token, &key, &validation).map_err(refusal)?.claims;
+        if claims.iat.is_some_and(|iat| iat > jsonwebtoken::get_current_timestamp() + LEEWAY_SECS) {
+            return Err(TokenError::NotYet);
+        }
+        let Some(exp) = claims.exp else { return Err(TokenError::Claim("exp".into())) };
+        let Some(sub) = claims.sub.filter(|s| !s.is_empty()) else { return Err(TokenError::Claim("sub".into())) };
+        let admin = claims.scope.as_deref().is_some_and(|s| s.split(' ').any(|s| s == ADMIN_SCOPE));
+        Ok(Identity { subject: Arc::from(sub), admin, expires_at: Some(exp), anonymous: false })
+    }
+}
+
+fn read(path: &Path, flag: &str) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("{flag} {}: cannot be read: {e}", path.display()))
+}
+
+/// A PEM public key and the algorithm its type signs with: RSA keys RS256, EC keys ES256.
+fn public_key(pem: &[u8]) -> Result<(DecodingKey, Algorithm), String> {
+    let text = std::str::from_utf8(pem).map_err(|_| "not a PEM file".to_owned())?;
+    if text.contains("PRIVATE KEY") {
+        return Err("a private key: give the public key only".into());
+    }
+    if let Ok(key) = DecodingKey::from_rsa_pem(pem) {
+        return Ok((key, Algorithm::RS256));
+    }
+    if let Ok(key) = DecodingKey::from_ec_pem(pem) {
+        return Ok((key, Algorithm::ES256));
+    }
+    Err("neither an RSA nor an EC (P-256) public key in PEM".into())
+}
+
+fn refusal(e: jsonwebtoken::errors::Error) -> TokenError {
+    use jsonwebtoken::errors::ErrorKind as K;
+    match e.kind() {
+        K::ExpiredSignature => TokenError::Expired,
+        K::ImmatureSignature => TokenError::NotYet,
+        K::InvalidSignature | K::InvalidEcdsaKey | K::InvalidRsaKey(_) => TokenError::Signature,
+        K::InvalidIssuer => TokenError::Issuer,
+        K::InvalidAudience => TokenError::Audience,
+        K::InvalidAlgorithm | K::MissingAlgorithm | K::InvalidAlgorithmName => TokenError::Algorithm("?".into()),
+        K::MissingRequiredClaim(claim) => TokenError::Claim(claim.clone()),
+        K::InvalidClaimFormat(claim) => TokenError::Claim(claim.clone()),
+        _ => TokenError::Malformed,
+    }
+}
