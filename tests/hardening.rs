@@ -114,8 +114,12 @@ async fn an_empty_key_is_refused_at_start_and_no_key_means_auth_off() {
     assert!(first.contains("auth is off"), "{first}");
     // No keys at all: the log says auth is off.
     let child = ChildGateway::spawn(&["--database".into(), dir.path().join("c.db").into()]);
-    let said =
-        child.logs.lock().unwrap().iter().any(|l| l["fields"]["message"] == "auth is off: no API keys are configured");
+    let said = child
+        .logs
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|l| l["fields"]["message"] == "auth is off: no API keys or token keys are configured");
     assert!(said, "the start logs that auth is off");
     assert!(child.terminate().success());
 }
