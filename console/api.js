@@ -1,7 +1,7 @@
-// The gateway's HTTP API as the console calls it: the API key (kept in session storage, sent as
-// a header, or as `?access_token=` where a header cannot be set), errors as `{error}`.
-
-const KEY = "dispatch.apiKey";
+// The gateway's HTTP API as the console calls it: signed in by the session cookie (`POST
+// /auth/session` with a token or key; the page's scripts never hold the credential after that,
+// and the browser sends the cookie with every request, EventSource and WebSocket included),
+// errors as `{error}`.
 
 /** An answer other than 2xx, with the gateway's own sentence. */
 export class ApiError extends Error {
@@ -13,31 +13,39 @@ export class ApiError extends Error {
 
 let unauthorized = () => {};
 
-/** Called with whether a key had been tried, whenever the gateway answers 401. */
+/** Called whenever the gateway answers 401 (not signed in, or the session ended). */
 export function onUnauthorized(callback) {
   unauthorized = callback;
 }
 
-export function apiKey() {
-  return sessionStorage.getItem(KEY) || "";
+/** Who is signed in (`GET /auth/session`): `{subject, admin, expiresAt}`, or null. */
+export let session = null;
+
+/** Asks the gateway who the page is signed in as; null when nobody (401). */
+export async function whoAmI() {
+  try {
+    session = await request("GET", "/auth/session", undefined, { quiet: true });
+  } catch (e) {
+    if (!(e instanceof ApiError) || e.status !== 401) throw e;
+    session = null;
+  }
+  return session;
 }
 
-export function setApiKey(key) {
-  sessionStorage.setItem(KEY, key);
+/** Signs the page in with a token or key: the answer sets the session cookie. */
+export async function signIn(token) {
+  await request("POST", "/auth/session", { token }, { quiet: true });
+  return whoAmI();
 }
 
-/** `path` with the key as `access_token`, for EventSource and WebSocket. */
-export function withToken(path) {
-  const key = apiKey();
-  if (!key) return path;
-  return `${path}${path.includes("?") ? "&" : "?"}access_token=${encodeURIComponent(key)}`;
+export async function signOut() {
+  await request("DELETE", "/auth/session", undefined, { quiet: true });
+  session = null;
 }
 
 /** One request; resolves to the parsed body, rejects with an `ApiError`. */
-export async function request(method, path, body) {
+export async function request(method, path, body, { quiet = false } = {}) {
   const headers = {};
-  const key = apiKey();
-  if (key) headers.Authorization = `Bearer ${key}`;
   if (body !== undefined) headers["Content-Type"] = "application/json";
   let response;
   try {
@@ -55,8 +63,8 @@ export async function request(method, path, body) {
       data = text;
     }
   }
-  if (response.status === 401) {
-    unauthorized(Boolean(key));
+  if (response.status === 401 && !quiet) {
+    unauthorized();
   }
   if (!response.ok) {
     throw new ApiError(response.status, (data && data.error) || `${response.status} ${response.statusText}`);

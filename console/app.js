@@ -1,7 +1,7 @@
 // The console's shell: the views by the address's hash (`#/`, `#/c/<id>`, `#/throughput`,
-// `#/gateway`), the status feed every view shares, and the API key prompt.
+// `#/gateway`), the status feed every view shares, and signing in and out.
 
-import { onUnauthorized, setApiKey, newConversationId } from "./api.js";
+import { onUnauthorized, newConversationId, whoAmI, signIn, signOut, ApiError } from "./api.js";
 import { StatusFeed } from "./live.js";
 import { ConversationList } from "./list.js";
 import { ConversationView } from "./conversation.js";
@@ -68,27 +68,48 @@ function route() {
   }
 }
 
-// The key prompt: once per session, again only when the gateway refuses the key.
+// Signing in: a token or key is traded once for the session cookie (the page keeps neither);
+// asked again only when the gateway answers 401.
 const dialog = document.getElementById("key-dialog");
 const form = document.getElementById("key-form");
 const input = document.getElementById("key-input");
 const message = document.getElementById("key-message");
+const who = document.getElementById("who");
+const whoName = document.getElementById("who-name");
 function askForKey() {
   dialog.returnValue = "";
   if (!dialog.open) dialog.showModal();
   input.focus();
 }
-onUnauthorized((tried) => {
-  message.textContent = tried
-    ? "The gateway refused that key. Enter a valid API key."
-    : "This gateway needs an API key (one of its --api-keys).";
+function showWho(session) {
+  // With auth off everyone is the one anonymous administrator: nothing to show or sign out of.
+  const shown = session && session.subject !== "anonymous";
+  who.hidden = !shown;
+  whoName.textContent = shown ? `${session.subject}${session.admin ? " (administrator)" : ""}` : "";
+}
+onUnauthorized(() => {
+  showWho(null);
+  message.textContent = "This gateway needs you to sign in: paste a token or one of its API keys.";
   askForKey();
 });
-form.addEventListener("submit", (event) => {
+form.addEventListener("submit", async (event) => {
   event.preventDefault();
-  setApiKey(input.value.trim());
+  const token = input.value.trim();
+  try {
+    showWho(await signIn(token));
+  } catch (e) {
+    message.textContent =
+      e instanceof ApiError && e.status === 401 ? "The gateway refused that token or key. " + e.message : e.message;
+    return;
+  }
   input.value = "";
   dialog.close("key");
+  feed.restart();
+  route();
+});
+document.getElementById("sign-out").addEventListener("click", async () => {
+  await signOut();
+  showWho(null);
   feed.restart();
   route();
 });
@@ -100,13 +121,14 @@ dialog.addEventListener("close", () => {
   main.replaceChildren(
     h(
       "section",
-      { class: "detail empty", "aria-label": "API key needed" },
-      h("p", { class: "muted" }, "This gateway needs an API key before the console can show anything."),
-      h("button", { type: "button", class: "primary", onclick: askForKey }, "Enter an API key"),
+      { class: "detail empty", "aria-label": "Sign in needed" },
+      h("p", { class: "muted" }, "This gateway needs you to sign in before the console can show anything."),
+      h("button", { type: "button", class: "primary", onclick: askForKey }, "Sign in"),
     ),
   );
   main.className = "single";
 });
 
 window.addEventListener("hashchange", route);
+whoAmI().then(showWho, () => {});
 route();

@@ -9,7 +9,7 @@
 // (EventSource resumes by `Last-Event-ID`; a cursor whose turn has sealed meanwhile gets
 // `resync` again). docs/console.md has the whole of it.
 
-import { get, post, put, del, withToken, conversationPath, ApiError } from "./api.js";
+import { get, post, put, del, conversationPath, ApiError } from "./api.js";
 import { h } from "./dom.js";
 import { Turn, turnsFromChunks, applyEvent } from "./transcript.js";
 import { TurnPlots } from "./metrics.js";
@@ -179,7 +179,7 @@ export class ConversationView {
 
   connect() {
     const cursor = this.lastEventId || NO_CURSOR;
-    const source = new EventSource(withToken(`${this.path}/events?lastEventId=${encodeURIComponent(cursor)}`));
+    const source = new EventSource(`${this.path}/events?lastEventId=${encodeURIComponent(cursor)}`);
     this.source = source;
     this.showStream("connecting");
     source.onopen = () => this.showStream("live");

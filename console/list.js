@@ -1,7 +1,7 @@
 // The conversation list: newest activity first, searchable by id prefix and status, and live:
 // a status change anywhere (a new conversation, a turn starting or sealing) reads it again.
 
-import { Reads, ApiError } from "./api.js";
+import { Reads, ApiError, session } from "./api.js";
 import { h, when } from "./dom.js";
 
 export class ConversationList {
@@ -80,7 +80,12 @@ export class ConversationList {
         h("span", { class: "title" }, c.title || c.id),
         h("span", { class: "status", dataset: { status: c.status } }, c.status),
         // A titled conversation shows its id too: titles repeat, and the search is by id.
-        meta([c.title ? c.id : null, c.model || "default model"].filter(Boolean).join(" · ")),
+        // An administrator sees everyone's: each says whose it is.
+        meta(
+          [c.title ? c.id : null, c.model || "default model", session?.admin && c.owner ? `owner ${c.owner}` : null]
+            .filter(Boolean)
+            .join(" · "),
+        ),
         h("time", { class: "meta", datetime: new Date(c.lastActivityAt).toISOString() }, when(c.lastActivityAt)),
       ),
     );

@@ -1,7 +1,6 @@
 // Status changes of every conversation, over the gateway's WebSocket (`/ws`): the list follows
-// them without polling. Reconnects with a growing pause when the socket drops.
-
-import { withToken } from "./api.js";
+// them without polling. Reconnects with a growing pause when the socket drops. Signed in by the
+// session cookie, which the browser sends with the handshake.
 
 export class StatusFeed {
   constructor(indicator) {
@@ -35,7 +34,7 @@ export class StatusFeed {
 
   connect() {
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-    const socket = new WebSocket(`${scheme}//${location.host}${withToken("/ws")}`);
+    const socket = new WebSocket(`${scheme}//${location.host}/ws`);
     this.socket = socket;
     this.show("connecting", "connecting…");
     socket.onopen = () => {

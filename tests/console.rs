@@ -169,7 +169,26 @@ async fn the_console_in_a_real_browser() {
     std::fs::create_dir_all(dir.path().join("locked")).unwrap();
     let mut locked = test_config(&dir.path().join("locked"));
     locked.api_keys = vec!["console-key".into()];
+    let secret = dir.path().join("jwt-secret");
+    std::fs::write(&secret, "a-secret-of-at-least-thirty-two-bytes!!").unwrap();
+    locked.jwt_secret_file = Some(secret);
     let locked = TestServer::start(locked).await;
+    let claims = json!({"sub": "alice", "exp": jsonwebtoken::get_current_timestamp() + 3600});
+    let alice = jsonwebtoken::encode(
+        &jsonwebtoken::Header::default(),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(b"a-secret-of-at-least-thirty-two-bytes!!").unwrap(),
+    )
+    .unwrap();
+    let mine = locked
+        .client
+        .post(locked.url("/conversations"))
+        .bearer_auth(&alice)
+        .json(&json!({"id": "alices-own", "title": "Alice's own"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(mine.status(), 201);
 
     // A conversation of 500 sealed turns, for the plots' readability and their point count.
     for i in 0..500 {
@@ -199,6 +218,7 @@ async fn the_console_in_a_real_browser() {
         .env("OPEN_URL", open.url(""))
         .env("LOCKED_URL", locked.url(""))
         .env("API_KEY", "console-key")
+        .env("ALICE_TOKEN", &alice)
         .env("SHOTS", &shots)
         .kill_on_drop(true)
         .spawn()
@@ -213,6 +233,7 @@ async fn the_console_in_a_real_browser() {
         "tool-calls",
         "aborted",
         "key-prompt",
+        "signed-in-user",
         "plots",
         "plots-500",
         "throughput",

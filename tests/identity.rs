@@ -585,3 +585,71 @@ async fn a_web_root_is_served_from_the_gateways_own_origin() {
     let r = get("/app/%2e%2e/outside.txt").await.unwrap();
     assert!(!r.text().await.unwrap().contains("secret"), "nothing outside the root");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browser_signs_in_once_and_works_with_the_cookie_alone_and_another_site_cannot() {
+    let Some((chromium, playwright)) = browser() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("web");
+    std::fs::create_dir_all(&root).unwrap();
+    let here = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/identity");
+    std::fs::copy(here.join("client.js"), root.join("client.js")).unwrap();
+    std::fs::write(
+        root.join("index.html"),
+        "<!doctype html><title>web client</title><script src=\"client.js\"></script>",
+    )
+    .unwrap();
+    let mut config = config_with_secret(dir.path());
+    config.web_root = Some(root);
+    let server = TestServer::start(config).await;
+    let token = hs256(user("alice"), SECRET.as_bytes());
+    let child = tokio::process::Command::new("node")
+        .arg(here.join("drive.mjs"))
+        .env("PLAYWRIGHT", &playwright)
+        .env("CHROMIUM", &chromium)
+        .env("GATEWAY", server.url(""))
+        .env("TOKEN", &token)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("node runs the browser driver");
+    let out = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
+        .await
+        .expect("the driver finishes")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the browser driver failed ({}): {stdout}", out.status);
+    let report: Value = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("REPORT "))
+        .map(|r| serde_json::from_str(r).unwrap())
+        .unwrap_or_else(|| panic!("no report: {stdout}"));
+    eprintln!("{report:#}");
+    // The page: refused before signing in, then everything with the cookie alone.
+    let client = &report["client"];
+    assert_eq!(client["before"], 401, "{client}");
+    assert_eq!(client["signIn"], 204, "{client}");
+    assert_eq!(client["who"]["subject"], "alice", "{client}");
+    assert_eq!(client["list"], 200, "{client}");
+    assert_eq!(client["sent"], 202, "{client}");
+    assert_eq!(client["sse"].as_array().unwrap().last().unwrap(), "turn-sealed", "{client}");
+    assert!(client["sse"].as_array().unwrap().iter().any(|t| t == "text-delta"), "{client}");
+    assert_eq!(client["ws"].as_array().unwrap().last().unwrap(), "turn-sealed", "{client}");
+    assert!(client["history"].as_u64().unwrap() >= 2, "{client}");
+    assert_eq!(report["cookies"], json!([{"name": "dispatch_session", "httpOnly": true, "sameSite": "Strict"}]));
+    assert_eq!(report["scriptSeesCookie"], "", "HttpOnly: the page's scripts never see it");
+    assert_eq!(report["errors"], json!([]));
+    // Another site: reads nothing, sends nothing, opens no session.
+    let evil = &report["evil"];
+    assert_eq!(evil["read"], "threw", "{evil}");
+    assert_eq!(evil["sendJson"], "threw", "{evil}");
+    assert_eq!(evil["websocket"], "refused", "{evil}");
+    let (_, history) =
+        read_json(server.client.get(server.url("/conversations/web-sse")).bearer_auth(&token).send().await.unwrap())
+            .await;
+    let users: Vec<&Value> = history["chunks"].as_array().unwrap().iter().filter(|c| c["role"] == "user").collect();
+    assert_eq!(users.len(), 1, "only the page's own message: {history}");
+    let (_, list) = ask(&server, &token, "GET", "/conversations", None).await;
+    let ids: Vec<&str> = list["conversations"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 2, "web-sse and web-ws, alice's: {ids:?}");
+}

@@ -385,28 +385,45 @@ try {
   await dark.screenshot({ path: shot("dark") });
   step("usable at 390 px, dark with the system");
 
-  // Auth: the key is asked for once, a wrong one is said to be wrong.
+  // Auth: signing in is asked for once, a wrong token or key is said to be wrong.
   const locked = await open(`${LOCKED_URL}/`);
-  const dialog = locked.getByRole("dialog", { name: "API key" });
-  await dialog.filter({ hasText: "needs an API key" }).waitFor();
+  const dialog = locked.getByRole("dialog", { name: "Sign in" });
+  await dialog.filter({ hasText: "needs you to sign in" }).waitFor();
   await locked.screenshot({ path: shot("key-prompt") });
   // Dismissed with Escape, the page says why it is empty and offers the prompt again.
   await locked.keyboard.press("Escape");
-  await locked.getByRole("button", { name: "Enter an API key" }).click();
-  await dialog.filter({ hasText: "needs an API key" }).waitFor();
-  await locked.getByRole("textbox", { name: "Key" }).fill("not-the-key");
-  await locked.getByRole("button", { name: "Use this key" }).click();
-  await dialog.filter({ hasText: "refused that key" }).waitFor();
-  await locked.getByRole("textbox", { name: "Key" }).fill(API_KEY);
-  await locked.getByRole("button", { name: "Use this key" }).click();
+  await locked.getByRole("button", { name: "Sign in" }).click();
+  await dialog.filter({ hasText: "needs you to sign in" }).waitFor();
+  await locked.getByRole("textbox", { name: "Token or API key" }).fill("not-the-key");
+  await dialog.getByRole("button", { name: "Sign in" }).click();
+  await dialog.filter({ hasText: "refused that token or key" }).waitFor();
+  await locked.getByRole("textbox", { name: "Token or API key" }).fill(API_KEY);
+  await dialog.getByRole("button", { name: "Sign in" }).click();
+  // Signed in with a key: an administrator, who sees everyone's conversations and whose they are.
+  await locked.getByRole("status", { name: "Signed in as" }).filter({ hasText: "(administrator)" }).waitFor();
+  const alices = locked.locator('li[data-id="alices-own"]');
+  await alices.filter({ hasText: "owner alice" }).waitFor();
+  assert.equal(await locked.evaluate(() => document.cookie), "", "the page's scripts hold no credential");
   await locked.getByRole("link", { name: /Behind a key/ }).click();
   await locked.getByRole("textbox", { name: "Message" }).fill("hello behind the key");
   await locked.getByRole("button", { name: "Send" }).click();
   await locked.locator('article.turn[data-live="true"][data-sealed="true"] .done').waitFor();
   await locked.reload();
   await locked.locator('article.turn[data-live="false"]').waitFor();
-  assert.equal(await dialog.isVisible(), false, "the key is kept for the session");
+  assert.equal(await dialog.isVisible(), false, "the session is kept");
   step("with keys on: asked once (again after Escape), refused clearly, then working (stream included)");
+
+  // Signing out, then in as a user with a token: only her own conversation, no owner shown.
+  await locked.getByRole("button", { name: "Sign out" }).click();
+  await dialog.filter({ hasText: "needs you to sign in" }).waitFor();
+  await locked.getByRole("textbox", { name: "Token or API key" }).fill(process.env.ALICE_TOKEN);
+  await dialog.getByRole("button", { name: "Sign in" }).click();
+  await locked.getByRole("status", { name: "Signed in as" }).filter({ hasText: /^alice$/ }).waitFor();
+  await alices.waitFor();
+  assert.equal(await locked.locator('li[data-id="behind-a-key"]').count(), 0, "a user sees her own only");
+  assert.equal(await alices.filter({ hasText: "owner" }).count(), 0, "a user is not shown owners");
+  await locked.screenshot({ path: shot("signed-in-user") });
+  step("signed out, then in with a token: her own conversations only");
 
   assert.deepEqual(pageErrors, [], "no script errors on any page");
   console.log("console: all checks passed");

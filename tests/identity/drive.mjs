@@ -1,0 +1,64 @@
+// A browser signs in once on a page the gateway serves from `--web-root` and then uses the API
+// with the session cookie alone (`client.js`); a page of another site then tries to use that
+// cookie. Prints one JSON line of what each page could do; tests/identity.rs judges it.
+
+import http from "node:http";
+import { createRequire } from "node:module";
+
+const require = createRequire(import.meta.url);
+const { chromium } = require(process.env.PLAYWRIGHT);
+const { GATEWAY, CHROMIUM, TOKEN } = process.env;
+
+// Another site: a name mapped to this machine, on a port of its own.
+const evilPage = (gateway) => `<!doctype html><title>evil</title><script>
+(async () => {
+  const out = {};
+  const tryIt = async (name, f) => { try { out[name] = await f(); } catch (e) { out[name] = "threw"; } };
+  await tryIt("read", async () => (await fetch("${gateway}/conversations", { credentials: "include" })).status);
+  await tryIt("send", async () => (await fetch("${gateway}/conversations/web-sse/messages", { method: "POST",
+    credentials: "include", mode: "no-cors", headers: { "content-type": "text/plain" },
+    body: JSON.stringify({ message: "forged" }) })).type);
+  await tryIt("sendJson", async () => (await fetch("${gateway}/conversations/web-sse/messages", { method: "POST",
+    credentials: "include", headers: { "content-type": "application/json" },
+    body: JSON.stringify({ message: "forged" }) })).status);
+  await tryIt("websocket", () => new Promise((resolve) => {
+    const ws = new WebSocket("${gateway.replace("http", "ws")}/ws");
+    ws.onopen = () => { ws.send(JSON.stringify({ type: "chat.send", conversationId: "web-sse", message: "forged" }));
+      setTimeout(() => resolve("opened"), 500); };
+    ws.onerror = () => resolve("refused");
+  }));
+  const pre = document.createElement("pre"); pre.id = "result"; pre.textContent = JSON.stringify(out);
+  document.body.append(pre);
+})();
+</script>`;
+
+const evil = http.createServer((req, res) => {
+  res.writeHead(200, { "content-type": "text/html" });
+  res.end(evilPage(GATEWAY));
+});
+await new Promise((resolve) => evil.listen(0, "127.0.0.1", resolve));
+const evilUrl = `http://evil.test:${evil.address().port}/`;
+
+const browser = await chromium.launch({
+  executablePath: CHROMIUM,
+  args: ["--no-sandbox", "--host-resolver-rules=MAP evil.test 127.0.0.1"],
+});
+const report = {};
+try {
+  const context = await browser.newContext();
+  const page = await context.newPage();
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(String(e)));
+  await page.goto(`${GATEWAY}/app/#token=${encodeURIComponent(TOKEN)}`);
+  report.client = JSON.parse(await page.locator("#result").textContent({ timeout: 60000 }));
+  report.cookies = (await context.cookies()).map((c) => ({ name: c.name, httpOnly: c.httpOnly, sameSite: c.sameSite }));
+  report.scriptSeesCookie = await page.evaluate(() => document.cookie);
+  const other = await context.newPage();
+  await other.goto(evilUrl);
+  report.evil = JSON.parse(await other.locator("#result").textContent({ timeout: 30000 }));
+  report.errors = errors;
+} finally {
+  await browser.close();
+  evil.close();
+}
+console.log("REPORT " + JSON.stringify(report));
