@@ -653,3 +653,70 @@ async fn a_browser_signs_in_once_and_works_with_the_cookie_alone_and_another_sit
     let ids: Vec<&str> = list["conversations"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()).collect();
     assert_eq!(ids.len(), 2, "web-sse and web-ws, alice's: {ids:?}");
 }
+
+/// Quotas are counted in the database: two gateways on one PostgreSQL enforce one budget.
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_are_shared_by_the_gateways_of_a_cluster() {
+    let Some(database) = dispatch_testkit::postgres::fresh_database().await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let start = |name: &str| {
+        let config = {
+            let mut c = config_with_secret(&dir.path().join(name));
+            c.database = Database::Postgres(database.url.clone());
+            c.scripted_script = Some(write_script(
+                &dir.path().join(name),
+                json!({"rules": [{"match": "long", "steps": [{"text": "working", "stallMs": 120000}]}]}),
+            ));
+            c.quotas.concurrent_turns = Some(1);
+            c.quotas.turns_per_minute = Some(3);
+            c.quotas.streams = Some(1);
+            c
+        };
+        TestServer::start(config)
+    };
+    std::fs::create_dir_all(dir.path().join("a")).unwrap();
+    std::fs::create_dir_all(dir.path().join("b")).unwrap();
+    let a = start("a").await;
+    let b = start("b").await;
+    let (alice, bob) = (hs256(user("alice"), SECRET.as_bytes()), hs256(user("bob"), SECRET.as_bytes()));
+    let message = |text: &str| json!({"message": text});
+    let sealed = |server: &TestServer, id: &str| {
+        let url = server.url(&format!("/conversations/{id}/last?timeoutMs=30000"));
+        let request = server.client.get(url).bearer_auth(&alice);
+        async move { assert_eq!(request.send().await.unwrap().status(), 200) }
+    };
+
+    // One turn at a time for alice, whichever gateway runs it.
+    assert_eq!(ask(&a, &alice, "POST", "/conversations/c1/messages", Some(&message("long"))).await.0, 202);
+    let (status, body) = ask(&b, &alice, "POST", "/conversations/c2/messages", Some(&message("hi"))).await;
+    assert_eq!((status, body["limit"].as_str()), (429, Some("concurrent_turns")), "{body}");
+    assert_eq!(ask(&b, &bob, "POST", "/conversations/b1/messages", Some(&message("hi"))).await.0, 202, "bob's own");
+    // A stream of alice's on one gateway takes her one place on the other too.
+    let watching = a.client.get(a.url("/conversations/c1/events")).bearer_auth(&alice).send().await.unwrap();
+    assert_eq!(watching.status(), 200);
+    let (status, body) = ask(&b, &alice, "GET", "/conversations/c2/events", None).await;
+    assert_eq!((status, body["limit"].as_str()), (429, Some("streams")), "{body}");
+    drop(watching);
+
+    assert_eq!(ask(&a, &alice, "POST", "/conversations/c1/stop", None).await.0, 200);
+    sealed(&a, "c1").await;
+    assert_eq!(ask(&b, &alice, "POST", "/conversations/c2/messages", Some(&message("hi"))).await.0, 202);
+    sealed(&b, "c2").await;
+    assert_eq!(ask(&a, &alice, "POST", "/conversations/c3/messages", Some(&message("hi"))).await.0, 202);
+    sealed(&a, "c3").await;
+    // Three turns in the last minute, over both gateways: the fourth waits.
+    let r = b
+        .client
+        .post(b.url("/conversations/c4/messages"))
+        .bearer_auth(&alice)
+        .json(&message("hi"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    assert_eq!(read_json(r).await.1["limit"], "turns_per_minute");
+    // Their tokens were counted for the day, on the shared database.
+    assert!(b.state.store.tokens_since("alice", 0).await.unwrap().amount > 0);
+}

@@ -42,7 +42,7 @@ impl Store {
 
     /// Tokens of the turns `subject` started since `since_ms`.
     pub async fn tokens_since(&self, subject: &str, since_ms: i64) -> StoreResult<QuotaUse> {
-        let sql = "SELECT coalesce(sum(tokens), 0), min(started_at) FROM quota_turns
+        let sql = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT), min(started_at) FROM quota_turns
                    WHERE subject = $1 AND started_at > $2 AND tokens > 0";
         let row: Option<(i64, Option<i64>)> = self.fetch_optional(Query::new(sql).bind(subject).bind(since_ms)).await?;
         let (n, oldest) = row.unwrap_or((0, None));
@@ -71,7 +71,7 @@ impl Store {
 
     /// Streams `subject` has open on the other gateways (rows refreshed within the last minute).
     pub async fn open_streams_elsewhere(&self, gateway: &str, subject: &str, now: i64) -> StoreResult<u64> {
-        let sql = "SELECT coalesce(sum(open), 0) FROM quota_streams
+        let sql = "SELECT CAST(coalesce(sum(open), 0) AS BIGINT) FROM quota_streams
                    WHERE subject = $1 AND gateway <> $2 AND seen_at > $3";
         let q = Query::new(sql).bind(subject).bind(gateway).bind(now - STREAM_ROW_FRESH_MS);
         let (n,): (i64,) = self.fetch_optional(q).await?.unwrap_or((0,));
