@@ -720,3 +720,34 @@ async fn quotas_are_shared_by_the_gateways_of_a_cluster() {
     // Their tokens were counted for the day, on the shared database.
     assert!(b.state.store.tokens_since("alice", 0).await.unwrap().amount > 0);
 }
+
+#[tokio::test]
+async fn the_counters_are_the_administrators_and_throughput_counts_a_users_own_turns() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(config_with_secret(dir.path())).await;
+    let (alice, bob) = (hs256(user("alice"), SECRET.as_bytes()), hs256(user("bob"), SECRET.as_bytes()));
+    let admin = hs256(json!({"sub": "root", "exp": now() + 600, "scope": "dispatch:admin"}), SECRET.as_bytes());
+    for (token, id) in [(&alice, "a1"), (&alice, "a2"), (&bob, "b1")] {
+        let r = server
+            .client
+            .post(server.url("/chat"))
+            .bearer_auth(token)
+            .json(&json!({"conversationId": id, "message": "hi"}))
+            .send()
+            .await
+            .unwrap();
+        EventStream::new(r).collect().await;
+    }
+    let turns =
+        |body: &Value| body["models"].as_array().unwrap().iter().map(|m| m["turns"].as_i64().unwrap()).sum::<i64>();
+    let (_, mine) = ask(&server, &alice, "GET", "/metrics/throughput", None).await;
+    assert_eq!(turns(&mine), 2, "{mine}");
+    let (_, his) = ask(&server, &bob, "GET", "/metrics/throughput", None).await;
+    assert_eq!(turns(&his), 1, "{his}");
+    let (_, all) = ask(&server, &admin, "GET", "/metrics/throughput", None).await;
+    assert_eq!(turns(&all), 3, "{all}");
+    let (status, body) = ask(&server, &alice, "GET", "/metrics", None).await;
+    assert_eq!(status, 403, "{body}");
+    let r = server.client.get(server.url("/metrics")).bearer_auth(&admin).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}

@@ -10,6 +10,7 @@ use super::AppState;
 use super::error::ApiError;
 #[cfg(feature = "openapi")]
 use super::error::ErrorBody;
+use super::extract::Caller;
 
 #[derive(Debug, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -41,8 +42,16 @@ pub async fn ready(State(state): State<AppState>) -> Result<Response, ApiError> 
 /// Prometheus text exposition of the gateway's counters.
 #[cfg_attr(feature = "openapi", utoipa::path(get, path = "/metrics", tag = "operations", responses(
     (status = 200, description = "Prometheus text format", content_type = "text/plain; version=0.0.4", body = String),
+    (status = 403, description = "Not an administrator: the counters are the whole gateway's", body = super::error::ErrorBody),
 )))]
-pub async fn metrics(State(state): State<AppState>) -> Response {
+pub async fn metrics(State(state): State<AppState>, Caller(caller): Caller) -> Response {
+    if !caller.admin {
+        return ApiError::Forbidden(
+            "the gateway's counters are for administrators (an API key, or a token with the dispatch:admin scope)"
+                .into(),
+        )
+        .into_response();
+    }
     let hub = &state.hub;
     let pacing = crate::metrics::Pacing { window: hub.window(), write_cost: hub.write_cost() };
     let (running, connections) = (state.turns.running(), state.connections.open());

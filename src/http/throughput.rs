@@ -9,7 +9,7 @@ use super::AppState;
 use super::error::ApiError;
 #[cfg(feature = "openapi")]
 use super::error::ErrorBody;
-use super::extract::QueryParams;
+use super::extract::{Caller, QueryParams};
 use crate::store::now_ms;
 
 const DAY_MS: i64 = 86_400_000;
@@ -96,11 +96,15 @@ fn parse_date(s: &str) -> Option<(i64, i64, Option<i64>)> {
     tag = "operations",
     params(
         ("period" = Option<String>, Query, description = "`day` (default), `week` (ISO, Monday first) or `month`"),
-        ("date" = Option<String>, Query, description = "`YYYY-MM-DD`, or `YYYY-MM` for a month; default today (UTC)"),
+        ("date" = Option<String>, Query, description = "`YYYY-MM-DD`, or `YYYY-MM` for a month; default today (UTC). A user's answer counts their own turns"),
     ),
     responses((status = 200, body = Throughput), (status = 400, body = ErrorBody))
 ))]
-pub async fn throughput(State(state): State<AppState>, query: QueryParams) -> Result<Json<Throughput>, ApiError> {
+pub async fn throughput(
+    State(state): State<AppState>,
+    Caller(caller): Caller,
+    query: QueryParams,
+) -> Result<Json<Throughput>, ApiError> {
     let period = query.get("period").unwrap_or("day");
     if !matches!(period, "day" | "week" | "month") {
         return Err(ApiError::bad(format!("`period` takes day, week or month, got {period:?}")));
@@ -125,7 +129,8 @@ pub async fn throughput(State(state): State<AppState>, query: QueryParams) -> Re
     let (start, end) = (first_day * DAY_MS, (first_day + days) * DAY_MS);
     let mut models: Vec<ModelRate> = state
         .store
-        .throughput(start, end)
+        // A user counts their own turns; an administrator everyone's.
+        .throughput(start, end, caller.viewer().map(|v| &**v))
         .await?
         .into_iter()
         .map(|r| ModelRate {

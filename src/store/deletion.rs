@@ -165,7 +165,7 @@ mod tests {
             }
             assert_eq!(store.latest_seq("c", None).await.unwrap(), 0, "{b}");
             assert_eq!(store.turn_metrics("c").await.unwrap(), vec![], "{b}");
-            let counted: Vec<i64> = store.throughput(0, 10).await.unwrap().iter().map(|m| m.turns).collect();
+            let counted: Vec<i64> = store.throughput(0, 10, None).await.unwrap().iter().map(|m| m.turns).collect();
             assert_eq!(counted, [2], "{b}: only the other conversation's turns");
             assert!(!store.set_title("c", "x").await.unwrap(), "{b}");
             assert!(!store.close_conversation("c").await.unwrap(), "{b}");

@@ -171,13 +171,25 @@ impl Store {
     /// Per model: output tokens, generation time and turns of the turns sealed in
     /// `[start, end)` (epoch ms), those of a conversation being deleted left out like every
     /// other read of it (the few marked rows, from their partial index).
-    pub async fn throughput(&self, start: i64, end: i64) -> StoreResult<Vec<ModelThroughput>> {
-        let sql = "SELECT model, CAST(coalesce(sum(output_tokens), 0) AS BIGINT),
-                          CAST(coalesce(sum(gen_total_ms), 0) AS BIGINT), count(*)
-                   FROM turns WHERE sealed_at >= $1 AND sealed_at < $2
-                   AND conversation_id NOT IN (SELECT id FROM conversations WHERE deleted_at IS NOT NULL)
-                   GROUP BY model";
-        let rows: Vec<(String, i64, i64, i64)> = self.fetch_all(Query::new(sql).bind(start).bind(end)).await?;
+    /// Output tokens and generation time per model of the turns sealed in `[start, end)`; with
+    /// `owner`, only the turns of that subject's conversations.
+    pub async fn throughput(&self, start: i64, end: i64, owner: Option<&str>) -> StoreResult<Vec<ModelThroughput>> {
+        let (whose, q) = match owner {
+            Some(_) => ("id FROM conversations WHERE deleted_at IS NOT NULL OR owner IS NULL OR owner <> $3", true),
+            None => ("id FROM conversations WHERE deleted_at IS NOT NULL", false),
+        };
+        let sql = format!(
+            "SELECT model, CAST(coalesce(sum(output_tokens), 0) AS BIGINT),
+                    CAST(coalesce(sum(gen_total_ms), 0) AS BIGINT), count(*)
+             FROM turns WHERE sealed_at >= $1 AND sealed_at < $2
+             AND conversation_id NOT IN (SELECT {whose})
+             GROUP BY model"
+        );
+        let mut query = Query::new(sql).bind(start).bind(end);
+        if q {
+            query = query.bind(owner.unwrap_or_default());
+        }
+        let rows: Vec<(String, i64, i64, i64)> = self.fetch_all(query).await?;
         Ok(rows
             .into_iter()
             .map(|(model, output_tokens, gen_ms, turns)| ModelThroughput { model, output_tokens, gen_ms, turns })
