@@ -751,3 +751,56 @@ async fn the_counters_are_the_administrators_and_throughput_counts_a_users_own_t
     let r = server.client.get(server.url("/metrics")).bearer_auth(&admin).send().await.unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// Every state change is logged with its subject, the gateway's own binary writing its log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_state_change_is_logged_with_its_subject() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, SECRET).unwrap();
+    let child = ChildGateway::spawn(&[
+        "--database".into(),
+        dir.path().join("g.db").into(),
+        "--jwt-secret-file".into(),
+        secret.into(),
+    ]);
+    let alice = hs256(user("alice"), SECRET.as_bytes());
+    let url = |path: &str| format!("http://{}{path}", child.addr);
+    let client = reqwest::Client::new();
+    let r = client.post(url("/conversations")).bearer_auth(&alice).json(&json!({"id": "logged"})).send().await.unwrap();
+    assert_eq!(r.status(), 201);
+    let r = client.get(url("/conversations/logged")).bearer_auth(&alice).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = client.delete(url("/conversations/logged")).bearer_auth(&alice).send().await.unwrap();
+    assert_eq!(r.status(), 204);
+    let audit = |logs: &[Value]| -> Vec<(String, String, u64)> {
+        logs.iter()
+            .filter(|l| l["target"] == "dispatch::audit")
+            .map(|l| {
+                let f = &l["fields"];
+                (
+                    f["subject"].as_str().unwrap_or("").to_owned(),
+                    format!("{} {}", f["method"].as_str().unwrap_or(""), f["path"].as_str().unwrap_or("")),
+                    f["status"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect()
+    };
+    let mut seen = Vec::new();
+    for _ in 0..100 {
+        seen = audit(&child.logs.lock().unwrap());
+        if seen.len() >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        seen,
+        [
+            ("alice".to_owned(), "POST /conversations".to_owned(), 201),
+            ("alice".to_owned(), "DELETE /conversations/logged".to_owned(), 204)
+        ],
+        "the two changes, not the read"
+    );
+    assert!(child.terminate().success());
+}

@@ -29,6 +29,7 @@ pub struct SessionInfo {
     pub admin: bool,
     /// When the credential stops being valid, in ms since the epoch (none: a key's, which does
     /// not expire, or auth off).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<i64>,
 }
 

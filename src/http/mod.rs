@@ -137,7 +137,7 @@ macro_rules! api {
         #[openapi(
             info(title = "dispatch-gateway", description = "Turns, an append-only log and live streams for agent runtimes."),
             paths($($($module::$handler),+),+),
-            components(schemas(crate::wire::AgentEvent, crate::wire::Chunk, crate::wire::StoredChunk)),
+            components(schemas(crate::wire::AgentEvent, crate::wire::Chunk, crate::wire::StoredChunk, error::QuotaBody)),
             tags(
                 (name = "chat", description = "Start turns and stream them"),
                 (name = "conversations", description = "Conversations, their log and metrics"),

@@ -52,6 +52,8 @@ pub fn refine(mut doc: Value) -> Value {
 /// - 403 on every state change and on `/ws`: a browser page of an origin the gateway does not
 ///   let in (`--cors-origins`);
 /// - 415 on every route that takes a body: one not typed as JSON;
+/// - 429 on every route that starts a turn or opens a stream: past one of the caller's quotas
+///   (`[quotas]`), with `Retry-After` and the quota's name;
 /// - 500 on every route whose handler answers errors with an `ErrorBody` (but `/ws`, which
 ///   answers its errors on the socket once upgraded, and the public ones: `/ready` reports a
 ///   failing database as 503): a storage failure that no other status describes; the details
@@ -81,6 +83,20 @@ fn complete_responses(path: &str, method: &str, takes_body: bool, responses: &mu
         responses
             .entry("415")
             .or_insert_with(|| error("The body is not typed as JSON (Content-Type: application/json)"));
+    }
+    let quota = matches!(
+        (method, path),
+        ("post", "/chat" | "/conversations/{id}/messages" | "/conversations/{id}/queue")
+            | ("get", "/conversations/{id}/events" | "/conversations/{id}/last" | "/ws")
+    );
+    if quota {
+        responses.entry("429").or_insert_with(|| {
+            json!({
+                "description": "Past one of the caller's quotas ([quotas]): the body names it",
+                "headers": {"Retry-After": {"description": "Seconds until the quota has room", "schema": {"type": "integer"}}},
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/QuotaBody"}}},
+            })
+        });
     }
     if answers_errors && !public && path != "/ws" {
         responses

@@ -1620,7 +1620,7 @@ async fn latejoin(
 }
 
 async fn turns(base: &str, clients: usize, seconds: f64, pids: &[u32]) -> Value {
-    let client = reqwest::Client::new();
+    let client = authorized_client();
     let deadline = Instant::now() + Duration::from_secs_f64(seconds);
     let writes0 = metric(&client, base, "dispatch_sqlite_write_seconds_count").await.unwrap_or(0.0);
     let cpu0 = cpu_micros(pids);
@@ -1687,6 +1687,21 @@ async fn turns(base: &str, clients: usize, seconds: f64, pids: &[u32]) -> Value 
     })
 }
 
+/// The `Authorization` the gateway's requests carry, from `DISPATCH_BENCH_AUTHORIZATION` (an
+/// API key or a user's token, `Bearer ...`): `bench/ab --auth` compares the two on W6 and W7.
+fn authorization() -> Option<String> {
+    std::env::var("DISPATCH_BENCH_AUTHORIZATION").ok().filter(|v| !v.is_empty())
+}
+
+/// A client whose requests carry [`authorization`].
+fn authorized_client() -> reqwest::Client {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(value) = authorization() {
+        headers.insert(reqwest::header::AUTHORIZATION, value.parse().expect("a header value"));
+    }
+    reqwest::Client::builder().default_headers(headers).build().unwrap()
+}
+
 /// One keep-alive HTTP/1.1 connection for GET requests with `content-length` answers, by hand
 /// (the client shares the cores with the server: a general-purpose client costs about as much
 /// per request as the server does).
@@ -1701,7 +1716,9 @@ impl Getter {
         let host = base.strip_prefix("http://").ok_or("http only")?;
         let stream = tokio::net::TcpStream::connect(host).await.map_err(|e| format!("{base}: {e}"))?;
         let _ = stream.set_nodelay(true);
-        let request = format!("GET {path} HTTP/1.1\r\nhost: {host}\r\naccept: application/json\r\n\r\n").into_bytes();
+        let auth = authorization().map(|v| format!("authorization: {v}\r\n")).unwrap_or_default();
+        let request =
+            format!("GET {path} HTTP/1.1\r\nhost: {host}\r\naccept: application/json\r\n{auth}\r\n").into_bytes();
         Ok(Getter { stream, request, buf: Vec::with_capacity(1 << 16) })
     }
 
