@@ -10,9 +10,9 @@ use super::AppState;
 use super::error::ApiError;
 #[cfg(feature = "openapi")]
 use super::error::ErrorBody;
-use super::extract::{Caller, ConversationId, JsonObject, QueryParams, SeenId, check_id};
+use super::extract::{Caller, ConversationId, JsonObject, QueryParams, ReadId, SeenId, check_id};
 use super::paged::{Document, json, paged};
-use crate::store::{ConversationFilter, HistoryPage, HistoryWindow, NewConversation, now_ms};
+use crate::store::{ConversationFilter, HistoryPage, HistoryWindow, NewConversation, Ownership, now_ms};
 use crate::turn::StartError;
 #[cfg(feature = "openapi")]
 use crate::wire::StoredChunk;
@@ -183,8 +183,11 @@ pub async fn list(
     ),
     responses((status = 200, description = "The sealed turns' chunks in the window (and the running turn's with `include=inflight`); `latestSeq` is the seq of the last one returned, or `sinceSeq`. A long read goes out in pages; one a deletion overtakes after the answer began is cut off before its end", body = HistoryResponse), (status = 400, body = ErrorBody), (status = 409, description = "The conversation was deleted while it was read", body = ErrorBody))
 ))]
-pub async fn history(State(state): State<AppState>, seen: SeenId, query: QueryParams) -> Result<Response, ApiError> {
-    let id = seen.id;
+pub async fn history(
+    State(state): State<AppState>,
+    ReadId { id, caller }: ReadId,
+    query: QueryParams,
+) -> Result<Response, ApiError> {
     let window = HistoryWindow {
         since_seq: query.integer("sinceSeq", 0, u64::MAX)?.unwrap_or(0),
         before_seq: query.integer("beforeSeq", 1, u64::MAX)?,
@@ -195,16 +198,16 @@ pub async fn history(State(state): State<AppState>, seen: SeenId, query: QueryPa
             Some(other) => return Err(ApiError::bad(format!("`include` takes inflight, got {other:?}"))),
         },
     };
-    // Another subject's conversation reads as an unknown one: empty.
-    if !seen.visible {
-        return Ok(json(format!(r#"{{"chunks":[],"latestSeq":{}}}"#, window.since_seq).into_bytes()));
-    }
+    // Another subject's conversation reads as an unknown one: empty. The one-page read checks
+    // it in its own query (the hot path: no round trip more than a key's read); the paged read
+    // asks first.
+    let viewer = caller.viewer().map(|v| &**v);
     // Stored chunks pass through unparsed: the body is assembled around the pages' JSON.
     // Pages end at `--history-page-chunks` chunks or `--history-page-bytes` bytes, whichever
     // comes first: a reader that stalls holds a few pages, whatever the chunks' sizes.
     let (most, bytes) = (state.config.history_page_chunks, state.config.history_page_bytes as usize);
     if window.limit.is_some_and(|limit| limit <= most) {
-        let page = state.store.history_within(&id, window, bytes).await?;
+        let page = state.store.history_within(&id, window, bytes, viewer).await?;
         // A window past the bytes of one page is read again in pages (rare: chunks of MiBs).
         if !page.cut {
             let mut body = [HistoryDocument::HEAD, &page.items].concat();
@@ -213,6 +216,12 @@ pub async fn history(State(state): State<AppState>, seen: SeenId, query: QueryPa
         }
     }
     let document = HistoryDocument { latest: window.since_seq };
+    if let Some(viewer) = viewer
+        && let Ownership::Owned(owner) = state.store.ownership(&id).await?
+        && owner.as_deref() != Some(viewer)
+    {
+        return Ok(json(format!(r#"{{"chunks":[],"latestSeq":{}}}"#, window.since_seq).into_bytes()));
+    }
     paged(document, state.store.history_pages(id, window, most, bytes)).await
 }
 

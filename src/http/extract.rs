@@ -113,14 +113,30 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
     }
 }
 
+/// The conversation id of the path and the caller, whose sight of it the route checks itself
+/// (a read that checks it in its own query: `GET /conversations/{id}`).
+pub struct ReadId {
+    pub id: String,
+    pub caller: Identity,
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for ReadId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Path(id) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|_| ApiError::bad("invalid conversation id in the path"))?;
+        check_id(&id).map_err(ApiError::BadRequest)?;
+        let Caller(caller) = Caller::from_request_parts(parts, state).await?;
+        Ok(ReadId { id, caller })
+    }
+}
+
 /// The conversation id of the path, and whether the caller may see that conversation: an
 /// administrator sees all, a user their own and ids nobody has used.
 async fn path_id(parts: &mut Parts, state: &AppState) -> Result<(String, Identity, bool), ApiError> {
-    let Path(id) = Path::<String>::from_request_parts(parts, state)
-        .await
-        .map_err(|_| ApiError::bad("invalid conversation id in the path"))?;
-    check_id(&id).map_err(ApiError::BadRequest)?;
-    let Caller(caller) = Caller::from_request_parts(parts, state).await?;
+    let ReadId { id, caller } = ReadId::from_request_parts(parts, state).await?;
     let visible = match caller.viewer() {
         None => true,
         Some(_) => match state.store.ownership(&id).await? {

@@ -83,18 +83,21 @@ impl Store {
 
     /// A window of the log, the stored JSON text joined unparsed.
     pub async fn history(&self, conversation_id: &str, w: HistoryWindow) -> StoreResult<HistoryPage> {
-        self.history_within(conversation_id, w, usize::MAX).await
+        self.history_within(conversation_id, w, usize::MAX, None).await
     }
 
     /// [`Store::history`], ending the window once it holds `max_bytes` (at least one chunk):
     /// then `cut` is set, and the chunks after `last_seq` are left for another read.
+    /// With `viewer` (a user), a conversation that is not theirs reads as an unknown one: empty
+    /// (checked in the read itself, at no extra round trip).
     pub async fn history_within(
         &self,
         conversation_id: &str,
         w: HistoryWindow,
         max_bytes: usize,
+        viewer: Option<&str>,
     ) -> StoreResult<HistoryPage> {
-        on_backend!(self, b => b.history(conversation_id, w, max_bytes).await)
+        on_backend!(self, b => b.history(conversation_id, w, max_bytes, viewer).await)
     }
 
     /// The window `w` read in pages of at most `page` chunks, one read after another, so that a
@@ -126,7 +129,7 @@ impl Store {
             }
             let hi = end.min(lo.saturating_add(page).saturating_add(1));
             let range = HistoryWindow { since_seq: lo, before_seq: Some(hi), limit: None, inflight: true };
-            let got = store.history_within(&id, range, page_bytes).await?;
+            let got = store.history_within(&id, range, page_bytes, None).await?;
             store.still(&id, &born).await?;
             // A page cut at its bytes goes on after its last chunk.
             let last = match got.last_seq {

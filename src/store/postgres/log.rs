@@ -13,13 +13,14 @@ impl Postgres {
         conversation_id: &str,
         w: HistoryWindow,
         max_bytes: usize,
+        viewer: Option<&str>,
     ) -> StoreResult<HistoryPage> {
         use futures_util::TryStreamExt;
         let (since, before) = w.bounds();
         let sql = window_sql(w.limit, w.inflight);
         // Row by row, so that a page cut at `max_bytes` holds no more than that (and a row).
-        let mut rows =
-            sqlx::query(sqlx::AssertSqlSafe(sql)).bind(conversation_id).bind(since).bind(before).fetch(&self.pool);
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(conversation_id).bind(since).bind(before).bind(viewer);
+        let mut rows = rows.fetch(&self.pool);
         let mut page = HistoryPage::default();
         while let Some(row) = rows.try_next().await? {
             if page.full(max_bytes) {
@@ -33,7 +34,8 @@ impl Postgres {
     }
 }
 
-/// The statement of a history window (parameters: conversation id, sinceSeq, beforeSeq), as
+/// The statement of a history window (parameters: conversation id, sinceSeq, beforeSeq, the
+/// viewer whose conversation alone it reads, NULL for an administrator), as
 /// SQLite's (`sqlite/log.rs`): the newest `limit` rows are those above the (limit+1)th newest,
 /// found by walking the primary key back, so the window is one ascending range scan. beforeSeq
 /// is lowered to just past the sealed horizon, or with `inflight` the last committed chunk
@@ -41,7 +43,8 @@ impl Postgres {
 fn window_sql(limit: Option<u64>, inflight: bool) -> String {
     let horizon = if inflight { "last_seq" } else { "sealed_seq" };
     let upper = format!(
-        "coalesce((SELECT LEAST($3, {horizon} + 1) FROM conversations WHERE id = $1 AND deleted_at IS NULL), 0)"
+        "coalesce((SELECT LEAST($3, {horizon} + 1) FROM conversations WHERE id = $1 AND deleted_at IS NULL
+                   AND ($4::text IS NULL OR owner = $4)), 0)"
     );
     let floor = match limit.map(|l| l.min(i64::MAX as u64)) {
         Some(limit) => format!(

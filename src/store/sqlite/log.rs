@@ -18,11 +18,14 @@ impl Sqlite {
         conversation_id: &str,
         w: HistoryWindow,
         max_bytes: usize,
+        viewer: Option<&str>,
     ) -> StoreResult<HistoryPage> {
         let (since, before) = w.bounds();
         let sql = window_sql(w.limit, w.inflight);
-        let conversation_id = conversation_id.to_owned();
-        let read = move |c: &rusqlite::Connection| read_window(c, &sql, &conversation_id, since, before, max_bytes);
+        let (conversation_id, viewer) = (conversation_id.to_owned(), viewer.map(str::to_owned));
+        let read = move |c: &rusqlite::Connection| {
+            read_window(c, &sql, (&conversation_id, since, before, viewer.as_deref()), max_bytes)
+        };
         if w.limit.is_some_and(|l| l <= INLINE_WINDOW_LIMIT) {
             self.readers.run(read).await
         } else {
@@ -31,7 +34,8 @@ impl Sqlite {
     }
 }
 
-/// The statement of a history window (parameters: conversation id, sinceSeq, beforeSeq):
+/// The statement of a history window (parameters: conversation id, sinceSeq, beforeSeq, the
+/// viewer: a user sees rows only of their own conversation, an administrator's NULL all):
 /// its rows' seq, role and chunk in ascending seq order. beforeSeq is lowered to just past the
 /// conversation's sealed horizon, or with `inflight` its last committed chunk (an unknown or
 /// deleted conversation has neither: no rows).
@@ -44,7 +48,10 @@ impl Sqlite {
 /// limit instead).
 fn window_sql(limit: Option<u64>, inflight: bool) -> String {
     let horizon = if inflight { "last_seq" } else { "sealed_seq" };
-    let upper = format!("(SELECT min(?3, {horizon} + 1) FROM conversations WHERE id = ?1 AND deleted_at IS NULL)");
+    let upper = format!(
+        "(SELECT min(?3, {horizon} + 1) FROM conversations WHERE id = ?1 AND deleted_at IS NULL
+                                AND (?4 IS NULL OR owner = ?4))"
+    );
     let floor = match limit.map(|l| l.min(i64::MAX as u64)) {
         Some(limit) => format!(
             "max(?2, coalesce((SELECT seq FROM chunks WHERE conversation_id = ?1 AND seq < {upper}
@@ -67,13 +74,11 @@ const INLINE_WINDOW_LIMIT: u64 = 1000;
 fn read_window(
     c: &rusqlite::Connection,
     sql: &str,
-    conversation_id: &str,
-    since: i64,
-    before: i64,
+    params: (&str, i64, i64, Option<&str>),
     max_bytes: usize,
 ) -> rusqlite::Result<HistoryPage> {
     let mut statement = c.prepare_cached(sql)?;
-    let mut rows = statement.query((conversation_id, since, before))?;
+    let mut rows = statement.query(params)?;
     let mut page = HistoryPage::default();
     while let Some(row) = rows.next()? {
         if page.full(max_bytes) {
@@ -291,7 +296,7 @@ mod tests {
                 .readers
                 .run_blocking(move |c| {
                     let mut statement = c.prepare(&sql)?;
-                    let rows = statement.query_map(("c", 0i64, i64::MAX), |row| row.get(3))?;
+                    let rows = statement.query_map(("c", 0i64, i64::MAX, None::<&str>), |row| row.get(3))?;
                     rows.collect()
                 })
                 .await
