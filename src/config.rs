@@ -284,6 +284,12 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1024..=64 * 1024 * 1024))]
     pub jwks_max_bytes: u64,
 
+    /// Bytes of tokens already verified that are remembered (up to a minute, never past their
+    /// `exp`), so that a client's every request does not verify its signature again; 0: none.
+    #[arg(long, env = "DISPATCH_TOKEN_CACHE_BYTES", default_value_t = 1024 * 1024,
+          value_parser = clap::value_parser!(u64).range(0..=1 << 30))]
+    pub token_cache_bytes: u64,
+
     /// Seconds between JWKS fetches a token with an unknown `kid` may cause (60; tests
     /// shorten it).
     #[arg(skip = 60u64)]
@@ -992,6 +998,7 @@ impl Config {
             jwt_public_key_file: None,
             jwks_url: None,
             jwks_max_bytes: 1024 * 1024,
+            token_cache_bytes: 1024 * 1024,
             jwks_refetch_secs: 60,
             jwt_issuer: None,
             jwt_audience: None,

@@ -60,6 +60,8 @@ struct Claims {
 }
 
 pub(super) struct Tokens {
+    /// Tokens verified lately: a client sends the same one with every request.
+    verified: Verified,
     secret: Option<DecodingKey>,
     /// The public key and the one algorithm its type signs with.
     public: Option<(DecodingKey, Algorithm)>,
@@ -106,6 +108,7 @@ impl Tokens {
             return Ok(None);
         }
         Ok(Some(Tokens {
+            verified: Verified::new(config.token_cache_bytes as usize),
             secret,
             public,
             jwks,
@@ -114,8 +117,20 @@ impl Tokens {
         }))
     }
 
-    /// The identity a valid token proves.
+    /// The identity a valid token proves: remembered for a minute at most (never past its
+    /// `exp`), so that the signature of a client's token is checked once, not per request.
     pub(super) async fn verify(&self, token: &str) -> Result<Identity, TokenError> {
+        let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
+        let key: [u8; 32] = digest.as_ref().try_into().expect("32 bytes");
+        if let Some(identity) = self.verified.get(&key) {
+            return Ok(identity);
+        }
+        let identity = self.check(token).await?;
+        self.verified.put(key, &identity);
+        Ok(identity)
+    }
+
+    async fn check(&self, token: &str) -> Result<Identity, TokenError> {
         let header = jsonwebtoken::decode_header(token).map_err(|_| TokenError::Malformed)?;
         let key = match header.alg {
             Algorithm::HS256 => self.secret.clone().ok_or(TokenError::Algorithm("HS256".into()))?,
@@ -184,5 +199,72 @@ fn refusal(e: jsonwebtoken::errors::Error) -> TokenError {
         K::MissingRequiredClaim(claim) => TokenError::Claim(claim.clone()),
         K::InvalidClaimFormat(claim) => TokenError::Claim(claim.clone()),
         _ => TokenError::Malformed,
+    }
+}
+
+/// How long a verified token is remembered at most (a key that left the JWKS, or a token's
+/// `nbf`/`exp` crossed, takes effect within it).
+const REMEMBERED: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Tokens verified lately, by their SHA-256, bounded in bytes (`--token-cache-bytes`): past the
+/// bound, all are forgotten at once (each is verified again on its next use).
+struct Verified {
+    max_bytes: usize,
+    /// The bytes held, and each token's identity with when it is to be forgotten.
+    entries: std::sync::Mutex<(usize, VerifiedMap)>,
+}
+
+type VerifiedMap = std::collections::HashMap<[u8; 32], (Identity, std::time::Instant)>;
+
+impl Verified {
+    fn new(max_bytes: usize) -> Verified {
+        Verified { max_bytes, entries: std::sync::Mutex::default() }
+    }
+
+    fn get(&self, key: &[u8; 32]) -> Option<Identity> {
+        let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let (identity, until) = entries.1.get(key)?;
+        let now = std::time::Instant::now();
+        let unexpired = identity.expires_at.is_none_or(|exp| exp > jsonwebtoken::get_current_timestamp());
+        (now < *until && unexpired).then(|| identity.clone())
+    }
+
+    fn put(&self, key: [u8; 32], identity: &Identity) {
+        // The key, the subject, and the map's own share of an entry.
+        let size = 32 + identity.subject.len() + 64;
+        if size > self.max_bytes {
+            return;
+        }
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        if entries.0 + size > self.max_bytes {
+            *entries = Default::default();
+        }
+        if entries.1.insert(key, (identity.clone(), std::time::Instant::now() + REMEMBERED)).is_none() {
+            entries.0 += size;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn someone(expires_at: u64) -> Identity {
+        Identity { subject: Arc::from("alice"), admin: false, expires_at: Some(expires_at), anonymous: false }
+    }
+
+    #[test]
+    fn a_remembered_token_is_forgotten_at_its_exp_and_the_memory_stays_within_its_bytes() {
+        let now = jsonwebtoken::get_current_timestamp();
+        let verified = Verified::new(1000);
+        verified.put([1; 32], &someone(now + 600));
+        assert_eq!(verified.get(&[1; 32]), Some(someone(now + 600)));
+        verified.put([2; 32], &someone(now - 1));
+        assert_eq!(verified.get(&[2; 32]), None, "past its exp: verified again, and refused");
+        for i in 0..100u8 {
+            verified.put([i; 32], &someone(now + 600));
+        }
+        assert!(verified.entries.lock().unwrap().0 <= 1000);
+        assert!(Verified::new(0).get(&[1; 32]).is_none());
     }
 }
