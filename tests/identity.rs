@@ -638,28 +638,9 @@ async fn a_browser_signs_in_once_and_works_with_the_cookie_alone_and_another_sit
     config.web_root = Some(root);
     let server = TestServer::start(config).await;
     let token = hs256(user("alice"), SECRET.as_bytes());
-    let child = tokio::process::Command::new("node")
-        .arg(here.join("drive.mjs"))
-        .env("PLAYWRIGHT", &playwright)
-        .env("CHROMIUM", &chromium)
-        .env("GATEWAY", server.url(""))
-        .env("TOKEN", &token)
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("node runs the browser driver");
-    let out = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
-        .await
-        .expect("the driver finishes")
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "the browser driver failed ({}): {stdout}", out.status);
-    let report: Value = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("REPORT "))
-        .map(|r| serde_json::from_str(r).unwrap())
-        .unwrap_or_else(|| panic!("no report: {stdout}"));
-    eprintln!("{report:#}");
+    let env = [("GATEWAY", server.url("")), ("TOKEN", token.clone())];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let report = browser_report("identity/drive.mjs", &chromium, &playwright, &env).await;
     // The page: refused before signing in, then everything with the cookie alone.
     let client = &report["client"];
     assert_eq!(client["before"], 401, "{client}");

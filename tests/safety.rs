@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use common::raw::exchange;
@@ -221,28 +220,7 @@ async fn real_browser_pages_cannot_drive_a_default_gateway() {
     assert_eq!(server.post("/conversations/victim/messages", json!({"message": "long"})).await.0, 202);
     assert_eq!(server.post("/conversations", json!({"id": "own-victim"})).await.0, 201);
 
-    let driver = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/safety/drive.mjs");
-    let child = tokio::process::Command::new("node")
-        .arg(driver)
-        .env("PLAYWRIGHT", &playwright)
-        .env("CHROMIUM", &chromium)
-        .env("GATEWAY", server.url(""))
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("node runs the browser driver");
-    let out = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
-        .await
-        .expect("the driver finishes")
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "the browser driver failed ({}): {stdout}", out.status);
-    let report: Value = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("REPORT "))
-        .map(|r| serde_json::from_str(r).unwrap())
-        .unwrap_or_else(|| panic!("no report: {stdout}"));
-    eprintln!("{report:#}");
+    let report = browser_report("safety/drive.mjs", &chromium, &playwright, &[("GATEWAY", &server.url(""))]).await;
 
     let threw = |v: &Value| v.as_str().is_some_and(|s| s.starts_with("threw"));
     // Another site's page: it reads nothing, its preflighted requests fail, its simple ones

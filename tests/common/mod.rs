@@ -654,6 +654,34 @@ pub fn browser() -> Option<(std::path::PathBuf, std::path::PathBuf)> {
     Some((chromium, playwright))
 }
 
+/// Runs a browser driver (`node DRIVER`, a file under `tests/`) with Chromium and playwright-core
+/// and `env`, and returns the JSON it prints on its `REPORT ` line.
+pub async fn browser_report(driver: &str, chromium: &Path, playwright: &Path, env: &[(&str, &str)]) -> Value {
+    let driver = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests").join(driver);
+    let child = tokio::process::Command::new("node")
+        .arg(driver)
+        .env("PLAYWRIGHT", playwright)
+        .env("CHROMIUM", chromium)
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("node runs the browser driver");
+    let out = tokio::time::timeout(std::time::Duration::from_secs(180), child.wait_with_output())
+        .await
+        .expect("the driver finishes")
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the browser driver failed ({}): {stdout}", out.status);
+    let report: Value = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("REPORT "))
+        .map(|r| serde_json::from_str(r).unwrap())
+        .unwrap_or_else(|| panic!("no report: {stdout}"));
+    eprintln!("{report:#}");
+    report
+}
+
 /// A program the tests drive for real: `$env_var`, else `name` on the PATH.
 pub fn installed(env_var: &str, name: &str) -> Option<std::path::PathBuf> {
     if let Some(path) = std::env::var_os(env_var) {
