@@ -1,4 +1,5 @@
-// The conversation list: newest activity first, searchable by id prefix and status, and live:
+// The conversation list: newest activity first, searchable by title words and id prefix and by
+// status, and live:
 // a status change anywhere (a new conversation, a turn starting or sealing) reads it again.
 
 import { Reads, ApiError, session } from "./api.js";
@@ -7,7 +8,7 @@ import { h, when } from "./dom.js";
 export class ConversationList {
   constructor(feed, onNew) {
     this.selected = null;
-    this.search = h("input", { type: "search", placeholder: "id prefix", "aria-label": "Search by id prefix" });
+    this.search = h("input", { type: "search", placeholder: "search titles, ids", "aria-label": "Search titles and ids" });
     this.status = h(
       "select",
       { "aria-label": "Status filter" },
@@ -56,7 +57,8 @@ export class ConversationList {
 
   async refresh() {
     const query = new URLSearchParams({ limit: "200" });
-    if (this.search.value.trim()) query.set("q", this.search.value.trim());
+    const search = this.search.value.trim();
+    if (search) query.set("search", search);
     if (this.status.value) query.set("status", this.status.value);
     let list;
     try {
@@ -66,7 +68,13 @@ export class ConversationList {
       return;
     }
     if (!list) return;
-    this.message.textContent = list.length ? "" : "No conversations yet.";
+    // An empty answer to a search is no match, not an empty gateway.
+    const filtered = search || this.status.value;
+    this.message.textContent = list.length
+      ? ""
+      : filtered
+        ? `No conversation matches${search ? ` “${search}”` : ""}${this.status.value ? ` (${this.status.value})` : ""}.`
+        : "No conversations yet.";
     this.items.replaceChildren(...list.map((c) => this.row(c)));
   }
 

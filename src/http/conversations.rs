@@ -136,6 +136,7 @@ pub async fn create(
     tag = "conversations",
     params(
         ("q" = Option<String>, Query, description = "Id prefix"),
+        ("search" = Option<String>, Query, description = "Conversations whose title holds this text (A-Z in either case), or whose id starts with it (at most 512 characters)"),
         ("status" = Option<String>, Query, description = "Comma-separated statuses: active, idle, closed"),
         ("limit" = Option<u64>, Query, description = "At most this many (default 100, max 1000)"),
         ("owner" = Option<String>, Query, description = "Administrators: only this subject's conversations (a user sees only their own, whatever this says)"),
@@ -165,7 +166,15 @@ pub async fn list(
         Some(viewer) => Some(viewer.to_string()),
         None => query.get("owner").filter(|o| !o.is_empty()).map(str::to_owned),
     };
-    let filter = ConversationFilter { id_prefix, statuses, owner, limit: limit as u32 };
+    let search = match query.get("search").map(str::trim).filter(|s| !s.is_empty()) {
+        Some(s) if s.chars().count() > MAX_TITLE_CHARS => {
+            return Err(ApiError::bad(format!("`search` has at most {MAX_TITLE_CHARS} characters")));
+        }
+        // No title holds U+0000 (PostgreSQL's text cannot).
+        Some(s) if s.contains('\0') => return Err(ApiError::bad("`search` must not contain U+0000")),
+        s => s.map(str::to_owned),
+    };
+    let filter = ConversationFilter { id_prefix, search, statuses, owner, limit: limit as u32 };
     Ok(Json(ConversationList { conversations: state.store.list_conversations(&filter).await? }))
 }
 

@@ -30,6 +30,9 @@ pub struct NewConversation<'a> {
 #[derive(Debug, Default)]
 pub struct ConversationFilter {
     pub id_prefix: Option<String>,
+    /// Conversations whose title holds this text (letters A-Z in either case), or whose id
+    /// starts with it.
+    pub search: Option<String>,
     pub statuses: Vec<ConversationStatus>,
     /// Only this subject's conversations.
     pub owner: Option<String>,
@@ -94,6 +97,13 @@ impl Store {
         if f.owner.is_some() {
             sql.push_str(&format!(" AND owner = {}", next()));
         }
+        if f.search.is_some() {
+            // The title's words, whatever their case (ASCII), with the text's `%`, `_` and `\`
+            // taken as themselves; or the ids with the text as their prefix (the primary key's
+            // range, as `id_prefix`). A scan of the rows that the other conditions leave.
+            let (title, low, high) = (next(), next(), next());
+            sql.push_str(&format!(" AND (lower(title) LIKE {title} ESCAPE '\\' OR (id >= {low} AND id < {high}))"));
+        }
         if !f.statuses.is_empty() {
             // Values are bound, only the placeholders are generated.
             let marks: Vec<String> = f.statuses.iter().map(|_| next()).collect();
@@ -106,6 +116,14 @@ impl Store {
         }
         if let Some(owner) = &f.owner {
             q = q.bind(owner.as_str());
+        }
+        if let Some(text) = &f.search {
+            let escaped: String = text
+                .to_ascii_lowercase()
+                .chars()
+                .flat_map(|c| if matches!(c, '%' | '_' | '\\') { vec!['\\', c] } else { vec![c] })
+                .collect();
+            q = q.bind(format!("%{escaped}%")).bind(text.as_str()).bind(format!("{text}\u{7f}"));
         }
         for s in &f.statuses {
             q = q.bind(s.as_str());
@@ -208,6 +226,41 @@ impl Settings {
             Setting::Model => self.model.as_deref(),
             Setting::Cwd => self.cwd.as_deref(),
             Setting::ReasoningEffort => self.reasoning_effort.as_deref(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::testing::every_backend;
+
+    /// A search finds a word of a title in any case, or an id by its prefix, and takes `%`, `_`
+    /// and `\` as themselves, on both backends.
+    #[tokio::test]
+    async fn a_search_finds_title_words_in_any_case_and_id_prefixes() {
+        for t in every_backend().await {
+            let (store, b) = (&t.store, t.backend);
+            for (id, title) in
+                [("a1", "Five hundred turns"), ("b2", "100% sure_thing"), ("five-x", "other"), ("c3", "x")]
+            {
+                let new = NewConversation { id, title, model: None, owner: None, now: 1 };
+                store.create_conversation(new).await.unwrap();
+            }
+            let found = |text: &'static str| async move {
+                let filter = ConversationFilter { search: Some(text.into()), limit: 10, ..Default::default() };
+                let mut ids: Vec<String> =
+                    store.list_conversations(&filter).await.unwrap().into_iter().map(|c| c.id).collect();
+                ids.sort();
+                ids
+            };
+            assert_eq!(found("HUNDRED").await, ["a1"], "{b}");
+            assert_eq!(found("five").await, ["a1", "five-x"], "{b}: a title word, or an id prefix");
+            assert_eq!(found("0%").await, ["b2"], "{b}");
+            assert_eq!(found("e_t").await, ["b2"], "{b}");
+            assert!(found("e%t").await.is_empty(), "{b}: % is a percent sign");
+            assert!(found("x_").await.is_empty(), "{b}: _ is an underscore");
+            assert!(found("nothing").await.is_empty(), "{b}");
         }
     }
 }

@@ -119,19 +119,28 @@ try {
   assert.ok(size[0] <= size[1] + 1 && size[2] <= size[3] + 1, `a forty-character title is not cut: ${size}`);
   // A titled row shows its id, which is what the search takes.
   assert.match(await page.locator('li[data-id="made-elsewhere"] .meta').first().textContent(), /^made-elsewhere · /);
-  await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("made-");
+  await page.getByRole("searchbox", { name: "Search titles and ids" }).fill("made-");
   await page.waitForFunction(() => document.querySelectorAll("ul.conversations li").length === 1);
   assert.equal(await page.locator("ul.conversations li").getAttribute("data-id"), "made-elsewhere");
   // A read of the list answered after a newer one does not put its list back: the search for
   // "made-e" is held until the search is cleared and the whole list shown.
-  const search = await holdAnswers(page, /\/conversations\?limit=200&q=made-e$/);
-  await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("made-e");
+  const search = await holdAnswers(page, /\/conversations\?limit=200&search=made-e$/);
+  await page.getByRole("searchbox", { name: "Search titles and ids" }).fill("made-e");
   await search.answered;
-  await page.getByRole("searchbox", { name: "Search by id prefix" }).fill("");
+  await page.getByRole("searchbox", { name: "Search titles and ids" }).fill("");
   await page.getByRole("link", { name: /Five hundred turns/ }).waitFor();
   search.release();
   await page.locator('ul.conversations[aria-busy="false"]').waitFor();
   assert.ok((await page.locator("ul.conversations li").count()) > 1, "the older read's list did not come back");
+  // A word of a title finds it, in any case; a search that finds nothing says so.
+  const searchbox = page.getByRole("searchbox", { name: "Search titles and ids" });
+  await searchbox.fill("HUNDRED");
+  await page.waitForFunction(() => document.querySelectorAll("ul.conversations li").length === 1);
+  assert.equal(await page.locator("ul.conversations li").getAttribute("data-id"), "many-turns");
+  await searchbox.fill("no-such-words");
+  await page.getByRole("status").filter({ hasText: "No conversation matches “no-such-words”." }).waitFor();
+  await searchbox.fill("");
+  await page.getByRole("link", { name: /Five hundred turns/ }).waitFor();
   assert.equal((await api(OPEN_URL, "POST", "/conversations/watched-elsewhere/messages", { message: "paced elsewhere" })).status, 202);
   await page.locator('li[data-id="watched-elsewhere"] .status[data-status="active"]').waitFor({ timeout: 10_000 });
   await page.screenshot({ path: shot("list") });
