@@ -1256,3 +1256,23 @@ async fn a_200_that_is_not_an_event_stream_says_what_came_and_is_not_retried() {
     assert!(error["message"].as_str().unwrap().contains("Sign in to continue"), "{error}");
     assert_eq!(upstream.requests().len(), 2, "not retried");
 }
+
+/// A proxy's HTML error page in front of the upstream ends the turn saying the page's title,
+/// not its markup (what the console and the reference client show the user).
+#[tokio::test]
+async fn an_html_error_page_is_said_by_its_title_not_its_markup() {
+    set_key();
+    let page = "<html>\r\n<head><title>403 Forbidden</title></head>\r\n<body>\r\n<center><h1>403 Forbidden</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n";
+    let upstream = FakeUpstream::start(vec![Reply::Raw(format!(
+        "HTTP/1.1 403 Forbidden\r\ncontent-type: text/html\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{page}",
+        page.len()
+    ))])
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let server = gateway(dir.path(), &upstream).await;
+    let events = turn(&server, "proxied", "hi").await;
+    let error = turn_error(&events, "upstream", "the upstream answered 403 Forbidden: an HTML page: 403 Forbidden");
+    assert!(!error["message"].as_str().unwrap().contains('<'), "{error}");
+    let history = server.history("proxied").await;
+    assert!(!history.last().unwrap()["chunk"]["message"].as_str().unwrap().contains('<'), "{history:?}");
+}

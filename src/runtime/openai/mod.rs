@@ -364,7 +364,7 @@ impl OpenAiRuntime {
                 let wait = retry_after(response.headers());
                 let moved = status.is_redirection().then(|| response.headers().get(http::header::LOCATION).cloned());
                 let body = error_body(response.into_body(), self.settings.max_event_bytes, idle).await;
-                let detail: String = body.chars().take(300).collect();
+                let detail = readable(&body);
                 let mut message = format!("the upstream answered {status}: {detail}");
                 if let Some(location) = moved {
                     let to = location.as_ref().and_then(|l| l.to_str().ok()).unwrap_or("nowhere it says");
@@ -417,7 +417,7 @@ impl OpenAiRuntime {
                 && !kind.trim_start().to_ascii_lowercase().starts_with("text/event-stream")
             {
                 let body = error_body(response.into_body(), self.settings.max_event_bytes, idle).await;
-                let detail: String = body.chars().take(300).collect();
+                let detail = readable(&body);
                 return Err(RuntimeError::turn(
                     format!("the upstream answered {status} with {kind}, not an event stream: {detail}"),
                     "upstream",
@@ -517,5 +517,60 @@ impl Runtime for OpenAiRuntime {
 
     fn needs_history(&self) -> bool {
         true
+    }
+}
+
+/// An error body as a person reads it, in 300 characters at most: an HTML page (a proxy's or a
+/// load balancer's error page, a sign-in page) by its title, else its text without the markup;
+/// anything else as it came.
+fn readable(body: &str) -> String {
+    let head = body.trim_start().chars().take(512).collect::<String>().to_ascii_lowercase();
+    let html = ["<!doctype html", "<html", "<head", "<body"].iter().any(|tag| head.contains(tag));
+    if !html {
+        return body.chars().take(300).collect();
+    }
+    // ASCII lowercasing keeps every byte where it was: offsets found in `lower` hold in `body`.
+    let lower = body.to_ascii_lowercase();
+    let title = lower.find("<title").and_then(|at| {
+        let start = at + lower[at..].find('>')? + 1;
+        let end = start + lower[start..].find("</title")?;
+        Some(&body[start..end])
+    });
+    let text = match title.map(str::trim).filter(|t| !t.is_empty()) {
+        Some(title) => title.to_owned(),
+        None => {
+            let mut text = String::new();
+            let mut in_tag = false;
+            for c in body.chars() {
+                match c {
+                    '<' => in_tag = true,
+                    '>' if in_tag => {
+                        in_tag = false;
+                        text.push(' ');
+                    }
+                    c if !in_tag => text.push(c),
+                    _ => {}
+                }
+            }
+            text
+        }
+    };
+    let words = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    format!("an HTML page: {words}").chars().take(300).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_html_error_page_reads_as_its_title_or_its_text() {
+        let nginx = "<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n";
+        assert_eq!(super::readable(nginx), "an HTML page: 502 Bad Gateway");
+        assert_eq!(
+            super::readable("<html><body>Sign in to continue</body></html>"),
+            "an HTML page: Sign in to continue"
+        );
+        let json = r#"{"error":{"message":"quota <exceeded>"}}"#;
+        assert_eq!(super::readable(json), json, "not a page: as it came");
+        assert_eq!(super::readable(&"é".repeat(400)).chars().count(), 300);
     }
 }
