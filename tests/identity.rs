@@ -455,6 +455,12 @@ async fn a_websocket_session_hears_and_follows_only_its_subjects_conversations()
     ws.send(Message::text(json!({"type": "chat.send", "conversationId": "alices", "message": "x"}).to_string()))
         .await
         .unwrap();
+    // Once bob's turn is under way (the session took his ops, in order), the id is his.
+    let mut seen = Vec::new();
+    while !seen.iter().any(|m: &Value| m["type"] == "chat.delta" && m["event"]["conversationId"] == "alices") {
+        let Some(Ok(Message::Text(text))) = ws.next().await else { panic!("the socket ended: {seen:?}") };
+        seen.push(serde_json::from_str::<Value>(&text).unwrap());
+    }
     let (status, _) =
         ask(&server, &alice, "POST", "/conversations/alices/messages", Some(&json!({"message": "hi"}))).await;
     // Bob subscribed first and claimed the id: alice's message is refused, as for a taken id.
@@ -469,13 +475,15 @@ async fn a_websocket_session_hears_and_follows_only_its_subjects_conversations()
     // Bob hears of his own conversation's turn (the chat.send on `alices`, his) and of nothing
     // of alice's: no delta, no status of a2.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-    let mut seen = Vec::new();
     while let Ok(Some(Ok(message))) = tokio::time::timeout_at(deadline, ws.next()).await {
         if let Message::Text(text) = message {
             seen.push(serde_json::from_str::<Value>(&text).unwrap());
         }
     }
-    assert!(seen.iter().all(|m| m["conversationId"] != "a2" || m["type"] == "chat.error"), "bob heard of a2: {seen:?}");
+    // (A delta names its conversation inside its event.)
+    let of_a2 = |m: &&Value| m["conversationId"] == "a2" || m["event"]["conversationId"] == "a2";
+    assert!(seen.iter().filter(of_a2).all(|m| m["type"] == "chat.error"), "bob heard of a2: {seen:?}");
+    assert!(seen.iter().any(|m| m["type"] == "chat.delta" && m["event"]["type"] == "turn-sealed"), "{seen:?}");
     let errors: Vec<&Value> = seen.iter().filter(|m| m["type"] == "chat.error").collect();
     assert_eq!(errors.len(), 1, "{seen:?}");
     assert_eq!(errors[0]["message"], "no conversation \"a2\"");
@@ -819,4 +827,24 @@ async fn every_state_change_is_logged_with_its_subject() {
         "the two changes, not the read"
     );
     assert!(child.terminate().success());
+}
+
+/// A session the database cannot look up: a probe is served anyway, and other routes fail as a
+/// read would, never telling the browser its session has ended.
+#[tokio::test]
+async fn a_session_the_database_cannot_read_fails_as_a_read_and_spares_the_probes() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(config_with_secret(dir.path())).await;
+    let token = hs256(user("alice"), SECRET.as_bytes());
+    let r = server.client.post(server.url("/auth/session")).json(&json!({"token": token})).send().await.unwrap();
+    let cookie = r.headers()["set-cookie"].to_str().unwrap().split(';').next().unwrap().to_owned();
+    // The sessions go from under the gateway (the table a broken migration or a hand lost).
+    let db = rusqlite::Connection::open(sqlite_file(&server.config)).unwrap();
+    db.busy_timeout(Duration::from_secs(5)).unwrap();
+    db.execute_batch("DROP TABLE sessions").unwrap();
+    let get = |path: &str| server.client.get(server.url(path)).header("cookie", &cookie).send();
+    assert_eq!(get("/health").await.unwrap().status(), 200, "a probe is served");
+    let (status, body) = read_json(get("/conversations").await.unwrap()).await;
+    assert_eq!(status, 500, "{body}");
+    assert!(!body["error"].as_str().unwrap().contains("sign in"), "{body}");
 }

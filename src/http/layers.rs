@@ -247,6 +247,9 @@ async fn authenticate(State(state): State<AppState>, mut req: Request, next: Nex
         Some(Presented::Cookie(id)) => match state.store.session(&crate::identity::session_hash(id), now_ms()).await {
             Ok(Some(session)) => Ok((session.identity(), true)),
             Ok(None) => Err(AuthError::Invalid("the session has ended; sign in again".into())),
+            // The database cannot say: a public route (a probe) is served anyway, others fail
+            // as a read would (never "sign in again" for a session that may be fine).
+            Err(_) if public => return next.run(req).await,
             Err(e) => return ApiError::from(e).into_response(),
         },
         Some(Presented::Other) => Err(AuthError::Invalid("the Authorization scheme must be Bearer".into())),
