@@ -48,26 +48,12 @@ async fn serve(State(Root(root)): State<Root>, req: Request) -> Response {
 
 /// The path as a relative file path, or `None` when it climbs out (`..`) or is not plain.
 fn file_path(asked: &str) -> Option<PathBuf> {
-    let decoded = percent_decode(asked)?;
-    let path = PathBuf::from(decoded);
-    path.components().all(|c| matches!(c, Component::Normal(_))).then_some(path)
-}
-
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
+    let decoded = percent_encoding::percent_decode_str(asked).decode_utf8().ok()?;
+    if decoded.contains('\0') {
+        return None;
     }
-    String::from_utf8(out).ok().filter(|s| !s.contains('\0'))
+    let path = PathBuf::from(&*decoded);
+    path.components().all(|c| matches!(c, Component::Normal(_))).then_some(path)
 }
 
 /// A regular file's bytes, if `relative` names one inside `root` once symlinks are followed.
