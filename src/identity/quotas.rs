@@ -177,5 +177,7 @@ async fn refresh(quota: std::sync::Weak<StreamQuota>) {
         for (subject, n) in open {
             let _ = quota.store.set_open_streams(&quota.gateway, &subject, n, now_ms()).await;
         }
+        // Rows of gateways that stopped (each start is a new gateway) count for nothing: gone.
+        let _ = quota.store.forget_stale_streams(now_ms()).await;
     }
 }

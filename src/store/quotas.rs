@@ -69,6 +69,12 @@ impl Store {
         Ok(())
     }
 
+    /// Removes the stream counts no gateway has refreshed for a minute (their gateway stopped).
+    pub async fn forget_stale_streams(&self, now: i64) -> StoreResult<u64> {
+        let sql = "DELETE FROM quota_streams WHERE seen_at < $1";
+        self.execute(Query::new(sql).bind(now - STREAM_ROW_FRESH_MS)).await
+    }
+
     /// Streams `subject` has open on the other gateways (rows refreshed within the last minute).
     pub async fn open_streams_elsewhere(&self, gateway: &str, subject: &str, now: i64) -> StoreResult<u64> {
         let sql = "SELECT CAST(coalesce(sum(open), 0) AS BIGINT) FROM quota_streams
@@ -76,5 +82,27 @@ impl Store {
         let q = Query::new(sql).bind(subject).bind(gateway).bind(now - STREAM_ROW_FRESH_MS);
         let (n,): (i64,) = self.fetch_optional(q).await?.unwrap_or((0,));
         Ok(n.max(0) as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::store::testing::every_backend;
+
+    /// A gateway's stream count stops counting once it is not refreshed for a minute, and is
+    /// then removed: a gateway that died leaves nothing behind.
+    #[tokio::test]
+    async fn stale_stream_counts_stop_counting_and_go() {
+        for t in every_backend().await {
+            let (store, b) = (&t.store, t.backend);
+            store.set_open_streams("dead", "alice", 3, 1_000).await.unwrap();
+            store.set_open_streams("alive", "alice", 2, 100_000).await.unwrap();
+            assert_eq!(store.open_streams_elsewhere("here", "alice", 100_000).await.unwrap(), 2, "{b}");
+            assert_eq!(store.forget_stale_streams(100_000).await.unwrap(), 1, "{b}");
+            assert_eq!(store.forget_stale_streams(100_000).await.unwrap(), 0, "{b}");
+            assert_eq!(store.open_streams_elsewhere("here", "alice", 100_000).await.unwrap(), 2, "{b}");
+            store.set_open_streams("alive", "alice", 0, 100_000).await.unwrap();
+            assert_eq!(store.open_streams_elsewhere("here", "alice", 100_000).await.unwrap(), 0, "{b}");
+        }
     }
 }

@@ -97,6 +97,9 @@ fn queue_full(full: QueueFull) -> String {
     }
 }
 
+/// Status changes kept for the WebSocket sessions (and waiting for their owner's lookup).
+const STATUS_CHANGES: usize = 1024;
+
 /// A conversation went active, idle or closed. Every WebSocket session gets it; the first to
 /// write it encodes it for all of them (a clone shares the encoding).
 #[derive(Debug, Clone)]
@@ -187,7 +190,7 @@ pub struct Turns {
     quotas: Quotas,
     /// With users about (signed tokens taken), status changes go through here to have their
     /// conversation's owner looked up, in order, before sessions hear of them.
-    owners: Option<tokio::sync::mpsc::UnboundedSender<(String, ConversationStatus)>>,
+    owners: Option<tokio::sync::mpsc::Sender<(String, ConversationStatus)>>,
 }
 
 /// Who may do what with turns: the quotas, and whether users (not only administrators) call.
@@ -222,9 +225,12 @@ impl Turns {
         bus: Option<Bus>,
         identities: Identities,
     ) -> Arc<Turns> {
-        let (statuses, _) = broadcast::channel(1024);
+        let (statuses, _) = broadcast::channel(STATUS_CHANGES);
         let owners = identities.users.then(|| {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            // As many as the sessions' own channel keeps (ids of at most 128 bytes: ~200 KiB);
+            // past it, while the database is slow, changes are dropped as a lagging session's
+            // are (a status change is news only while it happens).
+            let (tx, rx) = tokio::sync::mpsc::channel(STATUS_CHANGES);
             tokio::spawn(resolve_owners(store.clone(), statuses.clone(), rx));
             tx
         });
@@ -278,7 +284,9 @@ impl Turns {
     fn tell_sessions(&self, conversation_id: &str, status: ConversationStatus) {
         match &self.owners {
             Some(owners) => {
-                let _ = owners.send((conversation_id.to_owned(), status));
+                if owners.try_send((conversation_id.to_owned(), status)).is_err() {
+                    tracing::debug!(conversation_id, "a status change was dropped: its owner lookups are behind");
+                }
             }
             None => {
                 let _ = self.statuses.send(StatusChange::new(conversation_id, status, None));
@@ -720,7 +728,7 @@ fn default_title(message: &str) -> String {
 async fn resolve_owners(
     store: Store,
     statuses: broadcast::Sender<StatusChange>,
-    mut changes: tokio::sync::mpsc::UnboundedReceiver<(String, ConversationStatus)>,
+    mut changes: tokio::sync::mpsc::Receiver<(String, ConversationStatus)>,
 ) {
     while let Some((conversation_id, status)) = changes.recv().await {
         let owner = match store.ownership(&conversation_id).await {
