@@ -216,3 +216,24 @@ async fn conversation_crud() {
         (200, json!({"models": ["demo/scripted"], "modelInfo": {"demo/scripted": {"contextWindow": 32768}}}))
     );
 }
+
+/// A search too long, or holding U+0000 (which PostgreSQL's text cannot), is refused before it
+/// reaches the database; a search of LIKE's own characters finds only what it says.
+#[tokio::test]
+async fn a_hostile_search_is_refused_or_taken_literally() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = TestServer::start(test_config(dir.path())).await;
+    assert_eq!(server.post("/conversations", json!({"id": "plain", "title": "plain"})).await.0, 201);
+    let long = "a".repeat(513);
+    for (search, says) in [(long.as_str(), "at most 512"), ("a\u{0}b", "U+0000")] {
+        let query = form_urlencoded::Serializer::new(String::new()).append_pair("search", search).finish();
+        let (status, body) = server.get(&format!("/conversations?{query}")).await;
+        assert_error(status, &body, 400, search);
+        assert!(body["error"].as_str().unwrap().contains(says), "{body}");
+    }
+    for wildcard in ["%", "_", "%25%25", "\\"] {
+        let (status, body) = server.get(&format!("/conversations?search={wildcard}")).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["conversations"], json!([]), "{wildcard} matches itself only");
+    }
+}

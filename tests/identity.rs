@@ -848,3 +848,33 @@ async fn a_session_the_database_cannot_read_fails_as_a_read_and_spares_the_probe
     assert_eq!(status, 500, "{body}");
     assert!(!body["error"].as_str().unwrap().contains("sign in"), "{body}");
 }
+
+/// The day's tokens: a user past them waits (429, `tokens_per_day`); another does not.
+#[tokio::test]
+async fn a_users_tokens_for_the_day_end_their_turns_until_the_day_moves_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_with_secret(dir.path());
+    config.quotas.tokens_per_day = Some(1);
+    let server = TestServer::start(config).await;
+    let (alice, bob) = (hs256(user("alice"), SECRET.as_bytes()), hs256(user("bob"), SECRET.as_bytes()));
+    let chat = |token: &str, id: &str| {
+        server
+            .client
+            .post(server.url("/chat"))
+            .bearer_auth(token)
+            .json(&json!({"conversationId": id, "message": "hi"}))
+            .send()
+    };
+    let first = chat(&alice, "a1").await.unwrap();
+    assert_eq!(first.status(), 200);
+    let events = EventStream::new(first).collect().await;
+    let done = events.iter().find(|e| e["type"] == "done").unwrap();
+    assert!(done["usage"]["outputTokens"].as_u64().unwrap() > 0, "{done}");
+    let r = chat(&alice, "a2").await.unwrap();
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=86_400).contains(&retry), "{retry}");
+    let (_, body) = read_json(r).await;
+    assert_eq!(body["limit"], "tokens_per_day", "{body}");
+    assert_eq!(chat(&bob, "b1").await.unwrap().status(), 200, "bob's day is his own");
+}
