@@ -397,20 +397,12 @@ async fn walk_every_route(server: &TestServer) {
     assert_eq!(all["conversations"][0]["owner"], "alice");
     assert_eq!(all["conversations"].as_array().unwrap().len(), 1);
     // Bob's watch of it hears nothing of alice's next turn; alice's own does.
-    let bob_events = server
-        .client
-        .get(server.url("/conversations/alices/events?format=ndjson&until=sealed"))
-        .bearer_auth(&bob)
-        .send()
-        .await
-        .unwrap();
-    let alice_events = server
-        .client
-        .get(server.url("/conversations/alices/events?format=ndjson&until=sealed"))
-        .bearer_auth(&alice)
-        .send()
-        .await
-        .unwrap();
+    let watch = |token: &str| {
+        let url = server.url("/conversations/alices/events?format=ndjson&until=sealed");
+        server.client.get(url).bearer_auth(token).send()
+    };
+    let bob_events = watch(&bob).await.unwrap();
+    let alice_events = watch(&alice).await.unwrap();
     let (status, _) =
         ask(server, &alice, "POST", "/conversations/alices/messages", Some(&json!({"message": "again"}))).await;
     assert_eq!(status, 202);

@@ -247,6 +247,14 @@ async fn turn(server: &TestServer, conversation: &str, message: &str) -> Vec<Val
         .await
 }
 
+/// A page of `kind` (an HTML media type) with `status`.
+fn html(status: &str, kind: &str, page: &str) -> Reply {
+    Reply::Raw(format!(
+        "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{page}",
+        page.len()
+    ))
+}
+
 fn raw(status: &str, headers: &str, body: &str) -> Reply {
     Reply::Raw(format!(
         "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n{headers}\r\n{body}",
@@ -1237,14 +1245,9 @@ async fn a_200_that_is_not_an_event_stream_says_what_came_and_is_not_retried() {
     set_key();
     let json_error = r#"{"error":{"message":"quota exceeded for this key"}}"#;
     let page = "<html><body>Sign in to continue</body></html>";
-    let upstream = FakeUpstream::start(vec![
-        raw("200 OK", "", json_error),
-        Reply::Raw(format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: text/html; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{page}",
-            page.len()
-        )),
-    ])
-    .await;
+    let upstream =
+        FakeUpstream::start(vec![raw("200 OK", "", json_error), html("200 OK", "text/html; charset=utf-8", page)])
+            .await;
     let dir = tempfile::tempdir().unwrap();
     let server = gateway(dir.path(), &upstream).await;
     let events = turn(&server, "json", "hi").await;
@@ -1263,11 +1266,7 @@ async fn a_200_that_is_not_an_event_stream_says_what_came_and_is_not_retried() {
 async fn an_html_error_page_is_said_by_its_title_not_its_markup() {
     set_key();
     let page = "<html>\r\n<head><title>403 Forbidden</title></head>\r\n<body>\r\n<center><h1>403 Forbidden</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n";
-    let upstream = FakeUpstream::start(vec![Reply::Raw(format!(
-        "HTTP/1.1 403 Forbidden\r\ncontent-type: text/html\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{page}",
-        page.len()
-    ))])
-    .await;
+    let upstream = FakeUpstream::start(vec![html("403 Forbidden", "text/html", page)]).await;
     let dir = tempfile::tempdir().unwrap();
     let server = gateway(dir.path(), &upstream).await;
     let events = turn(&server, "proxied", "hi").await;

@@ -174,20 +174,19 @@ impl Store {
     /// Output tokens and generation time per model of the turns sealed in `[start, end)`; with
     /// `owner`, only the turns of that subject's conversations.
     pub async fn throughput(&self, start: i64, end: i64, owner: Option<&str>) -> StoreResult<Vec<ModelThroughput>> {
-        let (whose, q) = match owner {
-            Some(_) => ("id FROM conversations WHERE deleted_at IS NOT NULL OR owner IS NULL OR owner <> $3", true),
-            None => ("id FROM conversations WHERE deleted_at IS NOT NULL", false),
-        };
-        let sql = format!(
-            "SELECT model, CAST(coalesce(sum(output_tokens), 0) AS BIGINT),
-                    CAST(coalesce(sum(gen_total_ms), 0) AS BIGINT), count(*)
-             FROM turns WHERE sealed_at >= $1 AND sealed_at < $2
-             AND conversation_id NOT IN (SELECT {whose})
-             GROUP BY model"
-        );
+        // Turns of deleted conversations count for nobody; with `owner`, others' for nobody either.
+        let mut sql = "SELECT model, CAST(coalesce(sum(output_tokens), 0) AS BIGINT),
+                              CAST(coalesce(sum(gen_total_ms), 0) AS BIGINT), count(*)
+                       FROM turns WHERE sealed_at >= $1 AND sealed_at < $2
+                       AND conversation_id NOT IN (SELECT id FROM conversations WHERE deleted_at IS NOT NULL"
+            .to_owned();
+        if owner.is_some() {
+            sql.push_str(" OR owner IS NULL OR owner <> $3");
+        }
+        sql.push_str(") GROUP BY model");
         let mut query = Query::new(sql).bind(start).bind(end);
-        if q {
-            query = query.bind(owner.unwrap_or_default());
+        if let Some(owner) = owner {
+            query = query.bind(owner);
         }
         let rows: Vec<(String, i64, i64, i64)> = self.fetch_all(query).await?;
         Ok(rows
