@@ -619,6 +619,10 @@ async fn a_web_root_is_served_from_the_gateways_own_origin() {
     }
     let r = get("/app/%2e%2e/outside.txt").await.unwrap();
     assert!(!r.text().await.unwrap().contains("secret"), "nothing outside the root");
+    // Nor through a link inside it that points out.
+    std::os::unix::fs::symlink(dir.path().join("outside.txt"), dir.path().join("web/link.txt")).unwrap();
+    let r = get("/app/link.txt").await.unwrap();
+    assert!(!r.text().await.unwrap().contains("secret"), "a link out of the root is not followed out");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -40,9 +40,16 @@ pub struct Identity {
 }
 
 impl Identity {
-    /// The identity of every request while auth is off.
+    /// The identity of every request while auth is off (made once: a clone is a reference
+    /// count, on every request).
     pub fn anonymous() -> Identity {
-        Identity { subject: Arc::from("anonymous"), admin: true, expires_at: None, anonymous: true }
+        static ANONYMOUS: std::sync::LazyLock<Identity> = std::sync::LazyLock::new(|| Identity {
+            subject: Arc::from("anonymous"),
+            admin: true,
+            expires_at: None,
+            anonymous: true,
+        });
+        ANONYMOUS.clone()
     }
 
     /// Whether this identity may see a conversation owned by `owner` (`None`: no owner, as
