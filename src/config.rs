@@ -42,8 +42,9 @@ fn levels(asked: Option<&str>) -> tracing_subscriber::filter::Targets {
 /// Libraries whose `info` lines are noise for an operator; they show from `warn` up unless
 /// `RUST_LOG` names them. The NATS client says every failed reconnection attempt, several a
 /// second while the bus is down (the gateway says the loss once, bus/mod.rs); PostgreSQL's
-/// notices say at every start that the migrations' table exists.
-const QUIET: [&str; 2] = ["async_nats", "sqlx::postgres::notice"];
+/// notices say at every start that the migrations' table exists; the MCP client says every
+/// notification a server sends (the gateway says what matters, tools/server.rs).
+const QUIET: [&str; 3] = ["async_nats", "sqlx::postgres::notice", "rmcp"];
 
 #[derive(Debug, Clone, Parser)]
 #[command(name = "dispatch-gateway", version, about = "Turns, an append-only log and live streams for agent runtimes")]
@@ -192,6 +193,11 @@ pub struct Config {
     /// the most of an upstream's error response that is read.
     #[arg(long, env = "DISPATCH_MAX_RUNTIME_LINE_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_runtime_line_bytes: usize,
+
+    /// Largest tool result a model gets back, in bytes: past it the result is cut, with a line
+    /// saying how much was left out (docs/tools.md).
+    #[arg(long, env = "DISPATCH_MAX_TOOL_RESULT_BYTES", default_value_t = 1024 * 1024)]
+    pub max_tool_result_bytes: usize,
 
     /// Most bytes of conversation an OpenAI-compatible request carries (its messages' text
     /// and tool calls, as the context trimming counts them): past it the oldest turns are left
@@ -403,6 +409,80 @@ pub struct Config {
     /// table (docs/identity.md).
     #[arg(skip)]
     pub quotas: Quotas,
+
+    /// MCP servers by name, from the file's `[mcp.<name>]` tables: the tools credentials with
+    /// `mcp` give their models (docs/tools.md).
+    #[arg(skip)]
+    pub mcp: BTreeMap<String, McpServer>,
+}
+
+/// Where an MCP server's tools are served from, and how it is run (spec 9.1).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpServer {
+    /// A stdio server: the program to run (found on `PATH` when it has no `/`).
+    pub command: Option<String>,
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Variables set for a stdio server, over the gateway's own environment.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// A Streamable HTTP server's endpoint.
+    pub url: Option<String>,
+    /// The environment variable holding the bearer token sent to a url server.
+    pub token_env: Option<String>,
+    /// `shared` (one client for the gateway; the default for url servers) or `conversation`
+    /// (one process per conversation, in its folder; the default for stdio servers).
+    pub scope: Option<McpScope>,
+    /// The tools it lists that models get (default: all of them).
+    pub tools: Option<Vec<String>>,
+    /// Seconds to start and finish `initialize` before the server counts as failed.
+    #[serde(default = "default_mcp_startup")]
+    pub startup_timeout_secs: u64,
+    /// Seconds a call may take before it is cancelled and answered with an error.
+    #[serde(default = "default_mcp_call")]
+    pub call_timeout_secs: u64,
+    /// Seconds a conversation's server may sit without a call before it is stopped.
+    #[serde(default = "default_process_idle")]
+    pub idle_timeout_secs: u64,
+    /// Conversation servers of this name running at once at most: past it the one idle longest
+    /// is stopped (its conversation starts it again when it next needs it).
+    #[serde(default = "default_max_processes")]
+    pub max_processes: usize,
+    /// The folders a conversation's server may be started in (spec 8's `cwd_roots`); default:
+    /// the gateway's working directory.
+    #[serde(default)]
+    pub cwd_roots: Vec<PathBuf>,
+}
+
+/// How many clients of an MCP server the gateway keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum McpScope {
+    Shared,
+    Conversation,
+}
+
+impl McpServer {
+    pub fn scope(&self) -> McpScope {
+        self.scope.unwrap_or(if self.url.is_some() { McpScope::Shared } else { McpScope::Conversation })
+    }
+}
+
+fn default_mcp_startup() -> u64 {
+    20
+}
+
+fn default_mcp_call() -> u64 {
+    60
+}
+
+fn default_max_steps() -> u32 {
+    32
+}
+
+fn default_max_parallel_tools() -> usize {
+    4
 }
 
 /// Per-subject limits, checked before a turn starts (and a stream opens), counted in the
@@ -484,6 +564,16 @@ pub struct OpenAiCredential {
     /// key by key).
     #[serde(default)]
     pub model_params: BTreeMap<String, RequestParams>,
+    /// The MCP servers (`[mcp.<name>]`) whose tools its models get: the gateway runs the agent
+    /// loop (docs/tools.md).
+    #[serde(default)]
+    pub mcp: Vec<String>,
+    /// Model round trips a turn may take at most (with tools).
+    #[serde(default = "default_max_steps")]
+    pub max_steps: u32,
+    /// Tool calls of one turn running at once at most.
+    #[serde(default = "default_max_parallel_tools")]
+    pub max_parallel_tools: usize,
 }
 
 /// Parameters an `openai` request carries (absent: not sent, the upstream's default).
@@ -568,6 +658,9 @@ pub struct CommandCredential {
     /// shutdown), before its process group is killed; at most `MAX_GRACE_SECS`.
     #[serde(default = "default_grace")]
     pub grace_secs: u64,
+    /// The MCP servers (`[mcp.<name>]`) passed to the agent (Claude Code: `--mcp-config`).
+    #[serde(default)]
+    pub mcp: Vec<String>,
 }
 
 /// The origins of pages on this machine: what `--cors-origins` allows by default.
@@ -622,6 +715,8 @@ struct FileConfig {
     credentials: BTreeMap<String, Credential>,
     #[serde(default)]
     quotas: Quotas,
+    #[serde(default)]
+    mcp: BTreeMap<String, McpServer>,
     #[serde(flatten)]
     settings: toml::Table,
 }
@@ -648,6 +743,9 @@ pub enum ConfigError {
     /// `--api-keys "k,"`: an empty entry would let requests without a key in.
     #[error("api_keys: an empty key is not a key (a stray comma?); list only non-empty keys, or none to turn auth off")]
     EmptyApiKey,
+    /// One MCP server: what is wrong with it.
+    #[error("mcp.{name}: {message}")]
+    Mcp { name: String, message: String },
     #[error("no credential lists a model")]
     NoModel,
     #[error("default_model {0:?} is not a configured model")]
@@ -759,6 +857,7 @@ impl Config {
         let raw: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::file(&path, e))?;
         let table = raw.get("credentials").and_then(|c| c.as_table()).cloned().unwrap_or_default();
         config.quotas = file.quotas;
+        config.mcp = file.mcp;
         config.credentials = if credential_env.is_empty() {
             file.credentials
         } else {
@@ -978,6 +1077,7 @@ impl Config {
             turn_buffer_max_bytes: 64 * 1024 * 1024,
             replay_max_bytes: 1024 * 1024 * 1024,
             max_runtime_line_bytes: 16 * 1024 * 1024,
+            max_tool_result_bytes: 1024 * 1024,
             max_runtime_request_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
             flush_sweeps: 4,
@@ -1006,6 +1106,7 @@ impl Config {
             web_root: None,
             web_path: "/app/".into(),
             quotas: Quotas::default(),
+            mcp: BTreeMap::new(),
             max_ws_subscriptions: 256,
             ws_message_timeout_secs: 10,
             max_queued_messages: 32,

@@ -13,6 +13,8 @@ pub mod cli;
 pub mod config;
 /// The bytes of the wire: SSE, NDJSON, WebSocket frames, HTTP chunks.
 pub mod encoding;
+/// The folders agents and their tools may work in.
+pub mod folders;
 /// The HTTP API: one module per resource.
 pub mod http;
 /// Replay buffers and fan-out of turn events.
@@ -33,6 +35,8 @@ pub mod runtime;
 pub mod server;
 /// SQLite or PostgreSQL: conversations, the chunk log, turns and metrics.
 pub mod store;
+/// MCP servers and the tools they give models.
+pub mod tools;
 /// Running turns: wire events, chunks, metrics, sealing.
 pub mod turn;
 /// The `@dispatch/wire` types.

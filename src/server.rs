@@ -43,7 +43,10 @@ pub struct Gateway {
 impl Gateway {
     pub async fn build(mut config: Config) -> Result<Gateway, StartupError> {
         config.check()?;
+        // The one TLS provider of every client (MCP servers over HTTPS, the bus): ring.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let registry = registry(&config)?;
+        registry.tools().start();
         let auth = Arc::new(crate::identity::Authenticator::new(&config).map_err(StartupError::Identity)?);
         let metrics = Arc::new(Metrics::default());
         let limits = StoreOptions {
@@ -229,7 +232,11 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
     }
     let first = credentials.iter().find_map(|(name, c)| c.models().first().map(|m| format!("{name}/{m}")));
     let default_model = config.default_model.clone().or(first).ok_or(ConfigError::NoModel)?;
-    let mut registry = Registry::new(default_model.clone());
+    for (name, server) in &config.mcp {
+        crate::tools::check_server(name, server).map_err(|e| ConfigError::Mcp { name: name.clone(), message: e })?;
+    }
+    let toolbox = Arc::new(crate::tools::Toolbox::new(&config.mcp, config.max_tool_result_bytes));
+    let mut registry = Registry::new(default_model.clone(), toolbox.clone());
     for (name, credential) in &credentials {
         if name.is_empty() || name.contains('/') {
             return Err(ConfigError::credential(name, "a credential name has no '/'"));
@@ -269,7 +276,14 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                     context_window: c.context_window,
                     params: c.params.clone(),
                     model_params: c.model_params.clone(),
+                    tools: (!c.mcp.is_empty()).then(|| crate::runtime::openai::ToolSettings {
+                        toolbox: toolbox.clone(),
+                        servers: c.mcp.clone(),
+                        max_steps: c.max_steps,
+                        max_parallel: c.max_parallel_tools,
+                    }),
                 };
+                servers_exist(name, &c.mcp, config)?;
                 if let Some(model) = c.model_params.keys().find(|m| !c.models.contains(m)) {
                     return Err(ConfigError::credential(name, format!("model_params.{model}: not one of `models`")));
                 }
@@ -281,6 +295,7 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                     let why = format!("`grace_secs` is at most {MAX_GRACE_SECS}, got {}", c.grace_secs);
                     return Err(ConfigError::credential(name, why));
                 }
+                servers_exist(name, &c.mcp, config)?;
                 (Arc::new(CommandRuntime::new(name, c.clone(), config.max_runtime_line_bytes)), None)
             }
         };
@@ -292,4 +307,15 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
         return Err(ConfigError::UnknownDefaultModel(default_model));
     }
     Ok(registry)
+}
+
+/// Every server a credential's `mcp` names is configured.
+fn servers_exist(credential: &str, servers: &[String], config: &Config) -> Result<(), ConfigError> {
+    match servers.iter().find(|s| !config.mcp.contains_key(*s)) {
+        Some(missing) => Err(ConfigError::credential(
+            credential,
+            format!("`mcp` names {missing:?}, which is no [mcp.{missing}] server"),
+        )),
+        None => Ok(()),
+    }
 }

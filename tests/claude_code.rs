@@ -92,6 +92,7 @@ async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_mode
             unattended,
             max_processes: 32,
             grace_secs: 3,
+            mcp: Vec::new(),
         };
         config.credentials.insert(name.into(), Credential::Command(credential));
     }

@@ -144,6 +144,7 @@ for line in sys.stdin:
         unattended: false,
         max_processes: 4,
         grace_secs: 3,
+        mcp: Vec::new(),
     }
 }
 

@@ -79,6 +79,9 @@ async fn a_real_litellm_proxy_streams_turns_and_its_errors_are_retried_then_repo
             context_window: Some(4096),
             params: Default::default(),
             model_params: Default::default(),
+            mcp: Vec::new(),
+            max_steps: 32,
+            max_parallel_tools: 4,
         }),
     );
     let server = TestServer::start(config).await;

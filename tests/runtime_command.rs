@@ -137,6 +137,7 @@ fn config_with(dir: &Path, script: &Path, dialect: Dialect, idle_timeout_secs: u
             unattended: false,
             max_processes: 32,
             grace_secs: 3,
+            mcp: Vec::new(),
         }),
     );
     config

@@ -49,6 +49,9 @@ fn config_with(dir: &std::path::Path, upstream: &FakeUpstream, adjust: impl FnOn
         context_window: Some(8192),
         params: Default::default(),
         model_params: Default::default(),
+        mcp: Vec::new(),
+        max_steps: 32,
+        max_parallel_tools: 4,
     };
     adjust(&mut credential);
     config.credentials.insert("up".into(), Credential::Openai(credential));
@@ -225,14 +228,18 @@ async fn the_history_sent_upstream_is_the_log() {
     let log = server.history("o6").await;
     let sent = &upstream.requests()[1].body["messages"];
     // The log: user, assistant text + tool call (one message), user. A tool call no result
-    // answered is left out (Chat Completions rejects one without its `tool` message).
+    // answered (no server runs this credential's tools) goes up answered `Aborted`: Chat
+    // Completions rejects a call without its `tool` message (spec 9.2).
     assert_eq!(log.len(), 5);
     assert_eq!(log[2]["chunk"]["type"], "tool-call");
     assert_eq!(
         sent,
         &json!([
             {"role": "user", "content": log[0]["chunk"]["text"]},
-            {"role": "assistant", "content": log[1]["chunk"]["text"]},
+            {"role": "assistant", "content": log[1]["chunk"]["text"], "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": "{\"q\":\"rust\"}"}}
+            ]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Aborted"},
             {"role": "user", "content": log[3]["chunk"]["text"]},
         ])
     );
@@ -451,6 +458,9 @@ async fn request_parameters_come_from_the_credential_and_the_model() {
             context_window: None,
             params: Default::default(),
             model_params: [("b".to_owned(), Default::default())].into_iter().collect(),
+            mcp: Vec::new(),
+            max_steps: 32,
+            max_parallel_tools: 4,
         }),
     );
     config.database = dispatch_gateway::store::Database::Sqlite(dir.path().join("other.db"));

@@ -154,6 +154,7 @@ async fn side_panel_routes_persist_settings_that_turns_use() {
             unattended: false,
             max_processes: 32,
             grace_secs: 3,
+            mcp: Vec::new(),
         }),
     );
     let server = TestServer::start(config).await;

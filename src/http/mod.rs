@@ -17,6 +17,7 @@ mod paged;
 mod settings;
 pub(crate) mod stream;
 mod throughput;
+mod tools;
 mod web;
 pub mod ws;
 
@@ -141,7 +142,7 @@ macro_rules! api {
             tags(
                 (name = "chat", description = "Start turns and stream them"),
                 (name = "conversations", description = "Conversations, their log and metrics"),
-                (name = "models", description = "Models turns can run on"),
+                (name = "models", description = "Models turns can run on, and the tools they get"),
                 (name = "streams", description = "Live streams: SSE, NDJSON, WebSocket"),
                 (name = "control", description = "Start, stop, steer and inspect turns"),
                 (name = "operations", description = "Health and operations"),
@@ -156,6 +157,7 @@ macro_rules! api {
 api! {
     "/health" => { get: models::health },
     "/models" => { get: models::models },
+    "/tools" => { get: tools::tools },
     "/chat" => { post: chat::chat },
     "/conversations" => { post: conversations::create, get: conversations::list },
     "/conversations/{id}" => { get: conversations::history, delete: conversations::delete },

@@ -56,7 +56,9 @@ pub async fn metrics(State(state): State<AppState>, Caller(caller): Caller) -> R
     let pacing = crate::metrics::Pacing { window: hub.window(), write_cost: hub.write_cost() };
     let (running, connections) = (state.turns.running(), state.connections.open());
     let agents = state.turns.registry().processes();
-    let body = state.metrics.render(running, hub.channel_count(), hub.buffered_bytes(), pacing, connections, &agents);
+    let mut body =
+        state.metrics.render(running, hub.channel_count(), hub.buffered_bytes(), pacing, connections, &agents);
+    state.turns.registry().tools().render_metrics(&mut body);
     ([(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
 }
 

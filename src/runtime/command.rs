@@ -83,15 +83,6 @@ impl Agent {
     }
 }
 
-/// `cwd` resolved (against the first root when relative) and canonicalized, symlinks followed
-/// and `..` gone, when it is a folder inside one of `roots` (themselves canonical).
-fn inside(roots: &[std::path::PathBuf], cwd: &str) -> Option<std::path::PathBuf> {
-    let asked = std::path::Path::new(cwd);
-    let path = if asked.is_absolute() { asked.to_owned() } else { roots.first()?.join(asked) };
-    let path = path.canonicalize().ok()?;
-    (path.is_dir() && roots.iter().any(|root| path.starts_with(root))).then_some(path)
-}
-
 async fn kill_group(pgid: Option<i32>, child: &mut Child) {
     if let Some(pgid) = pgid {
         // SAFETY: kill(2) with a negative pid signals a process group; no memory involved.
@@ -155,16 +146,7 @@ impl CommandRuntime {
         if roots.is_empty() {
             roots.extend(settings.cwd.clone().or_else(|| std::env::current_dir().ok()));
         }
-        let roots = roots
-            .iter()
-            .filter_map(|root| match root.canonicalize() {
-                Ok(root) => Some(root),
-                Err(e) => {
-                    tracing::warn!(credential = name, root = %root.display(), error = %e, "an agent folder root cannot be read; left out");
-                    None
-                }
-            })
-            .collect();
+        let roots = crate::folders::canonical_roots(&roots, name);
         CommandRuntime {
             inner: Arc::new(Inner {
                 roots,
@@ -589,7 +571,7 @@ enum Outcome {
 
 impl Runtime for CommandRuntime {
     fn folder(&self, cwd: &str) -> Option<String> {
-        inside(&self.inner.roots, cwd).map(|path| path.to_string_lossy().into_owned())
+        crate::folders::inside(&self.inner.roots, cwd).map(|path| path.to_string_lossy().into_owned())
     }
 
     fn processes(&self) -> Option<super::Processes> {
@@ -812,6 +794,7 @@ for line in sys.stdin:
             unattended: false,
             max_processes: 8,
             grace_secs: 3,
+            mcp: Vec::new(),
         };
         let runtime = CommandRuntime::new("agent", credential, 1 << 16);
         let mut pids = Vec::new();
@@ -852,28 +835,5 @@ for line in sys.stdin:
         assert!(!args.iter().any(|a| a.starts_with("--permission-prompt-tool") || a.starts_with("--resume")));
         assert!(!args.iter().any(|a| a == "--effort"), "no effort asked: Claude Code's default");
         assert!(args.windows(2).any(|w| w == ["--model", "sonnet"]));
-    }
-
-    #[test]
-    fn an_agent_folder_lies_inside_a_root_once_resolved() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("root");
-        std::fs::create_dir_all(root.join("project/sub")).unwrap();
-        std::fs::create_dir_all(dir.path().join("outside")).unwrap();
-        std::os::unix::fs::symlink(dir.path().join("outside"), root.join("escape")).unwrap();
-        std::os::unix::fs::symlink(root.join("project"), root.join("alias")).unwrap();
-        std::fs::write(root.join("file"), "").unwrap();
-        let roots = vec![root.canonicalize().unwrap()];
-        let at = |cwd: &str| super::inside(&roots, cwd);
-        assert_eq!(at("project"), Some(roots[0].join("project")));
-        assert_eq!(at("project/sub/.."), Some(roots[0].join("project")));
-        assert_eq!(at("alias/sub"), Some(roots[0].join("project/sub")), "a symlink inside the root is followed");
-        assert_eq!(at(root.to_str().unwrap()), Some(roots[0].clone()));
-        for refused in
-            ["/", "/root", "../../..", "..", "escape", "escape/.", "file", "missing", "project/../../outside"]
-        {
-            assert_eq!(at(refused), None, "{refused}");
-        }
-        assert_eq!(super::inside(&[], "project"), None, "no root, no folder");
     }
 }

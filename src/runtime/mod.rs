@@ -343,15 +343,22 @@ struct ModelEntry {
     info: ModelInfo,
 }
 
-/// The models the gateway can run, by `<credential>/<model>` name.
+/// The models the gateway can run, by `<credential>/<model>` name, and the MCP servers whose
+/// tools they use.
 pub struct Registry {
     models: BTreeMap<String, ModelEntry>,
     default_model: String,
+    tools: Arc<crate::tools::Toolbox>,
 }
 
 impl Registry {
-    pub fn new(default_model: impl Into<String>) -> Registry {
-        Registry { models: BTreeMap::new(), default_model: default_model.into() }
+    pub fn new(default_model: impl Into<String>, tools: Arc<crate::tools::Toolbox>) -> Registry {
+        Registry { models: BTreeMap::new(), default_model: default_model.into(), tools }
+    }
+
+    /// The MCP servers.
+    pub fn tools(&self) -> &Arc<crate::tools::Toolbox> {
+        &self.tools
     }
 
     pub fn add(&mut self, credential: &str, model: &str, runtime: Arc<dyn Runtime>, info: ModelInfo) {

@@ -553,6 +553,7 @@ impl Turns {
         for runtime in self.registry.runtimes() {
             runtime.release(conversation_id);
         }
+        self.registry.tools().release(conversation_id);
     }
 
     /// Finishes a deletion whose lease (held by `expired`) ended; see `keep_leases`.
@@ -578,6 +579,8 @@ impl Turns {
     pub async fn shutdown_runtimes(&self) {
         let runtimes = self.registry.runtimes();
         futures_util::future::join_all(runtimes.iter().map(|runtime| runtime.shutdown())).await;
+        // After the turns: a turn's last calls were cancelled with it.
+        self.registry.tools().shutdown().await;
     }
 
     /// Refuses new turns and asks every running turn to end (`done{aborted}`); for shutdown.

@@ -274,7 +274,7 @@ impl TurnRun {
     /// Closes whatever is open, then `error`?, `done`, metrics, `turn-sealed`, in that order.
     async fn finish(mut self, mut end: End) {
         let mut effects = std::mem::take(&mut self.effects);
-        self.steps.close(matches!(end, End::Failed { .. }), Instant::now(), &mut effects);
+        self.steps.close(&end, Instant::now(), &mut effects);
         if let Some(failed) = self.apply(&mut effects).await
             && !matches!(end, End::Failed { .. })
         {

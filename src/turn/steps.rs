@@ -55,6 +55,9 @@ pub(super) struct TurnSteps {
     boundary: Instant,
     /// Which step each tool call came from, for its result.
     call_steps: HashMap<String, String>,
+    /// Tool calls no result has answered yet (id and name), oldest first: a stopped turn
+    /// answers them `Aborted`.
+    unanswered: Vec<(String, String)>,
     /// Something of the runtime's output has been published: no more retries.
     pub(super) published_content: bool,
     /// The open step produced something (a delta, a tool call, usage): a failed turn whose
@@ -74,6 +77,7 @@ impl TurnSteps {
             step: None,
             boundary: now,
             call_steps: HashMap::new(),
+            unanswered: Vec::new(),
             published_content: false,
             step_content: false,
             tokens_per_estimate: None,
@@ -118,6 +122,7 @@ impl TurnSteps {
             RawEvent::ToolCall { id, name, input } => {
                 let step_id = self.open_step().step_id.clone();
                 self.call_steps.insert(id.clone(), step_id.clone());
+                self.unanswered.push((id.clone(), name.clone()));
                 self.assembler.tool_call(ToolCallChunk {
                     tool_call_id: id.clone(),
                     tool_name: name.clone(),
@@ -145,6 +150,9 @@ impl TurnSteps {
             RawEvent::ToolResult { id, name, content, is_error, duration_ms } => {
                 self.close_step(now, out);
                 let step_id = self.call_steps.get(&id).cloned().unwrap_or_else(|| self.last_step_id());
+                if let Some(at) = self.unanswered.iter().position(|(call, _)| *call == id) {
+                    self.unanswered.remove(at);
+                }
                 self.assembler.tool_result(ToolResultChunk {
                     tool_call_id: id.clone(),
                     tool_name: name.clone(),
@@ -202,11 +210,20 @@ impl TurnSteps {
     /// The first half of a turn's end: closes the open step (a failed turn's step that produced
     /// nothing is dropped instead: a request the upstream never answered is no step of the
     /// model's).
-    pub(super) fn close(&mut self, failed: bool, now: Instant, out: &mut Vec<Effect>) {
-        if failed && !self.step_content {
+    /// A stopped turn's calls still in flight are answered `Aborted` (an error result), so
+    /// that every call in the log has its result.
+    pub(super) fn close(&mut self, end: &End, now: Instant, out: &mut Vec<Effect>) {
+        if matches!(end, End::Failed { .. }) && !self.step_content {
             self.step = None;
         }
         self.close_step(now, out);
+        if matches!(end, End::Aborted) {
+            for (id, name) in std::mem::take(&mut self.unanswered) {
+                let aborted =
+                    RawEvent::ToolResult { id, name, content: "Aborted".into(), is_error: true, duration_ms: None };
+                self.handle(aborted, now, out);
+            }
+        }
     }
 
     /// The second half: `error` (for a failed turn), then `done`. Its duration.
@@ -336,7 +353,7 @@ mod tests {
             }
         }
         let end = end.unwrap_or(ending);
-        steps.close(matches!(end, End::Failed { .. }), at, &mut out);
+        steps.close(&end, at, &mut out);
         let duration = steps.end(&end, at, &mut out);
         let published = out
             .into_iter()

@@ -14,7 +14,9 @@ pub(super) const CONTEXT_EXCEEDED: &str = "context_length";
 /// The conversation as Chat Completions messages, always one a strict chat template takes
 /// (alternating user and assistant turns):
 /// - a message per log message; thinking and error chunks stay home, and each tool result is
-///   a `tool` message; a tool call no later result answered is left out (the API rejects it);
+///   a `tool` message; a tool call no later result answered (the gateway stopped during it)
+///   goes up answered `Aborted`, after the results of its message's other calls (the API
+///   rejects a call without its answer);
 /// - an assistant message that had only reasoning is kept, with empty content;
 /// - the message of a turn the upstream refused as too long for the context is left out;
 /// - consecutive user messages (a turn that failed or was stopped before any answer, then the
@@ -37,6 +39,9 @@ fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Value>
     if let Some(system) = system_prompt {
         out.push(json!({"role": "system", "content": system}));
     }
+    // `Aborted` answers of the last assistant message's unanswered calls: they go up once its
+    // other calls' results have.
+    let mut aborted: Vec<Value> = Vec::new();
     let mut i = 0;
     while i < history.len() {
         let id = history[i].message_id;
@@ -44,6 +49,9 @@ fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Value>
         let start = i;
         let group: Vec<&HistoryChunk> = history[i..].iter().take_while(|c| c.message_id == id).collect();
         i += group.len();
+        if role != Role::Tool {
+            out.append(&mut aborted);
+        }
         let text: String = group
             .iter()
             .filter_map(|c| match &c.chunk {
@@ -72,11 +80,18 @@ fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Value>
                     .iter()
                     .zip(&answered[start..])
                     .filter_map(|(c, answered)| match &c.chunk {
-                        Chunk::ToolCall(call) if *answered => Some(json!({
-                            "id": call.tool_call_id,
-                            "type": "function",
-                            "function": {"name": call.tool_name, "arguments": call.input.to_string()},
-                        })),
+                        Chunk::ToolCall(call) => {
+                            if !answered {
+                                aborted.push(
+                                    json!({"role": "tool", "tool_call_id": call.tool_call_id, "content": "Aborted"}),
+                                );
+                            }
+                            Some(json!({
+                                "id": call.tool_call_id,
+                                "type": "function",
+                                "function": {"name": call.tool_name, "arguments": call.input.to_string()},
+                            }))
+                        }
                         _ => None,
                     })
                     .collect();
@@ -100,6 +115,7 @@ fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Value>
             }
         }
     }
+    out.append(&mut aborted);
     out
 }
 
@@ -278,7 +294,7 @@ mod tests {
     }
 
     /// An upstream that names no call ids gets `call_0` in every turn: a call nobody answered
-    /// stays home even when a later turn's call of the same id was answered.
+    /// goes up answered `Aborted` even when a later turn's call of the same id was answered.
     #[test]
     fn a_result_answers_the_call_before_it_not_an_older_one_with_the_same_id() {
         let call = |n| {
@@ -307,9 +323,11 @@ mod tests {
             chunk(6, Role::User, text("three")),
         ];
         let sent = messages(&history, None);
-        assert_eq!(sent[1], json!({"role": "assistant", "content": "a"}), "{sent:?}");
-        assert_eq!(sent[3]["tool_calls"][0]["function"]["arguments"], "{\"n\":2}");
-        assert_eq!(sent.len(), 6);
+        assert_eq!(sent[1]["tool_calls"][0]["function"]["arguments"], "{\"n\":1}", "{sent:?}");
+        assert_eq!(sent[2], json!({"role": "tool", "tool_call_id": "call_0", "content": "Aborted"}));
+        assert_eq!(sent[4]["tool_calls"][0]["function"]["arguments"], "{\"n\":2}");
+        assert_eq!(sent[5]["content"], "r");
+        assert_eq!(sent.len(), 7);
     }
 
     /// The wordings servers refuse a too long request in, and the counts they carry.

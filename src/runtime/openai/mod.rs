@@ -22,8 +22,10 @@ use serde_json::{Map, Value, json};
 use sse_stream::SseByteStream;
 use tokio_util::sync::CancellationToken;
 
+mod calls;
 mod context;
 
+use self::calls::{StepCalls, Toolkit};
 use self::context::{CONTEXT_EXCEEDED, context_exceeded, estimated_tokens, fitting_messages, prompt_tokens_counted};
 use super::http_client::{HttpClient, describe};
 use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
@@ -61,6 +63,34 @@ pub struct OpenAiSettings {
     pub params: RequestParams,
     /// Each model's, over the credential's.
     pub model_params: BTreeMap<String, RequestParams>,
+    /// The MCP servers whose tools its models get: with them, the runtime runs the agent loop.
+    pub tools: Option<ToolSettings>,
+}
+
+/// A credential's tools and the loop's bounds (spec 9.2).
+#[derive(Clone)]
+pub struct ToolSettings {
+    pub toolbox: Arc<crate::tools::Toolbox>,
+    /// The `[mcp.<name>]` servers it uses.
+    pub servers: Vec<String>,
+    /// Model round trips a turn may take.
+    pub max_steps: u32,
+    /// Calls of one turn running at once.
+    pub max_parallel: usize,
+}
+
+impl std::fmt::Debug for ToolSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ToolSettings").field("servers", &self.servers).field("max_steps", &self.max_steps).finish()
+    }
+}
+
+/// What a step's request carries besides the history: this turn's earlier steps (assistant
+/// calls, tool results, steering), and the tools.
+#[derive(Default)]
+struct StepInput<'a> {
+    added: &'a [Value],
+    tools: &'a [Value],
 }
 
 /// What the event parser reads: the upstream's bytes, or why it stopped.
@@ -157,11 +187,18 @@ struct PartialCall {
     arguments: String,
 }
 
-/// What one streamed turn has gathered.
+/// What one streamed step has gathered.
 #[derive(Default)]
 struct Gathered {
     content: bool,
+    /// The step's text, for the next step's request.
+    text: String,
     calls: BTreeMap<u64, PartialCall>,
+    /// With tools: the calls started so far (a call starts once the next one begins in the
+    /// stream, or the stream ends: its arguments are complete then).
+    started: Option<StepCalls>,
+    /// How many of `calls`, in index order, have been started.
+    launched: usize,
     finish: Option<String>,
     usage: Option<Usage>,
     /// The estimated tokens of the request's messages, to calibrate by the usage.
@@ -198,6 +235,7 @@ impl Gathered {
         for key in ["content", "refusal"] {
             if let Some(text) = delta.get(key).and_then(Value::as_str).filter(|t| !t.is_empty()) {
                 self.content = true;
+                self.text.push_str(text);
                 send(RawEvent::TextDelta(text.to_owned())).await?;
             }
         }
@@ -215,19 +253,38 @@ impl Gathered {
                 partial.arguments.push_str(args);
             }
         }
+        // Every call but the last one the stream began is complete: started now (eager).
+        let complete = self.calls.len().saturating_sub(1);
+        self.launch(sink, complete).await?;
         if let Some(finish) = choice.get("finish_reason").and_then(Value::as_str) {
             self.finish = Some(reason(finish));
         }
         Ok(())
     }
 
-    /// Ends the step: tool calls, usage, the step's end, the finish.
-    async fn finish(self, sink: &EventSink) -> Result<(), RuntimeError> {
+    /// Starts the calls in index order up to (excluding) the `upto`th, when the turn has tools.
+    async fn launch(&mut self, sink: &EventSink, upto: usize) -> Result<(), RuntimeError> {
+        let Some(started) = self.started.as_mut() else { return Ok(()) };
+        for (index, call) in self.calls.iter().skip(self.launched).take(upto.saturating_sub(self.launched)) {
+            let id = if call.id.is_empty() { format!("call_{index}") } else { call.id.clone() };
+            started.start(sink, id, call.name.clone(), call.arguments.clone()).await?;
+        }
+        self.launched = self.launched.max(upto);
+        Ok(())
+    }
+
+    /// Ends the step: its tool calls (started, with tools), usage, the step's end. What
+    /// follows: the finish reason, the step's text, and its calls when it has any to run.
+    async fn end(mut self, sink: &EventSink) -> Result<(String, String, Option<StepCalls>), RuntimeError> {
         let mut events = Vec::new();
-        for (index, call) in self.calls {
-            let input = serde_json::from_str(&call.arguments).unwrap_or(Value::String(call.arguments));
-            let id = if call.id.is_empty() { format!("call_{index}") } else { call.id };
-            events.push(RawEvent::ToolCall { id, name: call.name, input });
+        if self.started.is_some() {
+            self.launch(sink, self.calls.len()).await?;
+        } else {
+            for (index, call) in std::mem::take(&mut self.calls) {
+                let input = serde_json::from_str(&call.arguments).unwrap_or(Value::String(call.arguments));
+                let id = if call.id.is_empty() { format!("call_{index}") } else { call.id };
+                events.push(RawEvent::ToolCall { id, name: call.name, input });
+            }
         }
         if let Some(u) = self.usage {
             // The request's own count: once older turns are left out, the last turn's
@@ -238,11 +295,11 @@ impl Gathered {
             events.push(RawEvent::Usage(u));
         }
         events.push(RawEvent::StepEnd);
-        events.push(RawEvent::Finish { reason: self.finish.unwrap_or_else(|| "stop".to_owned()) });
         for e in events {
             sink.send(e).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime"))?;
         }
-        Ok(())
+        let reason = self.finish.unwrap_or_else(|| "stop".to_owned());
+        Ok((reason, self.text, self.started.filter(|c| !c.is_empty())))
     }
 }
 
@@ -251,7 +308,12 @@ impl OpenAiRuntime {
     /// real tokens an estimated one and to `--max-runtime-request-bytes`, and the model's
     /// parameters; and the estimated tokens of
     /// its messages, and how many there are.
-    async fn body(&self, req: &TurnRequest, ratio: f64) -> Result<(Value, u64, usize), RuntimeError> {
+    async fn body(
+        &self,
+        req: &TurnRequest,
+        step: &StepInput<'_>,
+        ratio: f64,
+    ) -> Result<(Value, u64, usize), RuntimeError> {
         let params = match self.settings.model_params.get(&req.model) {
             Some(model) => self.settings.params.overlaid(model),
             None => self.settings.params.clone(),
@@ -264,7 +326,9 @@ impl OpenAiRuntime {
         // The size bound, in the estimate's own units (four bytes a token), holds whatever the
         // calibration: it bounds the gateway's read and the request, not the model's count.
         let size = self.settings.max_request_bytes / 4;
-        let budget = window.map_or(size, |w| w.min(size));
+        // This turn's earlier steps go up whole, after the history fitted to what they leave.
+        let added: u64 = step.added.iter().map(estimated_tokens).sum();
+        let budget = window.map_or(size, |w| w.min(size)).saturating_sub(added);
         let history =
             req.history.as_ref().ok_or_else(|| RuntimeError::turn("the turn came without its history", "runtime"))?;
         let read = |from, to| history.range(from, to);
@@ -276,11 +340,16 @@ impl OpenAiRuntime {
         if left_out > 0 {
             tracing::info!(left_out, "left the oldest messages out of the request to fit the context window");
         }
+        let mut messages = messages;
+        messages.extend(step.added.iter().cloned());
         let (estimate, count) = (messages.iter().map(estimated_tokens).sum(), messages.len());
         let mut body = Map::new();
         body.insert("model".into(), json!(req.model));
         body.insert("messages".into(), Value::Array(messages));
         body.insert("stream".into(), json!(true));
+        if !step.tools.is_empty() {
+            body.insert("tools".into(), Value::Array(step.tools.to_vec()));
+        }
         if params.include_usage.unwrap_or(true) {
             body.insert("stream_options".into(), json!({"include_usage": true}));
         }
@@ -306,9 +375,10 @@ impl OpenAiRuntime {
     async fn request(
         &self,
         req: &TurnRequest,
+        step: &StepInput<'_>,
         ratio: f64,
     ) -> Result<(http::Request<Full<Bytes>>, u64, usize), RuntimeError> {
-        let (body, estimate, count) = self.body(req, ratio).await?;
+        let (body, estimate, count) = self.body(req, step, ratio).await?;
         let body = Bytes::from(body.to_string());
         let mut request = http::Request::post(self.endpoint.clone()).body(Full::new(body)).expect("a parsed URI");
         *request.headers_mut() = self.headers.clone();
@@ -320,6 +390,7 @@ impl OpenAiRuntime {
     async fn open<F, Fut>(
         &self,
         req: &TurnRequest,
+        step: &StepInput<'_>,
         send: F,
     ) -> Result<(http::Response<hyper::body::Incoming>, u64), RuntimeError>
     where
@@ -336,7 +407,7 @@ impl OpenAiRuntime {
         let mut refused: Option<(usize, RuntimeError)> = None;
         let mut refits = 0;
         loop {
-            let (request, estimate, count) = self.request(req, ratio).await?;
+            let (request, estimate, count) = self.request(req, step, ratio).await?;
             if let Some((before, error)) = refused.take()
                 && count >= before
             {
@@ -427,13 +498,60 @@ impl OpenAiRuntime {
         }
     }
 
-    async fn turn(&self, req: TurnRequest, sink: EventSink) -> Result<(), RuntimeError> {
+    /// The turn: one step, or with tools the agent loop (spec 9.2): a step whose model asks
+    /// for calls runs them, sends their results back up and takes the next step, until a step
+    /// asks for none or `max_steps` is reached.
+    async fn turn(&self, req: TurnRequest, sink: EventSink, cancel: CancellationToken) -> Result<(), RuntimeError> {
+        let send =
+            |event| async { sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime")) };
+        let Some(settings) = &self.settings.tools else {
+            let (reason, _, _) = self.step(&req, &sink, &StepInput::default(), None).await?;
+            return send(RawEvent::Finish { reason }).await;
+        };
+        let folder = req.cwd.as_deref().map(std::path::Path::new);
+        let tools = settings.toolbox.for_turn(&settings.servers, &req.conversation_id, folder).await;
+        let definitions = tools.definitions();
+        // Calls in flight are cancelled when the turn is stopped, and when it ends otherwise.
+        let calls_cancel = cancel.child_token();
+        let _cancel_calls = calls_cancel.clone().drop_guard();
+        let kit = Toolkit {
+            tools: Arc::new(tools),
+            places: Arc::new(tokio::sync::Semaphore::new(settings.max_parallel.max(1))),
+            cancel: calls_cancel,
+        };
+        let mut added: Vec<Value> = Vec::new();
+        for _ in 0..settings.max_steps.max(1) {
+            let step = StepInput { added: &added, tools: &definitions };
+            let (reason, text, calls) = self.step(&req, &sink, &step, Some(kit.clone())).await?;
+            let Some(calls) = calls else { return send(RawEvent::Finish { reason }).await };
+            added.extend(calls.finish(&sink, text).await?);
+            // Steering: what was queued meanwhile goes to the model before its next step.
+            for message in req.inbox.drain() {
+                send(RawEvent::UserInput(message.text.clone())).await?;
+                added.push(json!({"role": "user", "content": message.text}));
+            }
+        }
+        Err(RuntimeError::turn(
+            format!("the turn reached {} steps (the credential's max_steps) and was ended", settings.max_steps.max(1)),
+            "max-steps",
+        ))
+    }
+
+    /// One step: a request, its streamed answer; the finish reason, the step's text, and its
+    /// started calls (with tools, when it asked for any).
+    async fn step(
+        &self,
+        req: &TurnRequest,
+        sink: &EventSink,
+        step: &StepInput<'_>,
+        kit: Option<Toolkit>,
+    ) -> Result<(String, String, Option<StepCalls>), RuntimeError> {
         let idle = self.settings.idle_timeout;
         let send =
             |event| async { sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime")) };
         send(RawEvent::StepStart).await?;
-        let (response, estimate) = self.open(&req, &send).await?;
-        let mut gathered = Gathered { estimate, ..Gathered::default() };
+        let (response, estimate) = self.open(req, step, &send).await?;
+        let mut gathered = Gathered { estimate, started: kit.map(StepCalls::new), ..Gathered::default() };
         // The bytes since the last whole event, bounded: an upstream that never ends an
         // event must not grow the parser's buffer without end.
         let since_event = Arc::new(AtomicUsize::new(0));
@@ -483,10 +601,10 @@ impl OpenAiRuntime {
                 continue;
             }
             if data == "[DONE]" {
-                return gathered.finish(&sink).await;
+                return gathered.end(sink).await;
             }
             match serde_json::from_str::<Value>(data) {
-                Ok(value) => gathered.chunk(&sink, &value).await?,
+                Ok(value) => gathered.chunk(sink, &value).await?,
                 Err(e) => {
                     return Err(RuntimeError::turn(
                         format!("the upstream sent an event that is not JSON: {e}"),
@@ -497,7 +615,7 @@ impl OpenAiRuntime {
         }
         if gathered.finish.is_some() {
             // Some servers close without `[DONE]` after the last chunk.
-            return gathered.finish(&sink).await;
+            return gathered.end(sink).await;
         }
         Err(broken(&gathered, "the upstream closed the stream before the turn finished".into()))
     }
@@ -508,7 +626,7 @@ impl Runtime for OpenAiRuntime {
         let runtime = self.clone();
         Box::pin(async move {
             tokio::select! {
-                result = runtime.turn(request, sink) => result,
+                result = runtime.turn(request, sink, cancel.clone()) => result,
                 // Dropping the request future closes its connection now, not at the next chunk.
                 _ = cancel.cancelled() => Ok(()),
             }
@@ -517,6 +635,16 @@ impl Runtime for OpenAiRuntime {
 
     fn needs_history(&self) -> bool {
         true
+    }
+
+    /// With servers run in the conversation's folder, the folder must lie in their roots.
+    fn folder(&self, cwd: &str) -> Option<String> {
+        match &self.settings.tools {
+            Some(t) if t.toolbox.uses_folders(&t.servers) => {
+                t.toolbox.folder(&t.servers, cwd).map(|p| p.to_string_lossy().into_owned())
+            }
+            _ => Some(cwd.to_owned()),
+        }
     }
 }
 
