@@ -263,3 +263,186 @@ async fn real_servers_tools_run_in_the_agent_loop() {
     assert_eq!(tool_messages, 5, "{messages:?}");
     server.stop().await;
 }
+
+/// A server that will not start, one that never finishes `initialize`, one that answers
+/// garbage, one that crashes mid-call, a call past `call_timeout_secs`, arguments that are not
+/// an object and an unknown tool: each an error result that says why, and the turn goes on.
+/// The crashed server is started again.
+#[tokio::test]
+async fn failures_are_results_that_say_why_and_the_turn_goes_on() {
+    let Some((_, python)) = servers() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = FakeUpstream::start(vec![]).await;
+    upstream.push(asks(&[
+        ("a", "gone__x", "{}"),
+        ("b", "mute__x", "{}"),
+        ("c", "garbage__x", "{}"),
+        ("d", "py__slow", r#"{"seconds": 30}"#),
+        ("e", "py__shout", "not json"),
+        ("f", "nobody__x", "{}"),
+    ]));
+    upstream.push(asks(&[("g", "py__crash", "{}")]));
+    upstream.push(says("Carried on."));
+    let python = python.to_string_lossy().into_owned();
+    let mut mute = stdio("sleep", &["1000"], McpScope::Shared);
+    mute.startup_timeout_secs = 1;
+    let mut garbage = stdio("sh", &["-c", "echo '{not json'; echo 'hello there'; sleep 1000"], McpScope::Shared);
+    garbage.startup_timeout_secs = 2;
+    let mut py = stdio(python.clone(), &[&script(), "stdio"], McpScope::Shared);
+    py.call_timeout_secs = 1;
+    let servers = vec![
+        ("gone", stdio("/nonexistent/mcp-server", &[], McpScope::Shared)),
+        ("mute", mute),
+        ("garbage", garbage),
+        ("py", py),
+    ];
+    let server = TestServer::start(config(dir.path(), &upstream, servers)).await;
+    ready(&server, "py").await;
+
+    let events = server.chat("f1", "try").await;
+    let got = results(&events);
+    let said = |id: &str| got.iter().find(|(i, _, _)| i == id).unwrap_or_else(|| panic!("no result for {id}: {got:?}"));
+    for (id, says) in [
+        ("a", "could not be started"),
+        ("b", "startup_timeout_secs"),
+        ("c", "`garbage` is not available"),
+        ("d", "call_timeout_secs"),
+        ("e", "not a JSON object"),
+        ("f", "there is no tool `nobody__x`"),
+        ("g", "went away during the call"),
+    ] {
+        let (_, content, is_error) = said(id);
+        assert!(*is_error, "{id}: {content}");
+        assert!(content.contains(says), "{id} says {says:?}: {content}");
+    }
+    assert_eq!(events.iter().find(|e| e["type"] == "done").unwrap()["reason"], "stop", "the turn went on");
+    assert!(events.iter().any(|e| e["type"] == "text-delta" && e["delta"] == "Carried on."));
+
+    let (_, tools) = server.get("/tools").await;
+    let state = |name: &str| tools["servers"].as_array().unwrap().iter().find(|s| s["name"] == name).unwrap().clone();
+    assert_eq!(state("gone")["state"], "failed");
+    assert!(state("gone")["error"].as_str().unwrap().contains("could not be started"), "{tools}");
+    // The crashed server comes back, and its tools work again.
+    let back = ready(&server, "py").await;
+    assert!(back["tools"].as_array().unwrap().iter().any(|t| t["name"] == "py__shout"));
+    upstream.push(asks(&[("h", "py__shout", r#"{"text": "back"}"#)]));
+    upstream.push(says("ok"));
+    let events = server.chat("f1", "again").await;
+    assert_eq!(results(&events), [("h".to_owned(), "BACK".to_owned(), false)]);
+    let metrics = server.metrics().await;
+    assert!(metrics.contains(r#"dispatch_tool_errors_total{server="py",tool="slow"} 1"#), "{metrics}");
+    server.stop().await;
+}
+
+/// A stop cancels the calls in flight: their results are `Aborted` errors, the turn ends
+/// `done{aborted}`, and the history holds every call with its result.
+#[tokio::test]
+async fn a_stop_cancels_the_calls_in_flight() {
+    let Some((_, python)) = servers() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = FakeUpstream::start(vec![asks(&[("s", "py__slow", r#"{"seconds": 60}"#)])]).await;
+    let mut py = stdio(python.to_string_lossy(), &[&script(), "stdio"], McpScope::Shared);
+    let marker = dir.path().join("cancelled");
+    py.env.insert("DISPATCH_TEST_MCP_CANCELLED".into(), marker.to_string_lossy().into_owned());
+    let server = TestServer::start(config(dir.path(), &upstream, vec![("py", py)])).await;
+    ready(&server, "py").await;
+    let mut stream = server.chat_stream(json!({"conversationId": "s1", "message": "wait"})).await;
+    let mut events = Vec::new();
+    // The call is running once its progress arrives.
+    while let Some(event) = stream.next_event().await {
+        let progress = event["type"] == "tool-output";
+        events.push(event);
+        if progress {
+            break;
+        }
+    }
+    let (_, stopped) = server.post("/conversations/s1/stop", json!({})).await;
+    assert_eq!(stopped["abortedTurn"], true);
+    events.extend(stream.collect().await);
+    assert_eq!(results(&events), [("s".to_owned(), "Aborted".to_owned(), true)], "{events:?}");
+    assert_eq!(events.iter().find(|e| e["type"] == "done").unwrap()["reason"], "aborted");
+    let history = server.history("s1").await;
+    let kinds: Vec<&str> = history.iter().map(|c| c["chunk"]["type"].as_str().unwrap()).collect();
+    assert!(kinds.contains(&"tool-call") && kinds.contains(&"tool-result"), "{kinds:?}");
+    // The server was told (MCP `notifications/cancelled`): its call stopped.
+    assert!(eventually(100, || async { marker.exists() }).await, "the server's call was cancelled");
+    upstream.push(asks(&[("t", "py__shout", r#"{"text": "next"}"#)]));
+    upstream.push(says("ok"));
+    let events = server.chat("s1", "next").await;
+    assert_eq!(results(&events), [("t".to_owned(), "NEXT".to_owned(), false)]);
+    server.stop().await;
+}
+
+/// Messages queued during a call reach the model before its next step (the reference kernel's
+/// steering); `max_steps` ends a turn whose model never stops calling; a result past
+/// `--max-tool-result-bytes` is cut, saying so.
+#[tokio::test]
+async fn steering_step_limit_and_result_cap() {
+    let Some((_, python)) = servers() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let upstream =
+        FakeUpstream::start(vec![asks(&[("s", "py__slow", r#"{"seconds": 1.5}"#)]), says("Heard you.")]).await;
+    let py = stdio(python.to_string_lossy(), &[&script(), "stdio"], McpScope::Shared);
+    let mut config = config(dir.path(), &upstream, vec![("py", py)]);
+    config.max_tool_result_bytes = 1000;
+    if let Some(Credential::Openai(c)) = config.credentials.get_mut("up") {
+        c.max_steps = 2;
+    }
+    let server = TestServer::start(config).await;
+    ready(&server, "py").await;
+
+    let mut stream = server.chat_stream(json!({"conversationId": "q1", "message": "go"})).await;
+    let mut events = Vec::new();
+    while let Some(event) = stream.next_event().await {
+        let calling = event["type"] == "tool-call";
+        events.push(event);
+        if calling {
+            break;
+        }
+    }
+    let (status, _) = server.post("/conversations/q1/queue", json!({"text": "also this"})).await;
+    assert_eq!(status, 200);
+    events.extend(stream.collect().await);
+    let second = &upstream.requests()[1].body["messages"];
+    let last = second.as_array().unwrap().last().unwrap();
+    assert_eq!(last, &json!({"role": "user", "content": "also this"}), "steering after the results: {second}");
+    assert_eq!(events.iter().find(|e| e["type"] == "done").unwrap()["reason"], "stop");
+
+    upstream.push(asks(&[("b", "py__big", r#"{"size": 5000}"#)]));
+    upstream.push(asks(&[("c", "py__shout", r#"{"text": "more"}"#)]));
+    let events = server.chat("q2", "loop").await;
+    let got = results(&events);
+    assert!(got[0].1.len() < 1100 && got[0].1.contains("4000 more bytes left out"), "{got:?}");
+    common::turn_error(&events, "max-steps", "max_steps");
+    assert_eq!(upstream.requests().len(), 4, "two steps, no third");
+    server.stop().await;
+}
+
+/// Conversation servers: one process per conversation in its folder, at most `max_processes`
+/// (the one idle longest makes room), stopped once idle; a folder outside `cwd_roots` is
+/// refused before any server starts.
+#[tokio::test]
+async fn conversation_servers_are_capped_and_stopped_when_idle() {
+    let Some((bin, _)) = servers() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = FakeUpstream::start(vec![says("one"), says("two")]).await;
+    let mut fs = stdio(bin.join("mcp-server-filesystem").to_string_lossy(), &[], McpScope::Conversation);
+    fs.cwd_roots = vec![dir.path().to_owned()];
+    fs.max_processes = 1;
+    fs.idle_timeout_secs = 2;
+    let server = TestServer::start(config(dir.path(), &upstream, vec![("fs", fs)])).await;
+    let processes = || async {
+        let (_, tools) = server.get("/tools").await;
+        tools["servers"][0]["processes"].as_u64().unwrap()
+    };
+    server.chat("p1", "hello").await;
+    assert_eq!(processes().await, 1);
+    server.chat("p2", "hello").await;
+    assert_eq!(processes().await, 1, "max_processes 1: the first conversation's stopped");
+    let offered = &upstream.requests()[1].body["tools"];
+    assert!(offered.as_array().is_some_and(|t| !t.is_empty()), "the second conversation got its own: {offered}");
+    assert!(eventually(100, || async { processes().await == 0 }).await, "stopped once idle");
+    let (status, body) = server.post("/chat", json!({"conversationId": "p3", "message": "x", "cwd": "/"})).await;
+    assert_eq!(status, 400, "{body}");
+    server.stop().await;
+}

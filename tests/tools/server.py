@@ -23,9 +23,17 @@ def shout(text: str) -> str:
 async def slow(seconds: float, ctx: Context) -> str:
     """Sleeps, saying how far it got ten times a second."""
     steps = max(1, int(seconds * 10))
-    for i in range(steps):
-        await ctx.report_progress(i + 1, steps, f"step {i + 1} of {steps}")
-        await asyncio.sleep(seconds / steps)
+    try:
+        for i in range(steps):
+            await ctx.report_progress(i + 1, steps, f"step {i + 1} of {steps}")
+            await asyncio.sleep(seconds / steps)
+    except asyncio.CancelledError:
+        # The client's `notifications/cancelled` arrived: say so where the test looks.
+        marker = os.environ.get("DISPATCH_TEST_MCP_CANCELLED")
+        if marker:
+            with open(marker, "w") as f:
+                f.write("cancelled")
+        raise
     return f"slept {seconds} s"
 
 
