@@ -296,7 +296,8 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                     return Err(ConfigError::credential(name, why));
                 }
                 servers_exist(name, &c.mcp, config)?;
-                (Arc::new(CommandRuntime::new(name, c.clone(), config.max_runtime_line_bytes)), None)
+                let mcp = (!c.mcp.is_empty()).then(|| crate::tools::client_config(&c.mcp, &config.mcp).to_string());
+                (Arc::new(CommandRuntime::new(name, c.clone(), config.max_runtime_line_bytes, mcp)), None)
             }
         };
         for model in credential.models() {

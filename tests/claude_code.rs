@@ -235,3 +235,74 @@ async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_mode
     assert!(body.contains("in the new folder") && !body.contains("a new start"), "a new session there: {body}");
     server.stop().await;
 }
+
+/// A `command` credential with `mcp` hands the gateway's MCP servers to Claude Code through
+/// `--mcp-config` (spec 9.3): the real CLI calls a tool of the configured server (the test's
+/// Python server over stdio, made with the `mcp` package).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_calls_a_tool_of_a_configured_mcp_server() {
+    let install = "npm install @anthropic-ai/claude-code";
+    let Some(claude) = program("DISPATCH_TEST_CLAUDE", "claude", "DISPATCH_REQUIRE_CLAUDE", install) else { return };
+    let Some(python) = std::env::var_os("DISPATCH_TEST_MCP_PYTHON") else {
+        assert!(std::env::var_os("DISPATCH_REQUIRE_MCP").is_none(), "a Python with `mcp` is required");
+        eprintln!("skipped: set DISPATCH_TEST_MCP_PYTHON (.ci/run installs it)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let api = MockApi::start(dir.path());
+    let home = dir.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let env: BTreeMap<String, String> = [
+        ("ANTHROPIC_BASE_URL", format!("http://127.0.0.1:{}", api.port)),
+        ("ANTHROPIC_API_KEY", "sk-ant-test".to_owned()),
+        ("HOME", home.display().to_string()),
+        ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".to_owned()),
+        ("DISABLE_AUTOUPDATER", "1".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    let mut config = test_config(dir.path());
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/tools/server.py");
+    config.mcp.insert(
+        "py".into(),
+        dispatch_gateway::config::McpServer {
+            command: Some(python.to_string_lossy().into_owned()),
+            args: vec![script.display().to_string(), "stdio".into()],
+            env: Default::default(),
+            url: None,
+            token_env: None,
+            scope: None,
+            tools: None,
+            startup_timeout_secs: 30,
+            call_timeout_secs: 30,
+            idle_timeout_secs: 600,
+            max_processes: 8,
+            cwd_roots: Vec::new(),
+        },
+    );
+    let credential = CommandCredential {
+        program: claude.display().to_string(),
+        args: Vec::new(),
+        dialect: Dialect::ClaudeStreamJson,
+        models: vec!["sonnet".into()],
+        cwd: Some(dir.path().to_owned()),
+        cwd_roots: vec![dir.path().to_owned()],
+        env,
+        idle_timeout_secs: 600,
+        unattended: true,
+        max_processes: 4,
+        grace_secs: 3,
+        mcp: vec!["py".into()],
+    };
+    config.credentials.insert("claude".into(), Credential::Command(credential));
+    let server = TestServer::start(config).await;
+    let events = server.chat("mcp", "use the mcp tool please").await;
+    let call = events.iter().find(|e| e["type"] == "tool-call").unwrap_or_else(|| panic!("a tool call: {events:?}"));
+    assert_eq!(call["toolName"], "mcp__py__shout", "{call}");
+    let result = events.iter().find(|e| e["type"] == "tool-result").unwrap_or_else(|| panic!("a result: {events:?}"));
+    assert_eq!(result["isError"], false, "{result}");
+    assert!(result["content"].as_str().unwrap().contains("FROM CLAUDE"), "the server ran the call: {result}");
+    assert!(text_of(&events).contains("FROM CLAUDE"), "the model read it: {events:?}");
+    server.stop().await;
+}

@@ -446,3 +446,73 @@ async fn conversation_servers_are_capped_and_stopped_when_idle() {
     assert_eq!(status, 400, "{body}");
     server.stop().await;
 }
+
+/// The wire order of spec 1 for a loop turn, exactly, as the reference web client reads it:
+/// a step's batched calls share its `stepId` (live and in the log), their results follow its
+/// `step-complete` in call order, and the next step has the next `stepId`.
+#[tokio::test]
+async fn a_loop_turn_has_the_wire_order_a_client_groups_by_step() {
+    let Some((_, python)) = servers() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = FakeUpstream::start(vec![
+        asks(&[("a", "py__shout", r#"{"text": "one"}"#), ("b", "py__shout", r#"{"text": "two"}"#)]),
+        says("Done."),
+    ])
+    .await;
+    let py = stdio(python.to_string_lossy(), &[&script(), "stdio"], McpScope::Shared);
+    let server = TestServer::start(config(dir.path(), &upstream, vec![("py", py)])).await;
+    ready(&server, "py").await;
+    let events = server.chat("w1", "shout").await;
+    let turn_id = events[0]["turnId"].as_str().unwrap().to_owned();
+    let (s0, s1) = (format!("{turn_id}#0"), format!("{turn_id}#1"));
+    let stripped: Vec<Value> = events
+        .iter()
+        .map(|e| {
+            let mut e = e.as_object().unwrap().clone();
+            assert_eq!(e.remove("conversationId").unwrap(), "w1");
+            assert_eq!(e.remove("turnId").unwrap(), turn_id.as_str());
+            for timing in ["ttftMs", "decodeMs", "genTotalMs", "durationMs"] {
+                if let Some(v) = e.remove(timing) {
+                    assert!(v.is_u64(), "{timing}: {v}");
+                }
+            }
+            Value::Object(e)
+        })
+        .collect();
+    let call = |id: &str, text: &str| json!({"type": "tool-call", "stepId": s0, "toolCallId": id, "toolName": "py__shout", "input": {"text": text}});
+    let result = |id: &str, text: &str| json!({"type": "tool-result", "stepId": s0, "toolCallId": id, "toolName": "py__shout", "content": text, "isError": false});
+    assert_eq!(
+        stripped,
+        vec![
+            json!({"type": "user-message", "text": "shout"}),
+            json!({"type": "turn-start"}),
+            json!({"type": "text-delta", "delta": "Let me look."}),
+            call("a", "one"),
+            call("b", "two"),
+            json!({"type": "usage", "stepId": s0, "usage": {"inputTokens": 50, "outputTokens": 10}}),
+            json!({"type": "step-complete", "stepId": s0}),
+            result("a", "ONE"),
+            result("b", "TWO"),
+            json!({"type": "text-delta", "delta": "Done."}),
+            json!({"type": "step-complete", "stepId": s1}),
+            json!({"type": "done", "reason": "stop", "usage": {"inputTokens": 50, "outputTokens": 10}, "contextSize": 60}),
+            json!({"type": "turn-sealed"}),
+        ]
+    );
+    let history: Vec<Value> = server.history("w1").await.into_iter().map(|c| json!([c["role"], c["chunk"]])).collect();
+    let logged_call = |id: &str, text: &str| json!(["assistant", {"type": "tool-call", "toolCallId": id, "toolName": "py__shout", "input": {"text": text}, "stepId": s0}]);
+    let logged_result = |id: &str, text: &str| json!(["tool", {"type": "tool-result", "toolCallId": id, "toolName": "py__shout", "content": text, "isError": false, "stepId": s0}]);
+    assert_eq!(
+        history,
+        vec![
+            json!(["user", {"type": "text", "text": "shout"}]),
+            json!(["assistant", {"type": "text", "text": "Let me look."}]),
+            logged_call("a", "one"),
+            logged_call("b", "two"),
+            logged_result("a", "ONE"),
+            logged_result("b", "TWO"),
+            json!(["assistant", {"type": "text", "text": "Done."}]),
+        ]
+    );
+    server.stop().await;
+}

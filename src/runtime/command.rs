@@ -135,10 +135,19 @@ struct Inner {
     turns: TaskTracker,
     /// Processes started so far (`dispatch_agent_starts_total`).
     started: std::sync::atomic::AtomicU64,
+    /// The credential's MCP servers as an MCP client's configuration (`{"mcpServers": ...}`):
+    /// Claude Code gets it as `--mcp-config`, the gateway's own dialect as `DISPATCH_MCP_CONFIG`.
+    mcp_config: Option<String>,
 }
 
 impl CommandRuntime {
-    pub fn new(name: &str, mut settings: CommandCredential, max_line: usize) -> CommandRuntime {
+    /// `mcp_config`: see [`Inner::mcp_config`].
+    pub fn new(
+        name: &str,
+        mut settings: CommandCredential,
+        max_line: usize,
+        mcp_config: Option<String>,
+    ) -> CommandRuntime {
         settings.max_processes = settings.max_processes.max(1);
         // The folders its agents may work in, as they are now (symlinks followed): its
         // `cwd_roots`, else its `cwd`, else the gateway's working directory.
@@ -158,6 +167,7 @@ impl CommandRuntime {
                 fence: CancellationToken::new(),
                 turns: TaskTracker::new(),
                 started: std::sync::atomic::AtomicU64::new(0),
+                mcp_config,
             }),
         }
     }
@@ -239,6 +249,12 @@ impl Inner {
         command.args(&s.args);
         if s.dialect == Dialect::ClaudeStreamJson {
             command.args(claude_args(&started_for, req.session_id.as_deref(), s.unattended));
+            // Only the gateway's servers: the agent sees the tool set every runtime sees.
+            if let Some(mcp) = &self.mcp_config {
+                command.args(["--mcp-config", mcp, "--strict-mcp-config"]);
+            }
+        } else if let Some(mcp) = &self.mcp_config {
+            command.env("DISPATCH_MCP_CONFIG", mcp);
         }
         if let Some(session) = &req.session_id {
             command.env("DISPATCH_SESSION_ID", session);
@@ -796,7 +812,7 @@ for line in sys.stdin:
             grace_secs: 3,
             mcp: Vec::new(),
         };
-        let runtime = CommandRuntime::new("agent", credential, 1 << 16);
+        let runtime = CommandRuntime::new("agent", credential, 1 << 16, None);
         let mut pids = Vec::new();
         for conversation in ["c1", "c2", "c3"] {
             let (sink, mut events) = crate::runtime::event_queue(16, 1 << 20);

@@ -68,6 +68,31 @@ pub fn check_server(name: &str, spec: &McpServer) -> Result<(), String> {
     Ok(())
 }
 
+/// The servers `names` as an MCP client's configuration, for an agent program that runs its own
+/// tools (spec 9.3): `{"mcpServers": {name: ...}}` as Claude Code's `--mcp-config` reads it,
+/// stdio servers as commands, url servers as `http` entries. A url server's token goes as
+/// `${VAR}`, expanded by the agent from its environment: never written into its arguments,
+/// which every local user may read.
+pub fn client_config(names: &[String], specs: &BTreeMap<String, McpServer>) -> Value {
+    let mut servers = serde_json::Map::new();
+    for name in names {
+        let Some(spec) = specs.get(name) else { continue };
+        let entry = match (&spec.command, &spec.url) {
+            (Some(command), _) => json!({"type": "stdio", "command": command, "args": spec.args, "env": spec.env}),
+            (None, Some(url)) => {
+                let mut entry = json!({"type": "http", "url": url});
+                if let Some(var) = &spec.token_env {
+                    entry["headers"] = json!({"Authorization": format!("Bearer ${{{var}}}")});
+                }
+                entry
+            }
+            (None, None) => continue,
+        };
+        servers.insert(name.clone(), entry);
+    }
+    json!({"mcpServers": servers})
+}
+
 /// Calls, errors and time per server and tool (`/metrics`).
 #[derive(Debug, Clone, Default)]
 pub struct ToolStats {
