@@ -344,6 +344,8 @@ async fn a_stop_cancels_the_calls_in_flight() {
     let mut py = stdio(python.to_string_lossy(), &[&script(), "stdio"], McpScope::Shared);
     let marker = dir.path().join("cancelled");
     py.env.insert("DISPATCH_TEST_MCP_CANCELLED".into(), marker.to_string_lossy().into_owned());
+    let pidfile = dir.path().join("pid");
+    py.env.insert("DISPATCH_TEST_MCP_PIDFILE".into(), pidfile.to_string_lossy().into_owned());
     let server = TestServer::start(config(dir.path(), &upstream, vec![("py", py)])).await;
     ready(&server, "py").await;
     let mut stream = server.chat_stream(json!({"conversationId": "s1", "message": "wait"})).await;
@@ -370,7 +372,23 @@ async fn a_stop_cancels_the_calls_in_flight() {
     upstream.push(says("ok"));
     let events = server.chat("s1", "next").await;
     assert_eq!(results(&events), [("t".to_owned(), "NEXT".to_owned(), false)]);
+
+    // A server that says its tools changed is listed again.
+    upstream.push(asks(&[("g", "py__grow", "{}")]));
+    upstream.push(says("ok"));
+    server.chat("s1", "grow").await;
+    let grown = eventually(100, || async {
+        let (_, tools) = server.get("/tools").await;
+        tools.to_string().contains("py__grown")
+    });
+    assert!(grown.await, "tools/list_changed was followed");
+
+    // The gateway's stop stops the server.
+    let pid: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
     server.stop().await;
+    // SAFETY: kill(2) with signal 0 only asks whether the process exists.
+    let alive = unsafe { libc::kill(pid, 0) } == 0;
+    assert!(!alive, "the MCP server's process is gone after the gateway stopped");
 }
 
 /// Messages queued during a call reach the model before its next step (the reference kernel's

@@ -44,6 +44,19 @@ def big(size: int) -> str:
 
 
 @server.tool()
+async def grow(ctx: Context) -> str:
+    """Adds the tool `grown` and tells the client its tools changed."""
+
+    def grown() -> str:
+        """A tool that was not there at first."""
+        return "grown"
+
+    server.add_tool(grown)
+    await ctx.request_context.session.send_tool_list_changed()
+    return "added grown"
+
+
+@server.tool()
 def crash() -> str:
     """Ends the server's process at once."""
     os._exit(3)
@@ -65,6 +78,10 @@ def guarded(app, token):
 
 
 if __name__ == "__main__":
+    # Where the test looks for this process, to see it gone once the gateway stops.
+    if os.environ.get("DISPATCH_TEST_MCP_PIDFILE"):
+        with open(os.environ["DISPATCH_TEST_MCP_PIDFILE"], "w") as f:
+            f.write(str(os.getpid()))
     if sys.argv[1] == "stdio":
         server.run("stdio")
     else:
