@@ -1,5 +1,6 @@
-// The gateway itself, from `/metrics` (Prometheus text) and `/ready`, read again two seconds
-// after each answer while shown: streams, turns, events, database writes, and agent processes per credential.
+// The gateway itself, from `/metrics` (Prometheus text), `/ready` and `/tools`, read again two
+// seconds after each answer while shown: streams, turns, events, database writes, agent
+// processes per credential, and the MCP servers with their state and tools.
 
 import { get, ApiError } from "./api.js";
 import { h, bytes, num } from "./dom.js";
@@ -30,7 +31,16 @@ export class GatewayView {
   constructor() {
     this.ready = h("p", { class: "ready", role: "status", "aria-label": "Database state" });
     this.cards = h("dl", { class: "cards" });
-    this.element = h("section", { class: "page", "aria-label": "Gateway" }, h("h1", {}, "Gateway"), this.ready, this.cards);
+    this.tools = h("div", { class: "table-scroll" });
+    this.element = h(
+      "section",
+      { class: "page", "aria-label": "Gateway" },
+      h("h1", {}, "Gateway"),
+      this.ready,
+      this.cards,
+      h("h2", {}, "Tools"),
+      this.tools,
+    );
     this.poll();
   }
 
@@ -53,6 +63,7 @@ export class GatewayView {
       this.ready.textContent = `Not ready: ${e.message}`;
       this.ready.dataset.state = "unready";
     }
+    await this.refreshTools();
     let m;
     try {
       m = parsePrometheus(await get("/metrics"));
@@ -86,6 +97,34 @@ export class GatewayView {
         ...card(`Agent starts (${credential})`, num(started)),
       ]),
     );
+  }
+
+  /** `/tools`: each MCP server's state (a failed one with its reason) and its tools. */
+  async refreshTools() {
+    let servers;
+    try {
+      servers = (await get("/tools")).servers;
+    } catch (e) {
+      this.tools.replaceChildren(h("p", { class: "empty" }, `The tools could not be read: ${e.message}`));
+      return;
+    }
+    if (!servers.length) {
+      this.tools.replaceChildren(h("p", { class: "empty" }, "No MCP servers are configured (docs/tools.md)."));
+      return;
+    }
+    const state = (s) => (s.error ? `${s.state}: ${s.error}` : s.processes === undefined ? s.state : `${s.state} (${s.processes} running)`);
+    const rows = servers.map((s) =>
+      h(
+        "tr",
+        { dataset: { server: s.name } },
+        h("td", {}, s.name),
+        h("td", {}, `${s.transport}, ${s.scope}`),
+        h("td", { class: "state", dataset: { state: s.state } }, state(s)),
+        h("td", {}, s.tools.length ? s.tools.map((t) => t.name).join(", ") : "–"),
+      ),
+    );
+    const head = h("tr", {}, h("th", {}, "Server"), h("th", {}, "Runs"), h("th", {}, "State"), h("th", {}, "Tools (as models call them)"));
+    this.tools.replaceChildren(h("table", { "aria-label": "MCP servers" }, h("thead", {}, head), h("tbody", {}, rows)));
   }
 
   destroy() {

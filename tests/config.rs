@@ -273,6 +273,41 @@ fn a_bad_upstream_url_or_header_stops_the_start_and_names_its_credential() {
     }
 }
 
+/// MCP servers are checked at start: a bad one stops it, naming the server (or the credential
+/// that names a server that is not there); a good one starts.
+#[test]
+fn a_bad_mcp_server_stops_the_start_and_names_it() {
+    let openai = "[credentials.up]\nkind = \"openai\"\nbase_url = \"http://127.0.0.1:1/v1\"\nmodels = [\"m\"]\n";
+    let cases = [
+        ("mcp = [\"x\"]\n[mcp.\"a b\"]\ncommand = \"true\"", "mcp.a b", "a server name of letters"),
+        ("mcp = [\"x\"]\n[mcp.x]\ncommand = \"true\"\nurl = \"http://h/mcp\"", "mcp.x", "both set"),
+        ("mcp = [\"x\"]\n[mcp.x]\nargs = []", "mcp.x", "set `command`"),
+        ("mcp = [\"x\"]\n[mcp.x]\nurl = \"ftp://h\"", "mcp.x", "not an http:// or https:// URL"),
+        ("mcp = [\"x\"]\n[mcp.x]\nurl = \"http://h/mcp\"\nscope = \"conversation\"", "mcp.x", "is `shared`"),
+        (
+            "mcp = [\"x\"]\n[mcp.x]\nurl = \"http://h/mcp\"\ntoken_env = \"DISPATCH_TEST_NO_SUCH_VAR\"",
+            "mcp.x",
+            "is not set",
+        ),
+        ("mcp = [\"nobody\"]\n[mcp.x]\ncommand = \"true\"", "credentials.up", "which is no [mcp.nobody] server"),
+        (
+            &format!("mcp = [\"x\"]\n[mcp.x]\ncommand = \"true\"\ntools = [\"{}\"]", "t".repeat(62)),
+            "mcp.x",
+            "does not fit",
+        ),
+    ];
+    for (lines, names, says) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write(dir.path(), &format!("{openai}{lines}\n"));
+        let config = load(&["--config", &file], &[]).unwrap();
+        let err = registry(&config).err().map(|e| e.to_string()).unwrap_or_else(|| panic!("{lines}: started"));
+        assert!(err.contains(names) && err.contains(says), "{lines}: {err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = write(dir.path(), &format!("{openai}mcp = [\"x\"]\n[mcp.x]\ncommand = \"true\"\n"));
+    registry(&load(&["--config", &file], &[]).unwrap()).expect("a good server starts");
+}
+
 /// A `command` credential's grace is bounded (shutdown waits for it): past the bound the start
 /// stops, naming the credential and the key; at the bound it starts.
 #[test]

@@ -164,6 +164,14 @@ async fn the_console_in_a_real_browser() {
     open.credentials.insert("demo".into(), Credential::Scripted(scripted));
     open.credentials.insert("agent".into(), Credential::Command(echo_agent(dir.path())));
     open.default_model = Some("demo/scripted".into());
+    // MCP servers for the Gateway view's tools: one that is ready, one that cannot start.
+    let tiny = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/tools/tiny_server.py");
+    for (name, server) in [
+        ("tiny", json!({"command": "python3", "args": [tiny], "scope": "shared"})),
+        ("gone", json!({"command": "/nonexistent/mcp-server", "scope": "shared"})),
+    ] {
+        open.mcp.insert(name.into(), serde_json::from_value(server).unwrap());
+    }
     let open = TestServer::start(open).await;
     let events = open.chat_stream(json!({"conversationId": "agent-run", "message": "hi", "model": "agent/echo"})).await;
     assert_eq!(types(&events.collect().await).last(), Some(&"turn-sealed"));

@@ -328,8 +328,15 @@ try {
       .map((dd) => dd.getAttribute("aria-label")),
   );
   assert.deepEqual(misplaced, [], "values under their labels");
+  // The MCP servers: a ready one with its tools as models call them, one that cannot start
+  // with the reason.
+  const servers = page.getByRole("table", { name: "MCP servers" });
+  await servers.locator('tr[data-server="tiny"] td.state[data-state="ready"]').waitFor();
+  assert.match(await servers.locator('tr[data-server="tiny"]').textContent(), /tiny__ping/);
+  await servers.locator('tr[data-server="gone"] td.state[data-state="failed"]').waitFor();
+  assert.match(await servers.locator('tr[data-server="gone"] td.state').textContent(), /could not be started/);
   await page.screenshot({ path: shot("gateway") });
-  step("throughput per model and the gateway's state, its agent processes too");
+  step("throughput per model and the gateway's state, its agent processes and MCP servers too");
 
   // A gateway slow to answer is not sent a read every 2 s on top of those still out: the view
   // reads again 2 s after an answer (the page's clock is the test's to move).
