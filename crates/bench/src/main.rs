@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+mod tools;
+
 use clap::{Parser, Subcommand, ValueEnum};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -132,6 +134,33 @@ enum Workload {
         chunks: usize,
         #[arg(long)]
         rate: u64,
+    },
+    /// W9: an MCP server's tool called directly and through the gateway's agent loop (a fake
+    /// upstream that asks for the calls): latency one call at a time, calls per second with
+    /// `clients` at once.
+    Tools {
+        #[arg(long)]
+        base: String,
+        /// Address the fake upstream listens on (the gateway's credential points at it).
+        #[arg(long)]
+        upstream: String,
+        /// The gateway model whose credential has the server.
+        #[arg(long)]
+        model: String,
+        /// The server's tool, by its own name and as the gateway names it.
+        #[arg(long)]
+        tool: String,
+        #[arg(long)]
+        exposed: String,
+        #[arg(long)]
+        calls: usize,
+        #[arg(long)]
+        clients: usize,
+        #[arg(long)]
+        seconds: f64,
+        /// The stdio server's program and arguments (what the gateway's `[mcp]` table runs).
+        #[arg(last = true, required = true)]
+        server: Vec<String>,
     },
     /// Clients running turns back to back with `POST /chat`.
     Turns {
@@ -1851,6 +1880,20 @@ async fn main() {
         Workload::Stalled { base, watchers, events, pids } => stalled(&base, watchers, events, &pids).await,
         Workload::Proxy { base, upstream, model, chunks, rate } => proxy(&base, &upstream, &model, chunks, rate).await,
         Workload::Turns { base, clients, seconds, pids } => turns(&base, clients, seconds, &pids).await,
+        Workload::Tools { base, upstream, model, tool, exposed, calls, clients, seconds, server } => {
+            let plan = tools::Plan {
+                base: &base,
+                upstream: &upstream,
+                model: &model,
+                server: &server,
+                tool: &tool,
+                exposed: &exposed,
+                calls,
+                clients,
+                seconds,
+            };
+            tools::tools(plan).await
+        }
         Workload::History { base, conversation, concurrency, seconds } => {
             history(&base, &conversation, concurrency, seconds).await
         }
