@@ -534,3 +534,43 @@ async fn a_loop_turn_has_the_wire_order_a_client_groups_by_step() {
     );
     server.stop().await;
 }
+
+/// A call starts as soon as its arguments are complete in the stream, not when the step ends:
+/// the first call's progress arrives while the model is still writing the second call.
+#[tokio::test]
+async fn a_call_starts_while_the_step_still_streams() {
+    let Some((_, python)) = servers() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let data = |value: Value| format!("data: {value}\n\n");
+    let first = [
+        data(json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "a", "type": "function", "function": {"name": "py__slow", "arguments": "{\"seconds\": 0.3}"}}]}}]})),
+        data(json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 1, "id": "b", "type": "function", "function": {"name": "py__shout", "arguments": "{\"text\":"}}]}}]})),
+    ]
+    .concat();
+    let rest = [
+        data(json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "function": {"arguments": " \"x\"}"}}]}}]})),
+        data(json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})),
+        "data: [DONE]\n\n".to_owned(),
+    ]
+    .concat();
+    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+    let upstream = FakeUpstream::start(vec![
+        Reply::Drip(vec![(Duration::ZERO, format!("{head}{first}")), (Duration::from_millis(2000), rest)]),
+        says("ok"),
+    ])
+    .await;
+    let py = stdio(python.to_string_lossy(), &[&script(), "stdio"], McpScope::Shared);
+    let server = TestServer::start(config(dir.path(), &upstream, vec![("py", py)])).await;
+    ready(&server, "py").await;
+    let events = server.chat("e1", "eager").await;
+    let at = |matches: &dyn Fn(&Value) -> bool| events.iter().position(matches);
+    let progress = at(&|e| e["type"] == "tool-output" && e["toolCallId"] == "a").expect("a's progress");
+    let second = at(&|e| e["type"] == "tool-call" && e["toolCallId"] == "b").expect("b's call");
+    assert!(progress < second, "the first call ran while the second was still being written: {events:?}");
+    let got = results(&events);
+    assert_eq!(got.iter().map(|r| r.0.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+    assert_eq!(got[1].1, "X");
+    server.stop().await;
+}
