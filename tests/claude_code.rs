@@ -264,23 +264,8 @@ async fn claude_code_calls_a_tool_of_a_configured_mcp_server() {
     .collect();
     let mut config = test_config(dir.path());
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/tools/server.py");
-    config.mcp.insert(
-        "py".into(),
-        dispatch_gateway::config::McpServer {
-            command: Some(python.to_string_lossy().into_owned()),
-            args: vec![script.display().to_string(), "stdio".into()],
-            env: Default::default(),
-            url: None,
-            token_env: None,
-            scope: None,
-            tools: None,
-            startup_timeout_secs: 30,
-            call_timeout_secs: 30,
-            idle_timeout_secs: 600,
-            max_processes: 8,
-            cwd_roots: Vec::new(),
-        },
-    );
+    let server = json!({"command": python.to_string_lossy(), "args": [script, "stdio"]});
+    config.mcp.insert("py".into(), serde_json::from_value(server).unwrap());
     let credential = CommandCredential {
         program: claude.display().to_string(),
         args: Vec::new(),

@@ -37,20 +37,9 @@ fn script() -> String {
 }
 
 fn stdio(command: impl Into<String>, args: &[&str], scope: McpScope) -> McpServer {
-    McpServer {
-        command: Some(command.into()),
-        args: args.iter().map(|a| a.to_string()).collect(),
-        env: Default::default(),
-        url: None,
-        token_env: None,
-        scope: Some(scope),
-        tools: None,
-        startup_timeout_secs: 30,
-        call_timeout_secs: 30,
-        idle_timeout_secs: 600,
-        max_processes: 8,
-        cwd_roots: Vec::new(),
-    }
+    let scope = if scope == McpScope::Shared { "shared" } else { "conversation" };
+    let server = json!({"command": command.into(), "args": args, "scope": scope, "startup_timeout_secs": 30, "call_timeout_secs": 30});
+    serde_json::from_value(server).unwrap()
 }
 
 /// The Python server over Streamable HTTP on a free port, behind the token `token`.
@@ -178,12 +167,18 @@ async fn real_servers_tools_run_in_the_agent_loop() {
         ("c", "fs__read_text_file", &read_note),
         ("d", "py__shout", r#"{"text": "quiet"}"#),
         ("e", "every__trigger-long-running-operation", r#"{"duration": 1, "steps": 3}"#),
+        ("f", "roots__get-roots-list", "{}"),
     ]));
     upstream.push(says("All done."));
     upstream.push(says("Again."));
     let everything = stdio(bin.join("mcp-server-everything").to_string_lossy(), &[], McpScope::Shared);
-    let mut fs = stdio(bin.join("mcp-server-filesystem").to_string_lossy(), &[], McpScope::Conversation);
+    // The filesystem server learns its folder from the process's own (`.`, the conversation's
+    // folder): from the MCP roots alone, a call right after the start can come before the server
+    // has read them (it asks for them once initialized). The roots themselves: `roots`.
+    let mut fs = stdio(bin.join("mcp-server-filesystem").to_string_lossy(), &["."], McpScope::Conversation);
     fs.cwd_roots = vec![dir.path().to_owned()];
+    let mut roots = stdio(bin.join("mcp-server-everything").to_string_lossy(), &[], McpScope::Conversation);
+    roots.cwd_roots = vec![dir.path().to_owned()];
     let py = McpServer {
         command: None,
         url: Some(http.url.clone()),
@@ -191,7 +186,7 @@ async fn real_servers_tools_run_in_the_agent_loop() {
         scope: None,
         ..stdio("", &[], McpScope::Shared)
     };
-    let config = config(dir.path(), &upstream, vec![("every", everything), ("fs", fs), ("py", py)]);
+    let config = config(dir.path(), &upstream, vec![("every", everything), ("fs", fs), ("py", py), ("roots", roots)]);
     let server = TestServer::start(config).await;
     let every = ready(&server, "every").await;
     assert!(every["tools"].as_array().unwrap().iter().any(|t| t["name"] == "every__echo"), "{every}");
@@ -201,19 +196,21 @@ async fn real_servers_tools_run_in_the_agent_loop() {
         server.chat_stream(json!({"conversationId": "t1", "message": "look", "cwd": "work"})).await.collect().await;
     let kinds: Vec<&str> =
         types(&events).into_iter().filter(|t| !matches!(*t, "text-delta" | "usage" | "tool-output")).collect();
-    let calls = ["tool-call"; 5];
-    let results_after = ["tool-result"; 5];
+    let calls = ["tool-call"; 6];
+    let results_after = ["tool-result"; 6];
     let step_complete = kinds.iter().position(|t| *t == "step-complete").expect("a step");
-    assert_eq!(&kinds[step_complete - 5..step_complete], &calls, "{kinds:?}");
-    assert_eq!(&kinds[step_complete + 1..step_complete + 6], &results_after, "{kinds:?}");
+    assert_eq!(&kinds[step_complete - 6..step_complete], &calls, "{kinds:?}");
+    assert_eq!(&kinds[step_complete + 1..step_complete + 7], &results_after, "{kinds:?}");
     let got = results(&events);
     let ids: Vec<&str> = got.iter().map(|(id, _, _)| id.as_str()).collect();
-    assert_eq!(ids, ["a", "b", "c", "d", "e"], "results in call order");
+    assert_eq!(ids, ["a", "b", "c", "d", "e", "f"], "results in call order");
     assert!(got[0].1.contains("hi") && !got[0].2, "{got:?}");
     assert_eq!(got[0].1, got[1].1, "an identical call has the first's result");
     assert!(got[2].1.contains("the note's words") && !got[2].2, "the folder's server read the file: {got:?}");
     assert_eq!(got[3], ("d".into(), "QUIET".into(), false));
     assert!(!got[4].2, "{got:?}");
+    let folder = format!("file://{}", work.canonicalize().unwrap().display());
+    assert!(got[5].1.contains(&folder), "a conversation server's MCP root is its folder: {got:?}");
     let progress: Vec<&Value> =
         events.iter().filter(|e| e["type"] == "tool-output" && e["toolCallId"] == "e").collect();
     assert!(!progress.is_empty(), "the long operation's progress arrives as tool-output: {events:?}");
@@ -234,14 +231,14 @@ async fn real_servers_tools_run_in_the_agent_loop() {
         assert!(names.contains(&name), "{name} offered: {names:?}");
     }
     let messages = requests[1].body["messages"].as_array().unwrap();
-    let assistant = &messages[messages.len() - 6];
+    let assistant = &messages[messages.len() - 7];
     assert_eq!(assistant["role"], "assistant");
     assert_eq!(assistant["content"], "Let me look.");
-    assert_eq!(assistant["tool_calls"].as_array().unwrap().len(), 5);
+    assert_eq!(assistant["tool_calls"].as_array().unwrap().len(), 6);
     let answered: Vec<&str> =
-        messages[messages.len() - 5..].iter().map(|m| m["tool_call_id"].as_str().unwrap()).collect();
-    assert_eq!(answered, ["a", "b", "c", "d", "e"]);
-    assert_eq!(messages[messages.len() - 2]["content"], "QUIET");
+        messages[messages.len() - 6..].iter().map(|m| m["tool_call_id"].as_str().unwrap()).collect();
+    assert_eq!(answered, ["a", "b", "c", "d", "e", "f"]);
+    assert_eq!(messages[messages.len() - 3]["content"], "QUIET");
 
     // Identical calls ran once; the servers' counters say so.
     let metrics = server.metrics().await;
@@ -258,9 +255,9 @@ async fn real_servers_tools_run_in_the_agent_loop() {
     let request = &upstream.requests()[2].body;
     let messages = request["messages"].as_array().unwrap();
     let calls = messages.iter().find(|m| m["tool_calls"].is_array()).expect("the calls from the log");
-    assert_eq!(calls["tool_calls"].as_array().unwrap().len(), 5, "{messages:?}");
+    assert_eq!(calls["tool_calls"].as_array().unwrap().len(), 6, "{messages:?}");
     let tool_messages = messages.iter().filter(|m| m["role"] == "tool").count();
-    assert_eq!(tool_messages, 5, "{messages:?}");
+    assert_eq!(tool_messages, 6, "{messages:?}");
     server.stop().await;
 }
 
@@ -444,8 +441,13 @@ async fn conversation_servers_are_capped_and_stopped_when_idle() {
     let Some((bin, _)) = servers() else { return };
     let dir = tempfile::tempdir().unwrap();
     let upstream = FakeUpstream::start(vec![says("one"), says("two")]).await;
-    let mut fs = stdio(bin.join("mcp-server-filesystem").to_string_lossy(), &[], McpScope::Conversation);
+    // The filesystem server learns its folder from the process's own (`.`, the conversation's
+    // folder): from the MCP roots alone, a call right after the start can come before the server
+    // has read them (it asks for them once initialized). The roots themselves: `roots`.
+    let mut fs = stdio(bin.join("mcp-server-filesystem").to_string_lossy(), &["."], McpScope::Conversation);
     fs.cwd_roots = vec![dir.path().to_owned()];
+    let mut roots = stdio(bin.join("mcp-server-everything").to_string_lossy(), &[], McpScope::Conversation);
+    roots.cwd_roots = vec![dir.path().to_owned()];
     fs.max_processes = 1;
     fs.idle_timeout_secs = 2;
     let server = TestServer::start(config(dir.path(), &upstream, vec![("fs", fs)])).await;

@@ -119,23 +119,16 @@ pub async fn tools(plan: Plan<'_>) -> Value {
     let via_rate = results.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
     let _ = client.cancel().await;
 
-    direct.sort_unstable();
-    via.sort_unstable();
-    let ms = |v: &[u64], p: f64| crate::percentile(v, p) as f64 / 1000.0;
-    json!({
-        "calls": plan.calls,
-        "clients": plan.clients,
-        "calls_per_step": CALLS_PER_STEP,
-        "direct_p50_ms": ms(&direct, 0.5),
-        "direct_p99_ms": ms(&direct, 0.99),
-        "gateway_p50_ms": ms(&via, 0.5),
-        "gateway_p99_ms": ms(&via, 0.99),
-        "added_p50_ms": ms(&via, 0.5) - ms(&direct, 0.5),
-        "added_p99_ms": ms(&via, 0.99) - ms(&direct, 0.99),
-        "direct_calls_per_second": direct_rate,
-        "gateway_calls_per_second": via_rate,
-        "correct": correct,
-    })
+    let mut result = crate::added_latency(direct, via);
+    result.extend([
+        ("calls".into(), json!(plan.calls)),
+        ("clients".into(), json!(plan.clients)),
+        ("calls_per_step".into(), json!(CALLS_PER_STEP)),
+        ("direct_calls_per_second".into(), json!(direct_rate)),
+        ("gateway_calls_per_second".into(), json!(via_rate)),
+        ("correct".into(), json!(correct)),
+    ]);
+    Value::Object(result)
 }
 
 /// One turn whose first step asks for `calls` calls: for each call, the microseconds from its
