@@ -80,6 +80,8 @@ pub struct BusCounters {
     pub turns_resent: AtomicU64,
     /// Turns of other gateways ended here with events missing (watchers read the rest from history).
     pub turns_cut: AtomicU64,
+    /// Bus messages refused: not signed with the cluster's key, stale, or inconsistent.
+    pub rejected: AtomicU64,
 }
 
 /// The hub's pacing, for the gauges.
@@ -290,6 +292,11 @@ impl BusCounters {
                 "dispatch_bus_turns_cut_total",
                 "Other gateways' turns ended here with events missing or without their end: their watchers read the rest from history.",
                 &self.turns_cut,
+            ),
+            (
+                "dispatch_bus_rejected_total",
+                "Bus messages refused: not signed with the cluster's key, stale, or not what their subject and headers say.",
+                &self.rejected,
             ),
         ] {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", value.load(Relaxed));

@@ -260,6 +260,25 @@ pub enum AgentEvent {
 }
 
 impl AgentEvent {
+    /// The conversation and turn the event is of (a `status` event names no turn).
+    pub fn ids(&self) -> (&str, Option<&str>) {
+        match self {
+            AgentEvent::Status(e) => (&e.conversation_id, None),
+            AgentEvent::TurnStart(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::UserMessage(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::TextDelta(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::ReasoningDelta(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::ToolCall(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::ToolResult(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::ToolOutput(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::Usage(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::StepComplete(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::Error(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::Done(e) => (&e.conversation_id, Some(&e.turn_id)),
+            AgentEvent::TurnSealed(e) => (&e.conversation_id, Some(&e.turn_id)),
+        }
+    }
+
     /// The seed's `type` string of this event.
     pub fn type_name(&self) -> &'static str {
         match self {

@@ -866,3 +866,94 @@ async fn an_agent_process_that_missed_a_turn_run_on_another_gateway_is_not_used_
     assert_eq!(said(a.chat("moving", "four").await), Some(json!(format!("in {session}"))));
     assert_eq!(starts().lines().count(), 3, "and kept it for the fourth");
 }
+
+/// Messages on the bus are taken only when signed with the cluster's key (made by the first
+/// gateway, kept in the database): a plain NATS client with publish rights publishes a whole
+/// turn on a conversation's subject, a status change closing it, and a control request stopping
+/// a running turn, each unsigned and again signed with another key. The watchers render none of
+/// it, no session hears the status, the turn runs on, and the gateways count and log what they
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_bus_messages_are_refused_and_logged() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(nats) = nats_server() else { return };
+    let args: Vec<std::ffi::OsString> = ["--database", &database.url, "--bus", &nats.url, "--scripted-pace", "30"]
+        .into_iter()
+        .map(Into::into)
+        .collect();
+    let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+    let raw = async_nats::connect(&nats.url).await.expect("a plain client of the test's NATS server");
+    let hex = |id: &str| id.bytes().map(|b| format!("{b:02x}")).collect::<String>();
+    // Headers as a gateway's, with no signature or a signature of another key.
+    let forged_headers = |turn: &str, signature: Option<&str>| {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Dispatch-Node", "stranger");
+        headers.insert("Dispatch-Turn", turn);
+        headers.insert("Dispatch-Index", "0");
+        headers.insert("Dispatch-Sent", dispatch_gateway::store::now_ms().to_string().as_str());
+        if let Some(signature) = signature {
+            headers.insert("Dispatch-Signature", signature);
+        }
+        headers
+    };
+    let signatures = [None, Some("00".repeat(32))];
+
+    // B watches a conversation and listens to its status; the stranger publishes a whole turn
+    // and a status change closing it; then A runs a real turn there.
+    let mut on_b = b.sse("forged", "").await;
+    let mut ws_b = b.ws().await;
+    ws_b.send(json!({"type": "chat.subscribe", "conversationId": "forged"})).await;
+    for (i, signature) in signatures.iter().enumerate() {
+        let turn = format!("stranger-{i}");
+        let events: String = [
+            json!({"type": "turn-start", "conversationId": "forged", "turnId": turn}),
+            json!({"type": "text-delta", "conversationId": "forged", "turnId": turn, "delta": "FORGED"}),
+            json!({"type": "done", "conversationId": "forged", "turnId": turn, "reason": "stop"}),
+            json!({"type": "turn-sealed", "conversationId": "forged", "turnId": turn}),
+        ]
+        .iter()
+        .map(|e| format!("{e}\n"))
+        .collect();
+        let subject = format!("dispatch.events.open.{}", hex("forged"));
+        raw.publish_with_headers(subject, forged_headers(&turn, signature.as_deref()), events.into()).await.unwrap();
+        let change = json!({"node": "stranger", "conversationId": "forged", "status": "closed"});
+        let headers = forged_headers(&turn, signature.as_deref());
+        raw.publish_with_headers("dispatch.status", headers, change.to_string().into()).await.unwrap();
+    }
+    raw.flush().await.unwrap();
+    start_turn(&a, "forged", "the real one").await;
+    let seen = read(&on_b.until_sealed().await);
+    assert!(seen.iter().all(|(_, e)| e["delta"] != "FORGED"), "B rendered the stranger's turn: {seen:?}");
+    assert!(seen.iter().any(|(_, e)| e["type"] == "text-delta"), "B heard the real turn: {seen:?}");
+    let (_, other) = ws_b.deltas_until_sealed("forged").await;
+    let heard: Vec<&Value> = other
+        .iter()
+        .filter(|m| m["type"] == "conversation.statusChanged" && m["conversationId"] == "forged")
+        .map(|m| &m["status"])
+        .collect();
+    assert!(!heard.contains(&&json!("closed")), "B's session heard the forged close: {heard:?}");
+    let (_, status) = b.get("/conversations/forged/status").await;
+    assert_ne!(status["status"], "closed", "{status}");
+
+    // A turn runs on A; the stranger asks every gateway to stop it.
+    let mut on_a = a.sse("stopme", "").await;
+    start_turn(&a, "stopme", "a long one").await;
+    skip(&mut on_a, 4).await;
+    for signature in &signatures {
+        let request = json!({"op": "stop", "conversation_id": "stopme"});
+        let headers = forged_headers("", signature.as_deref());
+        let subject = format!("dispatch.control.{}", hex("stopme"));
+        let answer = raw.request_with_headers(subject, headers, request.to_string().into());
+        let answer = tokio::time::timeout(std::time::Duration::from_secs(3), answer).await;
+        assert!(!matches!(answer, Ok(Ok(_))), "a gateway answered a forged stop");
+    }
+    let end = read(&on_a.until_sealed().await);
+    assert_eq!(end.iter().find(|(_, e)| e["type"] == "done").expect("its done").1["reason"], "stop", "the turn ran on");
+
+    // Both said what they refused, and count it.
+    let refused = "refused a bus message: not signed with the cluster's key, stale, or not what its subject says";
+    assert!(logged(&b, refused) >= 1, "B said it refused the forged turn and status");
+    assert!(logged(&a, refused) >= 1, "A said it refused the forged stop");
+    assert!(metric(&b.metrics().await, "dispatch_bus_rejected_total") >= 4.0);
+    assert!(metric(&a.metrics().await, "dispatch_bus_rejected_total") >= 2.0);
+}

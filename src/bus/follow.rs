@@ -136,7 +136,8 @@ async fn consume(
         let info = message.info().map_err(BusError::js)?;
         *read = Some((created, info.stream_sequence));
         let pending = info.pending;
-        if !feed.take(message_head(message.headers.as_ref()), &message.payload) {
+        let head = message_head(inner, &message.subject, message.headers.as_ref(), &message.payload);
+        if !feed.take(head, &message.payload) {
             return Ok(()); // the hub is gone
         }
         if pending == 0 && !*caught_up.borrow() {
@@ -184,16 +185,23 @@ impl Feed {
     /// Takes one message; false when the hub is gone.
     fn take(&mut self, head: Option<(String, String, u32)>, payload: &[u8]) -> bool {
         let Some(hub) = self.hub.upgrade() else { return false };
-        let Some((node, turn_id, index)) = head else {
-            tracing::warn!(conversation = %self.conversation_id, "skipped a bus message without its headers");
-            return true;
-        };
+        // Unsigned, or without the headers that say whose it is: refused and said (`message_head`).
+        let Some((node, turn_id, index)) = head else { return true };
         if node == self.node {
             return true; // this gateway's own turn: its hub has it already
         }
         let mut events = Vec::new();
         for line in payload.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
             match serde_json::from_slice::<AgentEvent>(line) {
+                // Events of another conversation or turn than the message says are not relayed.
+                Ok(event) if event.ids() != (&*self.conversation_id, Some(turn_id.as_str())) => {
+                    super::sign::reject(
+                        &self.metrics,
+                        "events of another turn than their message's",
+                        &self.conversation_id,
+                    );
+                    return true;
+                }
                 Ok(event) => events.push(event),
                 Err(e) => {
                     tracing::warn!(conversation = %self.conversation_id, error = %e, "skipped a bus message that is not events");
@@ -394,6 +402,8 @@ mod tests {
         assert!(feed.take(head("there", "t1", 2), b"not json\n"));
         assert!(feed.take(head("here", "t1", 2), text("t1", "mine").as_bytes()));
         assert!(feed.take(head("there", "t9", 5), text("t9", "stray").as_bytes()));
+        // Events that say another turn than their message's headers: refused whole.
+        assert!(feed.take(head("there", "t1", 2), text("t9", "forged").as_bytes()));
         assert!(feed.take(head("there", "t1", 1), (text("t1", "b") + &text("t1", "c")).as_bytes()));
         assert_eq!(deltas(&hub).await, ["a", "b", "c"], "only c was new");
         // The end seals the hub's buffer.

@@ -3,7 +3,7 @@
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage;
 
-use super::{BusError, message_head, message_headers, more_subject, open_subject};
+use super::{BusError, Head, message_head, message_headers, more_subject, open_subject};
 use crate::store::INTERRUPTED_MESSAGE;
 use crate::wire::{AgentEvent, TurnDoneEvent, TurnErrorEvent, TurnSealedEvent};
 
@@ -23,7 +23,7 @@ pub async fn end_interrupted(bus: &super::Bus, conversation_id: &str, turn_id: &
         // from its start has an `open` after its `more`s).
         let of_turn = |m: &Option<async_nats::jetstream::message::StreamMessage>| {
             m.as_ref().and_then(|m| {
-                let (node, turn, index) = message_head(Some(&m.headers))?;
+                let (node, turn, index) = message_head(inner, &m.subject, Some(&m.headers), &m.payload)?;
                 (turn == turn_id).then(|| (m.sequence, node, index, m.payload.clone()))
             })
         };
@@ -65,10 +65,12 @@ pub async fn end_interrupted(bus: &super::Bus, conversation_id: &str, turn_id: &
         }
         let next = index + lines.len() as u32;
         let expected = last_more.as_ref().map_or(0, |m| m.sequence);
+        let head = Head { subject: &more, node: &node, turn_id, index: next };
+        let body = bytes::Bytes::from(body);
         let message = PublishMessage::build()
-            .headers(message_headers(&node, turn_id, next))
+            .headers(message_headers(&inner.signer, head, &body))
             .expected_last_subject_sequence(expected)
-            .payload(body.into());
+            .payload(body);
         let sent = inner.js.send_publish(more.clone(), message).await.map_err(BusError::js)?;
         match sent.await {
             Ok(_) => return Ok(()),

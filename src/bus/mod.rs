@@ -31,6 +31,7 @@ mod interrupted;
 mod key;
 mod publish;
 mod shared_stream;
+mod sign;
 mod status;
 
 /// How soon what failed on the bus is tried again: a follower's consumer, a turn's sending,
@@ -93,6 +94,8 @@ struct Inner {
     /// Status changes to send (`status.rs`).
     statuses: tokio::sync::mpsc::UnboundedSender<bytes::Bytes>,
     metrics: Arc<Metrics>,
+    /// Signs what this gateway sends and checks what it hears (`sign.rs`).
+    signer: Arc<sign::Signer>,
 }
 
 impl Bus {
@@ -126,15 +129,21 @@ impl Bus {
             .connect(servers)
             .await
             .map_err(|e| failed(e.to_string()))?;
+        // The cluster's key, from the database every gateway shares: the first gateway makes it.
+        let secret = store
+            .bus_secret(&sign::new_secret())
+            .await
+            .map_err(|e| BusError::JetStream(format!("the bus's key could not be read from the database: {e}")))?;
+        let signer = Arc::new(sign::Signer::new(secret.as_bytes()));
         let js = jetstream::new(client.clone());
         let shared = SharedStream::open(&client, &js, &options, connections.subscribe()).await?;
         tracing::info!(%node, stream = STREAM, "joined the bus");
         metrics.bus.configured.store(true, Relaxed);
         metrics.bus.connected.store(client.connection_state() == async_nats::connection::State::Connected, Relaxed);
         let (statuses, changes) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(status::send_statuses(client.clone(), changes));
+        tokio::spawn(status::send_statuses(client.clone(), signer.clone(), changes));
         let (timeout, max_age) = (options.timeout, options.max_age);
-        Ok(Bus(Arc::new(Inner { client, js, shared, node, timeout, max_age, store, statuses, metrics })))
+        Ok(Bus(Arc::new(Inner { client, js, shared, node, timeout, max_age, store, statuses, metrics, signer })))
     }
 
     /// A subscription to `subject` (what the other gateways send there: `what`), or none, said
@@ -224,17 +233,37 @@ fn connect_options(urls: &str, options: &BusOptions) -> Result<(Vec<ServerAddr>,
     Ok((servers, connect))
 }
 
-/// The headers of a message of `turn_id`'s events from `index` on, run by gateway `node`.
-fn message_headers(node: &str, turn_id: &str, index: u32) -> async_nats::HeaderMap {
+/// What a message of a turn's events says of itself: the subject it goes to, the gateway that
+/// runs the turn, the turn, the index of its first event.
+struct Head<'a> {
+    subject: &'a str,
+    node: &'a str,
+    turn_id: &'a str,
+    index: u32,
+}
+
+/// The headers of a message of events, signed over `payload`.
+fn message_headers(signer: &sign::Signer, head: Head<'_>, payload: &[u8]) -> async_nats::HeaderMap {
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert(NODE, node);
-    headers.insert(TURN, turn_id);
-    headers.insert(INDEX, index.to_string().as_str());
+    headers.insert(NODE, head.node);
+    headers.insert(TURN, head.turn_id);
+    headers.insert(INDEX, head.index.to_string().as_str());
+    signer.sign(head.subject, &mut headers, payload);
     headers
 }
 
-/// A message's gateway, turn and first index, from its headers.
-fn message_head(headers: Option<&async_nats::HeaderMap>) -> Option<(String, String, u32)> {
+/// A message's gateway, turn and first index, from its headers, when the message is signed with
+/// the cluster's key (else refused: counted and said).
+fn message_head(
+    inner: &Inner,
+    subject: &str,
+    headers: Option<&async_nats::HeaderMap>,
+    payload: &[u8],
+) -> Option<(String, String, u32)> {
+    if !inner.signer.verify(subject, headers, payload) {
+        sign::reject(&inner.metrics, "a turn's events", subject);
+        return None;
+    }
     let headers = headers?;
     let node = headers.get(NODE)?.as_str().to_owned();
     let turn = headers.get(TURN)?.as_str().to_owned();

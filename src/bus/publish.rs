@@ -18,7 +18,7 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use tokio::sync::mpsc;
 
-use super::{Inner, RETRY, message_headers, more_subject, open_subject};
+use super::{Head, Inner, RETRY, message_headers, more_subject, open_subject};
 use crate::hub::{Outbox, Outgoing};
 
 /// A message stays well under NATS's payload limit (1 MiB unless the server says otherwise).
@@ -195,7 +195,8 @@ impl Turn {
         let mut taken = true;
         for (first, end, payload) in runs(events, limit) {
             let subject = if first == 0 || Some(first) == opening { &self.open } else { &self.more };
-            let head = message_headers(&self.inner.node, &self.turn_id, first);
+            let head = Head { subject, node: &self.inner.node, turn_id: &self.turn_id, index: first };
+            let head = message_headers(&self.inner.signer, head, &payload);
             let message = PublishMessage::build().headers(head).payload(payload);
             let sent = Sent { generation, stream, first, end };
             match self.inner.js.send_publish(subject.clone(), message).await {

@@ -5,6 +5,7 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use super::Bus;
+use super::sign::{Signer, reject};
 use crate::wire::ConversationStatus;
 
 const SUBJECT: &str = "dispatch.status";
@@ -26,13 +27,17 @@ impl Bus {
     }
 }
 
-/// Sends the changes announced here, one after the other (the client queues them in order).
+/// Sends the changes announced here, one after the other (the client queues them in order),
+/// each signed and stamped with when it was sent.
 pub(super) async fn send_statuses(
     client: async_nats::Client,
+    signer: std::sync::Arc<Signer>,
     mut changes: tokio::sync::mpsc::UnboundedReceiver<bytes::Bytes>,
 ) {
     while let Some(payload) = changes.recv().await {
-        if let Err(e) = client.publish(SUBJECT, payload).await {
+        let mut headers = async_nats::HeaderMap::new();
+        signer.sign_fresh(SUBJECT, &mut headers, &payload);
+        if let Err(e) = client.publish_with_headers(SUBJECT, headers, payload).await {
             tracing::warn!(error = %e, "could not send a status change to the bus");
         }
     }
@@ -42,6 +47,10 @@ pub(super) async fn send_statuses(
 pub async fn relay_statuses(bus: Bus, deliver: impl Fn(&str, ConversationStatus) -> bool) {
     let Some(mut subscriber) = bus.listen(SUBJECT, "status changes").await else { return };
     while let Some(message) = subscriber.next().await {
+        if !bus.0.signer.verify_fresh(&message.subject, message.headers.as_ref(), &message.payload) {
+            reject(&bus.0.metrics, "a status change", &message.subject);
+            continue;
+        }
         let Ok(change) = serde_json::from_slice::<Change>(&message.payload) else {
             tracing::warn!("skipped a status change that does not parse");
             continue;

@@ -11,6 +11,7 @@
 //! that inserts the chunks. docs/storage.md compares the two.
 
 mod batch;
+mod bus_secret;
 mod conversations;
 mod deletion;
 mod lease;

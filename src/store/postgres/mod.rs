@@ -25,6 +25,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (4, "deletion", include_str!("../../../migrations/postgres/0004_deletion.sql")),
     (5, "calibrated model", include_str!("../../../migrations/postgres/0005_calibrated_model.sql")),
     (6, "identities", include_str!("../../../migrations/postgres/0006_identities.sql")),
+    (7, "bus secret", include_str!("../../../migrations/postgres/0007_bus_secret.sql")),
 ];
 
 /// The database server's clock in epoch ms, for lease times: every gateway compares them on
