@@ -957,3 +957,36 @@ async fn forged_bus_messages_are_refused_and_logged() {
     assert!(metric(&b.metrics().await, "dispatch_bus_rejected_total") >= 4.0);
     assert!(metric(&a.metrics().await, "dispatch_bus_rejected_total") >= 2.0);
 }
+
+/// A gateway paused for longer than two leases (SIGSTOP: a VM pause, `docker pause`, CPU
+/// throttling) while another gateway's turn ends: once it runs again, its watchers of that turn
+/// get the whole turn, `done` included, as the stream holds it, not a bare `turn-sealed`
+/// because its quiet-turn check asked the database before it read what waited on the bus.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_resumed_after_a_stall_hears_the_end_of_the_turns_that_ended_meanwhile() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(nats) = nats_server() else { return };
+    let args: Vec<std::ffi::OsString> =
+        ["--database", &database.url, "--bus", &nats.url, "--lease-ttl-ms", "1000", "--scripted-pace", "20"]
+            .into_iter()
+            .map(Into::into)
+            .collect();
+    let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+    for round in 0..3 {
+        let id = format!("stalled-{round}");
+        let mut on_a = a.sse(&id, "").await;
+        let mut on_b = b.sse(&id, "").await;
+        start_turn(&a, &id, "a long one").await;
+        let mut heard_on_b = skip(&mut on_b, 4).await;
+        // SAFETY: kill(2) with a child's pid and a stop/continue signal.
+        unsafe { libc::kill(b.child.id() as i32, libc::SIGSTOP) };
+        let on_a_all = read(&on_a.until_sealed().await);
+        // Past two quiet periods (a lease each) after the end.
+        tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+        unsafe { libc::kill(b.child.id() as i32, libc::SIGCONT) };
+        heard_on_b.extend(on_b.until_sealed().await);
+        let heard_on_b = read(&heard_on_b);
+        assert_eq!(heard_on_b, on_a_all, "round {round}: B's watcher heard the whole turn");
+        assert!(heard_on_b.iter().any(|(_, e)| e["type"] == "done"), "round {round}: with its done");
+    }
+}

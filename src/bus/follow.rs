@@ -20,7 +20,6 @@ use tokio::sync::watch;
 use super::{BusError, Inner, RETRY, conversation_filter, message_head, open_subject};
 use crate::hub::{Following, Hub, TurnBuffer};
 use crate::metrics::Metrics;
-use crate::store::Store;
 use crate::wire::{AgentEvent, TurnSealedEvent};
 
 /// A wait of half to one and a half `RETRY`: the followers a reconnection stops all at once
@@ -61,7 +60,7 @@ async fn follow(inner: Arc<Inner>, mut feed: Feed, caught_up: watch::Sender<bool
         caught_up.send_replace(true);
         // A turn followed that the bus cannot end: the database says when it has.
         if feed.quiet_deadline(quiet_period(&inner)).is_some_and(|at| at <= Instant::now()) {
-            feed.check_running(&inner.store).await;
+            feed.check_running(&inner, read).await;
         }
         tokio::time::sleep(retry_delay()).await;
     }
@@ -128,7 +127,7 @@ async fn consume(
             }
             _ = quiet.tick() => {
                 if feed.quiet_deadline(quiet_period(inner)).is_some_and(|at| at <= Instant::now()) {
-                    feed.check_running(&inner.store).await;
+                    feed.check_running(inner, *read).await;
                 }
                 continue;
             }
@@ -145,6 +144,26 @@ async fn consume(
             caught_up.send_replace(true);
         }
     }
+}
+
+/// Quiet periods a turn the database says ended is waited for while the stream holds more of
+/// its conversation than was read.
+const MOST_WAITS: u8 = 3;
+
+/// Whether the stream holds a message of the conversation past `read` (the last one this
+/// follower read): false when it holds none, or cannot be asked (the bus is down: what it holds
+/// cannot be read either).
+async fn unread(inner: &Inner, conversation_id: &str, read: Read) -> bool {
+    let Ok(info) = inner.shared.stream.get_info().await else { return false };
+    let read_here = read.filter(|(stream, _)| *stream == info.created.unix_timestamp_nanos()).map_or(0, |(_, seq)| seq);
+    for subject in [open_subject(conversation_id), super::more_subject(conversation_id)] {
+        if let Ok(Some(last)) = inner.shared.last_message(&subject).await
+            && last.sequence > read_here
+        {
+            return true;
+        }
+    }
+    false
 }
 
 /// What the stream has said of the conversation's turns, and how it reaches the hub.
@@ -173,11 +192,14 @@ struct RemoteTurn {
     gap: Option<Instant>,
     /// When it was last heard of: its last message, or the database saying it runs.
     heard: Instant,
+    /// Times its end was waited for on the stream after the database said it ended (bounded:
+    /// a consumer that cannot read what the stream holds must not keep the watchers for ever).
+    waited: u8,
 }
 
 impl RemoteTurn {
     fn new(turn_id: String) -> RemoteTurn {
-        RemoteTurn { turn_id, next: 0, buffer: None, early: Vec::new(), gap: None, heard: Instant::now() }
+        RemoteTurn { turn_id, next: 0, buffer: None, early: Vec::new(), gap: None, heard: Instant::now(), waited: 0 }
     }
 }
 
@@ -289,12 +311,24 @@ impl Feed {
     }
 
     /// Asks the database whether the turn followed still holds its conversation's lease; one
-    /// that does not has ended (sealed, or marked interrupted): its watchers here get
-    /// `turn-sealed` and read it from history. Asked again a period later otherwise.
-    async fn check_running(&mut self, store: &Store) {
+    /// that does not has ended (sealed, or marked interrupted): unless the stream holds messages
+    /// of the conversation this follower has not read yet (its end, most likely: a gateway that
+    /// was paused, by a VM pause or `docker pause`, finds its timers due before it has read what
+    /// waited meanwhile), its watchers here get `turn-sealed` and read it from history. Asked
+    /// again a period later otherwise.
+    async fn check_running(&mut self, inner: &Inner, read: Read) {
         let Some(turn_id) = self.turn.as_ref().map(|t| t.turn_id.clone()) else { return };
-        match store.lease_holder(&self.conversation_id).await {
+        match inner.store.lease_holder(&self.conversation_id).await {
             Ok(holder) if holder.as_deref() != Some(turn_id.as_str()) => {
+                let waited = self.turn.as_ref().map_or(0, |t| t.waited);
+                if waited < MOST_WAITS && unread(inner, &self.conversation_id, read).await {
+                    tracing::debug!(conversation = %self.conversation_id, turn = %turn_id, "a turn followed here ended; its end waits on the stream");
+                    if let Some(turn) = self.turn.as_mut() {
+                        turn.heard = Instant::now();
+                        turn.waited += 1;
+                    }
+                    return;
+                }
                 let Some(hub) = self.hub.upgrade() else { return };
                 let turn = self.turn.take().expect("matched above");
                 tracing::warn!(conversation = %self.conversation_id, turn = %turn_id, "a turn followed here ended without its end on the bus; ending it here");
