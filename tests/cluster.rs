@@ -990,3 +990,34 @@ async fn a_gateway_resumed_after_a_stall_hears_the_end_of_the_turns_that_ended_m
         assert!(heard_on_b.iter().any(|(_, e)| e["type"] == "done"), "round {round}: with its done");
     }
 }
+
+/// An event larger than a NATS message (a 3 MiB tool result; the server's limit is 1 MiB) crosses
+/// the bus in parts and is joined again: a watcher on another gateway reads the whole turn, the
+/// result whole, as the turn's own gateway's watcher does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_larger_than_a_bus_message_crosses_whole() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let big = "x".repeat(3 * 1024 * 1024);
+    let script = json!({"rules": [{"match": "big", "steps": [
+        {"text": "Reading.", "toolCalls": [{"id": "call_big", "name": "read", "input": {}, "result": big}]},
+        {"text": "Done."}
+    ]}]});
+    let script = write_script(dir.path(), script);
+    let args: Vec<std::ffi::OsString> = ["--database", &database.url, "--bus", &nats.url]
+        .into_iter()
+        .map(Into::into)
+        .chain(["--scripted-script".into(), script.into_os_string()])
+        .collect();
+    let (a, b) = (ChildGateway::spawn(&args), ChildGateway::spawn(&args));
+    let mut on_a = a.sse("big", "").await;
+    let mut on_b = b.sse("big", "").await;
+    start_turn(&a, "big", "big").await;
+    let on_a = read(&on_a.until_sealed().await);
+    let on_b = read(&on_b.until_sealed().await);
+    let result = on_b.iter().find(|(_, e)| e["type"] == "tool-result").expect("B heard the result");
+    assert_eq!(result.1["content"].as_str().map(str::len), Some(big.len()), "the result whole");
+    assert!(on_b.iter().any(|(_, e)| e["type"] == "done"), "and the turn's end: {:?}", on_b.len());
+    assert_eq!(on_b, on_a, "B's watcher read what A's did");
+}

@@ -32,7 +32,16 @@ fn retry_delay() -> Duration {
 pub(super) fn start(inner: Arc<Inner>, hub: Weak<Hub>, conversation_id: Arc<str>) -> Following {
     let (caught_up, waiting) = watch::channel(false);
     let metrics = inner.metrics.clone();
-    let feed = Feed { hub, conversation_id, node: inner.node.clone(), turn: None, live: false, ended: None, metrics };
+    let feed = Feed {
+        hub,
+        conversation_id,
+        node: inner.node.clone(),
+        turn: None,
+        live: false,
+        ended: None,
+        metrics,
+        parts: None,
+    };
     let task = tokio::spawn(follow(inner, feed, caught_up));
     Following::new(waiting, task.abort_handle())
 }
@@ -136,7 +145,18 @@ async fn consume(
         *read = Some((created, info.stream_sequence));
         let pending = info.pending;
         let head = message_head(inner, &message.subject, message.headers.as_ref(), &message.payload);
-        if !feed.take(head, &message.payload) {
+        let taken = match super::message_part(message.headers.as_ref()) {
+            None => {
+                feed.parts = None;
+                feed.take(head, &message.payload)
+            }
+            // Part of an event too large for one message: taken once whole.
+            Some(part) => match feed.gather(head.clone(), part, &message.payload) {
+                Some(whole) => feed.take(head, &whole),
+                None => feed.hub.strong_count() > 0,
+            },
+        };
+        if !taken {
             return Ok(()); // the hub is gone
         }
         if pending == 0 && !*caught_up.borrow() {
@@ -178,7 +198,23 @@ struct Feed {
     /// The last turn that ended here, whose messages sent again are not news.
     ended: Option<String>,
     metrics: Arc<Metrics>,
+    /// The parts of a large event read so far (`publish.rs` splits one larger than a message).
+    parts: Option<Parts>,
 }
+
+/// An event's line being joined from its parts, in order.
+struct Parts {
+    /// Whose event: gateway, turn, index.
+    head: (String, String, u32),
+    /// The next part expected, and how many there are.
+    next: u32,
+    of: u32,
+    line: Vec<u8>,
+}
+
+/// The most bytes a large event's parts may add up to while joined (the hub's own caps apply
+/// once it is whole).
+const MOST_JOINED: usize = 256 * 1024 * 1024;
 
 struct RemoteTurn {
     turn_id: String,
@@ -285,6 +321,27 @@ impl Feed {
             self.ended = Some(turn_id);
         }
         true
+    }
+
+    /// Adds part `k` of `n` of an event's line; the whole line once its last part came, all in
+    /// order. A part out of order (a sending again starts over from part 1), of another event,
+    /// or past `MOST_JOINED` drops what was gathered.
+    fn gather(&mut self, head: Option<(String, String, u32)>, (k, n): (u32, u32), payload: &[u8]) -> Option<Vec<u8>> {
+        let head = head?;
+        if k == 1 {
+            self.parts = Some(Parts { head: head.clone(), next: 1, of: n, line: Vec::new() });
+        }
+        let parts = self.parts.as_mut().filter(|p| p.head == head && p.next == k && p.of == n);
+        let Some(parts) = parts.filter(|p| p.line.len() + payload.len() <= MOST_JOINED) else {
+            self.parts = None;
+            return None;
+        };
+        parts.line.extend_from_slice(payload);
+        parts.next += 1;
+        if k < n {
+            return None;
+        }
+        self.parts.take().map(|p| p.line)
     }
 
     /// When the turn followed, waiting on missing events, is given up.
@@ -402,7 +459,30 @@ mod tests {
             live: false,
             ended: None,
             metrics: Default::default(),
+            parts: None,
         }
+    }
+
+    #[test]
+    fn a_large_events_parts_are_joined_in_order_and_a_broken_sequence_is_dropped() {
+        let hub = Hub::new(1 << 20, FlushWindow::default());
+        let mut feed = feed(&hub);
+        let line = text("t1", &"x".repeat(100));
+        let (a, b, c) = (&line.as_bytes()[..40], &line.as_bytes()[40..80], &line.as_bytes()[80..]);
+        assert_eq!(feed.gather(head("there", "t1", 0), (1, 3), a), None);
+        assert_eq!(feed.gather(head("there", "t1", 0), (2, 3), b), None);
+        assert_eq!(feed.gather(head("there", "t1", 0), (3, 3), c).as_deref(), Some(line.as_bytes()));
+        // Out of order, of another event, or with no start: nothing comes of it.
+        assert_eq!(feed.gather(head("there", "t1", 0), (1, 3), a), None);
+        assert_eq!(feed.gather(head("there", "t1", 0), (3, 3), c), None, "part 2 is missing");
+        assert_eq!(feed.gather(head("there", "t1", 0), (1, 3), a), None);
+        assert_eq!(feed.gather(head("there", "t1", 1), (2, 3), b), None, "another event's");
+        assert_eq!(feed.gather(head("there", "t1", 0), (3, 3), c), None);
+        // A sending again starts over from its first part.
+        for (k, piece) in [(1, a), (2, b), (1, a), (2, b)] {
+            assert_eq!(feed.gather(head("there", "t1", 0), (k, 3), piece), None);
+        }
+        assert_eq!(feed.gather(head("there", "t1", 0), (3, 3), c).as_deref(), Some(line.as_bytes()));
     }
 
     /// The deltas of the turn in flight, read from its start.

@@ -3,7 +3,7 @@
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage;
 
-use super::{BusError, Head, message_head, message_headers, more_subject, open_subject};
+use super::{BusError, Head, message_head, message_headers, message_part, more_subject, open_subject};
 use crate::store::INTERRUPTED_MESSAGE;
 use crate::wire::{AgentEvent, TurnDoneEvent, TurnErrorEvent, TurnSealedEvent};
 
@@ -24,14 +24,21 @@ pub async fn end_interrupted(bus: &super::Bus, conversation_id: &str, turn_id: &
         let of_turn = |m: &Option<async_nats::jetstream::message::StreamMessage>| {
             m.as_ref().and_then(|m| {
                 let (node, turn, index) = message_head(inner, &m.subject, Some(&m.headers), &m.payload)?;
-                (turn == turn_id).then(|| (m.sequence, node, index, m.payload.clone()))
+                let part = message_part(Some(&m.headers));
+                (turn == turn_id).then(|| (m.sequence, node, index, part, m.payload.clone()))
             })
         };
         let latest = of_turn(&last_more).into_iter().chain(of_turn(&last_open)).max_by_key(|(sequence, ..)| *sequence);
-        let Some((_, node, index, payload)) = latest else {
+        let Some((_, node, index, part, payload)) = latest else {
             return Ok(()); // nothing of the turn reached the bus: no watcher elsewhere saw it
         };
-        let lines: Vec<&[u8]> = payload.split(|b| *b == b'\n').filter(|l| !l.is_empty()).collect();
+        // A part of a large event: the event counts once its last part is there; before, the end
+        // takes its place (a follower drops the parts it gathered when another message comes).
+        let lines: Vec<&[u8]> = match part {
+            Some((k, n)) if k == n => vec![&b"{}"[..]],
+            Some(_) => Vec::new(),
+            None => payload.split(|b| *b == b'\n').filter(|l| !l.is_empty()).collect(),
+        };
         let last_event = lines.last().and_then(|l| serde_json::from_slice::<AgentEvent>(l).ok());
         if matches!(last_event, Some(AgentEvent::TurnSealed(_))) {
             return Ok(()); // it ended on the bus after all
@@ -65,7 +72,7 @@ pub async fn end_interrupted(bus: &super::Bus, conversation_id: &str, turn_id: &
         }
         let next = index + lines.len() as u32;
         let expected = last_more.as_ref().map_or(0, |m| m.sequence);
-        let head = Head { subject: &more, node: &node, turn_id, index: next };
+        let head = Head { subject: &more, node: &node, turn_id, index: next, part: None };
         let body = bytes::Bytes::from(body);
         let message = PublishMessage::build()
             .headers(message_headers(&inner.signer, head, &body))

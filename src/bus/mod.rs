@@ -44,6 +44,8 @@ const STREAM: &str = "DISPATCH";
 const NODE: &str = "Dispatch-Node";
 const TURN: &str = "Dispatch-Turn";
 const INDEX: &str = "Dispatch-Index";
+/// `k/n`: the message is part `k` of `n` of one event's line (an event too large for one).
+const PART: &str = "Dispatch-Part";
 
 /// What the configuration says about the bus.
 #[derive(Debug, Clone)]
@@ -240,6 +242,8 @@ struct Head<'a> {
     node: &'a str,
     turn_id: &'a str,
     index: u32,
+    /// Part `k` of `n` of event `index`'s line.
+    part: Option<(u32, u32)>,
 }
 
 /// The headers of a message of events, signed over `payload`.
@@ -248,6 +252,9 @@ fn message_headers(signer: &sign::Signer, head: Head<'_>, payload: &[u8]) -> asy
     headers.insert(NODE, head.node);
     headers.insert(TURN, head.turn_id);
     headers.insert(INDEX, head.index.to_string().as_str());
+    if let Some((k, n)) = head.part {
+        headers.insert(PART, format!("{k}/{n}").as_str());
+    }
     signer.sign(head.subject, &mut headers, payload);
     headers
 }
@@ -269,6 +276,13 @@ fn message_head(
     let turn = headers.get(TURN)?.as_str().to_owned();
     let index = headers.get(INDEX)?.as_str().parse().ok()?;
     Some((node, turn, index))
+}
+
+/// Part `k` of `n` of one event, when a message is one (`k` in `1..=n`).
+fn message_part(headers: Option<&async_nats::HeaderMap>) -> Option<(u32, u32)> {
+    let (k, n) = headers?.get(PART)?.as_str().split_once('/')?;
+    let (k, n): (u32, u32) = (k.parse().ok()?, n.parse().ok()?);
+    (1..=n).contains(&k).then_some((k, n))
 }
 
 pub use control::serve_control;

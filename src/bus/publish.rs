@@ -84,7 +84,7 @@ impl Turn {
         let limit = (self.inner.client.server_info().max_payload.max(2 * HEADROOM) - HEADROOM).max(HEADROOM);
         let mut acks = FuturesUnordered::new();
         let mut generation = 0;
-        let mut kept = Kept::new(cap, limit);
+        let mut kept = Kept::new(cap);
         let mut stored = Stored::new(self.inner.shared.created());
         let mut epoch = self.inner.shared.epoch();
         // When the turn is sent again.
@@ -193,11 +193,14 @@ impl Turn {
         let stream = self.inner.shared.created();
         let opening = events.first().map(|e| e.index).filter(|_| opens);
         let mut taken = true;
-        for (first, end, payload) in runs(events, limit) {
+        for Run { first, end, payload, part } in runs(events, limit) {
             let subject = if first == 0 || Some(first) == opening { &self.open } else { &self.more };
-            let head = Head { subject, node: &self.inner.node, turn_id: &self.turn_id, index: first };
+            let head = Head { subject, node: &self.inner.node, turn_id: &self.turn_id, index: first, part };
             let head = message_headers(&self.inner.signer, head, &payload);
             let message = PublishMessage::build().headers(head).payload(payload);
+            // A part short of an event's last holds no whole event: the stream holds the event
+            // once its last part is acknowledged.
+            let end = if part.is_some_and(|(k, n)| k < n) { first } else { end };
             let sent = Sent { generation, stream, first, end };
             match self.inner.js.send_publish(subject.clone(), message).await {
                 Ok(ack) => acks.push(Ack { sent, ack: ack.into_future() }),
@@ -222,27 +225,26 @@ impl Turn {
 }
 
 /// The turn's events so far, to send it again: all of them or none but its end (past the
-/// outbox's cap, a gap the outbox left, or an event too large for one message, the stream
-/// cannot be given the whole turn; the followers end it for their watchers when its end comes).
+/// outbox's cap or a gap the outbox left, the stream cannot be given the whole turn; the
+/// followers end it for their watchers when its end comes).
 struct Kept {
     /// Consecutive events, from the turn's start unless cut to its end.
     events: Vec<Outgoing>,
     bytes: usize,
     cap: usize,
-    limit: usize,
     whole: bool,
 }
 
 impl Kept {
-    fn new(cap: usize, limit: usize) -> Kept {
-        Kept { events: Vec::new(), bytes: 0, cap, limit, whole: true }
+    fn new(cap: usize) -> Kept {
+        Kept { events: Vec::new(), bytes: 0, cap, whole: true }
     }
 
     fn add(&mut self, burst: &[Outgoing]) {
         for event in burst {
             let len = event.line.len();
             let next = self.events.len() as u32;
-            if self.whole && (event.index != next || len > self.limit || self.bytes + len > self.cap) {
+            if self.whole && (event.index != next || self.bytes + len > self.cap) {
                 self.whole = false;
                 self.events = Vec::new();
                 tracing::debug!(
@@ -314,26 +316,52 @@ impl Stored {
     }
 }
 
+/// A message of a burst: events `first..end`, or part `k` of `n` of event `first`'s line.
+#[derive(Debug, PartialEq)]
+struct Run {
+    first: u32,
+    end: u32,
+    payload: Bytes,
+    part: Option<(u32, u32)>,
+}
+
 /// A burst as messages: runs of consecutive indices (an overflow leaves a gap), each under
-/// `limit` bytes unless one event alone is larger (the server then refuses it: a gap too);
-/// each with its first index and the index after its last.
-fn runs(burst: &[Outgoing], limit: usize) -> Vec<(u32, u32, Bytes)> {
+/// `limit` bytes; an event larger than that alone goes as parts of it, each under `limit`, which
+/// a follower joins again (`follow.rs`): a large tool result crosses the bus whole.
+fn runs(burst: &[Outgoing], limit: usize) -> Vec<Run> {
     let mut out = Vec::new();
     let mut current: Option<(u32, u32, BytesMut)> = None;
+    let flush = |current: &mut Option<(u32, u32, BytesMut)>, out: &mut Vec<Run>| {
+        if let Some((first, end, payload)) = current.take() {
+            out.push(Run { first, end, payload: payload.freeze(), part: None });
+        }
+    };
     for event in burst {
+        if event.line.len() > limit {
+            flush(&mut current, &mut out);
+            let n = event.line.len().div_ceil(limit) as u32;
+            for (k, at) in (0..event.line.len()).step_by(limit).enumerate() {
+                let piece = event.line.slice(at..(at + limit).min(event.line.len()));
+                out.push(Run {
+                    first: event.index,
+                    end: event.index + 1,
+                    payload: piece,
+                    part: Some((k as u32 + 1, n)),
+                });
+            }
+            continue;
+        }
         let fits = current
             .as_ref()
             .is_some_and(|(_, next, payload)| *next == event.index && payload.len() + event.line.len() <= limit);
-        if !fits && let Some((first, end, payload)) = current.take() {
-            out.push((first, end, payload.freeze()));
+        if !fits {
+            flush(&mut current, &mut out);
         }
         let (_, next, payload) = current.get_or_insert_with(|| (event.index, event.index, BytesMut::new()));
         payload.extend_from_slice(&event.line);
         *next = event.index + 1;
     }
-    if let Some((first, end, payload)) = current {
-        out.push((first, end, payload.freeze()));
-    }
+    flush(&mut current, &mut out);
     out
 }
 
@@ -347,28 +375,36 @@ mod tests {
 
     #[test]
     fn a_burst_goes_out_as_runs_of_consecutive_events_under_the_limit() {
-        let burst = [ev(0, "a"), ev(1, "b"), ev(2, "c"), ev(3, "dddddd"), ev(7, "e"), ev(8, "f")];
-        let got: Vec<(u32, u32, String)> =
-            runs(&burst, 6).into_iter().map(|(i, e, p)| (i, e, String::from_utf8(p.to_vec()).unwrap())).collect();
-        // Runs cut by the limit and by the gap an overflow left; an event over the limit alone.
-        let expected = [(0, 3, "a\nb\nc\n"), (3, 4, "dddddd\n"), (7, 9, "e\nf\n")];
-        assert_eq!(got, expected.map(|(i, e, p)| (i, e, p.to_owned())));
+        let burst = [ev(0, "a"), ev(1, "b"), ev(2, "c"), ev(3, "dddddddd"), ev(7, "e"), ev(8, "f")];
+        let got: Vec<(u32, u32, String, Option<(u32, u32)>)> = runs(&burst, 6)
+            .into_iter()
+            .map(|r| (r.first, r.end, String::from_utf8(r.payload.to_vec()).unwrap(), r.part))
+            .collect();
+        // Runs cut by the limit and by the gap an overflow left; an event over the limit in
+        // parts, each under it.
+        let expected = [
+            (0, 3, "a\nb\nc\n", None),
+            (3, 4, "dddddd", Some((1, 2))),
+            (3, 4, "dd\n", Some((2, 2))),
+            (7, 9, "e\nf\n", None),
+        ];
+        assert_eq!(got, expected.map(|(i, e, p, part)| (i, e, p.to_owned(), part)));
     }
 
     #[test]
     fn a_turn_is_kept_to_be_sent_again_only_whole() {
         let kept = |cap: usize, burst: &[Outgoing]| {
-            let mut kept = Kept::new(cap, 6);
+            let mut kept = Kept::new(cap);
             kept.add(&burst[..1]);
             kept.add(&burst[1..]);
             (kept.whole, kept.events.iter().map(|e| e.index).collect::<Vec<_>>())
         };
         assert_eq!(kept(100, &[ev(0, "a"), ev(1, "b"), ev(2, "c")]), (true, vec![0, 1, 2]));
-        // Past the cap, after a gap the outbox left, or with an event too large for a message:
-        // nothing (a part sent again as the whole would hide the gap).
+        // Past the cap, or after a gap the outbox left: nothing (a part sent again as the whole
+        // would hide the gap). An event larger than a message is kept: it goes in parts.
         assert_eq!(kept(5, &[ev(0, "a"), ev(1, "b"), ev(2, "c")]), (false, vec![]));
         assert_eq!(kept(100, &[ev(0, "a"), ev(2, "c")]), (false, vec![]));
-        assert_eq!(kept(100, &[ev(0, "a"), ev(1, "bbbbbbb")]), (false, vec![]));
+        assert_eq!(kept(100, &[ev(0, "a"), ev(1, "bbbbbbb")]), (true, vec![0, 1]));
         // Its end is kept whatever came before: without it, nothing tells a follower the turn ended.
         let end = || Outgoing { last: true, ..ev(3, "end") };
         assert_eq!(kept(5, &[ev(0, "a"), ev(1, "b"), ev(2, "c"), end()]), (false, vec![3]));
@@ -377,7 +413,7 @@ mod tests {
 
     #[test]
     fn a_turn_whose_end_waits_for_the_bus_keeps_only_its_end() {
-        let mut kept = Kept::new(100, 6);
+        let mut kept = Kept::new(100);
         kept.add(&[ev(0, "a"), ev(1, "b"), Outgoing { last: true, ..ev(2, "end") }]);
         assert!(kept.trim_to_end());
         assert_eq!(kept.events.iter().map(|e| e.index).collect::<Vec<_>>(), [2]);

@@ -17,7 +17,7 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use ring::hmac;
 
-use super::{INDEX, NODE, TURN};
+use super::{INDEX, NODE, PART, TURN};
 
 const SIGNATURE: &str = "Dispatch-Signature";
 const SENT: &str = "Dispatch-Sent";
@@ -27,7 +27,7 @@ const SENT: &str = "Dispatch-Sent";
 const FRESH: Duration = Duration::from_secs(120);
 
 /// The headers a signature covers, besides the subject and payload.
-const SIGNED: [&str; 4] = [NODE, TURN, INDEX, SENT];
+const SIGNED: [&str; 5] = [NODE, TURN, INDEX, PART, SENT];
 
 /// Signs and checks bus messages with the cluster's key.
 pub(super) struct Signer {
