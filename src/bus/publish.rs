@@ -376,19 +376,16 @@ mod tests {
     #[test]
     fn a_burst_goes_out_as_runs_of_consecutive_events_under_the_limit() {
         let burst = [ev(0, "a"), ev(1, "b"), ev(2, "c"), ev(3, "dddddddd"), ev(7, "e"), ev(8, "f")];
-        let got: Vec<(u32, u32, String, Option<(u32, u32)>)> = runs(&burst, 6)
-            .into_iter()
-            .map(|r| (r.first, r.end, String::from_utf8(r.payload.to_vec()).unwrap(), r.part))
-            .collect();
+        let run = |first, end, payload: &'static str, part| Run { first, end, payload: Bytes::from(payload), part };
         // Runs cut by the limit and by the gap an overflow left; an event over the limit in
         // parts, each under it.
         let expected = [
-            (0, 3, "a\nb\nc\n", None),
-            (3, 4, "dddddd", Some((1, 2))),
-            (3, 4, "dd\n", Some((2, 2))),
-            (7, 9, "e\nf\n", None),
+            run(0, 3, "a\nb\nc\n", None),
+            run(3, 4, "dddddd", Some((1, 2))),
+            run(3, 4, "dd\n", Some((2, 2))),
+            run(7, 9, "e\nf\n", None),
         ];
-        assert_eq!(got, expected.map(|(i, e, p, part)| (i, e, p.to_owned(), part)));
+        assert_eq!(runs(&burst, 6), expected);
     }
 
     #[test]
