@@ -1021,3 +1021,44 @@ async fn an_event_larger_than_a_bus_message_crosses_whole() {
     assert!(on_b.iter().any(|(_, e)| e["type"] == "done"), "and the turn's end: {:?}", on_b.len());
     assert_eq!(on_b, on_a, "B's watcher read what A's did");
 }
+
+/// Control and status through an outage of the bus: a `/stop` sent through B while NATS is down
+/// waits for the bus and stops A's turn once it is back (it answered `abortedTurn: false` at
+/// once), and a status change made on A while the bus was down reaches B's session once it is
+/// back (it was lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_and_status_changes_wait_out_an_outage_of_the_bus() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(mut nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let script = write_script(dir.path(), steady());
+    // Leases long enough that nothing is learnt from the database meanwhile.
+    let (a, b) = scripted_pair(&database.url, &nats.url, &script, &["--lease-ttl-ms", "120000"]);
+    let mut ws_b = b.ws().await;
+    let on_b = Heard::start(b.sse("outage-stop", "").await);
+    start_turn(&a, "outage-stop", "steady").await;
+    assert!(eventually(1200, || async { on_b.count() > 5 }).await, "B hears the turn");
+    stop_the_bus(&mut nats, &[&a, &b]).await;
+
+    // While the bus is down: a turn starts and is stopped on A (its status changes), and B is
+    // asked to stop A's other turn.
+    start_turn(&a, "offline", "steady").await;
+    let (status, stopped) = a.post("/conversations/offline/stop", json!({})).await;
+    assert_eq!((status, &stopped["abortedTurn"]), (200, &json!(true)), "{stopped}");
+    let stop_through_b = {
+        let api = Api::new(b.addr.clone());
+        tokio::spawn(async move { api.post("/conversations/outage-stop/stop", json!({})).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(!stop_through_b.is_finished(), "the stop waits for the bus");
+    nats.start();
+
+    let (status, stopped) = stop_through_b.await.unwrap();
+    assert_eq!((status, &stopped["abortedTurn"]), (200, &json!(true)), "the stop reached A's turn: {stopped}");
+    let everything = on_b.end().await;
+    let done = everything.iter().find(|(_, e)| e["type"] == "done").expect("the stopped turn's done");
+    assert_eq!(done.1["reason"], "aborted");
+    // The change made on A during the outage reaches B's session (the last one: idle).
+    let heard = tokio::time::timeout(std::time::Duration::from_secs(30), status_change(&mut ws_b, "offline")).await;
+    assert_eq!(heard.ok().as_deref(), Some("idle"), "B's session heard the change made during the outage");
+}

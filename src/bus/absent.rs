@@ -24,6 +24,10 @@ impl Bus {
     pub async fn control(&self, _: &Control) -> Result<Option<ControlReply>, Infallible> {
         unreachable!("{NONE}")
     }
+
+    pub fn connected(&self) -> bool {
+        unreachable!("{NONE}")
+    }
 }
 
 pub async fn serve_control(_: Bus, _: impl Fn(Control) -> Result<Option<ControlReply>, ()>) {

@@ -94,7 +94,7 @@ struct Inner {
     /// The database, which says whether a turn followed here still runs (`follow.rs`).
     store: Store,
     /// Status changes to send (`status.rs`).
-    statuses: tokio::sync::mpsc::UnboundedSender<bytes::Bytes>,
+    statuses: tokio::sync::mpsc::UnboundedSender<(String, bytes::Bytes)>,
     metrics: Arc<Metrics>,
     /// Signs what this gateway sends and checks what it hears (`sign.rs`).
     signer: Arc<sign::Signer>,
@@ -146,6 +146,11 @@ impl Bus {
         tokio::spawn(status::send_statuses(client.clone(), signer.clone(), changes));
         let (timeout, max_age) = (options.timeout, options.max_age);
         Ok(Bus(Arc::new(Inner { client, js, shared, node, timeout, max_age, store, statuses, metrics, signer })))
+    }
+
+    /// Whether the connection to NATS is up now.
+    pub fn connected(&self) -> bool {
+        self.0.client.connection_state() == async_nats::connection::State::Connected
     }
 
     /// A subscription to `subject` (what the other gateways send there: `what`), or none, said

@@ -19,27 +19,71 @@ struct Change {
 }
 
 impl Bus {
-    /// Tells the other gateways of a change made here (sent in order, without waiting).
+    /// Tells the other gateways of a change made here (sent in order, without waiting; held
+    /// while the bus is down and sent once it is back).
     pub fn announce(&self, conversation_id: &str, status: ConversationStatus) {
         let change = Change { node: self.0.node.clone(), conversation_id: conversation_id.to_owned(), status };
         let payload = serde_json::to_vec(&change).expect("a status change serializes");
-        let _ = self.0.statuses.send(payload.into());
+        let _ = self.0.statuses.send((conversation_id.to_owned(), payload.into()));
     }
 }
 
+/// Changes held while the bus is down: the last one of each conversation (an older one is no
+/// news once a newer one is known), at most this many conversations (the oldest goes first).
+const MOST_HELD: usize = 65_536;
+
 /// Sends the changes announced here, one after the other (the client queues them in order),
-/// each signed and stamped with when it was sent.
+/// each signed and stamped with when it was sent. While the bus is down they are held (the
+/// client would take them and lose them at the next reconnection), and sent, oldest first,
+/// once it is back: a session elsewhere learns that a turn ended during an outage.
 pub(super) async fn send_statuses(
     client: async_nats::Client,
     signer: std::sync::Arc<Signer>,
-    mut changes: tokio::sync::mpsc::UnboundedReceiver<bytes::Bytes>,
+    mut changes: tokio::sync::mpsc::UnboundedReceiver<(String, bytes::Bytes)>,
 ) {
-    while let Some(payload) = changes.recv().await {
-        let mut headers = async_nats::HeaderMap::new();
-        signer.sign_fresh(SUBJECT, &mut headers, &payload);
-        if let Err(e) = client.publish_with_headers(SUBJECT, headers, payload).await {
-            tracing::warn!(error = %e, "could not send a status change to the bus");
+    let connected = || client.connection_state() == async_nats::connection::State::Connected;
+    // Held changes by conversation, with the order they came in.
+    let mut held: std::collections::HashMap<String, (u64, bytes::Bytes)> = std::collections::HashMap::new();
+    let mut order = 0u64;
+    loop {
+        let next = if held.is_empty() {
+            changes.recv().await
+        } else {
+            // Held changes wait for the bus; new ones join them meanwhile.
+            tokio::select! {
+                change = changes.recv() => change,
+                _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {
+                    if connected() {
+                        let mut waiting: Vec<(u64, bytes::Bytes)> = held.drain().map(|(_, v)| v).collect();
+                        waiting.sort_by_key(|(at, _)| *at);
+                        for (_, payload) in waiting {
+                            publish(&client, &signer, payload).await;
+                        }
+                    }
+                    continue;
+                }
+            }
+        };
+        let Some((conversation_id, payload)) = next else { return };
+        if held.is_empty() && connected() {
+            publish(&client, &signer, payload).await;
+            continue;
         }
+        order += 1;
+        held.insert(conversation_id, (order, payload));
+        if held.len() > MOST_HELD
+            && let Some(oldest) = held.iter().min_by_key(|(_, (at, _))| *at).map(|(id, _)| id.clone())
+        {
+            held.remove(&oldest);
+        }
+    }
+}
+
+async fn publish(client: &async_nats::Client, signer: &Signer, payload: bytes::Bytes) {
+    let mut headers = async_nats::HeaderMap::new();
+    signer.sign_fresh(SUBJECT, &mut headers, &payload);
+    if let Err(e) = client.publish_with_headers(SUBJECT, headers, payload).await {
+        tracing::warn!(error = %e, "could not send a status change to the bus");
     }
 }
 

@@ -100,6 +100,10 @@ fn queue_full(full: QueueFull) -> String {
 /// Status changes kept for the WebSocket sessions (and waiting for their owner's lookup).
 const STATUS_CHANGES: usize = 1024;
 
+/// How long a control request for a turn another gateway runs waits for a bus that is down
+/// (well within `--request-timeout-secs`' 30 s default).
+const CONTROL_OUTAGE: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// A conversation went active, idle or closed. Every WebSocket session gets it; the first to
 /// write it encodes it for all of them (a clone shares the encoding).
 #[derive(Debug, Clone)]
@@ -459,11 +463,29 @@ impl Turns {
                 return None;
             }
         }
-        match bus.control(request).await {
-            Ok(reply) => reply,
-            Err(e) => {
-                tracing::warn!(conversation = %conversation_id, error = %e, "the bus did not carry a control request");
-                None
+        // Unanswered (the bus is down, or the turn's gateway is not back on it yet after an
+        // outage), the request is asked again until a gateway answers, the turn has ended (its
+        // lease let go: its gateway died, or it sealed), or `CONTROL_OUTAGE` passed: a `/stop`
+        // through another gateway during an outage stops the turn once the bus returns, rather
+        // than answering that there was nothing to stop.
+        let deadline = tokio::time::Instant::now() + CONTROL_OUTAGE;
+        loop {
+            match bus.control(request).await {
+                Ok(Some(reply)) => return Some(reply),
+                Ok(None) => {}
+                Err(e) if bus.connected() => {
+                    tracing::warn!(conversation = %conversation_id, error = %e, "the bus did not carry a control request");
+                    return None;
+                }
+                Err(_) => {}
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(conversation = %conversation_id, "no gateway answered a control request for a turn that holds its lease");
+                return None;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            if !matches!(self.store.leased(conversation_id).await, Ok(true)) {
+                return None; // the turn ended meanwhile
             }
         }
     }
