@@ -1063,3 +1063,44 @@ async fn control_and_status_changes_wait_out_an_outage_of_the_bus() {
     let heard = tokio::time::timeout(std::time::Duration::from_secs(30), status_change(&mut ws_b, "offline")).await;
     assert_eq!(heard.ok().as_deref(), Some("idle"), "B's session heard the change made during the outage");
 }
+
+/// The turn's own gateway paused past its lease (SIGSTOP) while another gateway marks the turn
+/// interrupted: once it runs again, its own watcher may read the rest of the step it had
+/// streamed, but then an `error` (code `lease`) saying that what it streamed since its last
+/// write is not in the history, before `done`; the history (read anywhere) holds the turn
+/// as interrupted, and the other gateway's watcher got the interrupted end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_turns_own_watchers_are_told_what_history_will_not_hold() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(nats) = nats_server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let script = write_script(dir.path(), steady());
+    let (a, b) = scripted_pair(&database.url, &nats.url, &script, &["--lease-ttl-ms", "1000"]);
+    let on_a = Heard::start(a.sse("paused", "").await);
+    let on_b = Heard::start(b.sse("paused", "").await);
+    start_turn(&a, "paused", "steady").await;
+    assert!(eventually(1200, || async { on_a.count() > 5 && on_b.count() > 5 }).await, "both hear the turn");
+    // SAFETY: kill(2) with a child's pid and a stop/continue signal.
+    unsafe { libc::kill(a.child.id() as i32, libc::SIGSTOP) };
+    let heard_on_b = on_b.end().await;
+    let interrupted = heard_on_b.iter().find(|(_, e)| e["type"] == "error").expect("B's watcher got the end");
+    assert_eq!(interrupted.1["code"], "interrupted", "{interrupted:?}");
+    unsafe { libc::kill(a.child.id() as i32, libc::SIGCONT) };
+    let heard_on_a = on_a.end().await;
+    let types: Vec<&str> = heard_on_a.iter().map(|(_, e)| e["type"].as_str().unwrap()).collect();
+    let error = heard_on_a
+        .iter()
+        .position(|(_, e)| e["type"] == "error")
+        .unwrap_or_else(|| panic!("A's watcher got no error: {types:?}"));
+    let said = &heard_on_a[error].1;
+    assert_eq!(said["code"], "lease", "{said}");
+    assert!(said["message"].as_str().unwrap().contains("is not in the history"), "{said}");
+    let done = heard_on_a.iter().position(|(_, e)| e["type"] == "done").expect("A's watcher got done");
+    assert!(error < done, "the error comes before the turn's end: {types:?}");
+    // The history holds the turn as interrupted, once.
+    let (_, history) = b.get("/conversations/paused").await;
+    let errors: Vec<&Value> =
+        history["chunks"].as_array().unwrap().iter().filter(|c| c["chunk"]["type"] == "error").collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0]["chunk"]["code"], "interrupted");
+}

@@ -62,6 +62,19 @@ impl Store {
         self.write(Write::Renew { turn_ids: turn_ids.to_vec(), lease_ms: self.lease_ms() }).await?.count()
     }
 
+    /// Which of `turn_ids` hold their conversation's lease now.
+    pub async fn holding_leases(&self, turn_ids: &[String]) -> StoreResult<Vec<String>> {
+        let marks: Vec<String> = (1..=turn_ids.len()).map(|i| format!("${i}")).collect();
+        let sql = format!(
+            "SELECT lease_turn FROM conversations WHERE lease_turn IN ({}) AND lease_expires_at >= {}",
+            marks.join(", "),
+            self.clock()
+        );
+        let q = turn_ids.iter().fold(Query::new(sql), |q, id| q.bind(id.as_str()));
+        let rows: Vec<(String,)> = self.fetch_all(q).await?;
+        Ok(rows.into_iter().map(|(id,)| id).collect())
+    }
+
     /// Whether a turn holds the conversation's lease now (on this gateway or another).
     pub async fn leased(&self, conversation_id: &str) -> StoreResult<bool> {
         let sql = format!(

@@ -155,16 +155,15 @@ enum Busy {
     Running {
         turn_id: String,
         cancel: CancellationToken,
+        /// Fired when the lease renewal finds the turn's lease gone (another gateway marked it
+        /// interrupted while this one was paused): the turn ends at once with `error{lease}`.
+        lease_lost: CancellationToken,
         inbox: Arc<Inbox>,
     },
     /// Reserved while the conversation is deleted, under the lease of `holder`.
-    Deleting {
-        holder: String,
-    },
+    Deleting { holder: String },
     /// The turn ended but the database has not taken its seal yet.
-    Sealing {
-        turn_id: String,
-    },
+    Sealing { turn_id: String },
 }
 
 /// What `Turns` allows at once.
@@ -384,8 +383,14 @@ impl Turns {
         let buffer = self.hub.begin_turn(&req.conversation_id, &turn_id, &opening);
 
         let cancel = CancellationToken::new();
+        let lease_lost = CancellationToken::new();
         let inbox = Arc::new(Inbox::default());
-        let running = Busy::Running { turn_id: turn_id.clone(), cancel: cancel.clone(), inbox: inbox.clone() };
+        let running = Busy::Running {
+            turn_id: turn_id.clone(),
+            cancel: cancel.clone(),
+            lease_lost: lease_lost.clone(),
+            inbox: inbox.clone(),
+        };
         self.lock().insert(req.conversation_id.clone(), running);
         reservation.armed = false;
         self.announce(&req.conversation_id, ConversationStatus::Active);
@@ -401,7 +406,8 @@ impl Turns {
         let memory = self.store.runtime_memory(&req.conversation_id, &model, previous_of).await;
         let span = tracing::info_span!("turn", conversation = %ids.0, turn = %ids.1, model = %model);
         let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone())
-            .for_caller(req.caller.clone(), quota_subject.is_some());
+            .for_caller(req.caller.clone(), quota_subject.is_some())
+            .with_lease(lease_lost);
         match memory {
             Ok(RuntimeMemory { session_id, tokens_per_estimate, previous_turn_id }) => {
                 let request = TurnRequest {
@@ -653,6 +659,21 @@ impl Turns {
     }
 
     /// The leases this gateway holds: of turns running or sealing, and of deletions.
+    /// Ends the running turns among `turn_ids` with `error{lease}`: their leases are gone.
+    fn lost_leases<'a>(&self, turn_ids: impl Iterator<Item = &'a String>) {
+        let busy = self.lock();
+        for lost in turn_ids {
+            for b in busy.values() {
+                if let Busy::Running { turn_id, lease_lost, .. } = b
+                    && turn_id == lost
+                {
+                    tracing::error!(turn = %turn_id, "a running turn's lease is gone (another gateway marked it interrupted); ending it");
+                    lease_lost.cancel();
+                }
+            }
+        }
+    }
+
     fn leased(&self) -> Vec<String> {
         let busy = self.lock();
         busy.values()
@@ -686,10 +707,18 @@ async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
         tick.tick().await;
         let Some(turns) = turns.upgrade() else { return };
         let held = turns.leased();
-        if !held.is_empty()
-            && let Err(e) = store.renew_leases(&held).await
-        {
-            tracing::warn!(error = %e, turns = held.len(), "could not renew the leases of running turns");
+        if !held.is_empty() {
+            match store.renew_leases(&held).await {
+                // Fewer renewed than held: some lease is gone (this gateway was paused past it
+                // and another marked the turn interrupted). Its turn ends now, saying so, rather
+                // than streaming on to its watchers until its next write is refused.
+                Ok(renewed) if (renewed as usize) < held.len() => match store.holding_leases(&held).await {
+                    Ok(holding) => turns.lost_leases(held.iter().filter(|t| !holding.contains(t))),
+                    Err(e) => tracing::warn!(error = %e, "could not tell which leases are gone"),
+                },
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, turns = held.len(), "could not renew the leases of running turns"),
+            }
         }
         // This gateway's own conversations are not swept by it (those busy now: a turn may have
         // started since `held` was taken): a turn whose renewal failed learns of a lost lease

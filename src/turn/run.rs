@@ -41,6 +41,24 @@ pub(super) struct TurnRun {
     caller: crate::identity::Identity,
     /// The caller's day of tokens counts this turn's (a user, with quotas).
     counts_tokens: bool,
+    /// Fired when the turn's lease is found gone (`Turns::lost_leases`).
+    lease_lost: CancellationToken,
+}
+
+/// How a turn whose lease is gone ends: this gateway's own watchers saw events that will never
+/// be in the history, and the error says so before the turn's end (`chunks`: how many of its
+/// chunks were not written, when known).
+fn lease_lost(chunks: Option<usize>) -> End {
+    let what = match chunks {
+        Some(n) => format!("what it streamed since its last write ({n} chunks)"),
+        None => "what it streamed since its last write".to_owned(),
+    };
+    End::Failed {
+        message: format!(
+            "the turn's lease on its conversation ended (another gateway marked it interrupted): {what} is not in the history"
+        ),
+        code: Some("lease".into()),
+    }
 }
 
 /// A turn whose seal the database refused: retried with backoff until it commits (or the
@@ -113,7 +131,14 @@ impl TurnRun {
             effects: Vec::new(),
             caller: crate::identity::Identity::anonymous(),
             counts_tokens: false,
+            lease_lost: CancellationToken::new(),
         }
+    }
+
+    /// The turn ends with `error{lease}` when `lost` fires.
+    pub(super) fn with_lease(mut self, lost: CancellationToken) -> TurnRun {
+        self.lease_lost = lost;
+        self
     }
 
     /// The turn as `caller`'s, its tokens counted against their day with `counts_tokens`.
@@ -158,6 +183,7 @@ impl TurnRun {
                 tokio::select! {
                     biased;
                     _ = self.cancel.cancelled() => break 'attempts End::Aborted,
+                    _ = self.lease_lost.cancelled() => break 'attempts lease_lost(None),
                     _ = &mut deadline => break 'attempts timed_out(),
                     event = raw.recv() => match event {
                         Some(event) => {
@@ -195,6 +221,7 @@ impl TurnRun {
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => continue 'attempts,
                     _ = self.cancel.cancelled() => break 'attempts End::Aborted,
+                    _ = self.lease_lost.cancelled() => break 'attempts lease_lost(None),
                     _ = &mut deadline => break 'attempts timed_out(),
                 }
             }
@@ -252,13 +279,12 @@ impl TurnRun {
             Ok(_) => Ok(()),
             Err(StoreError::LeaseLost) => {
                 tracing::error!("the turn lost its lease on the conversation; it stops writing");
-                // The gateway that marked it interrupted tells the others how it ended.
+                // The gateway that marked it interrupted tells the others how it ended. This
+                // gateway's own watchers saw events that will never be in the history: the error
+                // says so, before the turn's end (a paused gateway streams the rest of a step
+                // when it resumes, then finds its write refused).
                 self.buffer.leave_bus();
-                Err(End::Failed {
-                    message: "the turn's lease on its conversation ended (another gateway marked it interrupted)"
-                        .into(),
-                    code: Some("lease".into()),
-                })
+                Err(lease_lost(Some(chunks.len())))
             }
             Err(e) => {
                 self.unwritten = chunks;
