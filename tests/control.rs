@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 fn script() -> Value {
     json!({"rules": [
         {"match": "stall", "pace": 0, "steps": [{"text": "partial", "stallMs": 600000}]},
+        {"match": "pause", "pace": 0, "steps": [{"text": "a moment", "stallMs": 1000}]},
         {"match": "tools", "pace": 0, "steps": [
             {"text": "Looking.", "toolCalls": [{"id": "k", "name": "find", "result": "it"}],
              "usage": {"inputTokens": 10, "outputTokens": 30}},
@@ -420,4 +421,31 @@ async fn status_changes_wait_out_the_flush_window_and_go_out_together() {
 /// The next frame's JSON, status changes included.
 async fn frame_json(socket: &mut tokio::net::TcpStream) -> Value {
     serde_json::from_slice(&server_frame(socket).await.1).unwrap()
+}
+
+/// Messages queued too late for a turn start the next one straight from it: the conversation is
+/// never free in between, so no session is told it is idle (and nobody who read `/status`
+/// idle is then refused a turn, 409, because the queued turn took it). The status changes a
+/// session hears: active, active (the queued turn), idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_turn_follows_its_turn_without_an_idle_between() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(dir.path(), |_| {}).await;
+    let mut ws = server.ws().await;
+    ws.send(json!({"type": "chat.subscribe", "conversationId": "handover"})).await;
+    let (status, _) = server.post("/conversations/handover/messages", json!({"message": "pause"})).await;
+    assert_eq!(status, 202);
+    let (status, body) = server.post("/conversations/handover/queue", json!({"text": "and then"})).await;
+    assert_eq!(status, 200, "{body}");
+    let mut heard = Vec::new();
+    while heard.len() < 3 {
+        let m = ws.next().await.expect("the session stays open");
+        if m["type"] == "conversation.statusChanged" && m["conversationId"] == "handover" {
+            heard.push(m["status"].as_str().unwrap().to_owned());
+        }
+    }
+    assert_eq!(heard, ["active", "active", "idle"], "no idle between the turn and the queued one");
+    let history = server.history("handover").await;
+    let users: Vec<&Value> = history.iter().filter(|c| c["role"] == "user").map(|c| &c["chunk"]["text"]).collect();
+    assert_eq!(users, [&json!("pause"), &json!("and then")], "the queued message ran as the next turn");
 }

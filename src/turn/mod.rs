@@ -320,6 +320,31 @@ impl Turns {
     where
         F: FnOnce(&str) -> (String, String),
     {
+        self.begin(req, respond, key, false).await
+    }
+
+    /// Starts the turn of the messages queued too late for the turn that just ended, in the
+    /// reservation that turn handed over (`hand_over`): the conversation is never free in
+    /// between, so nobody is told it is idle and then refused a turn (409) because this one
+    /// took it.
+    pub(super) async fn start_handed_over(self: &Arc<Self>, req: StartTurn) -> Result<Started, StartError> {
+        self.begin(req, None::<fn(&str) -> (String, String)>, None, true).await
+    }
+
+    async fn begin<F>(
+        self: &Arc<Self>,
+        req: StartTurn,
+        respond: Option<F>,
+        key: Option<&str>,
+        handed_over: bool,
+    ) -> Result<Started, StartError>
+    where
+        F: FnOnce(&str) -> (String, String),
+    {
+        // A reservation handed over is this start's from the first line: a failure below lets
+        // it go.
+        let handed =
+            handed_over.then(|| Reservation { turns: self, conversation_id: &req.conversation_id, armed: true });
         if self.closing.is_cancelled() {
             return Err(StartError::ShuttingDown);
         }
@@ -328,7 +353,7 @@ impl Turns {
         if let crate::store::Ownership::Owned(owner) = &settings.ownership
             && !req.caller.may_see(owner.as_deref())
         {
-            return Err(StartError::NotFound(req.conversation_id));
+            return Err(StartError::NotFound(req.conversation_id.clone()));
         }
         let quota_subject = self.quotas.any().then(|| req.caller.viewer()).flatten();
         if let Some(subject) = quota_subject {
@@ -347,7 +372,10 @@ impl Turns {
             Some(asked) => Some(runtime.folder(&asked).ok_or(StartError::Folder(asked))?),
             None => None,
         };
-        let mut reservation = self.reserve(&req.conversation_id, Busy::Starting)?;
+        let mut reservation = match handed {
+            Some(handed) => handed,
+            None => self.reserve(&req.conversation_id, Busy::Starting)?,
+        };
 
         let turn_id = uuid::Uuid::now_v7().to_string();
         let recorded = respond.map(|f| f(&turn_id));
@@ -651,6 +679,12 @@ impl Turns {
     /// conversation accepts a new turn.
     fn release(&self, conversation_id: &str) {
         self.lock().remove(conversation_id);
+    }
+
+    /// Keeps the conversation reserved after its turn ended, for the turn of the messages
+    /// queued too late for it (`start_handed_over`).
+    fn hand_over(&self, conversation_id: &str) {
+        self.lock().insert(conversation_id.to_owned(), Busy::Starting);
     }
 
     /// Keeps the conversation reserved after its turn ended, until the seal commits.

@@ -377,31 +377,34 @@ impl TurnRun {
             tokio::spawn(pending.retry());
             return;
         };
-        self.turns.release(&self.conversation_id);
-        self.turns.hub().seal_turn(self.buffer, &sealed);
-        self.turns.announce(&self.conversation_id, sealed_status);
-
         // Steering that arrived too late for this turn becomes the next one, unless the turn
-        // was stopped: a stop means stop.
+        // was stopped: a stop means stop. The conversation goes to it straight from this turn,
+        // never free in between.
         let leftover = self.inbox.drain();
-        if leftover.is_empty() {
-            return;
-        }
-        if matches!(end, End::Aborted) || sealed_status == ConversationStatus::Closed {
+        let stopped = matches!(end, End::Aborted) || sealed_status == ConversationStatus::Closed;
+        if stopped && !leftover.is_empty() {
             tracing::info!(conversation = %self.conversation_id, dropped = leftover.len(), "dropped queued messages of a stopped turn");
-            return;
         }
-        let message = leftover.into_iter().map(|m| m.text).collect::<Vec<_>>().join("\n\n");
-        let next = super::StartTurn {
+        let next = (!stopped && !leftover.is_empty()).then(|| super::StartTurn {
             conversation_id: self.conversation_id.clone(),
-            message,
+            message: leftover.into_iter().map(|m| m.text).collect::<Vec<_>>().join("\n\n"),
             model: None,
             cwd: None,
             reasoning_effort: None,
             caller: self.caller.clone(),
+        });
+        match next {
+            Some(_) => self.turns.hand_over(&self.conversation_id),
+            None => self.turns.release(&self.conversation_id),
+        }
+        self.turns.hub().seal_turn(self.buffer, &sealed);
+        let Some(next) = next else {
+            self.turns.announce(&self.conversation_id, sealed_status);
+            return;
         };
-        if let Err(e) = self.turns.start(next).await {
+        if let Err(e) = self.turns.start_handed_over(next).await {
             tracing::warn!(conversation = %self.conversation_id, error = %e, "could not start the queued turn");
+            self.turns.announce(&self.conversation_id, sealed_status);
         }
     }
 }
