@@ -1104,3 +1104,157 @@ async fn a_paused_turns_own_watchers_are_told_what_history_will_not_hold() {
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert_eq!(errors[0]["chunk"]["code"], "interrupted");
 }
+
+/// What a chaos round does to the cluster while its turn streams.
+#[derive(Debug, Clone, Copy)]
+enum Chaos {
+    Nothing,
+    /// SIGKILL a gateway (maybe the turn's own), started again after the round.
+    Kill(usize),
+    /// SIGSTOP a gateway for two and a half leases, then SIGCONT.
+    Pause(usize),
+    /// Restart nats-server (with its data).
+    RestartBus,
+}
+
+/// The project's own chaos drill: three gateways on one PostgreSQL and one NATS under a stream
+/// of turns, each round's turn on a random live gateway with watchers on every gateway that
+/// stays up, while a random gateway is killed (and started again) or paused past its lease, or
+/// nats-server restarts. Then: every watcher got its turn's end once (`done`, then
+/// `turn-sealed`); a turn that ended normally reads in history as its watchers read it live;
+/// each conversation's seq is gap-free; every turn is sealed once (one metrics entry).
+/// Seeded (`DISPATCH_CHAOS_SEED`, else the clock), the seed printed and in every failure, and
+/// bounded in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_under_a_stream_of_turns() {
+    let Some(database) = fresh_database().await else { return };
+    let Some(mut nats) = nats_server() else { return };
+    let seed: u64 = std::env::var("DISPATCH_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
+    eprintln!("chaos seed {seed} (DISPATCH_CHAOS_SEED={seed} runs this drill again)");
+    let mut state = seed;
+    let mut random = move |n: usize| {
+        // splitmix64: every seed, even a small one, draws evenly from the first call.
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) % n as u64) as usize
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let script = write_script(dir.path(), json!({"rules": [{"pace": 40, "steps": [{"text": "w ", "repeat": 80}]}]}));
+    let args: Vec<std::ffi::OsString> = [
+        "--database",
+        &database.url,
+        "--bus",
+        &nats.url,
+        "--bus-timeout-ms",
+        "3000",
+        "--lease-ttl-ms",
+        "1000",
+        "--scripted-script",
+        script.to_str().unwrap(),
+    ]
+    .into_iter()
+    .map(Into::into)
+    .collect();
+    let mut gateways: Vec<ChildGateway> = (0..3).map(|_| ChildGateway::spawn(&args)).collect();
+    let drill = async {
+        let mut conversations = Vec::new();
+        for round in 0..8 {
+            let chaos = match random(4) {
+                0 => Chaos::Nothing,
+                1 => Chaos::Kill(random(3)),
+                2 => Chaos::Pause(random(3)),
+                _ => Chaos::RestartBus,
+            };
+            let owner = match chaos {
+                // The killed gateway is the turn's own half the time.
+                Chaos::Kill(k) if random(2) == 0 => k,
+                _ => random(3),
+            };
+            let id = format!("chaos-{round}");
+            let said = format!("seed {seed}, round {round}, {chaos:?}, turn on {owner}");
+            eprintln!("{said}");
+            let killed = match chaos {
+                Chaos::Kill(k) => Some(k),
+                _ => None,
+            };
+            let mut watchers = Vec::new();
+            for (i, gateway) in gateways.iter().enumerate().filter(|(i, _)| Some(*i) != killed) {
+                watchers.push((i, Heard::start(gateway.sse(&id, "").await)));
+            }
+            start_turn(&gateways[owner], &id, "chaos").await;
+            let started = eventually(1200, || async { watchers.iter().all(|(_, w)| w.count() > 4) }).await;
+            assert!(started, "{said}: every watcher hears the turn");
+            match chaos {
+                Chaos::Nothing => {}
+                Chaos::Kill(k) => {
+                    let _ = gateways[k].child.kill();
+                    let _ = gateways[k].child.wait();
+                }
+                Chaos::Pause(p) => {
+                    // SAFETY: kill(2) with a child's pid and a stop/continue signal.
+                    unsafe { libc::kill(gateways[p].child.id() as i32, libc::SIGSTOP) };
+                    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+                    unsafe { libc::kill(gateways[p].child.id() as i32, libc::SIGCONT) };
+                }
+                Chaos::RestartBus => nats.restart(),
+            }
+            let mut heard = Vec::new();
+            for (i, watcher) in watchers {
+                heard.push((i, watcher.end().await));
+            }
+            if let Some(k) = killed {
+                gateways[k] = ChildGateway::spawn(&args);
+            }
+            conversations.push((id, said, heard));
+        }
+        conversations
+    };
+    let conversations = tokio::time::timeout(std::time::Duration::from_secs(600), drill)
+        .await
+        .unwrap_or_else(|_| panic!("seed {seed}: the drill did not finish in time"));
+
+    let reader = &gateways[0];
+    for (id, said, heard) in conversations {
+        let history = reader.history(&id).await;
+        let seqs: Vec<u64> = history.iter().map(|c| c["seq"].as_u64().unwrap()).collect();
+        assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>(), "{said}: seq gap-free");
+        // A turn cut off (its gateway killed, or paused past its lease) is marked interrupted
+        // once; any other is sealed once, with its metrics.
+        let (_, metrics) = reader.get(&format!("/conversations/{id}/metrics")).await;
+        let markers = history.iter().filter(|c| c["chunk"]["code"] == "interrupted").count();
+        let cut = heard.iter().flat_map(|(_, events)| events).any(|(_, e)| e["code"] == "interrupted");
+        if cut {
+            assert_eq!(markers, 1, "{said}: one interrupted marker in the history");
+        } else {
+            assert_eq!(markers, 0, "{said}");
+            assert_eq!(metrics["turns"].as_array().map(Vec::len), Some(1), "{said}: the turn sealed once: {metrics}");
+        }
+        let logged: String = history
+            .iter()
+            .filter(|c| c["role"] == "assistant" && c["chunk"]["type"] == "text")
+            .map(|c| c["chunk"]["text"].as_str().unwrap())
+            .collect();
+        for (gateway, events) in heard {
+            let kinds: Vec<&str> = events.iter().map(|(_, e)| e["type"].as_str().unwrap()).collect();
+            assert_eq!(
+                kinds.iter().filter(|k| **k == "turn-sealed").count(),
+                1,
+                "{said}: watcher on {gateway}: {kinds:?}"
+            );
+            assert_eq!(kinds.last(), Some(&"turn-sealed"), "{said}: watcher on {gateway}");
+            let done = events.iter().find(|(_, e)| e["type"] == "done");
+            let done = done.unwrap_or_else(|| panic!("{said}: watcher on {gateway} got no done: {kinds:?}"));
+            if done.1["reason"] == "stop" {
+                let text: String = events
+                    .iter()
+                    .filter_map(|(_, e)| e["delta"].as_str().filter(|_| e["type"] == "text-delta"))
+                    .collect();
+                assert_eq!(text, logged, "{said}: watcher on {gateway} read the history's text live");
+            }
+        }
+    }
+}
