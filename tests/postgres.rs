@@ -110,6 +110,8 @@ async fn scenario(server: &TestServer) -> Vec<(String, u16, Value)> {
         "/conversations?limit=100".to_owned(),
         "/conversations?q=al".to_owned(),
         "/conversations?q=a%00b".to_owned(),
+        "/conversations?owner=a%00b".to_owned(),
+        "/conversations?search=a%00b".to_owned(),
         "/conversations?q=al%20pha".to_owned(),
         "/conversations?status=closed".to_owned(),
         "/conversations?status=idle,closed&limit=2".to_owned(),

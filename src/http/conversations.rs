@@ -164,7 +164,11 @@ pub async fn list(
     // A user lists their own; an administrator everyone's, or one subject's with `?owner=`.
     let owner = match caller.viewer() {
         Some(viewer) => Some(viewer.to_string()),
-        None => query.get("owner").filter(|o| !o.is_empty()).map(str::to_owned),
+        // No subject holds U+0000 (PostgreSQL's text cannot: it would fail the read).
+        None => match query.get("owner").filter(|o| !o.is_empty()) {
+            Some(o) if o.contains('\0') => return Err(ApiError::bad("`owner` must not contain U+0000")),
+            o => o.map(str::to_owned),
+        },
     };
     let search = match query.get("search").map(str::trim).filter(|s| !s.is_empty()) {
         Some(s) if s.chars().count() > MAX_TITLE_CHARS => {
