@@ -53,7 +53,7 @@ async fn follow(inner: Arc<Inner>, mut feed: Feed, caught_up: watch::Sender<bool
         match consume(&inner, &mut feed, &caught_up, &mut read).await {
             Ok(()) => tracing::debug!(conversation = %feed.conversation_id, "a bus consumer ended; starting another"),
             // With the bus down every follower fails each time (the loss is said once, in mod.rs).
-            Err(e) if inner.client.connection_state() != async_nats::connection::State::Connected => {
+            Err(e) if !super::connected(&inner.client) => {
                 tracing::debug!(conversation = %feed.conversation_id, error = %e, "following a conversation on the bus failed; retrying");
             }
             Err(e) => {

@@ -141,7 +141,7 @@ impl Bus {
         let shared = SharedStream::open(&client, &js, &options, connections.subscribe()).await?;
         tracing::info!(%node, stream = STREAM, "joined the bus");
         metrics.bus.configured.store(true, Relaxed);
-        metrics.bus.connected.store(client.connection_state() == async_nats::connection::State::Connected, Relaxed);
+        metrics.bus.connected.store(connected(&client), Relaxed);
         let (statuses, changes) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(status::send_statuses(client.clone(), signer.clone(), changes));
         let (timeout, max_age) = (options.timeout, options.max_age);
@@ -150,7 +150,7 @@ impl Bus {
 
     /// Whether the connection to NATS is up now.
     pub fn connected(&self) -> bool {
-        self.0.client.connection_state() == async_nats::connection::State::Connected
+        connected(&self.0.client)
     }
 
     /// A subscription to `subject` (what the other gateways send there: `what`), or none, said
@@ -194,7 +194,17 @@ fn log_event(event: async_nats::Event) {
 
 /// A conversation id as one subject token: ids may hold `.`, which NATS reads as a separator.
 fn token(conversation_id: &str) -> String {
-    conversation_id.bytes().map(|b| format!("{b:02x}")).collect()
+    hex(conversation_id.as_bytes())
+}
+
+/// Bytes as lowercase hex (subject tokens, signatures).
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether a client's connection to NATS is up now.
+fn connected(client: &async_nats::Client) -> bool {
+    client.connection_state() == async_nats::connection::State::Connected
 }
 
 fn open_subject(conversation_id: &str) -> String {

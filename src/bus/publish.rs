@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use async_nats::connection::State;
 use async_nats::jetstream::context::PublishAckFuture;
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
@@ -145,7 +144,7 @@ impl Turn {
                     }
                 }
                 _ = tokio::time::sleep_until(due.into()), if resend.is_some() => {
-                    if self.inner.client.connection_state() != State::Connected {
+                    if !super::connected(&self.inner.client) {
                         resend = Some(Instant::now() + RETRY);
                         continue;
                     }
@@ -386,6 +385,22 @@ mod tests {
             run(7, 9, "e\nf\n", None),
         ];
         assert_eq!(runs(&burst, 6), expected);
+    }
+
+    /// A part header is `k/n` with `k` in `1..=n`; anything else is no part (and a message that
+    /// is then not events is skipped where events are read).
+    #[test]
+    fn a_part_header_is_read_strictly() {
+        let part = |value: &str| {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(super::super::PART, value);
+            super::super::message_part(Some(&headers))
+        };
+        assert_eq!(part("1/3"), Some((1, 3)));
+        assert_eq!(part("3/3"), Some((3, 3)));
+        for bad in ["0/3", "4/3", "0/0", "a/b", "1", "1/", "/3", "-1/3", "1/3/5", "99999999999/1"] {
+            assert_eq!(part(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use ring::hmac;
 
-use super::{INDEX, NODE, PART, TURN};
+use super::{INDEX, NODE, PART, TURN, hex};
 
 const SIGNATURE: &str = "Dispatch-Signature";
 const SENT: &str = "Dispatch-Sent";
@@ -99,10 +99,6 @@ pub(super) fn reject(metrics: &crate::metrics::Metrics, what: &str, subject: &st
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn unhex(text: &str) -> Option<Vec<u8>> {
     if !text.len().is_multiple_of(2) {
         return None;
@@ -139,6 +135,12 @@ mod tests {
         let other = Signer::new(b"another key, as long as the first");
         assert!(!other.verify("dispatch.events.open.61", Some(&headers), b"payload"), "another key");
         assert!(!signer.verify("dispatch.events.open.61", None, b"payload"), "no headers");
+        // A signature that is not hex, or cut, or one too long: refused, no panic.
+        for bad in ["zz", "abc", "", &"00".repeat(33), "é"] {
+            let mut forged = headers.clone();
+            forged.insert(SIGNATURE, bad);
+            assert!(!signer.verify("dispatch.events.open.61", Some(&forged), b"payload"), "{bad:?}");
+        }
         let mut stale = HeaderMap::new();
         stale.insert(SENT, (crate::store::now_ms() - 600_000).to_string().as_str());
         signer.sign("dispatch.status", &mut stale, b"x");

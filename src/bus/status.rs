@@ -29,8 +29,8 @@ impl Bus {
 }
 
 /// Changes held while the bus is down: the last one of each conversation (an older one is no
-/// news once a newer one is known), at most this many conversations (the oldest goes first).
-const MOST_HELD: usize = 65_536;
+/// news once a newer one is known), at most this many bytes of them (the oldest goes first).
+const MOST_HELD_BYTES: usize = 8 * 1024 * 1024;
 
 /// Sends the changes announced here, one after the other (the client queues them in order),
 /// each signed and stamped with when it was sent. While the bus is down they are held (the
@@ -41,10 +41,10 @@ pub(super) async fn send_statuses(
     signer: std::sync::Arc<Signer>,
     mut changes: tokio::sync::mpsc::UnboundedReceiver<(String, bytes::Bytes)>,
 ) {
-    let connected = || client.connection_state() == async_nats::connection::State::Connected;
-    // Held changes by conversation, with the order they came in.
+    let connected = || super::connected(&client);
+    // Held changes by conversation, with the order they came in, and their bytes.
     let mut held: std::collections::HashMap<String, (u64, bytes::Bytes)> = std::collections::HashMap::new();
-    let mut order = 0u64;
+    let (mut order, mut held_bytes) = (0u64, 0usize);
     loop {
         let next = if held.is_empty() {
             changes.recv().await
@@ -54,6 +54,7 @@ pub(super) async fn send_statuses(
                 change = changes.recv() => change,
                 _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {
                     if connected() {
+                        held_bytes = 0;
                         let mut waiting: Vec<(u64, bytes::Bytes)> = held.drain().map(|(_, v)| v).collect();
                         waiting.sort_by_key(|(at, _)| *at);
                         for (_, payload) in waiting {
@@ -70,11 +71,16 @@ pub(super) async fn send_statuses(
             continue;
         }
         order += 1;
-        held.insert(conversation_id, (order, payload));
-        if held.len() > MOST_HELD
+        held_bytes += conversation_id.len() + payload.len();
+        if let Some((_, older)) = held.insert(conversation_id.clone(), (order, payload)) {
+            held_bytes -= conversation_id.len() + older.len();
+        }
+        while held_bytes > MOST_HELD_BYTES
             && let Some(oldest) = held.iter().min_by_key(|(_, (at, _))| *at).map(|(id, _)| id.clone())
         {
-            held.remove(&oldest);
+            if let Some((_, dropped)) = held.remove(&oldest) {
+                held_bytes -= oldest.len() + dropped.len();
+            }
         }
     }
 }

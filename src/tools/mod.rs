@@ -190,10 +190,6 @@ impl Toolbox {
         self.sweep_idle();
     }
 
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.servers.keys().map(String::as_str)
-    }
-
     /// Whether the servers `names` include one run per conversation in its folder.
     pub fn uses_folders(&self, names: &[String]) -> bool {
         names.iter().filter_map(|n| self.servers.get(n)).any(|s| s.spec.scope() == McpScope::Conversation)
