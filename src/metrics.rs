@@ -89,6 +89,9 @@ pub struct BusCounters {
 pub struct Pacing {
     pub window: std::time::Duration,
     pub write_cost: std::time::Duration,
+    /// Watchers reading in-flight turns here, and on the cluster's other gateways.
+    pub readers: usize,
+    pub readers_elsewhere: usize,
 }
 
 impl Metrics {
@@ -202,6 +205,16 @@ impl Metrics {
             out,
             "# HELP dispatch_round_write_seconds What a round's write to one socket costs, as measured (the flush window follows it).\n# TYPE dispatch_round_write_seconds gauge\ndispatch_round_write_seconds {}",
             pacing.write_cost.as_secs_f64()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_watchers_reading Watchers reading turns in flight here (the flush window follows them).\n# TYPE dispatch_watchers_reading gauge\ndispatch_watchers_reading {}",
+            pacing.readers
+        );
+        let _ = writeln!(
+            out,
+            "# HELP dispatch_watchers_reading_elsewhere Watchers reading turns in flight on the cluster's other gateways, as they last said (the flush window counts them too).\n# TYPE dispatch_watchers_reading_elsewhere gauge\ndispatch_watchers_reading_elsewhere {}",
+            pacing.readers_elsewhere
         );
         let _ = writeln!(out, "# HELP dispatch_open_streams Open live streams.\n# TYPE dispatch_open_streams gauge");
         for t in Transport::ALL {

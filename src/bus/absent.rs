@@ -51,6 +51,10 @@ impl Remote for Bus {
         unreachable!("{NONE}")
     }
 
+    fn share_readers(&self, _: Weak<Hub>) {
+        unreachable!("{NONE}")
+    }
+
     fn catch_up_timeout(&self) -> Duration {
         unreachable!("{NONE}")
     }

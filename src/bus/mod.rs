@@ -30,6 +30,7 @@ mod follow;
 mod interrupted;
 mod key;
 mod publish;
+mod readers;
 mod shared_stream;
 mod sign;
 mod status;
@@ -173,6 +174,10 @@ impl Remote for Bus {
 
     fn follow(&self, hub: Weak<Hub>, conversation_id: Arc<str>) -> Following {
         follow::start(self.0.clone(), hub, conversation_id)
+    }
+
+    fn share_readers(&self, hub: Weak<Hub>) {
+        tokio::spawn(readers::share(self.0.clone(), hub));
     }
 
     fn catch_up_timeout(&self) -> Duration {

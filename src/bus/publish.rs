@@ -79,7 +79,7 @@ impl Turn {
     /// as a re-read and go on (`follow.rs`). After the turn's end this goes on for the bus
     /// timeout; then only the end is kept, and waits for the bus as long as the stream keeps
     /// events: without it the turn's watchers elsewhere would wait for the next turn.
-    async fn publish(self, mut events: mpsc::UnboundedReceiver<Outgoing>, pending: Arc<AtomicUsize>, cap: usize) {
+    async fn publish(self, mut events: mpsc::UnboundedReceiver<Vec<Outgoing>>, pending: Arc<AtomicUsize>, cap: usize) {
         let limit = (self.inner.client.server_info().max_payload.max(2 * HEADROOM) - HEADROOM).max(HEADROOM);
         let mut acks = FuturesUnordered::new();
         let mut generation = 0;
@@ -111,9 +111,9 @@ impl Turn {
                         ended = Some(Instant::now());
                         continue;
                     };
-                    burst.push(first);
+                    burst.extend(first);
                     while let Ok(more) = events.try_recv() {
-                        burst.push(more);
+                        burst.extend(more);
                     }
                     pending.fetch_sub(burst.iter().map(|e| e.line.len()).sum(), Relaxed);
                     if burst.iter().any(|e| e.last) {

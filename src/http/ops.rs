@@ -53,7 +53,12 @@ pub async fn metrics(State(state): State<AppState>, Caller(caller): Caller) -> R
         .into_response();
     }
     let hub = &state.hub;
-    let pacing = crate::metrics::Pacing { window: hub.window(), write_cost: hub.write_cost() };
+    let pacing = crate::metrics::Pacing {
+        window: hub.window(),
+        write_cost: hub.write_cost(),
+        readers: hub.readers(),
+        readers_elsewhere: hub.readers_elsewhere(),
+    };
     let (running, connections) = (state.turns.running(), state.connections.open());
     let agents = state.turns.registry().processes();
     let mut body =

@@ -152,6 +152,13 @@ impl TurnBuffer {
         }
     }
 
+    /// Sends what the turn published since its last round to the other gateways (`remote.rs`).
+    pub(super) fn to_bus(&self) {
+        if let Some(outbox) = &self.outbox {
+            outbox.release();
+        }
+    }
+
     /// The flush window for paced deltas right now.
     pub(super) fn window(&self) -> Duration {
         self.flush.for_readers(self.readers.load(Relaxed))
@@ -188,6 +195,10 @@ impl TurnBuffer {
     }
 
     fn run(self: &Arc<Self>, round: Round) {
+        // The bus goes with the woken tasks: every round of everyone, and phase 0's.
+        if matches!(round, Round::Everyone | Round::Phases { due: [true, ..], .. }) {
+            self.to_bus();
+        }
         match round {
             Round::Everyone => {
                 self.grown.notify_waiters();

@@ -82,18 +82,38 @@ impl Hub {
 
     /// A hub that shares turns with other gateways through `remote`.
     pub fn with_remote(caps: Caps, flush: FlushWindow, remote: Option<Arc<dyn Remote>>) -> Arc<Hub> {
-        Arc::new(Hub {
+        let hub = Arc::new(Hub {
             channels: Mutex::default(),
             readers: Arc::default(),
             held: Arc::default(),
             caps,
             flush: Arc::new(flush),
             remote,
-        })
+        });
+        if let Some(remote) = &hub.remote {
+            remote.share_readers(Arc::downgrade(&hub));
+        }
+        hub
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, Channel>> {
         self.channels.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Watchers reading in-flight turns here.
+    pub fn readers(&self) -> usize {
+        self.readers.load(Relaxed)
+    }
+
+    /// The other gateways of a cluster have `readers` watchers reading in-flight turns: the
+    /// flush window counts them too (`pacing.rs`).
+    pub fn set_readers_elsewhere(&self, readers: usize) {
+        self.flush.set_elsewhere(readers);
+    }
+
+    /// Watchers reading in-flight turns on the cluster's other gateways, as they last said.
+    pub fn readers_elsewhere(&self) -> usize {
+        self.flush.elsewhere()
     }
 
     /// The flush window for as many watchers as read in-flight turns now: how long a round may
@@ -108,7 +128,10 @@ impl Hub {
     /// caller guarantees one turn at a time per conversation.
     pub fn begin_turn(&self, conversation_id: &str, turn_id: &str, opening: &[AgentEvent]) -> Arc<TurnBuffer> {
         let outbox = self.remote.as_ref().map(|r| r.outbox(conversation_id, turn_id, self.caps.coalesce));
-        self.open(conversation_id, turn_id, opening, outbox)
+        let buffer = self.open(conversation_id, turn_id, opening, outbox);
+        // The opening events go out at once, as its watchers here wake for them.
+        buffer.to_bus();
+        buffer
     }
 
     /// Opens the buffer of a turn another gateway runs, with the events it has published so

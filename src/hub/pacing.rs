@@ -3,7 +3,7 @@
 //! every watcher). The rules, with their reasons, are in `docs/streaming.md` ("Pacing"); the
 //! buffer (`buffer.rs`) carries the decisions out.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -23,6 +23,10 @@ pub struct FlushWindow {
     /// What a round's write to one socket costs, in nanoseconds of the writing worker's wall
     /// time (a moving average, weighted by how many sockets a measurement covers).
     write_ns: AtomicU64,
+    /// Watchers reading in-flight turns on the other gateways of a cluster (`bus/readers.rs`):
+    /// the window is the cluster's, so that spreading watchers over gateways changes neither
+    /// how long a delta waits nor how many a write carries.
+    elsewhere: AtomicUsize,
 }
 
 /// The shortest window (the timer's resolution): a shorter one is none.
@@ -51,7 +55,13 @@ impl FlushWindow {
     /// (one outside a runtime).
     pub fn new(sweeps: u32, max: Duration) -> FlushWindow {
         let workers = tokio::runtime::Handle::try_current().map_or(1, |r| r.metrics().num_workers()).max(1);
-        FlushWindow { sweeps, max, workers: workers as u32, write_ns: AtomicU64::new(FIRST_WRITE_NS) }
+        FlushWindow {
+            sweeps,
+            max,
+            workers: workers as u32,
+            write_ns: AtomicU64::new(FIRST_WRITE_NS),
+            elsewhere: AtomicUsize::new(0),
+        }
     }
 
     /// The window with `readers` watchers reading in-flight turns: zero below 1 ms (the
@@ -68,8 +78,10 @@ impl FlushWindow {
         if window < MIN_WINDOW { Duration::ZERO } else { window }
     }
 
-    /// A sweep: the time the workers take to write one event to `readers` watchers.
+    /// A sweep: the time the workers take to write one event to `readers` watchers and those
+    /// of the cluster's other gateways, at this gateway's cost per write.
     pub(super) fn sweep(&self, readers: usize) -> Duration {
+        let readers = readers.saturating_add(self.elsewhere.load(Relaxed));
         let nanos = u128::from(self.write_ns.load(Relaxed)) * readers as u128 / u128::from(self.workers);
         Duration::from_nanos(nanos.min(u64::MAX.into()) as u64)
     }
@@ -92,6 +104,15 @@ impl FlushWindow {
         let moved = old as i128 + (sample as i128 - old as i128) * weight / 4_096;
         // Racing rounds may lose each other's update; either one is a fair measurement.
         self.write_ns.store(moved.clamp(*WRITE_NS.start() as i128, *WRITE_NS.end() as i128) as u64, Relaxed);
+    }
+
+    /// The cluster's other gateways have `readers` watchers reading in-flight turns.
+    pub(super) fn set_elsewhere(&self, readers: usize) {
+        self.elsewhere.store(readers, Relaxed);
+    }
+
+    pub(super) fn elsewhere(&self) -> usize {
+        self.elsewhere.load(Relaxed)
     }
 
     /// What a write costs, as measured so far.

@@ -6,7 +6,7 @@
 //! read them from one local buffer like any other.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -21,6 +21,10 @@ pub trait Remote: Send + Sync {
     /// Starts feeding `hub` the turns other gateways run in the conversation, until the
     /// handle is dropped.
     fn follow(&self, hub: Weak<Hub>, conversation_id: Arc<str>) -> Following;
+
+    /// Keeps `hub` told how many watchers the other gateways have (`Hub::set_readers_elsewhere`)
+    /// and them told of its own, until the hub is gone.
+    fn share_readers(&self, hub: Weak<Hub>);
 
     /// How long a new watcher waits for a conversation to be caught up before it reads what
     /// the hub has.
@@ -40,8 +44,17 @@ pub struct Outgoing {
 /// The sending end of a turn's way to the bus. Sending never waits: past the cap the turn's
 /// events stop going out (the bus's readers see the gap and end the turn), except the last,
 /// which always does.
+///
+/// Events wait here for the turn's next round ([`Outbox::release`]), and go to the publisher
+/// together: under a flush window the bus carries what a round carries, in one message, as a
+/// watcher's write does. A message per event cost the bus (nats-server's work per message)
+/// as much again as the deliveries of the gateways following the turn (BENCHMARKS.md, W2
+/// spread over three); the followers' watchers wait no longer for it, as their own rounds
+/// would have gathered the same events.
 pub struct Outbox {
-    sender: mpsc::UnboundedSender<Outgoing>,
+    sender: mpsc::UnboundedSender<Vec<Outgoing>>,
+    /// Events since the last round.
+    held: Mutex<Vec<Outgoing>>,
     /// Bytes sent and not yet taken by the publisher.
     pending: Arc<AtomicUsize>,
     cap: usize,
@@ -52,11 +65,12 @@ pub struct Outbox {
 impl Outbox {
     /// An outbox and the receiving end its publisher reads (taking bytes off `pending` as it
     /// goes).
-    pub fn new(cap: usize) -> (Outbox, mpsc::UnboundedReceiver<Outgoing>, Arc<AtomicUsize>) {
+    pub fn new(cap: usize) -> (Outbox, mpsc::UnboundedReceiver<Vec<Outgoing>>, Arc<AtomicUsize>) {
         let (sender, receiver) = mpsc::unbounded_channel();
         let pending = Arc::new(AtomicUsize::new(0));
         let outbox = Outbox {
             sender,
+            held: Mutex::default(),
             pending: pending.clone(),
             cap,
             overflowed: AtomicBool::new(false),
@@ -77,13 +91,27 @@ impl Outbox {
             return;
         }
         self.pending.fetch_add(line.len(), Relaxed);
-        let _ = self.sender.send(Outgoing { index, line: line.clone(), last });
+        self.lock().push(Outgoing { index, line: line.clone(), last });
+    }
+
+    /// A round runs: what it carries goes to the publisher.
+    pub(super) fn release(&self) {
+        // Sent under the lock: two rounds racing hand their events over in order.
+        let mut held = self.lock();
+        if !held.is_empty() {
+            let _ = self.sender.send(std::mem::take(&mut *held));
+        }
     }
 
     /// Nothing more of the turn goes out (it lost its lease: what it says now is not the
     /// cluster's account of the turn).
     pub(super) fn close(&self) {
         self.closed.store(true, Relaxed);
+        self.lock().clear();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Outgoing>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
