@@ -30,6 +30,10 @@ pub fn run() -> ExitCode {
         print!("{}", crate::http::OPENAPI_JSON);
         return ExitCode::SUCCESS;
     }
+    if config.print_configuration {
+        print!("{}", crate::config::reference());
+        return ExitCode::SUCCESS;
+    }
     if let Some(to) = &config.backup {
         let busy_timeout = std::time::Duration::from_millis(config.sqlite_busy_timeout_ms);
         return match crate::store::backup(&config.database, to, busy_timeout) {

@@ -12,6 +12,9 @@ use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use serde::Deserialize;
 
+mod reference;
+pub use reference::reference;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -19,7 +22,7 @@ pub enum LogFormat {
 }
 
 /// Flags that do something once and exit instead of serving: the command line's only.
-const ACTIONS: [&str; 2] = ["print_openapi", "backup"];
+const ACTIONS: [&str; 3] = ["print_openapi", "print_configuration", "backup"];
 
 /// The log levels `RUST_LOG` asks for: a level, `target=level` entries, or both,
 /// comma-separated; unset or anything else is `info` (docs/operations.md, "Logs").
@@ -53,7 +56,8 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_CONFIG")]
     pub config: Option<PathBuf>,
 
-    /// The model a turn runs on when neither the request nor the conversation names one.
+    /// The model a turn runs on when neither the request nor the conversation names one
+    /// (default: the first model configured).
     #[arg(long, env = "DISPATCH_DEFAULT_MODEL")]
     pub default_model: Option<String>,
 
@@ -72,13 +76,15 @@ pub struct Config {
 
     /// Milliseconds a running turn's lease on its conversation lasts unless renewed (renewed
     /// every third of it). With several gateways on one database, a turn whose gateway died is
-    /// marked interrupted by another within about 1.3 times this.
+    /// marked interrupted by another within about 1.3 times this (docs/storage.md); with
+    /// `--bus`, also how long a gateway hears nothing of a turn it follows before it asks the
+    /// database whether the turn still runs (docs/cluster.md). At least 100.
     #[arg(long, env = "DISPATCH_LEASE_TTL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..))]
     pub lease_ttl_ms: u64,
 
     /// `nats://` (or `tls://`, TLS required) URL of the bus that gateways sharing a PostgreSQL
-    /// database watch each other's turns through (NATS with JetStream; none: this gateway
-    /// alone); several, comma-separated, for a cluster. `user:password@` or `token@` before the
+    /// database watch and steer each other's turns through (NATS with JetStream; none: this
+    /// gateway alone; the `cluster` build); several, comma-separated, for a cluster. `user:password@` or `token@` before the
     /// host authenticates (put it in DISPATCH_BUS rather than on the command line).
     #[arg(long, env = "DISPATCH_BUS")]
     pub bus: Option<String>,
@@ -105,20 +111,25 @@ pub struct Config {
 
     /// A file holding the user NKEY seed (`SU...`) this gateway authenticates to the bus with:
     /// a NATS server whose `authorization` lists the key's public half. Read at every connection.
+    /// One of `--bus-creds`, `--bus-nkey` or a URL's user, not two.
     #[arg(long, env = "DISPATCH_BUS_NKEY")]
     pub bus_nkey: Option<std::path::PathBuf>,
 
     /// Seconds a turn's events stay in the bus's stream (a late joiner elsewhere replays from
-    /// it).
+    /// it), and a turn's end waits for a bus that is down. Set when the stream is created: a
+    /// stream that exists keeps its own, which is logged.
     #[arg(long, env = "DISPATCH_BUS_MAX_AGE_SECS", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
     pub bus_max_age_secs: u64,
 
-    /// Bytes the bus's stream holds at most; past it the oldest events leave.
+    /// Bytes the bus's stream holds at most; past it the oldest events leave (set when the
+    /// stream is created, as `--bus-max-age-secs`).
     #[arg(long, env = "DISPATCH_BUS_MAX_BYTES", default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub bus_max_bytes: u64,
 
-    /// Milliseconds a request to the bus may take, and a new watcher waits for a conversation
-    /// to be caught up from it.
+    /// Milliseconds a request over the bus (a stop, a queued message) may take, and a new
+    /// watcher waits for a conversation to be caught up from it; also how long a watcher waits
+    /// for a turn's events the bus lost to be sent again, and a turn's gateway goes on sending
+    /// them after its end (docs/cluster.md).
     #[arg(long, env = "DISPATCH_BUS_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
     pub bus_timeout_ms: u64,
 
@@ -147,8 +158,9 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
     pub max_body_bytes: usize,
 
-    /// Most chunks a history read holds at once: a longer read is sent in pages of this many,
-    /// each read when the previous one is written.
+    /// Most chunks a history read holds at once: a longer read (no `limit`, or a larger one)
+    /// is sent in pages of this many, each read when the previous one is written
+    /// (docs/storage.md). 1 to 1,000,000.
     #[arg(long, env = "DISPATCH_HISTORY_PAGE_CHUNKS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub history_page_chunks: u64,
@@ -156,41 +168,48 @@ pub struct Config {
     /// Most bytes of chunks a history page holds, and of turns' metrics a metrics page: a page
     /// ends at this many bytes or at its count (`--history-page-chunks`,
     /// `--metrics-page-turns`), whichever comes first (one chunk or turn larger than it is a
-    /// page of its own).
+    /// page of its own): a reader that stops reading holds about three pages, whatever the
+    /// chunks' sizes. 1 KiB to 4 GiB.
     #[arg(long, env = "DISPATCH_HISTORY_PAGE_BYTES", default_value_t = 4 * 1024 * 1024,
           value_parser = clap::value_parser!(u64).range(1024..=1 << 32))]
     pub history_page_bytes: u64,
 
-    /// Most turns a metrics read holds at once: a longer read is sent in pages of this many,
-    /// each read when the previous one is written.
+    /// Most turns a `GET /conversations/{id}/metrics` read holds at once: a longer read is
+    /// sent in pages of this many, each read when the previous one is written. 1 to 1,000,000.
     #[arg(long, env = "DISPATCH_METRICS_PAGE_TURNS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub metrics_page_turns: u64,
 
     /// Most rows one write of a conversation's deletion removes: a long conversation goes in
-    /// batches of this many, so the writes of other conversations wait for one batch at most.
+    /// batches of this many, so the writes of other conversations wait for one batch at most
+    /// (the conversation is gone for reads at once; docs/storage.md). 1 to 1,000,000.
     #[arg(long, env = "DISPATCH_DELETE_BATCH_ROWS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub delete_batch_rows: u64,
 
-    /// Bytes a turn's replay buffer may hold before runs of deltas in it are coalesced.
+    /// Bytes a turn's replay buffer may hold before runs of deltas in it are coalesced. On a
+    /// bus, also the most a turn's outbox holds waiting for NATS, and of a turn its gateway
+    /// keeps to send again (docs/cluster.md).
     #[arg(long, env = "DISPATCH_TURN_BUFFER_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub turn_buffer_bytes: usize,
 
     /// Most bytes a turn's replay buffer holds, every event kind and framing counted: past it
-    /// (after coalescing) its oldest events go, and a watcher that needed them gets `resync`
-    /// and reads history.
+    /// (after coalescing) its oldest events go, down to three quarters of it, and a watcher
+    /// that needed them gets `resync` and reads history (SSE, WebSocket; an NDJSON watcher is
+    /// cut) (docs/streaming.md).
     #[arg(long, env = "DISPATCH_TURN_BUFFER_MAX_BYTES", default_value_t = 64 * 1024 * 1024)]
     pub turn_buffer_max_bytes: usize,
 
     /// Most bytes the replay buffers of every turn hold together: past it the turn publishing
-    /// gives up its oldest events, as past `--turn-buffer-max-bytes`.
+    /// gives up its oldest events, as past `--turn-buffer-max-bytes` (`/metrics` shows the
+    /// total as `dispatch_hub_buffer_bytes`).
     #[arg(long, env = "DISPATCH_REPLAY_MAX_BYTES", default_value_t = 1024 * 1024 * 1024)]
     pub replay_max_bytes: usize,
 
     /// Largest line an agent program prints (the `command` runtimes) or event an
-    /// OpenAI-compatible upstream streams, in bytes: past it the turn ends with an error. Also
-    /// the most of an upstream's error response that is read.
+    /// OpenAI-compatible upstream streams, in bytes: past it the turn ends with an error
+    /// (`agent-protocol`, the process stopped; `upstream`). Also the most of an upstream's
+    /// error response that is read.
     #[arg(long, env = "DISPATCH_MAX_RUNTIME_LINE_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_runtime_line_bytes: usize,
 
@@ -202,6 +221,7 @@ pub struct Config {
     /// Most bytes of conversation an OpenAI-compatible request carries (its messages' text
     /// and tool calls, as the context trimming counts them): past it the oldest turns are left
     /// out, with or without a `context_window`, so a turn never reads or sends a whole long log.
+    /// 1 KiB to 1 GiB.
     #[arg(long, env = "DISPATCH_MAX_RUNTIME_REQUEST_BYTES", default_value_t = 16 * 1024 * 1024,
           value_parser = clap::value_parser!(u64).range(1024..=1 << 30))]
     pub max_runtime_request_bytes: u64,
@@ -231,7 +251,9 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
     pub drain_timeout_secs: u64,
 
-    /// Most live streams (SSE, NDJSON, WebSocket) open at once; past it, 503.
+    /// Most live streams (SSE, NDJSON, WebSocket) open at once, and `/last` requests waiting
+    /// for a turn; past it, 503. The open-file limit is raised to the hard limit at start, with
+    /// a warning when that leaves too little (docs/operations.md).
     #[arg(long, env = "DISPATCH_MAX_STREAMS", default_value_t = 10_000)]
     pub max_streams: usize,
 
@@ -247,12 +269,14 @@ pub struct Config {
     pub max_connections: Option<u64>,
 
     /// Turns this gateway runs at once (from their start until their seal is written; a
-    /// conversation being deleted takes a place too); past it, a new turn is 503.
+    /// conversation being deleted takes a place too); past it, a new turn is 503 on every route
+    /// and `chat.error` on the WebSocket (`/ready` stays 200: reads and streams go on).
     #[arg(long, env = "DISPATCH_MAX_TURNS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub max_turns: u64,
 
-    /// Seconds a non-streaming request may take before it is answered 503.
+    /// Seconds a non-streaming request may take before it is answered 503; a request body not
+    /// in within this long of its head is answered 408.
     #[arg(long, env = "DISPATCH_REQUEST_TIMEOUT_SECS", default_value_t = 30)]
     pub request_timeout_secs: u64,
 
@@ -268,11 +292,13 @@ pub struct Config {
 
     /// API keys, comma-separated: each is an administrator's credential (docs/identity.md).
     /// With keys or tokens set, every route but /health, /ready, /openapi.json and the pages
-    /// needs `Authorization: Bearer <key or token>`, `?access_token=` or the session cookie.
+    /// (and every WebSocket upgrade, on any path) needs `Authorization: Bearer <key or
+    /// token>`, `?access_token=` or the session cookie. An empty entry (`"k,"`) stops the start.
     #[arg(long, env = "DISPATCH_API_KEYS", value_delimiter = ',', hide_env_values = true)]
     pub api_keys: Vec<String>,
 
-    /// A file whose bytes (less one trailing newline) are the HS256 secret that signs tokens.
+    /// A file whose bytes (less one trailing newline) are the HS256 secret that signs tokens
+    /// (32 bytes at least).
     #[arg(long, env = "DISPATCH_JWT_SECRET_FILE", value_name = "FILE")]
     pub jwt_secret_file: Option<PathBuf>,
 
@@ -361,7 +387,9 @@ pub struct Config {
     pub allowed_hosts: Vec<String>,
 
     /// Bytes of request bodies (and WebSocket messages being assembled) the gateway reads at
-    /// once, over every connection; past it a request is answered 503 with Retry-After.
+    /// once, over every connection (a body takes its declared length, a chunked one
+    /// `--max-body-bytes`); past it a request with a body is answered 503 with Retry-After,
+    /// and a WebSocket that needs more closes 1013. 1 KiB to 1 TiB.
     #[arg(long, env = "DISPATCH_MAX_READING_BYTES", default_value_t = 64 * 1024 * 1024,
           value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
     pub max_reading_bytes: u64,
@@ -371,7 +399,8 @@ pub struct Config {
     pub header_read_timeout_secs: u64,
 
     /// Longest request head (request line and headers) in bytes; 431 past it. At least 8 KiB
-    /// (hyper's floor for the connections it serves), at most 1 MiB.
+    /// (hyper's floor for the connections it serves), at most 1 MiB. While a stream is open, at
+    /// most 16 KiB of a client's next request is kept.
     #[arg(long, env = "DISPATCH_MAX_HEAD_BYTES", default_value_t = 64 * 1024,
           value_parser = clap::value_parser!(u64).range(8 * 1024..=1024 * 1024))]
     pub max_head_bytes: u64,
@@ -391,12 +420,17 @@ pub struct Config {
     #[arg(long)]
     pub print_openapi: bool,
 
+    /// Print the configuration reference (`docs/configuration.md`, generated from these flags'
+    /// docs) and exit.
+    #[arg(long)]
+    pub print_configuration: bool,
+
     /// Copy the SQLite database (`--database`) into this new file and exit: a consistent copy,
     /// taken while a gateway may be running on it (docs/storage.md, "Backups").
     #[arg(long, value_name = "FILE")]
     pub backup: Option<PathBuf>,
 
-    /// Log output format.
+    /// Log output format, `text` or `json`; the level comes from `RUST_LOG` (docs/operations.md).
     #[arg(long, env = "DISPATCH_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
 
@@ -1116,6 +1150,7 @@ impl Config {
             max_reading_bytes: 64 * 1024 * 1024,
             ws_listen: None,
             print_openapi: false,
+            print_configuration: false,
             backup: None,
             log_format: LogFormat::Text,
         }

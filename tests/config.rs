@@ -374,3 +374,26 @@ fn the_start_says_when_pages_or_hosts_are_let_in_beyond_this_machine() {
     let any = lines_until_listening(&["--listen", "127.0.0.1:0", "--cors-origins", "*"]);
     assert!(any.contains("--cors-origins is *") && any.contains("no key is needed"), "{any}");
 }
+
+/// docs/configuration.md is the reference the flags' own docs generate: a flag added, renamed or
+/// redescribed without regenerating it fails here, so the reference never says what the code
+/// does not.
+#[test]
+fn the_configuration_reference_is_the_one_the_flags_generate() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/configuration.md");
+    let written = std::fs::read_to_string(&path).expect("docs/configuration.md");
+    let generated = dispatch_gateway::config::reference();
+    assert!(
+        written == generated,
+        "docs/configuration.md differs from the flags' docs: run `cargo run -- --print-configuration > docs/configuration.md`"
+    );
+}
+
+/// The README stays an introduction (at most 2,500 words, as `wc -w` counts them): the flag
+/// reference is docs/configuration.md, each subject's detail its own file under docs/.
+#[test]
+fn the_readme_stays_an_introduction() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    let words = std::fs::read_to_string(path).expect("README.md").split_whitespace().count();
+    assert!(words <= 2_500, "README.md has {words} words: move detail to docs/");
+}
