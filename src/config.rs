@@ -12,7 +12,10 @@ use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use serde::Deserialize;
 
+mod database;
 mod reference;
+
+pub use database::Database;
 pub use reference::reference;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -20,6 +23,10 @@ pub enum LogFormat {
     Text,
     Json,
 }
+
+/// The highest `--max-headers` takes (the connection's head parser keeps room for this many on
+/// its stack, `net/http1.rs`).
+pub const MOST_HEADERS: usize = 1000;
 
 /// Flags that do something once and exit instead of serving: the command line's only.
 const ACTIONS: [&str; 3] = ["print_openapi", "print_configuration", "backup"];
@@ -68,7 +75,7 @@ pub struct Config {
     /// Where the data lives: a SQLite file (its folder is created when missing), or a
     /// `postgres://` URL for several gateways sharing one database.
     #[arg(long, env = "DISPATCH_DATABASE", default_value = "./data/dispatch.db")]
-    pub database: crate::store::Database,
+    pub database: Database,
 
     /// Most PostgreSQL connections this gateway opens at once.
     #[arg(long, env = "DISPATCH_POSTGRES_MAX_CONNECTIONS", default_value_t = 16)]
@@ -407,7 +414,7 @@ pub struct Config {
 
     /// Most header lines a request may have; 431 past it (1 to 1000).
     #[arg(long, env = "DISPATCH_MAX_HEADERS", default_value_t = 100,
-          value_parser = clap::value_parser!(u64).range(1..=crate::net::MOST_HEADERS as u64))]
+          value_parser = clap::value_parser!(u64).range(1..=MOST_HEADERS as u64))]
     pub max_headers: u64,
 
     /// A second listener that upgrades any path to the WebSocket protocol (existing web
@@ -995,7 +1002,7 @@ impl Config {
             )));
         }
         if !cfg!(feature = "cluster") {
-            if matches!(self.database, crate::store::Database::Postgres(_)) {
+            if matches!(self.database, Database::Postgres(_)) {
                 return Err(ConfigError::NotBuilt("a postgres:// database"));
             }
             if self.bus.is_some() {
@@ -1021,7 +1028,7 @@ impl Config {
                     "the bus URL names a user or token and a credentials or NKEY file is set: NATS takes one".into(),
                 ));
             }
-            if !matches!(self.database, crate::store::Database::Postgres(_)) {
+            if !matches!(self.database, Database::Postgres(_)) {
                 return Err(ConfigError::Bus(
                     "gateways on a bus share a PostgreSQL database: set `database` to a postgres:// URL".into(),
                 ));
@@ -1085,7 +1092,7 @@ impl Config {
             default_model: None,
             credentials: BTreeMap::new(),
             listen: SocketAddr::from(([127, 0, 0, 1], 24203)),
-            database: crate::store::Database::Sqlite(PathBuf::from("./data/dispatch.db")),
+            database: Database::Sqlite(PathBuf::from("./data/dispatch.db")),
             sqlite_busy_timeout_ms: 5000,
             sqlite_max_pages: 0,
             postgres_max_connections: 16,

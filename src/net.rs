@@ -33,9 +33,6 @@ use crate::metrics::Metrics;
 mod http1;
 mod websocket;
 
-/// The highest `--max-headers` takes (the head parser keeps room for this many on its stack).
-pub const MOST_HEADERS: usize = 1000;
-
 /// Limits every connection of a listener lives under.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {

@@ -135,7 +135,7 @@ fn a_bad_file_names_the_key_and_the_line() {
 
 #[test]
 fn the_database_is_a_file_or_a_postgres_url_and_the_lease_has_a_floor() {
-    use dispatch_gateway::store::Database;
+    use dispatch_gateway::config::Database;
     let config = load(&["--database", "postgres://u:secret@db:5432/dispatch"], &[]).unwrap();
     assert_eq!(config.database, Database::Postgres("postgres://u:secret@db:5432/dispatch".into()));
     let config = load(&["--database", "sqlite:///srv/x.db"], &[]).unwrap();

@@ -463,7 +463,7 @@ async fn request_parameters_come_from_the_credential_and_the_model() {
             max_parallel_tools: 4,
         }),
     );
-    config.database = dispatch_gateway::store::Database::Sqlite(dir.path().join("other.db"));
+    config.database = dispatch_gateway::config::Database::Sqlite(dir.path().join("other.db"));
     assert!(dispatch_gateway::Gateway::build(config).await.is_err());
 }
 

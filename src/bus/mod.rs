@@ -328,7 +328,7 @@ mod tests {
         };
         let urls = "nats://gw:s3cret@127.0.0.1:1,nats://gw:s3cret@[::1";
         let dir = tempfile::tempdir().unwrap();
-        let database = crate::store::Database::Sqlite(dir.path().join("bus.db"));
+        let database = crate::config::Database::Sqlite(dir.path().join("bus.db"));
         let store = Store::open(&database, Default::default()).await.unwrap();
         let Err(refused) = Bus::connect(urls, options, Default::default(), store).await else {
             panic!("a malformed URL connected")

@@ -352,7 +352,7 @@ mod tests {
     async fn a_resync_never_points_past_the_start_of_the_turn_the_stream_replays() {
         let dir = tempfile::tempdir().unwrap();
         let store =
-            Store::open(&crate::store::Database::Sqlite(dir.path().join("horizon.db")), Arc::new(Metrics::default()))
+            Store::open(&crate::config::Database::Sqlite(dir.path().join("horizon.db")), Arc::new(Metrics::default()))
                 .await
                 .unwrap();
         let hub = Hub::new(1 << 20, FlushWindow::default());

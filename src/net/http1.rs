@@ -33,7 +33,8 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
-use super::{ConnectionLimits, MOST_HEADERS, stalled_error};
+use super::{ConnectionLimits, stalled_error};
+use crate::config::MOST_HEADERS;
 use crate::encoding::{CHUNK_END, LAST_CHUNK, chunk_size, has_token};
 use crate::hub::{BATCH, Cursor, Encoding, ParkedStream, Socket, TurnBuffer, Unparked};
 use crate::live::{Cancelled, Handoff, Live, Step, Wake, Watch};

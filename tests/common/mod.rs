@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use bytes::{Buf, BytesMut};
-pub use dispatch_gateway::store::Database;
+pub use dispatch_gateway::config::Database;
 use dispatch_gateway::{Config, Gateway};
 use futures_util::StreamExt;
 use serde_json::{Value, json};

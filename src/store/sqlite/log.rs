@@ -173,8 +173,9 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::config::Database;
     use crate::metrics::Metrics;
-    use crate::store::{Database, Store};
+    use crate::store::Store;
     use crate::wire::{Chunk, Role, TextChunk};
 
     fn chunk(i: usize, new_message: bool) -> NewChunk {
