@@ -84,6 +84,15 @@ pub struct BusCounters {
     pub rejected: AtomicU64,
 }
 
+/// A credential's agent processes: how many run now and how many were started so far (each
+/// runtime that runs processes says, `runtime::Runtime::processes`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Processes {
+    pub credential: String,
+    pub running: usize,
+    pub started: u64,
+}
+
 /// The hub's pacing, for the gauges.
 #[derive(Debug, Clone, Copy)]
 pub struct Pacing {
@@ -137,7 +146,7 @@ impl Metrics {
         buffered: usize,
         pacing: Pacing,
         connections: usize,
-        agents: &[crate::runtime::Processes],
+        agents: &[Processes],
     ) -> String {
         let mut out = String::with_capacity(4096);
         let mut counter = |name: &str, help: &str, value: u64| {
@@ -257,7 +266,7 @@ impl Metrics {
                 out,
                 "# HELP dispatch_agent_processes Agent processes running, by credential (max_processes).\n# TYPE dispatch_agent_processes gauge"
             );
-            let label = |a: &crate::runtime::Processes| a.credential.replace(['\\', '"', '\n'], "_");
+            let label = |a: &Processes| a.credential.replace(['\\', '"', '\n'], "_");
             for a in agents {
                 let _ = writeln!(out, "dispatch_agent_processes{{credential=\"{}\"}} {}", label(a), a.running);
             }

@@ -245,7 +245,7 @@ async fn authenticate(State(state): State<AppState>, mut req: Request, next: Nex
     let found = match presented(&req) {
         Some(Presented::Token(token)) => auth.identify(&token).await.map(|identity| (identity, false)),
         Some(Presented::Cookie(id)) => match state.store.session(&crate::identity::session_hash(id), now_ms()).await {
-            Ok(Some(session)) => Ok((session.identity(), true)),
+            Ok(Some(session)) => Ok((crate::identity::Identity::of_session(&session), true)),
             Ok(None) => Err(AuthError::Invalid("the session has ended; sign in again".into())),
             // The database cannot say: a public route (a probe) is served anyway, others fail
             // as a read would (never "sign in again" for a session that may be fine).

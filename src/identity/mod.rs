@@ -40,6 +40,18 @@ pub struct Identity {
 }
 
 impl Identity {
+    /// The identity a request with this session's cookie has.
+    pub fn of_session(session: &crate::store::StoredSession) -> Identity {
+        Identity {
+            subject: Arc::from(session.subject.as_str()),
+            admin: session.admin,
+            expires_at: Some((session.expires_at / 1000).max(0) as u64),
+            anonymous: false,
+        }
+    }
+}
+
+impl Identity {
     /// The identity of every request while auth is off (made once: a clone is a reference
     /// count, on every request).
     pub fn anonymous() -> Identity {

@@ -590,9 +590,9 @@ impl Runtime for CommandRuntime {
         crate::folders::inside(&self.inner.roots, cwd).map(|path| path.to_string_lossy().into_owned())
     }
 
-    fn processes(&self) -> Option<super::Processes> {
+    fn processes(&self) -> Option<crate::metrics::Processes> {
         let inner = &self.inner;
-        Some(super::Processes {
+        Some(crate::metrics::Processes {
             credential: inner.name.clone(),
             // A place is held from a process's start until it is gone.
             running: inner.settings.max_processes - inner.places.available_permits(),

@@ -21,6 +21,7 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::metrics::Processes;
 use crate::wire::{OutputStream, Usage};
 
 /// One raw event of a runtime, in the order the runtime produced it.
@@ -318,14 +319,6 @@ pub trait Runtime: Send + Sync + 'static {
     fn shutdown(&self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
         Box::pin(async {})
     }
-}
-
-/// A credential's agent processes: how many run now and how many were started so far.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Processes {
-    pub credential: String,
-    pub running: usize,
-    pub started: u64,
 }
 
 /// What `GET /models` says of one model.

@@ -14,18 +14,6 @@ pub struct StoredSession {
     pub expires_at: i64,
 }
 
-impl StoredSession {
-    /// The identity a request with this session's cookie has.
-    pub fn identity(&self) -> crate::identity::Identity {
-        crate::identity::Identity {
-            subject: std::sync::Arc::from(self.subject.as_str()),
-            admin: self.admin,
-            expires_at: Some((self.expires_at / 1000).max(0) as u64),
-            anonymous: false,
-        }
-    }
-}
-
 impl Store {
     /// Records a session under `id_hash`, and removes the sessions that have ended.
     pub async fn begin_session(&self, id_hash: &str, session: &StoredSession, now: i64) -> StoreResult<()> {
