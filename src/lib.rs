@@ -4,8 +4,9 @@
 //! writes the store. With several gateways, the hub also meets the others' over the bus.
 
 /// NATS between gateways: turn events through JetStream, status changes, control (the
-/// `cluster` feature; without it, a bus that cannot exist).
-#[cfg_attr(not(feature = "cluster"), path = "bus/absent.rs")]
+/// `cluster` feature; the hub and the turns meet it through the traits it implements,
+/// `hub::Remote` and `turn::Cluster`, and a build without it has none).
+#[cfg(feature = "cluster")]
 pub mod bus;
 /// The program: configuration, logs, signals, serving until shutdown.
 pub mod cli;

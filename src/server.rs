@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 
-use crate::bus::Bus;
 use crate::config::{Config, ConfigError, Credential, MAX_GRACE_SECS, ScriptedCredential};
 use crate::http::{AppState, Shared, router, ws_router};
 use crate::hub::Hub;
@@ -17,7 +16,7 @@ use crate::runtime::openai::{OpenAiRuntime, OpenAiSettings};
 use crate::runtime::scripted::{Script, ScriptedRuntime};
 use crate::runtime::{ModelInfo, Registry, Runtime};
 use crate::store::{Store, StoreError, StoreOptions};
-use crate::turn::Turns;
+use crate::turn::{Cluster, Turns};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
@@ -58,8 +57,7 @@ impl Gateway {
         };
         let store = Store::open_with(&config.database, metrics.clone(), limits).await?;
         let flush = crate::hub::FlushWindow::new(config.flush_sweeps, Duration::from_millis(config.flush_max_ms));
-        let bus = connect_bus(&config, &metrics, &store).await?;
-        let remote = bus.clone().map(|bus| Arc::new(bus) as Arc<dyn crate::hub::Remote>);
+        let (remote, cluster) = connect_bus(&config, &metrics, &store).await?.unzip();
         let caps = crate::hub::Caps {
             coalesce: config.turn_buffer_bytes,
             turn: config.turn_buffer_max_bytes,
@@ -76,7 +74,7 @@ impl Gateway {
         // Users (who see only their own) come only with signed tokens: keys are administrators.
         let identities = crate::turn::Identities { quotas: config.quotas, users: auth.takes_tokens() };
         let turns =
-            Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), limits, bus, identities);
+            Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), limits, cluster, identities);
         let stream_quota = crate::identity::StreamQuota::new(store.clone(), &config.quotas);
         let connections = crate::net::ConnectionSlots::new(config.max_connections());
         let reading = crate::live::ReadingBudget::new(config.max_reading_bytes as usize);
@@ -190,9 +188,12 @@ impl Gateway {
     }
 }
 
+/// The other gateways, as the hub and the turns meet them.
+type Others = (Arc<dyn crate::hub::Remote>, Arc<dyn Cluster>);
+
 /// The bus the configuration names, connected.
 #[cfg(feature = "cluster")]
-async fn connect_bus(config: &Config, metrics: &Arc<Metrics>, store: &Store) -> Result<Option<Bus>, StartupError> {
+async fn connect_bus(config: &Config, metrics: &Arc<Metrics>, store: &Store) -> Result<Option<Others>, StartupError> {
     let Some(url) = &config.bus else { return Ok(None) };
     let options = crate::bus::BusOptions {
         max_age: Duration::from_secs(config.bus_max_age_secs),
@@ -206,12 +207,13 @@ async fn connect_bus(config: &Config, metrics: &Arc<Metrics>, store: &Store) -> 
             (None, None) => None,
         },
     };
-    Ok(Some(Bus::connect(url, options, metrics.clone(), store.clone()).await?))
+    let bus = crate::bus::Bus::connect(url, options, metrics.clone(), store.clone()).await?;
+    Ok(Some((Arc::new(bus.clone()), Arc::new(bus))))
 }
 
 /// No bus in a build without the `cluster` feature (`Config::check` refuses `--bus` there).
 #[cfg(not(feature = "cluster"))]
-async fn connect_bus(_: &Config, _: &Arc<Metrics>, _: &Store) -> Result<Option<Bus>, StartupError> {
+async fn connect_bus(_: &Config, _: &Arc<Metrics>, _: &Store) -> Result<Option<Others>, StartupError> {
     Ok(None)
 }
 

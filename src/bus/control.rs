@@ -16,7 +16,7 @@ const SUBJECTS: &str = "dispatch.control.*";
 impl Bus {
     /// Asks the gateway running the conversation's turn; none when no gateway answered in
     /// time (its turn ended meanwhile, or it is gone).
-    pub async fn control(&self, request: &Control) -> Result<Option<ControlReply>, BusError> {
+    pub(super) async fn control(&self, request: &Control) -> Result<Option<ControlReply>, BusError> {
         let subject = format!("dispatch.control.{}", token(request.conversation_id()));
         let payload = serde_json::to_vec(request).expect("a control request serializes");
         let mut headers = async_nats::HeaderMap::new();
@@ -43,7 +43,7 @@ impl Bus {
 
 /// Answers the requests `answer` has an answer for (those for turns this gateway runs),
 /// until it is told to stop (`answer` returns `Err`).
-pub async fn serve_control(bus: Bus, answer: impl Fn(Control) -> Result<Option<ControlReply>, ()>) {
+pub(super) async fn serve_control(bus: Bus, answer: impl Fn(Control) -> Result<Option<ControlReply>, ()>) {
     let Some(mut subscriber) = bus.listen(SUBJECTS, "control requests").await else { return };
     while let Some(message) = subscriber.next().await {
         let Some(reply_to) = message.reply.clone() else { continue };

@@ -13,7 +13,7 @@ use crate::wire::{AgentEvent, TurnDoneEvent, TurnErrorEvent, TurnSealedEvent};
 /// the turn published. The message names the turn's own gateway, so that every other one
 /// (this one included) reads it like the turn's own end. It is placed only right after the
 /// turn's last message (an expected-sequence check), retried if another message came between.
-pub async fn end_interrupted(bus: &super::Bus, conversation_id: &str, turn_id: &str) -> Result<(), BusError> {
+pub(super) async fn end_interrupted(bus: &super::Bus, conversation_id: &str, turn_id: &str) -> Result<(), BusError> {
     let inner = &bus.0;
     let (open, more) = (open_subject(conversation_id), more_subject(conversation_id));
     for _ in 0..5 {

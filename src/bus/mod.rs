@@ -25,6 +25,7 @@ use crate::metrics::Metrics;
 use crate::store::Store;
 use shared_stream::SharedStream;
 
+mod cluster;
 mod control;
 mod follow;
 mod interrupted;
@@ -305,10 +306,7 @@ fn message_part(headers: Option<&async_nats::HeaderMap>) -> Option<(u32, u32)> {
     (1..=n).contains(&k).then_some((k, n))
 }
 
-pub use control::serve_control;
-pub use interrupted::end_interrupted;
 pub use key::BusKey;
-pub use status::relay_statuses;
 
 #[cfg(test)]
 mod tests {

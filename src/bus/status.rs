@@ -21,7 +21,7 @@ struct Change {
 impl Bus {
     /// Tells the other gateways of a change made here (sent in order, without waiting; held
     /// while the bus is down and sent once it is back).
-    pub fn announce(&self, conversation_id: &str, status: ConversationStatus) {
+    pub(super) fn announce(&self, conversation_id: &str, status: ConversationStatus) {
         let change = Change { node: self.0.node.clone(), conversation_id: conversation_id.to_owned(), status };
         let payload = serde_json::to_vec(&change).expect("a status change serializes");
         let _ = self.0.statuses.send((conversation_id.to_owned(), payload.into()));
@@ -94,7 +94,7 @@ async fn publish(client: &async_nats::Client, signer: &Signer, payload: bytes::B
 }
 
 /// Hands every change the other gateways announce to `deliver`, until it returns false.
-pub async fn relay_statuses(bus: Bus, deliver: impl Fn(&str, ConversationStatus) -> bool) {
+pub(super) async fn relay_statuses(bus: Bus, deliver: impl Fn(&str, ConversationStatus) -> bool) {
     let Some(mut subscriber) = bus.listen(SUBJECT, "status changes").await else { return };
     while let Some(message) = subscriber.next().await {
         if !bus.0.signer.verify_fresh(&message.subject, message.headers.as_ref(), &message.payload) {

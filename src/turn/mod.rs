@@ -5,6 +5,7 @@
 //! writes the log and the metrics, and seals.
 
 mod assembly;
+mod cluster;
 mod control;
 mod run;
 mod steps;
@@ -17,6 +18,7 @@ use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 pub use assembly::ChunkAssembler;
+pub use cluster::Cluster;
 pub use control::{Control, ControlReply};
 pub use tally::{OpenStep, StepTiming, TurnTally};
 
@@ -24,7 +26,6 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use tracing::Instrument;
 
-use crate::bus::Bus;
 use crate::config::Quotas;
 use crate::hub::{Hub, TurnBuffer};
 use crate::identity::Identity;
@@ -188,7 +189,7 @@ pub struct Turns {
     metrics: Arc<Metrics>,
     limits: TurnLimits,
     /// The other gateways, when there are some.
-    bus: Option<Bus>,
+    cluster: Option<Arc<dyn Cluster>>,
     /// What users may use (administrators have no quota).
     quotas: Quotas,
     /// With users about (signed tokens taken), status changes go through here to have their
@@ -225,7 +226,7 @@ impl Turns {
         registry: Arc<Registry>,
         metrics: Arc<Metrics>,
         limits: TurnLimits,
-        bus: Option<Bus>,
+        cluster: Option<Arc<dyn Cluster>>,
         identities: Identities,
     ) -> Arc<Turns> {
         let (statuses, _) = broadcast::channel(STATUS_CHANGES);
@@ -246,23 +247,13 @@ impl Turns {
             closing: CancellationToken::new(),
             metrics,
             limits,
-            bus: bus.clone(),
+            cluster: cluster.clone(),
             quotas: identities.quotas,
             owners,
         });
         tokio::spawn(keep_leases(Arc::downgrade(&turns), store));
-        if let Some(bus) = bus {
-            // The other gateways' changes reach this one's sessions like its own.
-            let weak = Arc::downgrade(&turns);
-            tokio::spawn(crate::bus::relay_statuses(bus.clone(), move |conversation_id, status| {
-                let Some(turns) = weak.upgrade() else { return false };
-                turns.tell_sessions(conversation_id, status);
-                true
-            }));
-            let weak = Arc::downgrade(&turns);
-            tokio::spawn(crate::bus::serve_control(bus, move |request| {
-                weak.upgrade().map(|turns| turns.answer(request)).ok_or(())
-            }));
+        if let Some(cluster) = cluster {
+            cluster.serve(Arc::downgrade(&turns));
         }
         turns
     }
@@ -278,9 +269,14 @@ impl Turns {
 
     fn announce(&self, conversation_id: &str, status: ConversationStatus) {
         self.tell_sessions(conversation_id, status);
-        if let Some(bus) = &self.bus {
-            bus.announce(conversation_id, status);
+        if let Some(cluster) = &self.cluster {
+            cluster.announce(conversation_id, status);
         }
+    }
+
+    /// A status change another gateway made: this gateway's sessions hear it like its own.
+    pub fn hear_status(&self, conversation_id: &str, status: ConversationStatus) {
+        self.tell_sessions(conversation_id, status);
     }
 
     /// Hands a change to the WebSocket sessions (through the owner lookup, with users about).
@@ -484,7 +480,7 @@ impl Turns {
 
     /// Asks the gateway whose turn holds the conversation's lease, if another does.
     async fn elsewhere(&self, request: &Control) -> Option<ControlReply> {
-        let bus = self.bus.as_ref()?;
+        let cluster = self.cluster.as_ref()?;
         let conversation_id = request.conversation_id();
         if self.lock().contains_key(conversation_id) {
             return None; // the lease is this gateway's own (a turn starting or sealing here)
@@ -504,10 +500,10 @@ impl Turns {
         // than answering that there was nothing to stop.
         let deadline = tokio::time::Instant::now() + CONTROL_OUTAGE;
         loop {
-            match bus.control(request).await {
+            match cluster.control(request).await {
                 Ok(Some(reply)) => return Some(reply),
                 Ok(None) => {}
-                Err(e) if bus.connected() => {
+                Err(e) if cluster.connected() => {
                     tracing::warn!(conversation = %conversation_id, error = %e, "the bus did not carry a control request");
                     return None;
                 }
@@ -525,7 +521,7 @@ impl Turns {
     }
 
     /// A request from another gateway, answered when this one runs the conversation's turn.
-    fn answer(&self, request: Control) -> Option<ControlReply> {
+    pub fn answer(&self, request: Control) -> Option<ControlReply> {
         let busy = self.lock();
         match request {
             Control::Stop { conversation_id } => match busy.get(&conversation_id)? {
@@ -783,8 +779,8 @@ async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
             match store.interrupt_expired(&conversation_id, &turn_id, now).await {
                 Ok(true) => {
                     tracing::warn!(conversation = %conversation_id, turn = %turn_id, "marked a turn whose lease ended interrupted");
-                    if let Some(bus) = &turns.bus
-                        && let Err(e) = crate::bus::end_interrupted(bus, &conversation_id, &turn_id).await
+                    if let Some(cluster) = &turns.cluster
+                        && let Err(e) = cluster.end_interrupted(&conversation_id, &turn_id).await
                     {
                         tracing::warn!(conversation = %conversation_id, error = %e, "could not end the interrupted turn on the bus");
                     }
