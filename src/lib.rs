@@ -34,6 +34,8 @@ mod open_files;
 pub mod runtime;
 /// Building the gateway and serving it.
 pub mod server;
+/// Status changes: a conversation went active, idle or closed, for every session.
+pub mod status;
 /// SQLite or PostgreSQL: conversations, the chunk log, turns and metrics.
 pub mod store;
 /// MCP servers and the tools they give models.

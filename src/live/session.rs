@@ -16,8 +16,8 @@ use super::subscriptions::Subscriptions;
 use crate::encoding::{WS_PING, WS_PONG, WS_TEXT, put_ws_frame};
 use crate::hub::Hub;
 use crate::metrics::{Metrics, StreamPermit};
+use crate::status::StatusChange;
 use crate::store::Store;
-use crate::turn::StatusChange;
 
 /// What a session's client may ask: the routes' half of the protocol.
 pub trait Ops: Send + Sync {

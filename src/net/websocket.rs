@@ -37,7 +37,7 @@ use super::http1::{Parking, write_all};
 use crate::encoding::{WS_CLOSE, put_ws_frame};
 use crate::hub::{Delivery, Encoding};
 use crate::live::{Cancelled, Reading, ReadingBudget, Session};
-use crate::turn::StatusChange;
+use crate::status::StatusChange;
 
 /// Close codes (RFC 6455, 7.4.1).
 const GOING_AWAY: u16 = 1001;

@@ -31,6 +31,7 @@ use crate::hub::{Hub, TurnBuffer};
 use crate::identity::Identity;
 use crate::metrics::Metrics;
 use crate::runtime::{Inbox, QueueFull, QueueLimits, QueuedMessage, Registry, TurnRequest};
+use crate::status::{StatusChange, Statuses};
 use crate::store::{BeginTurn, History, IdempotencyRecord, RuntimeMemory, Store, StoreError, now_ms};
 use crate::wire::{AgentEvent, ConversationStatus, TurnInputEvent, TurnStartEvent};
 
@@ -98,49 +99,9 @@ fn queue_full(full: QueueFull) -> String {
     }
 }
 
-/// Status changes kept for the WebSocket sessions (and waiting for their owner's lookup).
-const STATUS_CHANGES: usize = 1024;
-
 /// How long a control request for a turn another gateway runs waits for a bus that is down
 /// (well within `--request-timeout-secs`' 30 s default).
 const CONTROL_OUTAGE: std::time::Duration = std::time::Duration::from_secs(20);
-
-/// A conversation went active, idle or closed. Every WebSocket session gets it; the first to
-/// write it encodes it for all of them (a clone shares the encoding).
-#[derive(Debug, Clone)]
-pub struct StatusChange(Arc<Change>);
-
-#[derive(Debug)]
-struct Change {
-    conversation_id: String,
-    status: ConversationStatus,
-    /// The conversation's owner, when users may be watching (else not looked up: everyone
-    /// watching is an administrator).
-    owner: Option<String>,
-    encoded: std::sync::OnceLock<bytes::Bytes>,
-}
-
-impl StatusChange {
-    fn new(conversation_id: &str, status: ConversationStatus, owner: Option<String>) -> StatusChange {
-        StatusChange(Arc::new(Change {
-            conversation_id: conversation_id.to_owned(),
-            status,
-            owner,
-            encoded: std::sync::OnceLock::new(),
-        }))
-    }
-
-    /// Whether a session of `viewer` (`None`: an administrator) hears of this change: a user
-    /// hears only of their own conversations.
-    pub fn visible_to(&self, viewer: Option<&str>) -> bool {
-        viewer.is_none() || self.0.owner.as_deref() == viewer
-    }
-
-    /// The change as a transport encodes it: `encode` runs once for all the clones.
-    pub fn encoded(&self, encode: impl FnOnce(&str, ConversationStatus) -> bytes::Bytes) -> bytes::Bytes {
-        self.0.encoded.get_or_init(|| encode(&self.0.conversation_id, self.0.status)).clone()
-    }
-}
 
 /// What `/queue` did with a message.
 pub struct Queued {
@@ -183,7 +144,7 @@ pub struct Turns {
     hub: Arc<Hub>,
     registry: Arc<Registry>,
     busy: Mutex<HashMap<String, Busy>>,
-    statuses: broadcast::Sender<StatusChange>,
+    statuses: Statuses,
     /// Set at shutdown: no new turn starts.
     closing: CancellationToken,
     metrics: Arc<Metrics>,
@@ -192,9 +153,6 @@ pub struct Turns {
     cluster: Option<Arc<dyn Cluster>>,
     /// What users may use (administrators have no quota).
     quotas: Quotas,
-    /// With users about (signed tokens taken), status changes go through here to have their
-    /// conversation's owner looked up, in order, before sessions hear of them.
-    owners: Option<tokio::sync::mpsc::Sender<(String, ConversationStatus)>>,
 }
 
 /// Who may do what with turns: the quotas, and whether users (not only administrators) call.
@@ -229,15 +187,7 @@ impl Turns {
         cluster: Option<Arc<dyn Cluster>>,
         identities: Identities,
     ) -> Arc<Turns> {
-        let (statuses, _) = broadcast::channel(STATUS_CHANGES);
-        let owners = identities.users.then(|| {
-            // As many as the sessions' own channel keeps (ids of at most 128 bytes: ~200 KiB);
-            // past it, while the database is slow, changes are dropped as a lagging session's
-            // are (a status change is news only while it happens).
-            let (tx, rx) = tokio::sync::mpsc::channel(STATUS_CHANGES);
-            tokio::spawn(resolve_owners(store.clone(), statuses.clone(), rx));
-            tx
-        });
+        let statuses = Statuses::new(store.clone(), identities.users);
         let turns = Arc::new(Turns {
             store: store.clone(),
             hub,
@@ -249,7 +199,6 @@ impl Turns {
             limits,
             cluster: cluster.clone(),
             quotas: identities.quotas,
-            owners,
         });
         tokio::spawn(keep_leases(Arc::downgrade(&turns), store));
         if let Some(cluster) = cluster {
@@ -268,7 +217,7 @@ impl Turns {
     }
 
     fn announce(&self, conversation_id: &str, status: ConversationStatus) {
-        self.tell_sessions(conversation_id, status);
+        self.statuses.tell(conversation_id, status);
         if let Some(cluster) = &self.cluster {
             cluster.announce(conversation_id, status);
         }
@@ -276,21 +225,7 @@ impl Turns {
 
     /// A status change another gateway made: this gateway's sessions hear it like its own.
     pub fn hear_status(&self, conversation_id: &str, status: ConversationStatus) {
-        self.tell_sessions(conversation_id, status);
-    }
-
-    /// Hands a change to the WebSocket sessions (through the owner lookup, with users about).
-    fn tell_sessions(&self, conversation_id: &str, status: ConversationStatus) {
-        match &self.owners {
-            Some(owners) => {
-                if owners.try_send((conversation_id.to_owned(), status)).is_err() {
-                    tracing::debug!(conversation_id, "a status change was dropped: its owner lookups are behind");
-                }
-            }
-            None => {
-                let _ = self.statuses.send(StatusChange::new(conversation_id, status, None));
-            }
-        }
+        self.statuses.tell(conversation_id, status);
     }
 
     /// Whether a turn is running (or starting) in this conversation.
@@ -803,22 +738,5 @@ fn default_title(message: &str) -> String {
     match line.char_indices().nth(80) {
         Some((cut, _)) => format!("{}…", &line[..cut]),
         None => line.to_owned(),
-    }
-}
-
-/// Looks up the owner of each changed conversation, in order, and hands the change to the
-/// sessions (a user's session hears only of their own conversations). A change whose lookup
-/// fails goes to administrators only.
-async fn resolve_owners(
-    store: Store,
-    statuses: broadcast::Sender<StatusChange>,
-    mut changes: tokio::sync::mpsc::Receiver<(String, ConversationStatus)>,
-) {
-    while let Some((conversation_id, status)) = changes.recv().await {
-        let owner = match store.ownership(&conversation_id).await {
-            Ok(crate::store::Ownership::Owned(owner)) => owner,
-            _ => None,
-        };
-        let _ = statuses.send(StatusChange::new(&conversation_id, status, owner));
     }
 }
