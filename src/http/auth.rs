@@ -54,8 +54,8 @@ pub async fn get_session(
 ) -> Response {
     let Some(Extension(caller)) = caller else {
         return match failure {
-            Some(Extension(e)) => super::layers::refusal(&e),
-            None => super::layers::refusal(&crate::identity::AuthError::Missing),
+            Some(Extension(e)) => super::error::refusal(&e),
+            None => super::error::refusal(&crate::identity::AuthError::Missing),
         };
     };
     Json(SessionInfo {

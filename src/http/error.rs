@@ -1,10 +1,11 @@
 //! The one error type of the HTTP layer: every failure is `{"error": "<sentence>"}`.
 
 use axum::Json;
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
+use crate::identity::AuthError;
 use crate::store::StoreError;
 use crate::turn::StartError;
 
@@ -165,4 +166,16 @@ impl From<crate::identity::QuotaError> for ApiError {
             crate::identity::QuotaError::Store(e) => e.into(),
         }
     }
+}
+
+/// The 401 for a request without a valid credential, with its challenge (RFC 6750): a bare
+/// `Bearer` when there was none, `invalid_token` when there was a bad one.
+pub(super) fn refusal(e: &AuthError) -> Response {
+    let challenge = match e {
+        AuthError::Missing => "Bearer",
+        AuthError::Invalid(_) => "Bearer error=\"invalid_token\"",
+    };
+    let mut response = ApiError::Unauthorized(e.to_string()).into_response();
+    response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+    response
 }

@@ -262,7 +262,7 @@ async fn authenticate(State(state): State<AppState>, mut req: Request, next: Nex
             req.extensions_mut().insert(std::sync::Arc::new(e));
             return next.run(req).await;
         }
-        Err(e) => return refusal(&e),
+        Err(e) => return super::error::refusal(&e),
     };
     let changes = matches!(*req.method(), Method::POST | Method::PUT | Method::PATCH | Method::DELETE);
     if by_cookie && (changes || req.headers().contains_key(header::UPGRADE)) {
@@ -291,18 +291,6 @@ async fn authenticate(State(state): State<AppState>, mut req: Request, next: Nex
         status = response.status().as_u16(),
         "state change"
     );
-    response
-}
-
-/// The 401 for a request without a valid credential, with its challenge (RFC 6750): a bare
-/// `Bearer` when there was none, `invalid_token` when there was a bad one.
-pub(super) fn refusal(e: &AuthError) -> Response {
-    let challenge = match e {
-        AuthError::Missing => "Bearer",
-        AuthError::Invalid(_) => "Bearer error=\"invalid_token\"",
-    };
-    let mut response = ApiError::Unauthorized(e.to_string()).into_response();
-    response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
     response
 }
 

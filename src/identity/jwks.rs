@@ -13,7 +13,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey};
 
-use super::tokens::TokenError;
+use super::TokenError;
 use crate::runtime::http_client::HttpClient;
 
 const FETCH_TIMEOUT: Duration = Duration::from_secs(5);

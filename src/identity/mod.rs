@@ -16,7 +16,6 @@ use ring::digest::{SHA256, digest};
 use subtle::ConstantTimeEq;
 
 pub use quotas::{QuotaError, QuotaExceeded, StreamPlace, StreamQuota, check_turn_quotas};
-pub use tokens::TokenError;
 
 use crate::config::Config;
 
@@ -25,6 +24,31 @@ pub const ADMIN_SCOPE: &str = "dispatch:admin";
 
 /// How long a session begun with an API key lasts (a token's session ends at its `exp`).
 pub const KEY_SESSION_SECS: u64 = 12 * 60 * 60;
+
+/// Why a token was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("the token has expired")]
+    Expired,
+    #[error("the token is not valid yet")]
+    NotYet,
+    #[error("the token's signature does not verify")]
+    Signature,
+    #[error("the token's `alg` {0} is not one this gateway takes")]
+    Algorithm(String),
+    #[error("the token's issuer is not --jwt-issuer")]
+    Issuer,
+    #[error("the token's audience is not --jwt-audience")]
+    Audience,
+    #[error("the token names no key this gateway knows (`kid` {0:?})")]
+    UnknownKey(Option<String>),
+    #[error("the token's signing keys cannot be fetched now: {0}")]
+    KeysUnavailable(String),
+    #[error("the token lacks a claim it needs: {0}")]
+    Claim(String),
+    #[error("the token is malformed")]
+    Malformed,
+}
 
 /// Who a request comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -14,36 +14,11 @@ use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
 
 use super::jwks::Jwks;
-use super::{ADMIN_SCOPE, Identity};
+use super::{ADMIN_SCOPE, Identity, TokenError};
 use crate::config::Config;
 
 /// Clock skew allowed on `exp`, `nbf` and `iat`, in seconds.
 const LEEWAY_SECS: u64 = 30;
-
-/// Why a token was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum TokenError {
-    #[error("the token has expired")]
-    Expired,
-    #[error("the token is not valid yet")]
-    NotYet,
-    #[error("the token's signature does not verify")]
-    Signature,
-    #[error("the token's `alg` {0} is not one this gateway takes")]
-    Algorithm(String),
-    #[error("the token's issuer is not --jwt-issuer")]
-    Issuer,
-    #[error("the token's audience is not --jwt-audience")]
-    Audience,
-    #[error("the token names no key this gateway knows (`kid` {0:?})")]
-    UnknownKey(Option<String>),
-    #[error("the token's signing keys cannot be fetched now: {0}")]
-    KeysUnavailable(String),
-    #[error("the token lacks a claim it needs: {0}")]
-    Claim(String),
-    #[error("the token is malformed")]
-    Malformed,
-}
 
 /// The claims the gateway reads.
 #[derive(Debug, Deserialize)]

@@ -16,8 +16,7 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::log::NewChunk;
-use super::turns::{BeginTurn, IdempotencyRecord, SealTurn};
+use super::writes::{BeginTurn, IdempotencyRecord, NewChunk, SealTurn};
 use super::{Store, StoreError, StoreResult, on_backend};
 use crate::wire::TurnMetrics;
 

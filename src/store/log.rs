@@ -1,17 +1,7 @@
 //! The append-only chunk log: gap-free `seq` per conversation, a message id per chunk.
 
 use super::sql::Query;
-use super::{Store, StoreError, StoreResult, on_backend};
-use crate::wire::{Chunk, Role};
-
-/// A chunk about to be appended.
-#[derive(Debug, Clone)]
-pub struct NewChunk {
-    pub role: Role,
-    pub chunk: Chunk,
-    /// True when this chunk opens a new message; false continues the conversation's last one.
-    pub new_message: bool,
-}
+use super::{NewChunk, Store, StoreError, StoreResult, on_backend};
 
 /// A window of the log as JSON: the stored chunks pass through as the exact JSON that was
 /// written, each wrapped as `{"seq":..,"role":..,"chunk":..}`.
@@ -177,7 +167,7 @@ impl Store {
 mod tests {
     use super::*;
     use crate::store::testing::every_backend;
-    use crate::wire::TextChunk;
+    use crate::wire::{Chunk, Role, TextChunk};
 
     fn chunk(i: usize, new_message: bool) -> NewChunk {
         NewChunk { role: Role::Assistant, chunk: Chunk::Text(TextChunk { text: format!("c{i}") }), new_message }

@@ -24,6 +24,7 @@ mod sessions;
 mod sql;
 mod sqlite;
 mod turns;
+mod writes;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -31,12 +32,13 @@ use std::time::Duration;
 use crate::config::Database;
 use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation, Ownership, Setting, Settings};
-pub use log::{HistoryPage, HistoryWindow, NewChunk};
+pub use log::{HistoryPage, HistoryWindow};
 pub use quotas::QuotaUse;
 pub use reads::{History, HistoryChunk, LastText, ModelThroughput, RuntimeMemory};
 pub use sessions::StoredSession;
 pub use sqlite::backup::BackupError;
-pub use turns::{BeginTurn, INTERRUPTED_MESSAGE, IdempotencyRecord, SealTurn, user_chunk};
+pub use turns::{INTERRUPTED_MESSAGE, user_chunk};
+pub use writes::{BeginTurn, IdempotencyRecord, NewChunk, SealTurn};
 
 /// `--backup`: a consistent copy of the SQLite database in the new file `to`, taken while a
 /// gateway may be running on it; the copy's size in bytes.

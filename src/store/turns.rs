@@ -1,7 +1,7 @@
 //! Turn rows: opened with the user's chunk, sealed with their metrics, repaired after a crash.
 
-use super::log::NewChunk;
 use super::sql::Query;
+use super::{BeginTurn, NewChunk, SealTurn};
 use super::{Store, StoreError, StoreResult};
 use crate::wire::{Chunk, ConversationStatus, ErrorChunk, Role, TextChunk, TurnMetrics};
 
@@ -15,44 +15,8 @@ pub fn user_chunk(text: &str) -> NewChunk {
 pub const INTERRUPTED_MESSAGE: &str = "turn interrupted: server restarted";
 pub const INTERRUPTED_CODE: &str = "interrupted";
 
-pub struct BeginTurn<'a> {
-    pub conversation_id: &'a str,
-    pub turn_id: &'a str,
-    pub model: &'a str,
-    /// The model the request named: it becomes the conversation's sticky model.
-    pub sticky_model: Option<&'a str>,
-    pub user_text: &'a str,
-    /// Title given to a conversation the turn creates, or one whose title is still empty.
-    pub default_title: &'a str,
-    /// Recorded in the same transaction, so a retried request finds it whatever happens next.
-    pub idempotency: Option<IdempotencyRecord<'a>>,
-    /// The owner of a conversation the turn creates.
-    pub owner: Option<&'a str>,
-    /// The subject whose quotas count the turn (none: an administrator, or no quotas).
-    pub quota_subject: Option<&'a str>,
-    pub now: i64,
-}
-
-/// An `Idempotency-Key` with the request it came with and the answer it got.
-pub struct IdempotencyRecord<'a> {
-    pub key: &'a str,
-    pub body_hash: &'a str,
-    pub response: &'a str,
-}
-
 /// How long idempotency keys are kept, at least.
 pub(super) const IDEMPOTENCY_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
-
-pub struct SealTurn<'a> {
-    pub conversation_id: &'a str,
-    pub turn_id: &'a str,
-    pub reason: &'a str,
-    pub metrics: &'a TurnMetrics,
-    pub now: i64,
-    /// What the runtime reported as `TokensPerEstimate`, kept with the conversation for its
-    /// next turn (`None` keeps what was there).
-    pub tokens_per_estimate: Option<f64>,
-}
 
 /// The error chunk that marks a turn cut off (spec 1.5: one per turn, then it is history).
 pub(super) fn interrupted_marker() -> NewChunk {

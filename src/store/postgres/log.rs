@@ -4,7 +4,8 @@
 use sqlx::{PgConnection, Row};
 
 use super::Postgres;
-use crate::store::log::{HistoryPage, HistoryWindow, NewChunk};
+use crate::store::NewChunk;
+use crate::store::log::{HistoryPage, HistoryWindow};
 use crate::store::{StoreError, StoreResult};
 
 impl Postgres {

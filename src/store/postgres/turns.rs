@@ -5,9 +5,8 @@ use sqlx::{PgConnection, Postgres as Driver, Transaction};
 
 use super::log::append;
 use crate::store::batch::{Write, Written};
-use crate::store::turns::{
-    BeginTurn, IDEMPOTENCY_KEEP_MS, SealTurn, duplicate_key, gen_total_ms, interrupted_marker, user_chunk,
-};
+use crate::store::turns::{IDEMPOTENCY_KEEP_MS, duplicate_key, gen_total_ms, interrupted_marker, user_chunk};
+use crate::store::{BeginTurn, SealTurn};
 use crate::store::{StoreError, StoreResult};
 
 /// The write's statements, inside an open transaction.

@@ -5,7 +5,8 @@ use rusqlite::types::Value as Column;
 
 use super::Sqlite;
 use super::script::Script;
-use crate::store::log::{HistoryPage, HistoryWindow, NewChunk};
+use crate::store::NewChunk;
+use crate::store::log::{HistoryPage, HistoryWindow};
 use crate::store::{StoreError, StoreResult};
 
 impl Sqlite {

@@ -6,11 +6,10 @@ use rusqlite::types::Value as Column;
 
 use super::log::{append_to, appended_seq};
 use super::script::Script;
+use crate::store::NewChunk;
 use crate::store::batch::{Write, Written};
-use crate::store::log::NewChunk;
-use crate::store::turns::{
-    BeginTurn, IDEMPOTENCY_KEEP_MS, SealTurn, duplicate_key, gen_total_ms, interrupted_marker, user_chunk,
-};
+use crate::store::turns::{IDEMPOTENCY_KEEP_MS, duplicate_key, gen_total_ms, interrupted_marker, user_chunk};
+use crate::store::{BeginTurn, SealTurn};
 use crate::store::{StoreError, StoreResult};
 use crate::wire::ConversationStatus;
 
