@@ -31,6 +31,7 @@ use crate::live::{Cancelled, Handoff, Live, Session};
 use crate::metrics::Metrics;
 
 mod http1;
+mod socket;
 mod websocket;
 
 /// Limits every connection of a listener lives under.

@@ -33,7 +33,7 @@ use bytes::BytesMut;
 use tokio::net::TcpStream;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
-use super::http1::{Parking, write_all};
+use super::socket::{Parking, write_all};
 use crate::encoding::{WS_CLOSE, put_ws_frame};
 use crate::hub::{Delivery, Encoding};
 use crate::live::{Cancelled, Reading, ReadingBudget, Session};
