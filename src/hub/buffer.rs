@@ -5,14 +5,56 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::AcqRel, Ordering::Rel
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak};
 use std::time::Duration;
 
+use bytes::BytesMut;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::event::{EncodedEvent, Kind};
-use super::pacing::{Decision, FlushWindow, Pacing, Round};
-use super::parked::{self, Attached, ParkedStream};
+use super::event::{EncodedEvent, Encoding, Kind};
+use super::pacing::{Decision, FlushWindow, PHASES, Pacing, Round};
+use super::parked::{Attached, Batches, Built, Chunks, ParkedStream, Ready};
 use super::remote::Outbox;
+use crate::encoding::{CHUNK_END, chunk_size};
 use crate::wire::{AgentEvent, TurnReasoningDeltaEvent, TurnTextDeltaEvent};
+
+/// Most events one batch hands out: enough to make a write carry many events under load, few
+/// enough (tens of KiB) that a lagging connection holds little beside the shared buffer.
+pub const BATCH: usize = 128;
+
+/// Most bytes one batch holds (as NDJSON lines; the other framings are about as long), at
+/// least one event: a batch of large events (tool results of MiBs) would otherwise be joined
+/// into one write of up to `BATCH` of them, held whole by a connection that stopped reading.
+pub const BATCH_BYTES: usize = 256 * 1024;
+
+/// The buffer's read API, which cursors and the rounds share: where a position starts, and
+/// where a batch from it ends.
+/// Where the events from index `next` on start: the first one whose last index is at or past
+/// `next`. Until a coalescing pass event `i` is at `i`, so that place is checked first (two
+/// events, instead of a binary search touching one at every step).
+pub(super) fn start_of(events: &[Arc<EncodedEvent>], next: u32) -> usize {
+    let i = next as usize;
+    if i <= events.len() && (i == 0 || events[i - 1].last < next) && events.get(i).is_none_or(|f| f.last >= next) {
+        return i;
+    }
+    events.partition_point(|f| f.last < next)
+}
+
+/// Where a batch from `start` ends: after `max` events, or the first event that brings it to
+/// `BATCH_BYTES`. `largest` is the longest line among `events`: when `max` of them cannot reach
+/// the bytes (deltas, the usual case) the events are not looked at.
+pub(super) fn batch_end(events: &[Arc<EncodedEvent>], largest: usize, start: usize, max: usize) -> usize {
+    let most = events.len().min(start.saturating_add(max));
+    if largest.saturating_mul(most - start.min(most)) < BATCH_BYTES {
+        return most;
+    }
+    let mut bytes = 0;
+    for (i, event) in events.iter().enumerate().take(most).skip(start) {
+        bytes += event.line.len();
+        if bytes >= BATCH_BYTES {
+            return i + 1;
+        }
+    }
+    most
+}
 
 /// Where the next turn of a conversation will appear: each buffer holds the one its successor
 /// fills, so a watcher still reading turn N finds turn N+1 even if that one has already sealed.
@@ -205,14 +247,14 @@ impl TurnBuffer {
                 if self.window().is_zero() {
                     self.round_soon();
                 } else {
-                    parked::round(self, None);
+                    write_round(self, None);
                 }
             }
             Round::Phases { k, due } => {
                 if due[0] {
                     self.grown.notify_waiters();
                 }
-                parked::round(self, Some((k, due)));
+                write_round(self, Some((k, due)));
             }
             Round::Held => {}
         }
@@ -228,14 +270,14 @@ impl TurnBuffer {
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             self.round_due.store(false, Relaxed);
-            return parked::round(self, None);
+            return write_round(self, None);
         };
         let buffer = Arc::downgrade(self);
         runtime.spawn(async move {
             let Some(buffer) = buffer.upgrade() else { return };
             // Before the round reads the events: one published after it looks starts another.
             buffer.round_due.swap(false, AcqRel);
-            parked::round(&buffer, None);
+            write_round(&buffer, None);
         });
     }
 
@@ -362,5 +404,126 @@ impl TurnBuffer {
     /// Number of events published so far.
     pub fn published(&self) -> u32 {
         self.state().next_index
+    }
+}
+
+/// A round with more parked streams than this shares them out among the runtime's workers.
+pub(super) const SHARED_PAST: usize = 64;
+
+/// Most streams one part of a shared round writes to (a few milliseconds of writes), so that a
+/// round of many thousands keeps no worker, and no turn, busy for long.
+const PART: usize = 512;
+
+impl Batches for TurnBuffer {
+    /// The events from `next` on as one write: an HTTP/1.1 chunk, or WebSocket frames.
+    fn batch(&self, next: u32, encoding: Encoding) -> Ready {
+        let st = self.state();
+        let start = start_of(&st.events, next);
+        let Some(first) = st.events.get(start) else { return Ready::Nothing };
+        if first.first != next {
+            return Ready::Lost;
+        }
+        let end = batch_end(&st.events, st.largest, start, BATCH);
+        let events = &st.events[start..end];
+        let len: usize = events.iter().map(|f| encoding.len(f)).sum();
+        let mut size = [0u8; 18];
+        let size = if encoding == Encoding::Ws { &[][..] } else { chunk_size(&mut size, len) };
+        let mut chunk = BytesMut::with_capacity(size.len() + len + 2);
+        chunk.extend_from_slice(size);
+        for f in events {
+            encoding.put(&mut chunk, f);
+        }
+        if encoding != Encoding::Ws {
+            chunk.extend_from_slice(CHUNK_END);
+        }
+        let last = &events[events.len() - 1];
+        Ready::Chunk(Built {
+            chunk: chunk.freeze(),
+            events: events.len(),
+            next: last.last + 1,
+            sealed: last.is_sealed(),
+            more: end < st.events.len(),
+        })
+    }
+}
+
+/// A round's writes to `buffer`'s parked streams: all of them, or those of the phases due in a
+/// share of `k` (see `pacing.rs`). A round of many streams is shared out among the runtime's
+/// workers (one part here, the others spawned, at most [`PART`] each), so its writes use every
+/// core as the watchers' own tasks would.
+/// Unless the deltas are paced (`TurnBuffer::paced`) a round comes with every event of a burst,
+/// and writing each one to each socket would cost a write per event where woken tasks batch the
+/// burst: the streams go back to their tasks instead.
+pub(super) fn write_round(buffer: &Arc<TurnBuffer>, phases: Option<(u32, [bool; PHASES])>) {
+    let streams = buffer.attached().due(phases);
+    if streams.is_empty() {
+        return;
+    }
+    if !buffer.paced() {
+        for stream in &streams {
+            stream.release();
+        }
+        return;
+    }
+    let workers = match tokio::runtime::Handle::try_current() {
+        Ok(runtime) if streams.len() > SHARED_PAST => Some((runtime.metrics().num_workers(), runtime)),
+        _ => None,
+    };
+    let Some((workers, runtime)) = workers.filter(|(workers, _)| *workers > 1) else {
+        return write(buffer, &streams);
+    };
+    let mut parts = streams.chunks(streams.len().div_ceil(workers).min(PART));
+    let here = parts.next().unwrap_or_default();
+    for part in parts {
+        let (buffer, part) = (buffer.clone(), part.to_vec());
+        runtime.spawn(async move { write(&buffer, &part) });
+    }
+    // A task spawned on a worker waits in that worker's LIFO slot, which no other worker
+    // steals, until the spawner is done: the last part would run after this one, on this core.
+    // A spawn after it moves it to the worker's queue and wakes an idle worker to take it.
+    runtime.spawn(async {});
+    write(buffer, here);
+}
+
+fn write(buffer: &TurnBuffer, streams: &[Arc<ParkedStream>]) {
+    // Real time, not tokio's (which tests pause): what the writes cost is what the window follows.
+    let start = std::time::Instant::now();
+    let mut chunks = Chunks::default();
+    let writes = streams.iter().filter(|stream| stream.pump(buffer, &mut chunks)).count();
+    buffer.flush.measured(start.elapsed(), writes);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_position_is_found_by_index_or_by_search_alike() {
+        let event = |first, last| Arc::new(EncodedEvent::build("t", first, last, Kind::Other, b"{}"));
+        let dense: Vec<_> = (0..5).map(|i| event(i, i)).collect();
+        // After coalescing: events 0, 1-3, 4, 5-8, 9.
+        let sparse = vec![event(0, 0), event(1, 3), event(4, 4), event(5, 8), event(9, 9)];
+        for events in [&dense, &sparse, &Vec::new()] {
+            for next in 0..12 {
+                assert_eq!(start_of(events, next), events.partition_point(|f| f.last < next), "next {next}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_batch_ends_at_its_count_or_its_bytes() {
+        let event = |i: u32, size: usize| {
+            Arc::new(EncodedEvent::build("t", i, i, Kind::Other, format!("\"{}\"", "x".repeat(size)).as_bytes()))
+        };
+        let small: Vec<_> = (0..300).map(|i| event(i, 10)).collect();
+        let largest = small.iter().map(|f| f.line.len()).max().unwrap();
+        assert_eq!(batch_end(&small, largest, 0, BATCH), BATCH);
+        assert_eq!(batch_end(&small, largest, 250, BATCH), 300);
+        let large: Vec<_> = (0..10).map(|i| event(i, 100_000)).collect();
+        let largest = large.iter().map(|f| f.line.len()).max().unwrap();
+        assert_eq!(batch_end(&large, largest, 0, BATCH), 3, "three lines of 100 KB pass 256 KiB");
+        assert_eq!(batch_end(&large, largest, 9, BATCH), 10);
+        let huge = vec![event(0, 1_000_000), event(1, 10)];
+        assert_eq!(batch_end(&huge, 1_000_003, 0, BATCH), 1, "at least one event");
     }
 }

@@ -4,35 +4,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::Hub;
-use super::buffer::{NextTurn, TurnBuffer};
+use super::buffer::{NextTurn, TurnBuffer, batch_end, start_of};
 use super::event::EncodedEvent;
-
-/// Most events one batch hands out: enough to make a write carry many events under load, few
-/// enough (tens of KiB) that a lagging connection holds little beside the shared buffer.
-pub const BATCH: usize = 128;
-
-/// Most bytes one batch holds (as NDJSON lines; the other framings are about as long), at
-/// least one event: a batch of large events (tool results of MiBs) would otherwise be joined
-/// into one write of up to `BATCH` of them, held whole by a connection that stopped reading.
-pub const BATCH_BYTES: usize = 256 * 1024;
-
-/// Where a batch from `start` ends: after `max` events, or the first event that brings it to
-/// `BATCH_BYTES`. `largest` is the longest line among `events`: when `max` of them cannot reach
-/// the bytes (deltas, the usual case) the events are not looked at.
-pub(super) fn batch_end(events: &[Arc<EncodedEvent>], largest: usize, start: usize, max: usize) -> usize {
-    let most = events.len().min(start.saturating_add(max));
-    if largest.saturating_mul(most - start.min(most)) < BATCH_BYTES {
-        return most;
-    }
-    let mut bytes = 0;
-    for (i, event) in events.iter().enumerate().take(most).skip(start) {
-        bytes += event.line.len();
-        if bytes >= BATCH_BYTES {
-            return i + 1;
-        }
-    }
-    most
-}
 
 /// What a cursor hands out next.
 #[derive(Debug)]
@@ -212,17 +185,6 @@ impl Drop for Cursor {
     }
 }
 
-/// Where the events from index `next` on start: the first one whose last index is at or past
-/// `next`. Until a coalescing pass event `i` is at `i`, so that place is checked first (two
-/// events, instead of a binary search touching one at every step).
-pub(super) fn start_of(events: &[Arc<EncodedEvent>], next: u32) -> usize {
-    let i = next as usize;
-    if i <= events.len() && (i == 0 || events[i - 1].last < next) && events.get(i).is_none_or(|f| f.last >= next) {
-        return i;
-    }
-    events.partition_point(|f| f.last < next)
-}
-
 /// A resume point: the SSE id `<turnId>:<n>` of the last event a watcher holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventId {
@@ -243,38 +205,7 @@ impl EventId {
 
 #[cfg(test)]
 mod tests {
-    use super::super::event::Kind;
     use super::*;
-
-    #[test]
-    fn a_position_is_found_by_index_or_by_search_alike() {
-        let event = |first, last| Arc::new(EncodedEvent::build("t", first, last, Kind::Other, b"{}"));
-        let dense: Vec<_> = (0..5).map(|i| event(i, i)).collect();
-        // After coalescing: events 0, 1-3, 4, 5-8, 9.
-        let sparse = vec![event(0, 0), event(1, 3), event(4, 4), event(5, 8), event(9, 9)];
-        for events in [&dense, &sparse, &Vec::new()] {
-            for next in 0..12 {
-                assert_eq!(start_of(events, next), events.partition_point(|f| f.last < next), "next {next}");
-            }
-        }
-    }
-
-    #[test]
-    fn a_batch_ends_at_its_count_or_its_bytes() {
-        let event = |i: u32, size: usize| {
-            Arc::new(EncodedEvent::build("t", i, i, Kind::Other, format!("\"{}\"", "x".repeat(size)).as_bytes()))
-        };
-        let small: Vec<_> = (0..300).map(|i| event(i, 10)).collect();
-        let largest = small.iter().map(|f| f.line.len()).max().unwrap();
-        assert_eq!(batch_end(&small, largest, 0, BATCH), BATCH);
-        assert_eq!(batch_end(&small, largest, 250, BATCH), 300);
-        let large: Vec<_> = (0..10).map(|i| event(i, 100_000)).collect();
-        let largest = large.iter().map(|f| f.line.len()).max().unwrap();
-        assert_eq!(batch_end(&large, largest, 0, BATCH), 3, "three lines of 100 KB pass 256 KiB");
-        assert_eq!(batch_end(&large, largest, 9, BATCH), 10);
-        let huge = vec![event(0, 1_000_000), event(1, 10)];
-        assert_eq!(batch_end(&huge, 1_000_003, 0, BATCH), 1, "at least one event");
-    }
 
     #[test]
     fn an_event_id_is_a_turn_id_and_an_index() {

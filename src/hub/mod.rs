@@ -30,8 +30,8 @@ mod pacing;
 mod parked;
 mod remote;
 
-pub use buffer::TurnBuffer;
-pub use cursor::{BATCH, Cursor, Delivery, EventId};
+pub use buffer::{BATCH, TurnBuffer};
+pub use cursor::{Cursor, Delivery, EventId};
 pub use event::{EncodedEvent, Encoding};
 pub use pacing::FlushWindow;
 pub use parked::{ParkedStream, Socket, Unparked};

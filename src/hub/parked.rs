@@ -20,22 +20,12 @@ use std::io;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::sync::Notify;
 
-use super::buffer::TurnBuffer;
-use super::cursor::{BATCH, batch_end, start_of};
 use super::event::Encoding;
 use super::pacing::PHASES;
-use crate::encoding::{CHUNK_END, chunk_size};
 use crate::metrics::Metrics;
-
-/// A round with more parked streams than this shares them out among the runtime's workers.
-const SHARED_PAST: usize = 64;
-
-/// Most streams one part of a shared round writes to (a few milliseconds of writes), so that a
-/// round of many thousands keeps no worker, and no turn, busy for long.
-const PART: usize = 512;
 
 /// The transport's side of a parked stream: its socket, written without waiting.
 pub trait Socket: Send + Sync {
@@ -87,23 +77,38 @@ pub struct Unparked {
 
 /// Chunks built in one round, shared by every stream at the same position.
 #[derive(Default)]
-struct Chunks {
+pub(super) struct Chunks {
     built: Vec<(u32, Encoding, Built)>,
 }
 
+/// One write of a stream's events, as its transport frames them.
 #[derive(Clone)]
-struct Built {
-    chunk: Bytes,
-    events: usize,
-    next: u32,
-    sealed: bool,
-    more: bool,
+pub struct Built {
+    pub(super) chunk: Bytes,
+    pub(super) events: usize,
+    pub(super) next: u32,
+    pub(super) sealed: bool,
+    pub(super) more: bool,
 }
 
-enum Ready {
+/// What a stream's position reads now.
+pub enum Ready {
     Nothing,
+    /// The position is gone (coalesced or evicted): the stream's task must look.
     Lost,
     Chunk(Built),
+}
+
+/// What a round reads parked streams' writes from: the turn's buffer (`buffer.rs`), which
+/// knows its events; this file knows only the streams.
+pub trait Batches {
+    /// The events from `next` on as one write in `encoding`.
+    fn batch(&self, next: u32, encoding: Encoding) -> Ready;
+}
+
+/// Where a buffer is, to tell whether a stream is parked on it.
+fn address(buffer: &impl Batches) -> usize {
+    std::ptr::from_ref(buffer).cast::<()>() as usize
 }
 
 impl ParkedStream {
@@ -128,10 +133,10 @@ impl ParkedStream {
 
     /// Parks at event `next` of `buffer` (to which the stream must be attached), and writes
     /// whatever was published before the stream was there for a round to see.
-    pub fn park(&self, buffer: &TurnBuffer, next: u32) {
+    pub fn park(&self, buffer: &impl Batches, next: u32) {
         let mut st = self.lock();
         st.parked = true;
-        st.on = std::ptr::from_ref(buffer) as usize;
+        st.on = address(buffer);
         st.next = next;
         self.pump_locked(&mut st, buffer, &mut Chunks::default());
     }
@@ -163,7 +168,7 @@ impl ParkedStream {
     }
 
     /// Hands the stream back to its task if it is parked.
-    fn release(&self) {
+    pub(super) fn release(&self) {
         let mut st = self.lock();
         if st.parked {
             self.hand_back(&mut st);
@@ -172,20 +177,20 @@ impl ParkedStream {
 
     /// A round's turn at this stream: writes the events past its position, if it is parked.
     /// Whether it wrote to the socket.
-    fn pump(&self, buffer: &TurnBuffer, chunks: &mut Chunks) -> bool {
+    pub(super) fn pump(&self, buffer: &impl Batches, chunks: &mut Chunks) -> bool {
         let mut st = self.lock();
         self.pump_locked(&mut st, buffer, chunks)
     }
 
-    fn pump_locked(&self, st: &mut ParkedState, buffer: &TurnBuffer, chunks: &mut Chunks) -> bool {
-        if !st.parked || st.on != std::ptr::from_ref(buffer) as usize {
+    fn pump_locked(&self, st: &mut ParkedState, buffer: &impl Batches, chunks: &mut Chunks) -> bool {
+        if !st.parked || st.on != address(buffer) {
             return false;
         }
         let Some(socket) = st.socket.as_deref() else { return false };
         let built = match chunks.built.iter().find(|(next, encoding, _)| *next == st.next && *encoding == self.encoding)
         {
             Some((_, _, built)) => built.clone(),
-            None => match chunk(buffer, st.next, self.encoding) {
+            None => match buffer.batch(st.next, self.encoding) {
                 Ready::Nothing => return false,
                 Ready::Lost => {
                     self.hand_back(st);
@@ -235,37 +240,6 @@ pub(super) struct Attached {
     next_phase: u32,
 }
 
-/// The events from `next` on as one write: an HTTP/1.1 chunk, or WebSocket frames.
-fn chunk(buffer: &TurnBuffer, next: u32, encoding: Encoding) -> Ready {
-    let st = buffer.state();
-    let start = start_of(&st.events, next);
-    let Some(first) = st.events.get(start) else { return Ready::Nothing };
-    if first.first != next {
-        return Ready::Lost;
-    }
-    let end = batch_end(&st.events, st.largest, start, BATCH);
-    let events = &st.events[start..end];
-    let len: usize = events.iter().map(|f| encoding.len(f)).sum();
-    let mut size = [0u8; 18];
-    let size = if encoding == Encoding::Ws { &[][..] } else { chunk_size(&mut size, len) };
-    let mut chunk = BytesMut::with_capacity(size.len() + len + 2);
-    chunk.extend_from_slice(size);
-    for f in events {
-        encoding.put(&mut chunk, f);
-    }
-    if encoding != Encoding::Ws {
-        chunk.extend_from_slice(CHUNK_END);
-    }
-    let last = &events[events.len() - 1];
-    Ready::Chunk(Built {
-        chunk: chunk.freeze(),
-        events: events.len(),
-        next: last.last + 1,
-        sealed: last.is_sealed(),
-        more: end < st.events.len(),
-    })
-}
-
 impl Attached {
     /// Lets rounds write to `stream` (parked or not), in the next phase.
     pub(super) fn attach(&mut self, stream: &Arc<ParkedStream>) {
@@ -283,56 +257,10 @@ impl Attached {
     }
 
     /// The streams of the phases due in a share of `k` (all of them without).
-    fn due(&self, phases: Option<(u32, [bool; PHASES])>) -> Vec<Arc<ParkedStream>> {
+    pub(super) fn due(&self, phases: Option<(u32, [bool; PHASES])>) -> Vec<Arc<ParkedStream>> {
         let due = |phase: u32| phases.is_none_or(|(k, due)| due[(phase % k) as usize]);
         self.streams.iter().filter(|(phase, _)| due(*phase)).map(|(_, s)| s.clone()).collect()
     }
-}
-
-/// A round's writes to `buffer`'s parked streams: all of them, or those of the phases due in a
-/// share of `k` (see `pacing.rs`). A round of many streams is shared out among the runtime's
-/// workers (one part here, the others spawned, at most [`PART`] each), so its writes use every
-/// core as the watchers' own tasks would.
-/// Unless the deltas are paced (`TurnBuffer::paced`) a round comes with every event of a burst,
-/// and writing each one to each socket would cost a write per event where woken tasks batch the
-/// burst: the streams go back to their tasks instead.
-pub(super) fn round(buffer: &Arc<TurnBuffer>, phases: Option<(u32, [bool; PHASES])>) {
-    let streams = buffer.attached().due(phases);
-    if streams.is_empty() {
-        return;
-    }
-    if !buffer.paced() {
-        for stream in &streams {
-            stream.release();
-        }
-        return;
-    }
-    let workers = match tokio::runtime::Handle::try_current() {
-        Ok(runtime) if streams.len() > SHARED_PAST => Some((runtime.metrics().num_workers(), runtime)),
-        _ => None,
-    };
-    let Some((workers, runtime)) = workers.filter(|(workers, _)| *workers > 1) else {
-        return write(buffer, &streams);
-    };
-    let mut parts = streams.chunks(streams.len().div_ceil(workers).min(PART));
-    let here = parts.next().unwrap_or_default();
-    for part in parts {
-        let (buffer, part) = (buffer.clone(), part.to_vec());
-        runtime.spawn(async move { write(&buffer, &part) });
-    }
-    // A task spawned on a worker waits in that worker's LIFO slot, which no other worker
-    // steals, until the spawner is done: the last part would run after this one, on this core.
-    // A spawn after it moves it to the worker's queue and wakes an idle worker to take it.
-    runtime.spawn(async {});
-    write(buffer, here);
-}
-
-fn write(buffer: &TurnBuffer, streams: &[Arc<ParkedStream>]) {
-    // Real time, not tokio's (which tests pause): what the writes cost is what the window follows.
-    let start = std::time::Instant::now();
-    let mut chunks = Chunks::default();
-    let writes = streams.iter().filter(|stream| stream.pump(buffer, &mut chunks)).count();
-    buffer.flush.measured(start.elapsed(), writes);
 }
 
 #[cfg(test)]
@@ -345,6 +273,7 @@ mod tests {
     use tokio::time::Instant;
 
     use super::*;
+    use crate::hub::buffer::{BATCH, SHARED_PAST, TurnBuffer, write_round};
     use crate::hub::tests::{sealed, text};
     use crate::hub::{FlushWindow, Hub};
     use crate::wire::{AgentEvent, TurnStartEvent};
@@ -442,7 +371,7 @@ mod tests {
         buffer.publish(&text("a"));
         buffer.attach(&sink);
         // Parking writes what was published before.
-        sink.park(&buffer, 0);
+        sink.park(buffer.as_ref(), 0);
         assert_eq!(metrics.round_writes.load(Relaxed), 1);
         buffer.publish(&text("b"));
         buffer.publish(&text("c"));
@@ -461,7 +390,7 @@ mod tests {
                 .ends_with(b"\"type\":\"turn-sealed\",\"conversationId\":\"c\",\"turnId\":\"t\"}\n")
         );
         // Unparked: a round writes nothing more.
-        round(&buffer, None);
+        write_round(&buffer, None);
         assert!(read_now(&mut theirs).is_empty());
     }
 
@@ -470,7 +399,7 @@ mod tests {
         let (_hub, buffer, _reading) = paced(1 << 20);
         let (sink, _ours, mut theirs, metrics) = sink();
         buffer.attach(&sink);
-        sink.park(&buffer, 0);
+        sink.park(buffer.as_ref(), 0);
         let start = || AgentEvent::TurnStart(TurnStartEvent { conversation_id: "c".into(), turn_id: "t".into() });
         // Events no round holds back, one at a time: a round, and a write, each.
         buffer.publish(&start());
@@ -489,7 +418,7 @@ mod tests {
         let (_hub, buffer, _reading) = paced(1 << 30);
         let (sink, ours, mut theirs, metrics) = sink();
         buffer.attach(&sink);
-        sink.park(&buffer, 0);
+        sink.park(buffer.as_ref(), 0);
         let big = "x".repeat(64 * 1024);
         let mut published = 0;
         while metrics.round_short_writes.load(Relaxed) == 0 {
@@ -529,7 +458,7 @@ mod tests {
         }
         let (sink, _ours, mut theirs, _) = sink();
         buffer.attach(&sink);
-        sink.park(&buffer, 0);
+        sink.park(buffer.as_ref(), 0);
         assert!(handed_back(&sink).await);
         assert_eq!(sink.unpark().next, BATCH as u32);
         assert_eq!(deltas(&dechunk(&read_now(&mut theirs))).len(), BATCH);
@@ -541,7 +470,7 @@ mod tests {
         }
         let (sink, _ours, mut theirs, metrics) = self::sink();
         buffer.attach(&sink);
-        sink.park(&buffer, 5);
+        sink.park(buffer.as_ref(), 5);
         assert!(handed_back(&sink).await);
         let back = sink.unpark();
         assert_eq!((back.next, back.sent), (5, false));
@@ -557,10 +486,10 @@ mod tests {
         // Still in the earlier turn's list (a round's copy of it), parked on the later turn.
         earlier.attach(&sink);
         later.attach(&sink);
-        sink.park(&later, 0);
+        sink.park(later.as_ref(), 0);
         earlier.publish(&text("from the earlier turn"));
         settle().await;
-        round(&earlier, None);
+        write_round(&earlier, None);
         assert!(read_now(&mut theirs).is_empty());
         later.publish(&text("b"));
         assert_eq!(deltas_until(&mut theirs, 1).await, ["b"]);
@@ -574,7 +503,7 @@ mod tests {
         assert!(!buffer.paced());
         let (sink, _ours, mut theirs, metrics) = sink();
         buffer.attach(&sink);
-        sink.park(&buffer, 0);
+        sink.park(buffer.as_ref(), 0);
         buffer.publish(&text("a"));
         assert!(handed_back(&sink).await);
         let back = sink.unpark();
@@ -594,7 +523,7 @@ mod tests {
         tokio::time::advance(Duration::from_millis(5)).await;
         buffer.publish(&text("b"));
         assert!(buffer.paced());
-        sink.park(&buffer, 2);
+        sink.park(buffer.as_ref(), 2);
         for delta in ["c", "d", "e"] {
             tokio::time::advance(Duration::from_millis(5)).await;
             buffer.publish(&text(delta));
@@ -649,7 +578,7 @@ mod tests {
             other.set_nonblocking(true).unwrap();
             let sink = ParkedStream::new(Arc::new(Dear(ours)), Encoding::Line, Arc::new(Metrics::default()));
             buffer.attach(&sink);
-            sink.park(&buffer, 0);
+            sink.park(buffer.as_ref(), 0);
             sinks.push(sink);
             theirs.push(other);
         }
@@ -690,7 +619,7 @@ mod tests {
         let sinks: Vec<_> = (0..n).map(|_| sink()).collect();
         for (sink, ..) in &sinks {
             buffer.attach(sink);
-            sink.park(&buffer, 0);
+            sink.park(buffer.as_ref(), 0);
         }
         let theirs = sinks.iter().map(|(_, _, theirs, _)| theirs.try_clone().unwrap()).collect();
         (hub, buffer, reading, sinks, theirs)
@@ -848,7 +777,7 @@ mod tests {
             let socket = Arc::new(Noted { inner: ours, writers: writers.clone() });
             let sink = ParkedStream::new(socket, Encoding::Line, Arc::new(Metrics::default()));
             buffer.attach(&sink);
-            sink.park(&buffer, 0);
+            sink.park(buffer.as_ref(), 0);
             ends.push((sink, theirs));
         }
         // Published from a task, as a turn publishes: the round starts on a worker.

@@ -563,7 +563,7 @@ async fn watch_stream(
                 Some((buffer, next)) => {
                     let buffer = buffer.clone();
                     parking.attach(&buffer);
-                    parking.stream.park(&buffer, next);
+                    parking.stream.park(buffer.as_ref(), next);
                     let handed = parking.stream.handed_back();
                     tokio::pin!(handed);
                     // `None`: a round handed the stream back; `Err`: the client is gone.

@@ -367,7 +367,7 @@ pub async fn serve(stream: &Arc<TcpStream>, mut session: Session, read: Vec<u8>,
         woke = Some(match session.subscriptions().parkable() {
             Some((buffer, next)) => {
                 parking.attach(&buffer);
-                parking.stream.park(&buffer, next);
+                parking.stream.park(buffer.as_ref(), next);
                 let handed = parking.stream.handed_back();
                 let status = next_status(&mut statuses, &mut held_until);
                 tokio::pin!(handed, status);
