@@ -130,7 +130,108 @@ pub struct ToolResultChunk {
 pub struct ErrorChunk {
     pub message: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub code: Option<String>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub code: Option<ErrorCode>,
+}
+
+/// The `code` of an `error` event or chunk: one of the gateway's own (docs/wire-choices.md,
+/// "Error codes"), or one a runtime reported, passed on as it came.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// The turn's gateway died or restarted; the next start, or another gateway, ended it.
+    Interrupted,
+    /// The turn's gateway lost its lease (paused past it): what it streamed since its last write
+    /// is not in the history.
+    Lease,
+    /// The database refused a write, or the log could not be read for a stream.
+    Storage,
+    /// The turn ran past `--max-turn-secs`.
+    Timeout,
+    /// The runtime could not take the turn (after its retries).
+    Unavailable,
+    /// The runtime failed where the turn may have reached it: never retried.
+    Ambiguous,
+    /// An agent program broke its protocol (a line too long, not JSON, a second terminal).
+    AgentProtocol,
+    /// An agent program ended its turn with an error of its own.
+    Agent,
+    /// The conversation's agent process is busy with another turn.
+    AgentBusy,
+    /// The agent program could not be started.
+    AgentSpawn,
+    /// The agent program exited before its turn's end.
+    AgentExit,
+    /// The runtime itself failed (the turn went away under it, its history was missing).
+    Runtime,
+    /// An upstream model endpoint answered with an error, or its stream broke.
+    Upstream,
+    /// The upstream said the conversation is past its context window: the `openai` runtime's
+    /// rebuilt history leaves such a turn's message out, so that it does not fail every later one.
+    ContextLength,
+    /// The upstream refused for its rate limit, and asked for a wait longer than a turn's.
+    RateLimited,
+    /// The agent loop reached its credential's `max_steps`.
+    MaxSteps,
+    /// The gateway shut down before the turn's end reached this stream.
+    Shutdown,
+    /// A WebSocket session fell too far behind a turn and was cut from it.
+    Lagged,
+    /// A code a runtime reported that is not one of the above.
+    Other(String),
+}
+
+impl ErrorCode {
+    const OWN: [(ErrorCode, &'static str); 18] = [
+        (ErrorCode::Interrupted, "interrupted"),
+        (ErrorCode::Lease, "lease"),
+        (ErrorCode::Storage, "storage"),
+        (ErrorCode::Timeout, "timeout"),
+        (ErrorCode::Unavailable, "unavailable"),
+        (ErrorCode::Ambiguous, "ambiguous"),
+        (ErrorCode::AgentProtocol, "agent-protocol"),
+        (ErrorCode::Agent, "agent"),
+        (ErrorCode::AgentBusy, "agent-busy"),
+        (ErrorCode::AgentSpawn, "agent-spawn"),
+        (ErrorCode::AgentExit, "agent-exit"),
+        (ErrorCode::Runtime, "runtime"),
+        (ErrorCode::Upstream, "upstream"),
+        (ErrorCode::ContextLength, "context_length"),
+        (ErrorCode::RateLimited, "rate_limited"),
+        (ErrorCode::MaxSteps, "max-steps"),
+        (ErrorCode::Shutdown, "shutdown"),
+        (ErrorCode::Lagged, "lagged"),
+    ];
+
+    /// The code as the wire spells it.
+    pub fn as_str(&self) -> &str {
+        match self {
+            ErrorCode::Other(code) => code,
+            own => Self::OWN.iter().find(|(c, _)| c == own).map(|(_, s)| *s).unwrap_or_default(),
+        }
+    }
+
+    /// A code as the wire spells it: one of the gateway's own, or another as it is.
+    pub fn parse(code: &str) -> ErrorCode {
+        Self::OWN.iter().find(|(_, s)| *s == code).map_or_else(|| ErrorCode::Other(code.to_owned()), |(c, _)| c.clone())
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for ErrorCode {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for ErrorCode {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<ErrorCode, D::Error> {
+        Ok(ErrorCode::parse(&String::deserialize(deserializer)?))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -423,7 +524,8 @@ pub struct TurnErrorEvent {
     pub turn_id: String,
     pub message: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub code: Option<String>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub code: Option<ErrorCode>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -447,4 +549,22 @@ pub struct TurnDoneEvent {
 pub struct TurnSealedEvent {
     pub conversation_id: String,
     pub turn_id: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_code_reads_back_as_it_was_written_and_each_of_the_gateways_is_documented() {
+        let documented = include_str!("../docs/wire-choices.md");
+        for (code, spelled) in ErrorCode::OWN {
+            assert_eq!(ErrorCode::parse(spelled), code);
+            assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{spelled}\""));
+            assert!(documented.contains(&format!("| `{spelled}` |")), "{spelled} is not in docs/wire-choices.md");
+        }
+        let theirs: ErrorCode = serde_json::from_str("\"error_during_execution\"").unwrap();
+        assert_eq!(theirs, ErrorCode::Other("error_during_execution".into()));
+        assert_eq!(theirs.as_str(), "error_during_execution");
+    }
 }

@@ -235,7 +235,7 @@ fn arb_event() -> impl Strategy<Value = AgentEvent> {
             conversation_id: c,
             turn_id: t,
             message: m,
-            code
+            code: code.map(|c| dispatch_gateway::wire::ErrorCode::parse(&c))
         })),
         (s(), s()).prop_map(|(c, t)| AgentEvent::TurnSealed(TurnSealedEvent { conversation_id: c, turn_id: t })),
     ]

@@ -156,7 +156,7 @@ fn every_agent_event_variant() {
                 conversation_id: c.clone(),
                 turn_id: t.clone(),
                 message: "bad".into(),
-                code: Some("x".into()),
+                code: Some(ErrorCode::Other("x".into())),
             }),
             r#"{"type":"error","conversationId":"c1","turnId":"t1","message":"bad","code":"x"}"#,
         ),
@@ -230,7 +230,7 @@ fn every_chunk_and_the_stored_envelope() {
         ),
         (Chunk::Error(ErrorChunk { message: "m".into(), code: None }), r#"{"type":"error","message":"m"}"#),
         (
-            Chunk::Error(ErrorChunk { message: "m".into(), code: Some("interrupted".into()) }),
+            Chunk::Error(ErrorChunk { message: "m".into(), code: Some(ErrorCode::Interrupted) }),
             r#"{"type":"error","message":"m","code":"interrupted"}"#,
         ),
         (Chunk::System(SystemChunk { text: "s".into() }), r#"{"type":"system","text":"s"}"#),

@@ -5,7 +5,7 @@ use async_nats::jetstream::message::PublishMessage;
 
 use super::{BusError, Head, message_head, message_headers, message_part, more_subject, open_subject};
 use crate::store::INTERRUPTED_MESSAGE;
-use crate::wire::{AgentEvent, TurnDoneEvent, TurnErrorEvent, TurnSealedEvent};
+use crate::wire::{AgentEvent, ErrorCode, TurnDoneEvent, TurnErrorEvent, TurnSealedEvent};
 
 /// After this gateway marked a turn interrupted whose gateway is gone: ends the turn on the
 /// bus, for the watchers of every gateway, as the log now ends it (`error{interrupted}` and
@@ -52,7 +52,7 @@ pub(super) async fn end_interrupted(bus: &super::Bus, conversation_id: &str, tur
                 conversation_id: conversation_id.clone(),
                 turn_id: turn_id.clone(),
                 message: INTERRUPTED_MESSAGE.to_owned(),
-                code: Some("interrupted".into()),
+                code: Some(ErrorCode::Interrupted),
             }));
             events.push(AgentEvent::Done(TurnDoneEvent {
                 conversation_id,

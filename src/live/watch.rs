@@ -18,6 +18,7 @@ use crate::encoding::{NDJSON_KEEPALIVE, SSE_KEEPALIVE, sse_named};
 use crate::hub::{BATCH, Cursor, Delivery, Encoding, Unparked};
 use crate::metrics::{Metrics, StreamPermit, Transport};
 use crate::store::Store;
+use crate::wire::ErrorCode;
 
 /// What a watcher's stream carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,7 +180,7 @@ impl Watch {
                 Some(delivery) => delivery,
                 // Shutdown with a turn still unsealed under the cursor: it ends cut, saying so.
                 None if self.cursor.position().is_some() => {
-                    return self.cut("the gateway is shutting down before this turn's end", "shutdown");
+                    return self.cut("the gateway is shutting down before this turn's end", ErrorCode::Shutdown);
                 }
                 None => Delivery::End,
             },
@@ -198,7 +199,7 @@ impl Watch {
                 self.metrics.lag_recoveries.fetch_add(1, Relaxed);
                 match resync_message(&self.store, &self.conversation_id, &self.cursor).await {
                     Ok(message) => Step::Write(message),
-                    Err(Unreadable) => self.cut("the log could not be read to resync this stream", "storage"),
+                    Err(Unreadable) => self.cut("the log could not be read to resync this stream", ErrorCode::Storage),
                 }
             }
             // NDJSON cannot say `resync`: the watcher is cut, and reads history for the rest.
@@ -207,7 +208,7 @@ impl Watch {
                 self.cut_in(
                     &turn_id,
                     "this stream fell too far behind the turn; read the history for the rest",
-                    "lagged",
+                    ErrorCode::Lagged,
                 )
             }
             Delivery::End => Step::End,
@@ -223,17 +224,17 @@ impl Watch {
     }
 
     /// The step that ends the stream cut, with an `error` event (`code`) for the turn it reads.
-    fn cut(&self, message: &str, code: &str) -> Step {
+    fn cut(&self, message: &str, code: ErrorCode) -> Step {
         let turn_id = self.cursor.replaying().unwrap_or_else(|| Arc::from(""));
         self.cut_in(&turn_id, message, code)
     }
 
-    fn cut_in(&self, turn_id: &str, message: &str, code: &str) -> Step {
+    fn cut_in(&self, turn_id: &str, message: &str, code: ErrorCode) -> Step {
         let error = crate::wire::AgentEvent::Error(crate::wire::TurnErrorEvent {
             conversation_id: self.conversation_id.clone(),
             turn_id: turn_id.to_owned(),
             message: message.to_owned(),
-            code: Some(code.to_owned()),
+            code: Some(code),
         });
         let json = serde_json::to_string(&error).expect("an event serializes");
         Step::Cut(Bytes::from(match self.format {

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use serde_json::{Value, json};
 
 use super::RawEvent;
-use crate::wire::Usage;
+use crate::wire::{ErrorCode, Usage};
 
 /// What one line of the CLI becomes: events, and lines to write back.
 #[derive(Default)]
@@ -257,9 +257,9 @@ fn terminal(v: &Value) -> RawEvent {
         message = format!("{message} (API status {status})");
     }
     let code = match (status, subtype.as_str()) {
-        (Some(_), _) => "upstream".to_owned(),
-        (None, "" | "success") => "agent".to_owned(),
-        (None, other) => other.to_owned(),
+        (Some(_), _) => ErrorCode::Upstream,
+        (None, "" | "success") => ErrorCode::Agent,
+        (None, other) => ErrorCode::parse(other),
     };
     RawEvent::Error { message, code: Some(code) }
 }
@@ -294,7 +294,7 @@ mod tests {
         let line = json!({"type": "result", "subtype": "error_during_execution", "is_error": true,
             "errors": ["No conversation found with session ID: s-1"]});
         let RawEvent::Error { message, code } = terminal(&line) else { panic!("an error") };
-        assert_eq!(code.as_deref(), Some("error_during_execution"));
+        assert_eq!(code.as_ref().map(ErrorCode::as_str), Some("error_during_execution"));
         assert!(message.starts_with("No conversation found with session ID: s-1 (Claude Code keeps"), "{message}");
         assert!(message.contains("DELETE /conversations/:id/session"), "the way on is named: {message}");
     }
@@ -333,7 +333,7 @@ mod tests {
         match &events[..] {
             [RawEvent::Error { message, code }] => {
                 assert_eq!(message, "overloaded (API status 529)");
-                assert_eq!(code.as_deref(), Some("upstream"));
+                assert_eq!(code, &Some(ErrorCode::Upstream));
             }
             other => panic!("{other:?}"),
         }

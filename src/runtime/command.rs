@@ -26,7 +26,7 @@ use tokio_util::task::TaskTracker;
 use super::lines::{self, BoundedLines};
 use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
 use crate::config::{CommandCredential, Dialect};
-use crate::wire::OutputStream;
+use crate::wire::{ErrorCode, OutputStream};
 
 /// Longest session id kept: it goes back to the next process as an argument and a variable.
 const MAX_SESSION_ID: usize = 256;
@@ -230,7 +230,7 @@ impl Inner {
                     "every one of the credential's {} agent processes is in a turn (max_processes)",
                     self.settings.max_processes
                 ),
-                "agent-busy",
+                ErrorCode::AgentBusy,
             )
         })
     }
@@ -287,10 +287,12 @@ impl Inner {
                 Some(cwd) if !cwd.is_dir() => "the agent's working directory is no longer a folder".to_owned(),
                 _ => format!("cannot start the agent program {:?}: {e}", s.program),
             };
-            RuntimeError::turn(message, "agent-spawn")
+            RuntimeError::turn(message, ErrorCode::AgentSpawn)
         })?;
-        let stdin = child.stdin.take().ok_or_else(|| RuntimeError::turn("the agent has no stdin", "agent-spawn"))?;
-        let stdout = child.stdout.take().ok_or_else(|| RuntimeError::turn("the agent has no stdout", "agent-spawn"))?;
+        let stdin =
+            child.stdin.take().ok_or_else(|| RuntimeError::turn("the agent has no stdin", ErrorCode::AgentSpawn))?;
+        let stdout =
+            child.stdout.take().ok_or_else(|| RuntimeError::turn("the agent has no stdout", ErrorCode::AgentSpawn))?;
         if let Some(stderr) = child.stderr.take() {
             let (credential, conversation) = (self.name.clone(), req.conversation_id.clone());
             let mut lines = BoundedLines::new(stderr, self.max_line);
@@ -543,11 +545,11 @@ impl Inner {
                 agent.kill().await;
                 slot.failures += 1;
                 slot.last_death = Some(Instant::now());
-                if interrupted.is_some() { Ok(()) } else { Err(RuntimeError::turn(message, "agent-exit")) }
+                if interrupted.is_some() { Ok(()) } else { Err(RuntimeError::turn(message, ErrorCode::AgentExit)) }
             }
             Outcome::Protocol(message) => {
                 agent.kill().await;
-                Err(RuntimeError::turn(message, "agent-protocol"))
+                Err(RuntimeError::turn(message, ErrorCode::AgentProtocol))
             }
         }
     }
@@ -714,9 +716,10 @@ fn ndjson_event(v: &Value) -> Option<RawEvent> {
         "usage" => RawEvent::Usage(serde_json::from_value(v.get("usage")?.clone()).ok()?),
         "step_end" => RawEvent::StepEnd,
         "done" => RawEvent::Finish { reason: s("reason").unwrap_or_else(|| "stop".into()) },
-        "error" => {
-            RawEvent::Error { message: s("message").unwrap_or_else(|| "the agent failed".into()), code: s("code") }
-        }
+        "error" => RawEvent::Error {
+            message: s("message").unwrap_or_else(|| "the agent failed".into()),
+            code: s("code").map(|c| ErrorCode::parse(&c)),
+        },
         "session" => RawEvent::SessionId(s("id")?),
         _ => return None,
     })

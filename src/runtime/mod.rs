@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Processes;
-use crate::wire::{OutputStream, Usage};
+use crate::wire::{ErrorCode, OutputStream, Usage};
 
 /// One raw event of a runtime, in the order the runtime produced it.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,7 +59,7 @@ pub enum RawEvent {
     /// The turn failed.
     Error {
         message: String,
-        code: Option<String>,
+        code: Option<ErrorCode>,
     },
     /// The runtime's native session, to resume on the next turn.
     SessionId(String),
@@ -259,20 +259,20 @@ pub enum RuntimeError {
     Ambiguous(String),
     /// Accepted, then failed, or refused for good: the turn ends with this error.
     #[error("{message}")]
-    Turn { message: String, code: String },
+    Turn { message: String, code: ErrorCode },
 }
 
 impl RuntimeError {
-    pub fn turn(message: impl Into<String>, code: impl Into<String>) -> RuntimeError {
-        RuntimeError::Turn { message: message.into(), code: code.into() }
+    pub fn turn(message: impl Into<String>, code: ErrorCode) -> RuntimeError {
+        RuntimeError::Turn { message: message.into(), code }
     }
 
     /// The `code` of the turn's `error` event.
-    pub fn code(&self) -> &str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            RuntimeError::Failed(_) | RuntimeError::Throttled { .. } => "unavailable",
-            RuntimeError::Ambiguous(_) => "ambiguous",
-            RuntimeError::Turn { code, .. } => code,
+            RuntimeError::Failed(_) | RuntimeError::Throttled { .. } => ErrorCode::Unavailable,
+            RuntimeError::Ambiguous(_) => ErrorCode::Ambiguous,
+            RuntimeError::Turn { code, .. } => code.clone(),
         }
     }
 }

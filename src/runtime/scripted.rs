@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::timer::Timer;
 use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
-use crate::wire::{OutputStream, Usage};
+use crate::wire::{ErrorCode, OutputStream, Usage};
 
 /// A script: the first rule whose `match` is contained in the prompt answers it.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -304,7 +304,7 @@ async fn play(
         }
     }
     let terminal = match &rule.error {
-        Some(e) => RawEvent::Error { message: e.message.clone(), code: e.code.clone() },
+        Some(e) => RawEvent::Error { message: e.message.clone(), code: e.code.as_deref().map(ErrorCode::parse) },
         None => RawEvent::Finish { reason: rule.finish.clone().unwrap_or_else(|| "stop".to_owned()) },
     };
     send(&sink, terminal).await

@@ -3,7 +3,7 @@
 use super::sql::Query;
 use super::{BeginTurn, NewChunk, SealTurn};
 use super::{Store, StoreError, StoreResult};
-use crate::wire::{Chunk, ConversationStatus, ErrorChunk, Role, TextChunk, TurnMetrics};
+use crate::wire::{Chunk, ConversationStatus, ErrorChunk, ErrorCode, Role, TextChunk, TurnMetrics};
 
 /// The user's text as the chunk that opens its own message.
 pub fn user_chunk(text: &str) -> NewChunk {
@@ -13,7 +13,6 @@ pub fn user_chunk(text: &str) -> NewChunk {
 /// The error chunk that marks a turn whose process died: appended at the next start, or by
 /// another gateway when the turn's lease ends (the wording is spec 1.5's either way).
 pub const INTERRUPTED_MESSAGE: &str = "turn interrupted: server restarted";
-pub const INTERRUPTED_CODE: &str = "interrupted";
 
 /// How long idempotency keys are kept, at least.
 pub(super) const IDEMPOTENCY_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
@@ -22,10 +21,7 @@ pub(super) const IDEMPOTENCY_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
 pub(super) fn interrupted_marker() -> NewChunk {
     NewChunk {
         role: Role::Assistant,
-        chunk: Chunk::Error(ErrorChunk {
-            message: INTERRUPTED_MESSAGE.to_owned(),
-            code: Some(INTERRUPTED_CODE.to_owned()),
-        }),
+        chunk: Chunk::Error(ErrorChunk { message: INTERRUPTED_MESSAGE.to_owned(), code: Some(ErrorCode::Interrupted) }),
         new_message: true,
     }
 }

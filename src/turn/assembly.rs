@@ -6,7 +6,7 @@
 //! expect; a turn-level error is an assistant message of its own.
 
 use crate::store::NewChunk;
-use crate::wire::{Chunk, ErrorChunk, Role, TextChunk, ThinkingChunk, ToolCallChunk, ToolResultChunk};
+use crate::wire::{Chunk, ErrorChunk, ErrorCode, Role, TextChunk, ThinkingChunk, ToolCallChunk, ToolResultChunk};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Run {
@@ -83,9 +83,9 @@ impl ChunkAssembler {
         self.in_message = false;
     }
 
-    pub fn error(&mut self, message: &str, code: Option<&str>) {
+    pub fn error(&mut self, message: &str, code: Option<ErrorCode>) {
         self.in_message = false;
-        self.assistant(Chunk::Error(ErrorChunk { message: message.to_owned(), code: code.map(str::to_owned) }));
+        self.assistant(Chunk::Error(ErrorChunk { message: message.to_owned(), code }));
         self.in_message = false;
     }
 
@@ -170,13 +170,17 @@ mod tests {
         a.text("one");
         a.end_step();
         a.text("two");
-        a.error("boom", Some("x"));
+        a.error("boom", Some(ErrorCode::Other("x".into())));
         let got = summary(&a.take());
         assert_eq!(got.len(), 3);
         assert_eq!(got[1], (Role::Assistant, true, Chunk::Text(TextChunk { text: "two".into() })));
         assert_eq!(
             got[2],
-            (Role::Assistant, true, Chunk::Error(ErrorChunk { message: "boom".into(), code: Some("x".into()) }))
+            (
+                Role::Assistant,
+                true,
+                Chunk::Error(ErrorChunk { message: "boom".into(), code: Some(ErrorCode::Other("x".into())) })
+            )
         );
     }
 }

@@ -57,7 +57,7 @@ fn lease_lost(chunks: Option<usize>) -> End {
         message: format!(
             "the turn's lease on its conversation ended (another gateway marked it interrupted): {what} is not in the history"
         ),
-        code: Some("lease".into()),
+        code: Some(ErrorCode::Lease),
     }
 }
 
@@ -161,7 +161,7 @@ impl TurnRun {
     /// Ends the turn before its runtime is asked: what the runtime needed could not be read.
     /// Boxed like [`TurnRun::drive`].
     pub(super) fn refuse(self, message: String) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
-        Box::pin(async move { self.finish(End::Failed { message, code: Some("storage".into()) }).await })
+        Box::pin(async move { self.finish(End::Failed { message, code: Some(ErrorCode::Storage) }).await })
     }
 
     async fn run(mut self, runtime: Arc<dyn Runtime>, request: TurnRequest) {
@@ -174,7 +174,7 @@ impl TurnRun {
         tokio::pin!(deadline);
         let timed_out = || End::Failed {
             message: format!("the turn ran longer than {} s (max-turn-secs)", longest.as_secs()),
-            code: Some("timeout".into()),
+            code: Some(ErrorCode::Timeout),
         };
         let end = 'attempts: loop {
             let (sink, mut raw) = crate::runtime::event_queue(RAW_QUEUE, RAW_QUEUE_BYTES);
@@ -193,8 +193,8 @@ impl TurnRun {
                         }
                         None => break match (&mut task).await {
                             Ok(Err(e)) => e,
-                            Err(e) if e.is_panic() => RuntimeError::turn("the runtime crashed", "runtime"),
-                            _ => RuntimeError::turn("the runtime ended the turn without finishing it", "runtime"),
+                            Err(e) if e.is_panic() => RuntimeError::turn("the runtime crashed", ErrorCode::Runtime),
+                            _ => RuntimeError::turn("the runtime ended the turn without finishing it", ErrorCode::Runtime),
                         },
                     },
                 }
@@ -225,7 +225,7 @@ impl TurnRun {
                     _ = &mut deadline => break 'attempts timed_out(),
                 }
             }
-            break End::Failed { message: failure.to_string(), code: Some(failure.code().to_owned()) };
+            break End::Failed { message: failure.to_string(), code: Some(failure.code()) };
         };
         // Exactly one terminal: whatever the runtime sends after it is not read.
         runtime_cancel.cancel();
@@ -291,7 +291,7 @@ impl TurnRun {
                 tracing::error!(error = %e, "could not write the turn's chunks");
                 Err(End::Failed {
                     message: "the turn could not be written to the log".into(),
-                    code: Some("storage".into()),
+                    code: Some(ErrorCode::Storage),
                 })
             }
         }
@@ -346,7 +346,7 @@ impl TurnRun {
         match &end {
             End::Failed { code, .. } => {
                 metrics.turns_failed.fetch_add(1, Relaxed);
-                metrics.runtime_error(code.as_deref().unwrap_or("unknown"));
+                metrics.runtime_error(code.as_ref().map_or("unknown", ErrorCode::as_str));
             }
             End::Aborted => {
                 metrics.turns_aborted.fetch_add(1, Relaxed);

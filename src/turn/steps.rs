@@ -19,7 +19,7 @@ const PERSIST_RESULTS: usize = 1024 * 1024;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum End {
     Finished(String),
-    Failed { message: String, code: Option<String> },
+    Failed { message: String, code: Option<ErrorCode> },
     Aborted,
 }
 
@@ -230,7 +230,7 @@ impl TurnSteps {
     pub(super) fn end(&mut self, end: &End, now: Instant, out: &mut Vec<Effect>) -> u64 {
         let (conversation_id, turn_id) = self.ids();
         if let End::Failed { message, code } = end {
-            self.assembler.error(message, code.as_deref());
+            self.assembler.error(message, code.clone());
             out.push(Effect::Publish(AgentEvent::Error(TurnErrorEvent {
                 conversation_id: conversation_id.clone(),
                 turn_id: turn_id.clone(),
@@ -332,7 +332,7 @@ mod tests {
     fn end() -> impl Strategy<Value = End> {
         prop_oneof![
             Just(End::Finished("stop".into())),
-            Just(End::Failed { message: "boom".into(), code: Some("runtime".into()) }),
+            Just(End::Failed { message: "boom".into(), code: Some(ErrorCode::Upstream) }),
             Just(End::Aborted),
         ]
     }

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::super::{EventSink, RawEvent, RuntimeError};
 use crate::tools::{Outcome, TurnTools, capped};
-use crate::wire::OutputStream;
+use crate::wire::{ErrorCode, OutputStream};
 
 /// The most bytes of one progress line a watcher gets.
 const MOST_PROGRESS: usize = 64 * 1024;
@@ -159,5 +159,5 @@ impl StepCalls {
 }
 
 async fn send(sink: &EventSink, event: RawEvent) -> Result<(), RuntimeError> {
-    sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime"))
+    sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", ErrorCode::Runtime))
 }

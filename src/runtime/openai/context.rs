@@ -5,11 +5,7 @@
 use serde_json::{Value, json};
 
 use super::super::HistoryChunk;
-use crate::wire::{Chunk, Role};
-
-/// The `code` of a turn the upstream refused because it does not fit the model's context;
-/// the rebuilt history leaves such a turn's message out, so it does not fail every later one.
-pub(super) const CONTEXT_EXCEEDED: &str = "context_length";
+use crate::wire::{Chunk, ErrorCode, Role};
 
 /// The conversation as Chat Completions messages, always one a strict chat template takes
 /// (alternating user and assistant turns):
@@ -61,7 +57,7 @@ fn messages(history: &[HistoryChunk], system_prompt: Option<&str>) -> Vec<Value>
             })
             .collect();
         let too_long =
-            group.iter().any(|c| matches!(&c.chunk, Chunk::Error(e) if e.code.as_deref() == Some(CONTEXT_EXCEEDED)));
+            group.iter().any(|c| matches!(&c.chunk, Chunk::Error(e) if e.code == Some(ErrorCode::ContextLength)));
         if too_long {
             // The unanswered user message before it is what did not fit.
             if out.last().is_some_and(|m| m["role"] == "user") {
@@ -281,7 +277,7 @@ mod tests {
             4 => (0usize..120).prop_map(move |n| Chunk::Text(TextChunk { text: text(n) })),
             1 => (0usize..40).prop_map(move |n| Chunk::Thinking(ThinkingChunk { text: text(n) })),
             2 => (0u8..6).prop_map(call),
-            1 => prop_oneof![Just(Some(CONTEXT_EXCEEDED.to_owned())), Just(None)]
+            1 => prop_oneof![Just(Some(ErrorCode::ContextLength)), Just(None)]
                 .prop_map(|code| Chunk::Error(ErrorChunk { message: "e".into(), code })),
         ];
         prop_oneof![

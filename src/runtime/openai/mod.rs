@@ -26,11 +26,11 @@ mod calls;
 mod context;
 
 use self::calls::{StepCalls, Toolkit};
-use self::context::{CONTEXT_EXCEEDED, context_exceeded, estimated_tokens, fitting_messages, prompt_tokens_counted};
+use self::context::{context_exceeded, estimated_tokens, fitting_messages, prompt_tokens_counted};
 use super::http_client::{HttpClient, describe};
 use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
 use crate::config::RequestParams;
-use crate::wire::Usage;
+use crate::wire::{ErrorCode, Usage};
 
 /// The most real tokens an estimated one may be taken for (and a quarter the least).
 const MOST_PER_ESTIMATE: f64 = 8.0;
@@ -214,15 +214,16 @@ impl Gathered {
                 .as_str()
                 .or_else(|| error.get("message").and_then(Value::as_str))
                 .unwrap_or("the upstream reported an error");
-            return Err(RuntimeError::turn(message, "upstream"));
+            return Err(RuntimeError::turn(message, ErrorCode::Upstream));
         }
         if let Some(u) = data.get("usage").and_then(usage) {
             self.usage = Some(u);
         }
         let Some(choice) = data.get("choices").and_then(|c| c.get(0)) else { return Ok(()) };
         let delta = choice.get("delta").cloned().unwrap_or(Value::Null);
-        let send =
-            |event| async { sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime")) };
+        let send = |event| async {
+            sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", ErrorCode::Runtime))
+        };
         // Servers that send both say the same thing twice: one is taken.
         let reasoning = ["reasoning_content", "reasoning"]
             .iter()
@@ -296,7 +297,7 @@ impl Gathered {
         }
         events.push(RawEvent::StepEnd);
         for e in events {
-            sink.send(e).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime"))?;
+            sink.send(e).await.map_err(|_| RuntimeError::turn("the turn went away", ErrorCode::Runtime))?;
         }
         let reason = self.finish.unwrap_or_else(|| "stop".to_owned());
         Ok((reason, self.text, self.started.filter(|c| !c.is_empty())))
@@ -329,13 +330,18 @@ impl OpenAiRuntime {
         // This turn's earlier steps go up whole, after the history fitted to what they leave.
         let added: u64 = step.added.iter().map(estimated_tokens).sum();
         let budget = window.map_or(size, |w| w.min(size)).saturating_sub(added);
-        let history =
-            req.history.as_ref().ok_or_else(|| RuntimeError::turn("the turn came without its history", "runtime"))?;
+        let history = req
+            .history
+            .as_ref()
+            .ok_or_else(|| RuntimeError::turn("the turn came without its history", ErrorCode::Runtime))?;
         let read = |from, to| history.range(from, to);
         let system_prompt = self.settings.system_prompt.as_deref();
         let (messages, left_out) =
             fitting_messages(history.last_seq(), read, system_prompt, budget).await.map_err(|e| {
-                RuntimeError::turn(format!("the conversation could not be read for the runtime: {e}"), "storage")
+                RuntimeError::turn(
+                    format!("the conversation could not be read for the runtime: {e}"),
+                    ErrorCode::Storage,
+                )
             })?;
         if left_out > 0 {
             tracing::info!(left_out, "left the oldest messages out of the request to fit the context window");
@@ -445,7 +451,7 @@ impl OpenAiRuntime {
                     429 => match wait {
                         Some(after) if after > MAX_RETRY_AFTER => RuntimeError::turn(
                             format!("{message} (it asks to retry in {}s)", after.as_secs()),
-                            "rate_limited",
+                            ErrorCode::RateLimited,
                         ),
                         Some(after) => RuntimeError::Throttled { message, retry_after: after },
                         None => RuntimeError::Failed(message),
@@ -453,7 +459,7 @@ impl OpenAiRuntime {
                     400 if context_exceeded(&body) => {
                         let error = RuntimeError::turn(
                             format!("the conversation does not fit the model's context: {detail}"),
-                            CONTEXT_EXCEEDED,
+                            ErrorCode::ContextLength,
                         );
                         // Refused, so never run: trimmed again as if tokens were dearer (what the
                         // upstream says it counted, else twice the last guess), until the request
@@ -477,7 +483,7 @@ impl OpenAiRuntime {
                         }
                     }
                     _ if status.is_server_error() => RuntimeError::Failed(message),
-                    _ => RuntimeError::turn(message, "upstream"),
+                    _ => RuntimeError::turn(message, ErrorCode::Upstream),
                 });
             }
             // A 200 that is not a stream (a server that ignored `stream: true`, a proxy's error
@@ -491,7 +497,7 @@ impl OpenAiRuntime {
                 let detail = readable(&body);
                 return Err(RuntimeError::turn(
                     format!("the upstream answered {status} with {kind}, not an event stream: {detail}"),
-                    "upstream",
+                    ErrorCode::Upstream,
                 ));
             }
             return Ok((response, estimate));
@@ -502,8 +508,9 @@ impl OpenAiRuntime {
     /// for calls runs them, sends their results back up and takes the next step, until a step
     /// asks for none or `max_steps` is reached.
     async fn turn(&self, req: TurnRequest, sink: EventSink, cancel: CancellationToken) -> Result<(), RuntimeError> {
-        let send =
-            |event| async { sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime")) };
+        let send = |event| async {
+            sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", ErrorCode::Runtime))
+        };
         let Some(settings) = &self.settings.tools else {
             let (reason, _, _) = self.step(&req, &sink, &StepInput::default(), None).await?;
             return send(RawEvent::Finish { reason }).await;
@@ -533,7 +540,7 @@ impl OpenAiRuntime {
         }
         Err(RuntimeError::turn(
             format!("the turn reached {} steps (the credential's max_steps) and was ended", settings.max_steps.max(1)),
-            "max-steps",
+            ErrorCode::MaxSteps,
         ))
     }
 
@@ -547,8 +554,9 @@ impl OpenAiRuntime {
         kit: Option<Toolkit>,
     ) -> Result<(String, String, Option<StepCalls>), RuntimeError> {
         let idle = self.settings.idle_timeout;
-        let send =
-            |event| async { sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", "runtime")) };
+        let send = |event| async {
+            sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", ErrorCode::Runtime))
+        };
         send(RawEvent::StepStart).await?;
         let (response, estimate) = self.open(req, step, &send).await?;
         let mut gathered = Gathered { estimate, started: kit.map(StepCalls::new), ..Gathered::default() };
@@ -573,13 +581,17 @@ impl OpenAiRuntime {
         let mut events = std::pin::pin!(SseByteStream::new(counted));
         // Before any content a broken stream is as good as never accepted.
         let broken = |gathered: &Gathered, message: String| {
-            if gathered.content { RuntimeError::turn(message, "upstream") } else { RuntimeError::Failed(message) }
+            if gathered.content {
+                RuntimeError::turn(message, ErrorCode::Upstream)
+            } else {
+                RuntimeError::Failed(message)
+            }
         };
         loop {
             let event = match events.next().await {
                 None => break,
                 Some(Err(sse_stream::Error::Body(e))) if matches!(e.downcast_ref(), Some(Upstream::TooLong(_))) => {
-                    return Err(RuntimeError::turn(format!("the upstream sent {e}"), "upstream"));
+                    return Err(RuntimeError::turn(format!("the upstream sent {e}"), ErrorCode::Upstream));
                 }
                 Some(Err(sse_stream::Error::Body(e))) if matches!(e.downcast_ref(), Some(Upstream::Idle(_))) => {
                     return Err(broken(&gathered, format!("the upstream sent {e}")));
@@ -608,7 +620,7 @@ impl OpenAiRuntime {
                 Err(e) => {
                     return Err(RuntimeError::turn(
                         format!("the upstream sent an event that is not JSON: {e}"),
-                        "upstream",
+                        ErrorCode::Upstream,
                     ));
                 }
             }
