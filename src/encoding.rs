@@ -4,6 +4,31 @@
 
 use bytes::{BufMut, BytesMut};
 
+/// The live transports: how a stream's events are framed on its socket (the hub keeps each
+/// event in each framing, `hub/event.rs`), and how `/metrics` counts the streams open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// NDJSON lines (`Accept: application/x-ndjson`).
+    Ndjson,
+    /// Server-Sent Events, each with its id.
+    Sse,
+    /// `chat.delta` messages in WebSocket text frames.
+    WebSocket,
+}
+
+impl Transport {
+    pub const ALL: [Transport; 3] = [Transport::Ndjson, Transport::Sse, Transport::WebSocket];
+
+    /// The `transport` label of the stream gauges.
+    pub fn label(self) -> &'static str {
+        match self {
+            Transport::Ndjson => "ndjson",
+            Transport::Sse => "sse",
+            Transport::WebSocket => "websocket",
+        }
+    }
+}
+
 /// `<json>\n`.
 pub fn put_ndjson(out: &mut BytesMut, json: &[u8]) {
     out.reserve(json.len() + 1);

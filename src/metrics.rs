@@ -11,28 +11,38 @@ use std::time::Duration;
 
 mod process;
 
+use crate::encoding::Transport;
+
 /// Upper bounds of the SQLite write latency histogram, in seconds.
 const WRITE_BUCKETS: [f64; 12] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
 
-/// Live-stream transports, for the per-transport gauge.
+/// What holds one of `--max-streams`' places, for the per-transport gauge: a live stream, or
+/// a `GET /conversations/:id/last` waiting for a running turn (held as long as a stream).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transport {
-    Sse,
-    Ndjson,
-    WebSocket,
-    /// `GET /conversations/:id/last` waiting for a running turn: held as long as a stream.
+pub enum Holder {
+    Live(Transport),
     Last,
 }
 
-impl Transport {
-    const ALL: [Transport; 4] = [Transport::Sse, Transport::Ndjson, Transport::WebSocket, Transport::Last];
+impl Holder {
+    const ALL: [Holder; 4] = [
+        Holder::Live(Transport::Sse),
+        Holder::Live(Transport::Ndjson),
+        Holder::Live(Transport::WebSocket),
+        Holder::Last,
+    ];
+
+    fn index(self) -> usize {
+        match self {
+            Holder::Live(t) => t as usize,
+            Holder::Last => Transport::ALL.len(),
+        }
+    }
 
     fn label(self) -> &'static str {
         match self {
-            Transport::Sse => "sse",
-            Transport::Ndjson => "ndjson",
-            Transport::WebSocket => "websocket",
-            Transport::Last => "last",
+            Holder::Live(t) => t.label(),
+            Holder::Last => "last",
         }
     }
 }
@@ -45,7 +55,7 @@ pub struct Metrics {
     pub turns_aborted: AtomicU64,
     pub events_emitted: AtomicU64,
     pub events_delivered: AtomicU64,
-    open_streams: [AtomicU64; Transport::ALL.len()],
+    open_streams: [AtomicU64; Holder::ALL.len()],
     pub lag_recoveries: AtomicU64,
     pub subscriber_drops: AtomicU64,
     /// Socket writes made by turns' rounds for parked streams (see `hub::ParkedStream`).
@@ -226,12 +236,12 @@ impl Metrics {
             pacing.readers_elsewhere
         );
         let _ = writeln!(out, "# HELP dispatch_open_streams Open live streams.\n# TYPE dispatch_open_streams gauge");
-        for t in Transport::ALL {
+        for t in Holder::ALL {
             let _ = writeln!(
                 out,
                 "dispatch_open_streams{{transport=\"{}\"}} {}",
                 t.label(),
-                self.open_streams[t as usize].load(Relaxed)
+                self.open_streams[t.index()].load(Relaxed)
             );
         }
         let _ = writeln!(
@@ -329,21 +339,21 @@ impl BusCounters {
 /// Counts a stream open for as long as it lives, against the cap.
 pub struct StreamPermit {
     metrics: std::sync::Arc<Metrics>,
-    transport: Transport,
+    holder: Holder,
     /// What else the stream holds until it ends (its subject's place under a quota).
     _held: Option<Box<dyn Send + Sync>>,
 }
 
 impl StreamPermit {
     /// Opens a stream unless `max` are open already.
-    pub fn acquire(metrics: &std::sync::Arc<Metrics>, transport: Transport, max: usize) -> Option<StreamPermit> {
-        let gauge = &metrics.open_streams[transport as usize];
+    pub fn acquire(metrics: &std::sync::Arc<Metrics>, holder: Holder, max: usize) -> Option<StreamPermit> {
+        let gauge = &metrics.open_streams[holder.index()];
         gauge.fetch_add(1, Relaxed);
         if metrics.open_streams() > max as u64 {
             gauge.fetch_sub(1, Relaxed);
             return None;
         }
-        Some(StreamPermit { metrics: metrics.clone(), transport, _held: None })
+        Some(StreamPermit { metrics: metrics.clone(), holder, _held: None })
     }
 
     /// The permit holding `held` too, for as long as the stream lives.
@@ -355,6 +365,6 @@ impl StreamPermit {
 
 impl Drop for StreamPermit {
     fn drop(&mut self) {
-        self.metrics.open_streams[self.transport as usize].fetch_sub(1, Relaxed);
+        self.metrics.open_streams[self.holder.index()].fetch_sub(1, Relaxed);
     }
 }

@@ -11,7 +11,8 @@ use super::error::ApiError;
 use super::error::ErrorBody;
 use super::extract::{Caller, JsonObject};
 use super::stream::{watch, watch_response};
-use crate::live::Format;
+use crate::encoding::Transport;
+use crate::metrics::Holder;
 use crate::turn::StartTurn;
 #[cfg(feature = "openapi")]
 use crate::wire::AgentEvent;
@@ -81,8 +82,8 @@ pub async fn chat(
     body: JsonObject,
 ) -> Result<Response, ApiError> {
     let start = parse_chat(&body, &caller)?;
-    let format = if wants_sse(&headers) { Format::Sse } else { Format::Ndjson };
-    let permit = state.open_stream(format.transport(), &caller).await?;
+    let format = if wants_sse(&headers) { Transport::Sse } else { Transport::Ndjson };
+    let permit = state.open_stream(Holder::Live(format), &caller).await?;
     let started = state.turns.start(start).await?;
     let cursor = state.hub.read_turn(&started.buffer);
     let id = started.conversation_id.clone();

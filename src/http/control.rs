@@ -292,7 +292,7 @@ pub async fn last(
     }
     if let Some(buffer) = state.hub.current(&id).await {
         // A wait holds its connection as long as a stream does: it counts as one.
-        let _permit = state.open_stream(crate::metrics::Transport::Last, &seen.caller).await?;
+        let _permit = state.open_stream(crate::metrics::Holder::Last, &seen.caller).await?;
         let mut cursor = state.hub.read_turn(&buffer);
         drop(buffer);
         let sealed = async { while !matches!(cursor.next_batch(usize::MAX).await, Delivery::End) {} };

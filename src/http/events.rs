@@ -11,8 +11,9 @@ use super::error::ApiError;
 use super::error::ErrorBody;
 use super::extract::{QueryParams, SeenId};
 use super::stream::{watch, watch_response};
+use crate::encoding::Transport;
 use crate::hub::{Cursor, EventId};
-use crate::live::Format;
+use crate::metrics::Holder;
 
 /// Follows a conversation: the in-flight turn's events replayed from its start (or right after
 /// the resume cursor), then every event of every later turn, until the client leaves.
@@ -44,11 +45,11 @@ pub async fn events(
     query: QueryParams,
 ) -> Result<Response, ApiError> {
     let format = match query.get("format") {
-        Some("sse") => Format::Sse,
-        Some("ndjson") => Format::Ndjson,
+        Some("sse") => Transport::Sse,
+        Some("ndjson") => Transport::Ndjson,
         Some(other) => return Err(ApiError::bad(format!("`format` takes sse or ndjson, got {other:?}"))),
-        None if accepts_ndjson(&headers) => Format::Ndjson,
-        None => Format::Sse,
+        None if accepts_ndjson(&headers) => Transport::Ndjson,
+        None => Transport::Sse,
     };
     let until_sealed = match query.get("until") {
         None => false,
@@ -57,7 +58,7 @@ pub async fn events(
     };
     // NDJSON carries nothing but AgentEvents, so it has no ids and no resume.
     let resume =
-        if format == Format::Sse {
+        if format == Transport::Sse {
             let header = headers.get("last-event-id").map(|v| v.to_str().unwrap_or("\u{0}"));
             match header.or(query.get("lastEventId")).filter(|s| !s.is_empty()) {
                 Some(raw) => Some(EventId::parse(raw).ok_or_else(|| {
@@ -68,7 +69,7 @@ pub async fn events(
         } else {
             None
         };
-    let permit = state.open_stream(format.transport(), &seen.caller).await?;
+    let permit = state.open_stream(Holder::Live(format), &seen.caller).await?;
     let id = seen.id;
     // Another subject's conversation is watched as an id nobody uses: nothing ever comes.
     if !seen.visible || !super::claim(&state, &id, &seen.caller).await? {

@@ -76,10 +76,10 @@ impl AppState {
     /// 429 past the caller's `streams` quota.
     pub async fn open_stream(
         &self,
-        transport: crate::metrics::Transport,
+        holder: crate::metrics::Holder,
         caller: &crate::identity::Identity,
     ) -> Result<crate::metrics::StreamPermit, ApiError> {
-        let permit = crate::metrics::StreamPermit::acquire(&self.metrics, transport, self.config.max_streams)
+        let permit = crate::metrics::StreamPermit::acquire(&self.metrics, holder, self.config.max_streams)
             .ok_or_else(|| ApiError::AtCapacity("too many open streams; try again later".into()))?;
         let Some(subject) = caller.viewer() else { return Ok(permit) };
         Ok(match self.stream_quota.take(subject).await? {

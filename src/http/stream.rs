@@ -6,15 +6,16 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::Response;
 
 use super::AppState;
+use crate::encoding::Transport;
 use crate::hub::Cursor;
-use crate::live::{Format, Handoff, Live, Watch, WatchSetup};
+use crate::live::{Handoff, Live, Watch, WatchSetup, content_type};
 use crate::metrics::StreamPermit;
 
 /// A watcher of `cursor` with the gateway's keep-alive, store and shutdown.
 pub fn watch(
     state: &AppState,
     cursor: Cursor,
-    format: Format,
+    format: Transport,
     conversation_id: String,
     until_sealed: bool,
     resync_first: bool,
@@ -42,7 +43,7 @@ pub fn watch_response(watch: Watch) -> Response {
     let mut response = Response::new(axum::body::Body::from_stream(unsized_body));
     *response.status_mut() = StatusCode::OK;
     let h = response.headers_mut();
-    h.insert(CONTENT_TYPE, HeaderValue::from_static(watch.format.content_type()));
+    h.insert(CONTENT_TYPE, HeaderValue::from_static(content_type(watch.format)));
     h.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     Handoff::attach(&mut response, Live::Watch(watch));

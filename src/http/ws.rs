@@ -16,9 +16,9 @@ use super::AppState;
 use super::chat::parse_chat;
 use super::error::{ApiError, ErrorBody};
 use super::extract::{Caller, JsonObject, check_id};
-use crate::encoding::has_token;
+use crate::encoding::{Transport, has_token};
 use crate::live::{Handoff, Live, Ops, Session, SessionSetup};
-use crate::metrics::Transport;
+use crate::metrics::Holder;
 use crate::turn::StartError;
 
 /// Upgrades to the WebSocket protocol. Also answers every path of the `--ws-listen` listener.
@@ -50,7 +50,7 @@ pub async fn ws(State(state): State<AppState>, Caller(caller): Caller, request: 
     };
     // The page's `Origin` was checked with the request's head (`layers::guard`): a page of
     // another site gets no session (cross-site WebSocket hijacking).
-    let permit = state.open_stream(Transport::WebSocket, &caller).await?;
+    let permit = state.open_stream(Holder::Live(Transport::WebSocket), &caller).await?;
     let mut response = StatusCode::SWITCHING_PROTOCOLS.into_response();
     let headers = response.headers_mut();
     headers.insert(header::UPGRADE, header::HeaderValue::from_static("websocket"));

@@ -9,10 +9,11 @@ use bytes::BytesMut;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::event::{EncodedEvent, Encoding, Kind};
+use super::event::{EncodedEvent, Kind};
 use super::pacing::{Decision, FlushWindow, PHASES, Pacing, Round};
 use super::parked::{Attached, Batches, Built, Chunks, ParkedStream, Ready};
 use super::remote::Outbox;
+use crate::encoding::Transport;
 use crate::encoding::{CHUNK_END, chunk_size};
 use crate::wire::{AgentEvent, TurnReasoningDeltaEvent, TurnTextDeltaEvent};
 
@@ -416,7 +417,7 @@ const PART: usize = 512;
 
 impl Batches for TurnBuffer {
     /// The events from `next` on as one write: an HTTP/1.1 chunk, or WebSocket frames.
-    fn batch(&self, next: u32, encoding: Encoding) -> Ready {
+    fn batch(&self, next: u32, encoding: Transport) -> Ready {
         let st = self.state();
         let start = start_of(&st.events, next);
         let Some(first) = st.events.get(start) else { return Ready::Nothing };
@@ -427,13 +428,13 @@ impl Batches for TurnBuffer {
         let events = &st.events[start..end];
         let len: usize = events.iter().map(|f| encoding.len(f)).sum();
         let mut size = [0u8; 18];
-        let size = if encoding == Encoding::Ws { &[][..] } else { chunk_size(&mut size, len) };
+        let size = if encoding == Transport::WebSocket { &[][..] } else { chunk_size(&mut size, len) };
         let mut chunk = BytesMut::with_capacity(size.len() + len + 2);
         chunk.extend_from_slice(size);
         for f in events {
             encoding.put(&mut chunk, f);
         }
-        if encoding != Encoding::Ws {
+        if encoding != Transport::WebSocket {
             chunk.extend_from_slice(CHUNK_END);
         }
         let last = &events[events.len() - 1];

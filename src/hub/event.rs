@@ -4,7 +4,7 @@ use std::sync::{Arc, OnceLock};
 
 use bytes::{Bytes, BytesMut};
 
-use crate::encoding::{WS_TEXT, put_ndjson, put_sse_event, put_ws_frame, ws_chat_delta, ws_frame_len};
+use crate::encoding::{Transport, WS_TEXT, put_ndjson, put_sse_event, put_ws_frame, ws_chat_delta, ws_frame_len};
 use crate::wire::AgentEvent;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,33 +90,23 @@ impl EncodedEvent {
     }
 }
 
-/// Which of an event's encodings a stream writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Encoding {
-    /// The NDJSON line.
-    Line,
-    /// The SSE message.
-    Sse,
-    /// The WebSocket `chat.delta` message, as a text frame.
-    Ws,
-}
-
-impl Encoding {
+/// An event in a transport's framing (each kept once per event, `EncodedEvent`).
+impl Transport {
     /// The event's length in this encoding.
     pub fn len(self, event: &EncodedEvent) -> usize {
         match self {
-            Encoding::Line => event.line.len(),
-            Encoding::Sse => event.sse.len(),
-            Encoding::Ws => ws_frame_len(event.ws().len()),
+            Transport::Ndjson => event.line.len(),
+            Transport::Sse => event.sse.len(),
+            Transport::WebSocket => ws_frame_len(event.ws().len()),
         }
     }
 
     /// Appends the event in this encoding.
     pub fn put(self, out: &mut BytesMut, event: &EncodedEvent) {
         match self {
-            Encoding::Line => out.extend_from_slice(&event.line),
-            Encoding::Sse => out.extend_from_slice(&event.sse),
-            Encoding::Ws => put_ws_frame(out, WS_TEXT, event.ws()),
+            Transport::Ndjson => out.extend_from_slice(&event.line),
+            Transport::Sse => out.extend_from_slice(&event.sse),
+            Transport::WebSocket => put_ws_frame(out, WS_TEXT, event.ws()),
         }
     }
 
@@ -124,8 +114,8 @@ impl Encoding {
     /// that a batch costs one socket write.
     pub fn join(self, events: &[Arc<EncodedEvent>]) -> Bytes {
         match (self, events) {
-            (Encoding::Line, [one]) => one.line.clone(),
-            (Encoding::Sse, [one]) => one.sse.clone(),
+            (Transport::Ndjson, [one]) => one.line.clone(),
+            (Transport::Sse, [one]) => one.sse.clone(),
             (_, many) => {
                 let mut out = BytesMut::with_capacity(many.iter().map(|e| self.len(e)).sum());
                 for e in many {

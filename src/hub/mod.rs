@@ -32,7 +32,7 @@ mod remote;
 
 pub use buffer::{BATCH, TurnBuffer};
 pub use cursor::{Cursor, Delivery, EventId};
-pub use event::{EncodedEvent, Encoding};
+pub use event::EncodedEvent;
 pub use pacing::FlushWindow;
 pub use parked::{ParkedStream, Socket, Unparked};
 pub use remote::{Following, Outbox, Outgoing, Remote};

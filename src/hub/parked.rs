@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytes::Bytes;
 use tokio::sync::Notify;
 
-use super::event::Encoding;
 use super::pacing::PHASES;
+use crate::encoding::Transport;
 use crate::metrics::Metrics;
 
 /// The transport's side of a parked stream: its socket, written without waiting.
@@ -35,7 +35,7 @@ pub trait Socket: Send + Sync {
 
 /// A stream's socket and position, which rounds write to while the stream is parked.
 pub struct ParkedStream {
-    encoding: Encoding,
+    encoding: Transport,
     metrics: Arc<Metrics>,
     state: Mutex<ParkedState>,
     /// Tells the stream's task that the round handed the stream back.
@@ -78,7 +78,7 @@ pub struct Unparked {
 /// Chunks built in one round, shared by every stream at the same position.
 #[derive(Default)]
 pub(super) struct Chunks {
-    built: Vec<(u32, Encoding, Built)>,
+    built: Vec<(u32, Transport, Built)>,
 }
 
 /// One write of a stream's events, as its transport frames them.
@@ -103,7 +103,7 @@ pub enum Ready {
 /// knows its events; this file knows only the streams.
 pub trait Batches {
     /// The events from `next` on as one write in `encoding`.
-    fn batch(&self, next: u32, encoding: Encoding) -> Ready;
+    fn batch(&self, next: u32, encoding: Transport) -> Ready;
 }
 
 /// Where a buffer is, to tell whether a stream is parked on it.
@@ -113,7 +113,7 @@ fn address(buffer: &impl Batches) -> usize {
 
 impl ParkedStream {
     /// A stream that rounds may write to through `socket` while it is parked.
-    pub fn new(socket: Arc<dyn Socket>, encoding: Encoding, metrics: Arc<Metrics>) -> Arc<ParkedStream> {
+    pub fn new(socket: Arc<dyn Socket>, encoding: Transport, metrics: Arc<Metrics>) -> Arc<ParkedStream> {
         let state = ParkedState {
             socket: Some(socket),
             parked: false,
@@ -307,7 +307,7 @@ mod tests {
         theirs.set_nonblocking(true).unwrap();
         let metrics = Arc::new(Metrics::default());
         let ours = Arc::new(ours);
-        (ParkedStream::new(ours.clone(), Encoding::Line, metrics.clone()), ours, theirs, metrics)
+        (ParkedStream::new(ours.clone(), Transport::Ndjson, metrics.clone()), ours, theirs, metrics)
     }
 
     /// Everything readable now.
@@ -576,7 +576,7 @@ mod tests {
             let (ours, other) = UnixStream::pair().unwrap();
             ours.set_nonblocking(true).unwrap();
             other.set_nonblocking(true).unwrap();
-            let sink = ParkedStream::new(Arc::new(Dear(ours)), Encoding::Line, Arc::new(Metrics::default()));
+            let sink = ParkedStream::new(Arc::new(Dear(ours)), Transport::Ndjson, Arc::new(Metrics::default()));
             buffer.attach(&sink);
             sink.park(buffer.as_ref(), 0);
             sinks.push(sink);
@@ -775,7 +775,7 @@ mod tests {
             ours.set_nonblocking(true).unwrap();
             theirs.set_nonblocking(true).unwrap();
             let socket = Arc::new(Noted { inner: ours, writers: writers.clone() });
-            let sink = ParkedStream::new(socket, Encoding::Line, Arc::new(Metrics::default()));
+            let sink = ParkedStream::new(socket, Transport::Ndjson, Arc::new(Metrics::default()));
             buffer.attach(&sink);
             sink.park(buffer.as_ref(), 0);
             ends.push((sink, theirs));

@@ -14,54 +14,35 @@ use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use super::Cancelled;
+use crate::encoding::Transport;
 use crate::encoding::{NDJSON_KEEPALIVE, SSE_KEEPALIVE, sse_named};
-use crate::hub::{BATCH, Cursor, Delivery, Encoding, Unparked};
-use crate::metrics::{Metrics, StreamPermit, Transport};
+use crate::hub::{BATCH, Cursor, Delivery, Unparked};
+use crate::metrics::{Metrics, StreamPermit};
 use crate::store::Store;
 use crate::wire::ErrorCode;
 
-/// What a watcher's stream carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    Ndjson,
-    Sse,
+/// A watch's `Content-Type`: a watch is NDJSON or SSE (a WebSocket session is `live::Session`).
+pub fn content_type(transport: Transport) -> &'static str {
+    match transport {
+        Transport::Ndjson => "application/x-ndjson",
+        Transport::Sse => "text/event-stream",
+        Transport::WebSocket => unreachable!("a watch is NDJSON or SSE"),
+    }
 }
 
-impl Format {
-    pub fn content_type(self) -> &'static str {
-        match self {
-            Format::Ndjson => "application/x-ndjson",
-            Format::Sse => "text/event-stream",
-        }
-    }
-
-    pub fn transport(self) -> Transport {
-        match self {
-            Format::Ndjson => Transport::Ndjson,
-            Format::Sse => Transport::Sse,
-        }
-    }
-
-    /// Which of an event's encodings this stream writes.
-    pub fn encoding(self) -> Encoding {
-        match self {
-            Format::Ndjson => Encoding::Line,
-            Format::Sse => Encoding::Sse,
-        }
-    }
-
-    fn keepalive(self) -> Bytes {
-        Bytes::from_static(match self {
-            Format::Ndjson => NDJSON_KEEPALIVE,
-            Format::Sse => SSE_KEEPALIVE,
-        })
-    }
+/// A watch's keep-alive: an empty NDJSON line, or an SSE comment.
+fn keepalive(transport: Transport) -> Bytes {
+    Bytes::from_static(match transport {
+        Transport::Ndjson => NDJSON_KEEPALIVE,
+        Transport::Sse => SSE_KEEPALIVE,
+        Transport::WebSocket => unreachable!("a watch is NDJSON or SSE"),
+    })
 }
 
 /// What a route sets a watcher up with.
 pub struct WatchSetup {
     pub cursor: Cursor,
-    pub format: Format,
+    pub format: Transport,
     /// End after the next `turn-sealed`.
     pub until_sealed: bool,
     /// Send `event: resync` before anything else.
@@ -79,7 +60,7 @@ pub struct WatchSetup {
 /// One watcher's stream.
 pub struct Watch {
     pub cursor: Cursor,
-    pub format: Format,
+    pub format: Transport,
     until_sealed: bool,
     resync_first: bool,
     store: Store,
@@ -175,7 +156,7 @@ impl Watch {
         let delivery = match wake {
             Wake::Delivery(delivery) => delivery,
             Wake::Tick if std::mem::take(&mut self.sent) => return Step::Idle,
-            Wake::Tick => return Step::Write(self.format.keepalive()),
+            Wake::Tick => return Step::Write(keepalive(self.format)),
             Wake::Drained => match self.cursor.try_batch(BATCH) {
                 Some(delivery) => delivery,
                 // Shutdown with a turn still unsealed under the cursor: it ends cut, saying so.
@@ -188,14 +169,14 @@ impl Watch {
         let step = match delivery {
             Delivery::Events(events) => {
                 self.metrics.events_delivered.fetch_add(events.len() as u64, Relaxed);
-                let bytes = self.format.encoding().join(&events);
+                let bytes = self.format.join(&events);
                 if self.until_sealed && events.last().is_some_and(|e| e.is_sealed()) {
                     Step::Last(bytes)
                 } else {
                     Step::Write(bytes)
                 }
             }
-            Delivery::Lost { .. } if self.format == Format::Sse => {
+            Delivery::Lost { .. } if self.format == Transport::Sse => {
                 self.metrics.lag_recoveries.fetch_add(1, Relaxed);
                 match resync_message(&self.store, &self.conversation_id, &self.cursor).await {
                     Ok(message) => Step::Write(message),
@@ -237,9 +218,10 @@ impl Watch {
             code: Some(code),
         });
         let json = serde_json::to_string(&error).expect("an event serializes");
-        Step::Cut(Bytes::from(match self.format {
-            Format::Ndjson => format!("{json}\n"),
-            Format::Sse => format!("data: {json}\n\n"),
+        Step::Cut(Bytes::from(if self.format == Transport::Sse {
+            format!("data: {json}\n\n")
+        } else {
+            format!("{json}\n")
         }))
     }
 

@@ -541,7 +541,7 @@ async fn watch_stream(
     limits: &ConnectionLimits,
 ) -> io::Result<bool> {
     let drain = limits.drain_timeout;
-    let mut parking = Parking::new(stream, watch.format.encoding(), watch.metrics.clone());
+    let mut parking = Parking::new(stream, watch.format, watch.metrics.clone());
     let mut step = watch.opening().await;
     loop {
         match step {

@@ -11,7 +11,8 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::stalled_error;
-use crate::hub::{Cursor, Encoding, ParkedStream, Socket, TurnBuffer, Unparked};
+use crate::encoding::Transport;
+use crate::hub::{Cursor, ParkedStream, Socket, TurnBuffer, Unparked};
 use crate::metrics::Metrics;
 
 /// Writes every byte of `parts`, failing once the socket has taken nothing for `drain`.
@@ -61,7 +62,7 @@ pub(super) struct Parking {
 }
 
 impl Parking {
-    pub(super) fn new(socket: &Arc<TcpStream>, encoding: Encoding, metrics: Arc<Metrics>) -> Parking {
+    pub(super) fn new(socket: &Arc<TcpStream>, encoding: Transport, metrics: Arc<Metrics>) -> Parking {
         let stream = ParkedStream::new(socket.clone(), encoding, metrics);
         Parking { stream, attached: None, socket: socket.clone() }
     }

@@ -34,8 +34,9 @@ use tokio::net::TcpStream;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
 use super::socket::{Parking, write_all};
+use crate::encoding::Transport;
 use crate::encoding::{WS_CLOSE, put_ws_frame};
-use crate::hub::{Delivery, Encoding};
+use crate::hub::Delivery;
 use crate::live::{Cancelled, Reading, ReadingBudget, Session};
 use crate::status::StatusChange;
 
@@ -272,7 +273,7 @@ pub async fn serve(stream: &Arc<TcpStream>, mut session: Session, read: Vec<u8>,
     let mut held_until: Option<Pin<Box<tokio::time::Sleep>>> = None;
     let mut ping = session.keepalive.map(|p| tokio::time::interval_at(tokio::time::Instant::now() + p, p));
     let mut drained = Cancelled::new(&session.drained);
-    let mut parking = Parking::new(stream, Encoding::Ws, session.metrics.clone());
+    let mut parking = Parking::new(stream, Transport::WebSocket, session.metrics.clone());
     let mut out = BytesMut::new();
     let mut draining = false;
     let mut woke = None;
@@ -499,7 +500,7 @@ async fn deliver(session: &mut Session, out: &mut BytesMut, id: &str, delivery: 
         Delivery::Events(events) => {
             session.metrics.events_delivered.fetch_add(events.len() as u64, std::sync::atomic::Ordering::Relaxed);
             for event in &events {
-                Encoding::Ws.put(out, event);
+                Transport::WebSocket.put(out, event);
             }
         }
         Delivery::Lost { turn_id } => {
