@@ -4,7 +4,6 @@
 //! generic it reaches (the serving futures' drop glue, the log layers), so a `main` with a
 //! body of its own doubled a release build's last, serial step (docs/operations.md, "Build").
 
-use std::future::Future;
 use std::process::ExitCode;
 
 use tracing_subscriber::layer::SubscriberExt;
@@ -64,7 +63,7 @@ async fn serve(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     }
     // Installed before anything is announced: a SIGTERM right after "listening" must stop the
     // gateway gracefully, not kill it with the signal's default action.
-    let shutdown = shutdown_signal()?;
+    let shutdown = crate::shutdown::signal()?;
     crate::open_files::raise(config.max_streams);
     let gateway = Gateway::build(config).await?;
     let listener = gateway.bind().await?;
@@ -88,28 +87,6 @@ fn failed(e: &dyn std::error::Error) -> ExitCode {
         source = cause.source();
     }
     ExitCode::FAILURE
-}
-
-/// Listens for SIGINT and SIGTERM from now on; the future resolves on the first of them.
-#[cfg(unix)]
-fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
-    Ok(async move {
-        tokio::select! {
-            _ = interrupt.recv() => {}
-            _ = terminate.recv() => {}
-        }
-    })
-}
-
-/// Resolves on Ctrl-C.
-#[cfg(not(unix))]
-fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
-    Ok(async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
 }
 
 /// Where a browser on this machine opens the console: the listener's address, or `localhost`

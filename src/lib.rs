@@ -34,6 +34,8 @@ mod open_files;
 pub mod runtime;
 /// Building the gateway and serving it.
 pub mod server;
+/// Shutting down, in order: closing, runtimes stopped, grace, drained.
+pub mod shutdown;
 /// Status changes: a conversation went active, idle or closed, for every session.
 pub mod status;
 /// SQLite or PostgreSQL: conversations, the chunk log, turns and metrics.

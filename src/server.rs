@@ -140,7 +140,6 @@ impl Gateway {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let state = self.state.clone();
-        let turns = state.turns.clone();
         let limits = ConnectionLimits {
             drain_timeout: Duration::from_secs(state.config.drain_timeout_secs.max(1)),
             header_read_timeout: Duration::from_secs(state.config.header_read_timeout_secs.max(1)),
@@ -149,7 +148,7 @@ impl Gateway {
             max_body_bytes: state.config.max_body_bytes,
             body_read_timeout: Duration::from_secs(state.config.request_timeout_secs.max(1)),
         };
-        // Streams and listeners stop once the turns have drained.
+        // Streams and listeners stop once shutdown has drained the turns (`shutdown.rs`).
         let drained = state.drained.clone();
         let metrics = state.metrics.clone();
         let slots = state.connections.clone();
@@ -159,31 +158,13 @@ impl Gateway {
         let main_task = tokio::spawn(serve(listener, router(state), limits, slots, metrics, drained.clone()));
 
         shutdown.await;
-        // From here on /ready is 503 and new turns are refused.
-        tracing::info!(running = turns.running(), "shutting down: aborting running turns");
-        turns.abort_all();
-        let deadline =
-            tokio::time::Instant::now() + Duration::from_secs(self.state.config.shutdown_timeout_secs.max(1));
-        while turns.running() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        turns.shutdown_runtimes().await;
-        // The clients of the turns that just sealed read their history and metrics next: keep
-        // serving (reads; new turns and /ready are 503) for the grace, then close.
-        let grace = Duration::from_millis(self.state.config.shutdown_grace_ms);
-        tokio::time::sleep_until((tokio::time::Instant::now() + grace).min(deadline)).await;
-        drained.cancel();
         let listeners = async {
             let _ = main_task.await;
             if let Some(task) = ws_task {
                 let _ = task.await;
             }
         };
-        if tokio::time::timeout_at(deadline, listeners).await.is_err() {
-            tracing::warn!("connections still open at the shutdown deadline; closing anyway");
-        }
-        self.state.store.close().await;
-        tracing::info!("stopped");
+        crate::shutdown::run(&self.state, listeners).await;
         Ok(())
     }
 }
