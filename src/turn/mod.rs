@@ -5,19 +5,20 @@
 //! writes the log and the metrics, and seals.
 
 mod assembly;
+mod busy;
 mod cluster;
 mod control;
 mod run;
 mod steps;
 mod tally;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 pub use assembly::ChunkAssembler;
+use busy::{Busy, Reservations};
 pub use cluster::Cluster;
 pub use control::{Control, ControlReply};
 pub use tally::{OpenStep, StepTiming, TurnTally};
@@ -110,24 +111,6 @@ pub struct Queued {
     pub queue: Vec<QueuedMessage>,
 }
 
-/// What a conversation is busy with: at most one of these at a time.
-enum Busy {
-    /// Reserved while the turn's first rows are written.
-    Starting,
-    Running {
-        turn_id: String,
-        cancel: CancellationToken,
-        /// Fired when the lease renewal finds the turn's lease gone (another gateway marked it
-        /// interrupted while this one was paused): the turn ends at once with `error{lease}`.
-        lease_lost: CancellationToken,
-        inbox: Arc<Inbox>,
-    },
-    /// Reserved while the conversation is deleted, under the lease of `holder`.
-    Deleting { holder: String },
-    /// The turn ended but the database has not taken its seal yet.
-    Sealing { turn_id: String },
-}
-
 /// What `Turns` allows at once.
 #[derive(Debug, Clone, Copy)]
 pub struct TurnLimits {
@@ -143,7 +126,7 @@ pub struct Turns {
     store: Store,
     hub: Arc<Hub>,
     registry: Arc<Registry>,
-    busy: Mutex<HashMap<String, Busy>>,
+    busy: Reservations,
     statuses: Statuses,
     /// Set at shutdown: no new turn starts.
     closing: CancellationToken,
@@ -162,21 +145,6 @@ pub struct Identities {
     pub users: bool,
 }
 
-/// Frees a reservation unless the reservation was turned into a running turn.
-struct Reservation<'a> {
-    turns: &'a Turns,
-    conversation_id: &'a str,
-    armed: bool,
-}
-
-impl Drop for Reservation<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.turns.release(self.conversation_id);
-        }
-    }
-}
-
 impl Turns {
     pub fn new(
         store: Store,
@@ -192,7 +160,7 @@ impl Turns {
             store: store.clone(),
             hub,
             registry,
-            busy: Mutex::new(HashMap::new()),
+            busy: Reservations::new(limits.max_turns),
             statuses,
             closing: CancellationToken::new(),
             metrics,
@@ -230,7 +198,7 @@ impl Turns {
 
     /// Whether a turn is running (or starting) in this conversation.
     pub fn is_active(&self, conversation_id: &str) -> bool {
-        matches!(self.lock().get(conversation_id), Some(Busy::Starting | Busy::Running { .. } | Busy::Sealing { .. }))
+        self.busy.is_active(conversation_id)
     }
 
     /// Starts a turn: picks the model, reserves the conversation (409 when busy), writes the
@@ -274,8 +242,7 @@ impl Turns {
     {
         // A reservation handed over is this start's from the first line: a failure below lets
         // it go.
-        let handed =
-            handed_over.then(|| Reservation { turns: self, conversation_id: &req.conversation_id, armed: true });
+        let handed = handed_over.then(|| self.busy.adopt(&req.conversation_id));
         if self.closing.is_cancelled() {
             return Err(StartError::ShuttingDown);
         }
@@ -303,9 +270,9 @@ impl Turns {
             Some(asked) => Some(runtime.folder(&asked).ok_or(StartError::Folder(asked))?),
             None => None,
         };
-        let mut reservation = match handed {
+        let reservation = match handed {
             Some(handed) => handed,
-            None => self.reserve(&req.conversation_id, Busy::Starting)?,
+            None => self.busy.reserve(&req.conversation_id, Busy::Starting)?,
         };
 
         let turn_id = uuid::Uuid::now_v7().to_string();
@@ -350,8 +317,8 @@ impl Turns {
             lease_lost: lease_lost.clone(),
             inbox: inbox.clone(),
         };
-        self.lock().insert(req.conversation_id.clone(), running);
-        reservation.armed = false;
+        self.busy.run(&req.conversation_id, running);
+        reservation.keep();
         self.announce(&req.conversation_id, ConversationStatus::Active);
         self.metrics.turns_started.fetch_add(1, Relaxed);
 
@@ -396,28 +363,18 @@ impl Turns {
     /// Aborts the running turn, if any, on this gateway or (over the bus) the one running it:
     /// it ends `done{aborted}` + `turn-sealed`. Returns whether there was one.
     pub async fn stop(&self, conversation_id: &str) -> bool {
-        if self.stop_here(conversation_id) {
+        if self.busy.stop(conversation_id) {
             return true;
         }
         let request = Control::Stop { conversation_id: conversation_id.to_owned() };
         matches!(self.elsewhere(&request).await, Some(ControlReply::Stopped(true)))
     }
 
-    fn stop_here(&self, conversation_id: &str) -> bool {
-        match self.lock().get(conversation_id) {
-            Some(Busy::Running { cancel, .. }) => {
-                cancel.cancel();
-                true
-            }
-            _ => false,
-        }
-    }
-
     /// Asks the gateway whose turn holds the conversation's lease, if another does.
     async fn elsewhere(&self, request: &Control) -> Option<ControlReply> {
         let cluster = self.cluster.as_ref()?;
         let conversation_id = request.conversation_id();
-        if self.lock().contains_key(conversation_id) {
+        if self.busy.holds(conversation_id) {
             return None; // the lease is this gateway's own (a turn starting or sealing here)
         }
         match self.store.leased(conversation_id).await {
@@ -457,21 +414,7 @@ impl Turns {
 
     /// A request from another gateway, answered when this one runs the conversation's turn.
     pub fn answer(&self, request: Control) -> Option<ControlReply> {
-        let busy = self.lock();
-        match request {
-            Control::Stop { conversation_id } => match busy.get(&conversation_id)? {
-                Busy::Running { cancel, .. } => {
-                    cancel.cancel();
-                    Some(ControlReply::Stopped(true))
-                }
-                Busy::Sealing { .. } => Some(ControlReply::Stopped(false)),
-                Busy::Starting | Busy::Deleting { .. } => None,
-            },
-            Control::Queue { conversation_id, message } => match busy.get(&conversation_id)? {
-                Busy::Running { inbox, .. } => Some(ControlReply::Queued(inbox.push(message, self.limits.queue))),
-                _ => None,
-            },
-        }
+        self.busy.answer(request, self.limits.queue)
     }
 
     /// A conversation was created without a turn: watchers of the list learn of it as of any
@@ -500,9 +443,8 @@ impl Turns {
         caller: &Identity,
     ) -> Result<Queued, StartError> {
         let message = QueuedMessage { id: uuid::Uuid::now_v7().to_string(), text, queued_at: now_ms() };
-        if let Some(Busy::Running { inbox, .. }) = self.lock().get(conversation_id) {
-            let queue = inbox.push(message, self.limits.queue).map_err(StartError::QueueFull)?;
-            return Ok(Queued { started_turn: false, queue });
+        if let Some(queued) = self.busy.queue(conversation_id, message.clone(), self.limits.queue) {
+            return Ok(Queued { started_turn: false, queue: queued.map_err(StartError::QueueFull)? });
         }
         let request = Control::Queue { conversation_id: conversation_id.to_owned(), message: message.clone() };
         if let Some(ControlReply::Queued(queued)) = self.elsewhere(&request).await {
@@ -523,7 +465,7 @@ impl Turns {
     /// Deletes a conversation unless a turn runs in it. `Ok(false)` when it did not exist.
     pub async fn delete(&self, conversation_id: &str) -> Result<bool, StartError> {
         let holder = uuid::Uuid::now_v7().to_string();
-        let _reservation = match self.reserve(conversation_id, Busy::Deleting { holder: holder.clone() }) {
+        let _reservation = match self.busy.reserve(conversation_id, Busy::Deleting { holder: holder.clone() }) {
             // Being deleted here already: gone, as the database says on any other gateway.
             Err(StartError::Store(StoreError::Deleting)) => return Ok(false),
             reserved => reserved?,
@@ -546,7 +488,7 @@ impl Turns {
     /// Finishes a deletion whose lease (held by `expired`) ended; see `keep_leases`.
     async fn resume_deletion(&self, conversation_id: &str, expired: &str) {
         let holder = uuid::Uuid::now_v7().to_string();
-        let Ok(_reservation) = self.reserve(conversation_id, Busy::Deleting { holder: holder.clone() }) else {
+        let Ok(_reservation) = self.busy.reserve(conversation_id, Busy::Deleting { holder: holder.clone() }) else {
             return;
         };
         match self.store.resume_deletion(conversation_id, expired, &holder).await {
@@ -573,11 +515,7 @@ impl Turns {
     /// Refuses new turns and asks every running turn to end (`done{aborted}`); for shutdown.
     pub fn abort_all(&self) {
         self.closing.cancel();
-        for busy in self.lock().values() {
-            if let Busy::Running { cancel, .. } = busy {
-                cancel.cancel();
-            }
-        }
+        self.busy.stop_all();
     }
 
     /// Whether shutdown has begun.
@@ -587,71 +525,7 @@ impl Turns {
 
     /// Number of turns running now.
     pub fn running(&self) -> usize {
-        self.lock().values().filter(|s| matches!(s, Busy::Running { .. })).count()
-    }
-
-    fn reserve<'a>(&'a self, conversation_id: &'a str, what: Busy) -> Result<Reservation<'a>, StartError> {
-        let mut busy = self.lock();
-        match busy.get(conversation_id) {
-            Some(Busy::Deleting { .. }) => return Err(StartError::Store(StoreError::Deleting)),
-            Some(_) => return Err(StartError::Busy),
-            None => {}
-        }
-        // Counted over the whole map, deletions too: a count of turns alone would have to
-        // follow every change of state.
-        if matches!(what, Busy::Starting) && busy.len() >= self.limits.max_turns {
-            return Err(StartError::Full(self.limits.max_turns));
-        }
-        busy.insert(conversation_id.to_owned(), what);
-        Ok(Reservation { turns: self, conversation_id, armed: true })
-    }
-
-    /// Called by a turn right before it publishes `turn-sealed`: from then on the
-    /// conversation accepts a new turn.
-    fn release(&self, conversation_id: &str) {
-        self.lock().remove(conversation_id);
-    }
-
-    /// Keeps the conversation reserved after its turn ended, for the turn of the messages
-    /// queued too late for it (`start_handed_over`).
-    fn hand_over(&self, conversation_id: &str) {
-        self.lock().insert(conversation_id.to_owned(), Busy::Starting);
-    }
-
-    /// Keeps the conversation reserved after its turn ended, until the seal commits.
-    fn hold_for_sealing(&self, conversation_id: &str, turn_id: &str) {
-        self.lock().insert(conversation_id.to_owned(), Busy::Sealing { turn_id: turn_id.to_owned() });
-    }
-
-    /// The leases this gateway holds: of turns running or sealing, and of deletions.
-    /// Ends the running turns among `turn_ids` with `error{lease}`: their leases are gone.
-    fn lost_leases<'a>(&self, turn_ids: impl Iterator<Item = &'a String>) {
-        let busy = self.lock();
-        for lost in turn_ids {
-            for b in busy.values() {
-                if let Busy::Running { turn_id, lease_lost, .. } = b
-                    && turn_id == lost
-                {
-                    tracing::error!(turn = %turn_id, "a running turn's lease is gone (another gateway marked it interrupted); ending it");
-                    lease_lost.cancel();
-                }
-            }
-        }
-    }
-
-    fn leased(&self) -> Vec<String> {
-        let busy = self.lock();
-        busy.values()
-            .filter_map(|b| match b {
-                Busy::Running { turn_id, .. } | Busy::Sealing { turn_id } => Some(turn_id.clone()),
-                Busy::Deleting { holder } => Some(holder.clone()),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Busy>> {
-        self.busy.lock().unwrap_or_else(|p| p.into_inner())
+        self.busy.running()
     }
 
     fn hub(&self) -> &Arc<Hub> {
@@ -671,14 +545,14 @@ async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
     loop {
         tick.tick().await;
         let Some(turns) = turns.upgrade() else { return };
-        let held = turns.leased();
+        let held = turns.busy.leased();
         if !held.is_empty() {
             match store.renew_leases(&held).await {
                 // Fewer renewed than held: some lease is gone (this gateway was paused past it
                 // and another marked the turn interrupted). Its turn ends now, saying so, rather
                 // than streaming on to its watchers until its next write is refused.
                 Ok(renewed) if (renewed as usize) < held.len() => match store.holding_leases(&held).await {
-                    Ok(holding) => turns.lost_leases(held.iter().filter(|t| !holding.contains(t))),
+                    Ok(holding) => turns.busy.lost_leases(held.iter().filter(|t| !holding.contains(t))),
                     Err(e) => tracing::warn!(error = %e, "could not tell which leases are gone"),
                 },
                 Ok(_) => {}
@@ -688,7 +562,7 @@ async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
         // This gateway's own conversations are not swept by it (those busy now: a turn may have
         // started since `held` was taken): a turn whose renewal failed learns of a lost lease
         // at its next write.
-        let mine = |conversation_id: &str| turns.lock().contains_key(conversation_id);
+        let mine = |conversation_id: &str| turns.busy.holds(conversation_id);
         match store.expired_deletions().await {
             // Each in a task of its own: a long one must not hold up the renewals.
             Ok(cut) => {

@@ -41,7 +41,7 @@ pub(super) struct TurnRun {
     caller: crate::identity::Identity,
     /// The caller's day of tokens counts this turn's (a user, with quotas).
     counts_tokens: bool,
-    /// Fired when the turn's lease is found gone (`Turns::lost_leases`).
+    /// Fired when the turn's lease is found gone (`Reservations::lost_leases`).
     lease_lost: CancellationToken,
 }
 
@@ -93,14 +93,14 @@ impl PendingSeal {
             match self.store.seal_turn(seal, &self.rest).await {
                 Ok(status) => {
                     tracing::info!(conversation = %self.conversation_id, turn = %self.turn_id, "sealed the turn after the database recovered");
-                    self.turns.release(&self.conversation_id);
+                    self.turns.busy.release(&self.conversation_id);
                     self.turns.announce(&self.conversation_id, status);
                     return;
                 }
                 Err(StoreError::LeaseLost) => {
                     // Another gateway marked the turn interrupted meanwhile: it is history.
                     tracing::warn!(conversation = %self.conversation_id, turn = %self.turn_id, "the turn's lease ended before its seal could be written");
-                    self.turns.release(&self.conversation_id);
+                    self.turns.busy.release(&self.conversation_id);
                     self.turns.announce(&self.conversation_id, ConversationStatus::Idle);
                     return;
                 }
@@ -362,7 +362,7 @@ impl TurnRun {
         let (conversation_id, turn_id) = self.ids();
         let sealed = AgentEvent::TurnSealed(TurnSealedEvent { conversation_id, turn_id });
         let Some(sealed_status) = sealed_now else {
-            self.turns.hold_for_sealing(&self.conversation_id, &self.turn_id);
+            self.turns.busy.hold_for_sealing(&self.conversation_id, &self.turn_id);
             self.turns.hub().seal_turn(self.buffer, &sealed);
             let pending = PendingSeal {
                 turns: self.turns.clone(),
@@ -394,8 +394,8 @@ impl TurnRun {
             caller: self.caller.clone(),
         });
         match next {
-            Some(_) => self.turns.hand_over(&self.conversation_id),
-            None => self.turns.release(&self.conversation_id),
+            Some(_) => self.turns.busy.hand_over(&self.conversation_id),
+            None => self.turns.busy.release(&self.conversation_id),
         }
         self.turns.hub().seal_turn(self.buffer, &sealed);
         let Some(next) = next else {
