@@ -8,6 +8,7 @@ mod assembly;
 mod busy;
 mod cluster;
 mod control;
+mod leases;
 mod run;
 mod steps;
 mod tally;
@@ -168,7 +169,7 @@ impl Turns {
             cluster: cluster.clone(),
             quotas: identities.quotas,
         });
-        tokio::spawn(keep_leases(Arc::downgrade(&turns), store));
+        tokio::spawn(leases::keep(Arc::downgrade(&turns), store));
         if let Some(cluster) = cluster {
             cluster.serve(Arc::downgrade(&turns));
         }
@@ -184,7 +185,7 @@ impl Turns {
         self.statuses.subscribe()
     }
 
-    fn announce(&self, conversation_id: &str, status: ConversationStatus) {
+    pub(super) fn announce(&self, conversation_id: &str, status: ConversationStatus) {
         self.statuses.tell(conversation_id, status);
         if let Some(cluster) = &self.cluster {
             cluster.announce(conversation_id, status);
@@ -486,7 +487,7 @@ impl Turns {
     }
 
     /// Finishes a deletion whose lease (held by `expired`) ended; see `keep_leases`.
-    async fn resume_deletion(&self, conversation_id: &str, expired: &str) {
+    pub(super) async fn resume_deletion(&self, conversation_id: &str, expired: &str) {
         let holder = uuid::Uuid::now_v7().to_string();
         let Ok(_reservation) = self.busy.reserve(conversation_id, Busy::Deleting { holder: holder.clone() }) else {
             return;
@@ -530,77 +531,6 @@ impl Turns {
 
     fn hub(&self) -> &Arc<Hub> {
         &self.hub
-    }
-}
-
-/// Every third of the lease's time: renews the leases of this gateway's turns and deletions,
-/// finishes the deletions whose lease ended (store/deletion.rs), and, when other gateways may
-/// share the database, marks the turns whose lease ended (their gateway died, or lost the
-/// database for longer than a lease) interrupted; one gateway of several does each
-/// (store/lease.rs). Ends when the gateway is dropped.
-async fn keep_leases(turns: std::sync::Weak<Turns>, store: Store) {
-    let mut tick = tokio::time::interval(store.lease_ttl() / 3);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
-    loop {
-        tick.tick().await;
-        let Some(turns) = turns.upgrade() else { return };
-        let held = turns.busy.leased();
-        if !held.is_empty() {
-            match store.renew_leases(&held).await {
-                // Fewer renewed than held: some lease is gone (this gateway was paused past it
-                // and another marked the turn interrupted). Its turn ends now, saying so, rather
-                // than streaming on to its watchers until its next write is refused.
-                Ok(renewed) if (renewed as usize) < held.len() => match store.holding_leases(&held).await {
-                    Ok(holding) => turns.busy.lost_leases(held.iter().filter(|t| !holding.contains(t))),
-                    Err(e) => tracing::warn!(error = %e, "could not tell which leases are gone"),
-                },
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, turns = held.len(), "could not renew the leases of running turns"),
-            }
-        }
-        // This gateway's own conversations are not swept by it (those busy now: a turn may have
-        // started since `held` was taken): a turn whose renewal failed learns of a lost lease
-        // at its next write.
-        let mine = |conversation_id: &str| turns.busy.holds(conversation_id);
-        match store.expired_deletions().await {
-            // Each in a task of its own: a long one must not hold up the renewals.
-            Ok(cut) => {
-                for (conversation_id, holder) in cut.into_iter().filter(|(c, _)| !mine(c)) {
-                    let turns = turns.clone();
-                    tokio::spawn(async move { turns.resume_deletion(&conversation_id, &holder).await });
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "could not look for deletions whose lease ended"),
-        }
-        if store.exclusive() {
-            continue;
-        }
-        let now = now_ms();
-        let expired = match store.expired_leases().await {
-            Ok(expired) => expired,
-            Err(e) => {
-                tracing::warn!(error = %e, "could not look for turns whose lease ended");
-                continue;
-            }
-        };
-        for (conversation_id, turn_id) in expired.into_iter().filter(|(c, _)| !mine(c)) {
-            match store.interrupt_expired(&conversation_id, &turn_id, now).await {
-                Ok(true) => {
-                    tracing::warn!(conversation = %conversation_id, turn = %turn_id, "marked a turn whose lease ended interrupted");
-                    if let Some(cluster) = &turns.cluster
-                        && let Err(e) = cluster.end_interrupted(&conversation_id, &turn_id).await
-                    {
-                        tracing::warn!(conversation = %conversation_id, error = %e, "could not end the interrupted turn on the bus");
-                    }
-                    turns.announce(&conversation_id, ConversationStatus::Idle);
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(conversation = %conversation_id, error = %e, "could not mark a turn whose lease ended")
-                }
-            }
-        }
     }
 }
 
