@@ -181,7 +181,8 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
-    const OWN: [(ErrorCode, &'static str); 18] = [
+    /// The gateway's own codes, as the wire spells them.
+    pub const OWN: [(ErrorCode, &'static str); 18] = [
         (ErrorCode::Interrupted, "interrupted"),
         (ErrorCode::Lease, "lease"),
         (ErrorCode::Storage, "storage"),
@@ -549,22 +550,4 @@ pub struct TurnDoneEvent {
 pub struct TurnSealedEvent {
     pub conversation_id: String,
     pub turn_id: String,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_error_code_reads_back_as_it_was_written_and_each_of_the_gateways_is_documented() {
-        let documented = include_str!("../docs/wire-choices.md");
-        for (code, spelled) in ErrorCode::OWN {
-            assert_eq!(ErrorCode::parse(spelled), code);
-            assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{spelled}\""));
-            assert!(documented.contains(&format!("| `{spelled}` |")), "{spelled} is not in docs/wire-choices.md");
-        }
-        let theirs: ErrorCode = serde_json::from_str("\"error_during_execution\"").unwrap();
-        assert_eq!(theirs, ErrorCode::Other("error_during_execution".into()));
-        assert_eq!(theirs.as_str(), "error_during_execution");
-    }
 }

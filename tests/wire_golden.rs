@@ -319,3 +319,19 @@ fn unknown_types_and_missing_fields_are_rejected() {
     assert!(serde_json::from_str::<Chunk>(r#"{"type":"text"}"#).is_err());
     assert!(serde_json::from_str::<Usage>(r#"{"inputTokens":-1,"outputTokens":0}"#).is_err());
 }
+
+/// Every error code of the gateway's own reads back as it was written, and docs/wire-choices.md
+/// lists each (its "Error codes" table); a runtime's own code passes through as it came.
+#[test]
+fn error_codes_read_back_as_written_and_each_of_the_gateways_is_documented() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/wire-choices.md");
+    let documented = std::fs::read_to_string(path).unwrap();
+    for (code, spelled) in ErrorCode::OWN {
+        assert_eq!(ErrorCode::parse(spelled), code);
+        assert_eq!(serde_json::to_string(&code).unwrap(), format!("\"{spelled}\""));
+        assert!(documented.contains(&format!("| `{spelled}` |")), "{spelled} is not in docs/wire-choices.md");
+    }
+    let theirs: ErrorCode = serde_json::from_str("\"error_during_execution\"").unwrap();
+    assert_eq!(theirs, ErrorCode::Other("error_during_execution".into()));
+    assert_eq!(theirs.as_str(), "error_during_execution");
+}
