@@ -486,7 +486,7 @@ impl Turns {
         self.registry.tools().release(conversation_id);
     }
 
-    /// Finishes a deletion whose lease (held by `expired`) ended; see `keep_leases`.
+    /// Finishes a deletion whose lease (held by `expired`) ended; see `leases::keep`.
     pub(super) async fn resume_deletion(&self, conversation_id: &str, expired: &str) {
         let holder = uuid::Uuid::now_v7().to_string();
         let Ok(_reservation) = self.busy.reserve(conversation_id, Busy::Deleting { holder: holder.clone() }) else {
