@@ -181,39 +181,56 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
-    /// The gateway's own codes, as the wire spells them.
-    pub const OWN: [(ErrorCode, &'static str); 18] = [
-        (ErrorCode::Interrupted, "interrupted"),
-        (ErrorCode::Lease, "lease"),
-        (ErrorCode::Storage, "storage"),
-        (ErrorCode::Timeout, "timeout"),
-        (ErrorCode::Unavailable, "unavailable"),
-        (ErrorCode::Ambiguous, "ambiguous"),
-        (ErrorCode::AgentProtocol, "agent-protocol"),
-        (ErrorCode::Agent, "agent"),
-        (ErrorCode::AgentBusy, "agent-busy"),
-        (ErrorCode::AgentSpawn, "agent-spawn"),
-        (ErrorCode::AgentExit, "agent-exit"),
-        (ErrorCode::Runtime, "runtime"),
-        (ErrorCode::Upstream, "upstream"),
-        (ErrorCode::ContextLength, "context_length"),
-        (ErrorCode::RateLimited, "rate_limited"),
-        (ErrorCode::MaxSteps, "max-steps"),
-        (ErrorCode::Shutdown, "shutdown"),
-        (ErrorCode::Lagged, "lagged"),
+    /// The gateway's own codes.
+    pub const OWN: [ErrorCode; 18] = [
+        ErrorCode::Interrupted,
+        ErrorCode::Lease,
+        ErrorCode::Storage,
+        ErrorCode::Timeout,
+        ErrorCode::Unavailable,
+        ErrorCode::Ambiguous,
+        ErrorCode::AgentProtocol,
+        ErrorCode::Agent,
+        ErrorCode::AgentBusy,
+        ErrorCode::AgentSpawn,
+        ErrorCode::AgentExit,
+        ErrorCode::Runtime,
+        ErrorCode::Upstream,
+        ErrorCode::ContextLength,
+        ErrorCode::RateLimited,
+        ErrorCode::MaxSteps,
+        ErrorCode::Shutdown,
+        ErrorCode::Lagged,
     ];
 
     /// The code as the wire spells it.
     pub fn as_str(&self) -> &str {
         match self {
+            ErrorCode::Interrupted => "interrupted",
+            ErrorCode::Lease => "lease",
+            ErrorCode::Storage => "storage",
+            ErrorCode::Timeout => "timeout",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::Ambiguous => "ambiguous",
+            ErrorCode::AgentProtocol => "agent-protocol",
+            ErrorCode::Agent => "agent",
+            ErrorCode::AgentBusy => "agent-busy",
+            ErrorCode::AgentSpawn => "agent-spawn",
+            ErrorCode::AgentExit => "agent-exit",
+            ErrorCode::Runtime => "runtime",
+            ErrorCode::Upstream => "upstream",
+            ErrorCode::ContextLength => "context_length",
+            ErrorCode::RateLimited => "rate_limited",
+            ErrorCode::MaxSteps => "max-steps",
+            ErrorCode::Shutdown => "shutdown",
+            ErrorCode::Lagged => "lagged",
             ErrorCode::Other(code) => code,
-            own => Self::OWN.iter().find(|(c, _)| c == own).map(|(_, s)| *s).unwrap_or_default(),
         }
     }
 
     /// A code as the wire spells it: one of the gateway's own, or another as it is.
     pub fn parse(code: &str) -> ErrorCode {
-        Self::OWN.iter().find(|(_, s)| *s == code).map_or_else(|| ErrorCode::Other(code.to_owned()), |(c, _)| c.clone())
+        Self::OWN.iter().find(|c| c.as_str() == code).cloned().unwrap_or_else(|| ErrorCode::Other(code.to_owned()))
     }
 }
 
