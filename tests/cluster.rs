@@ -1140,6 +1140,25 @@ async fn gateways_size_their_flush_window_by_the_clusters_watchers() {
     let script = write_script(dir.path(), steady());
     // Enough sweeps that four watchers open a window (at the first write cost, 4 us).
     let (a, b) = scripted_pair(&database.url, &nats.url, &script, &["--flush-sweeps", "1000"]);
+    // A stranger on the bus says it has a million watchers, unsigned and signed with another
+    // key: B counts none of them, and says it refused them.
+    let raw = async_nats::connect(&nats.url).await.expect("a plain client of the test's NATS server");
+    let forged = serde_json::to_vec(&json!({"node": "stranger", "readers": 1_000_000})).unwrap();
+    for signature in [None, Some("00".repeat(32))] {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Dispatch-Sent", dispatch_gateway::store::now_ms().to_string().as_str());
+        if let Some(signature) = &signature {
+            headers.insert("Dispatch-Signature", signature.as_str());
+        }
+        raw.publish_with_headers("dispatch.readers", headers, forged.clone().into()).await.unwrap();
+    }
+    raw.flush().await.unwrap();
+    let refused = |text: &str| metric(text, "dispatch_bus_rejected_total");
+    assert!(
+        eventually(200, || async { refused(&b.api.metrics().await) >= 2.0 }).await,
+        "B refused the forged counts: {}",
+        b.api.metrics().await
+    );
     assert_eq!(gauges(&b.api).await, (0.0, 0.0, 0.0), "B alone has no watchers and no window");
     let mut watchers = Vec::new();
     for _ in 0..4 {
