@@ -251,14 +251,14 @@ pub struct Config {
     /// rounds measure. Deltas published within the window of the last round of wake-ups share
     /// the next one (and one write per watcher). Larger saves CPU under fan-out, smaller cuts
     /// latency; 0 sends every delta at once. See "Pacing" in docs/streaming.md.
-    #[arg(long, env = "DISPATCH_FLUSH_SWEEPS", default_value_t = 4)]
+    #[arg(long, env = "DISPATCH_FLUSH_SWEEPS", default_value_t = dispatch_fanout::hub::FlushWindow::SWEEPS)]
     pub flush_sweeps: u32,
 
     /// Longest flush window, in milliseconds, while two sweeps fit under it (past that the
     /// window is two sweeps: the rounds would otherwise fall behind). The latency a delta may
     /// be held for fewer writes: when writes get dearer, the window stops here rather than
     /// trade more latency for CPU.
-    #[arg(long, env = "DISPATCH_FLUSH_MAX_MS", default_value_t = 15)]
+    #[arg(long, env = "DISPATCH_FLUSH_MAX_MS", default_value_t = dispatch_fanout::hub::FlushWindow::MAX_MS)]
     pub flush_max_ms: u64,
 
     /// Seconds a connection may go without its socket taking any bytes while the gateway has

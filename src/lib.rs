@@ -12,14 +12,14 @@ pub mod bus;
 pub mod cli;
 /// Flags and environment.
 pub mod config;
-/// The bytes of the wire: SSE, NDJSON, WebSocket frames, HTTP chunks.
-pub mod encoding;
+/// The bytes of the wire: SSE, NDJSON, WebSocket frames, HTTP chunks (crates/fanout).
+pub use dispatch_fanout::encoding;
 /// The folders agents and their tools may work in.
 pub mod folders;
 /// The HTTP API: one module per resource.
 pub mod http;
-/// Replay buffers and fan-out of turn events.
-pub mod hub;
+/// Replay buffers and fan-out of turn events (crates/fanout).
+pub use dispatch_fanout::hub;
 /// Who a request comes from: API keys, signed tokens, session cookies.
 pub mod identity;
 /// Live streams between the routes that open them and the connections that serve them.
@@ -44,8 +44,8 @@ pub mod store;
 pub mod tools;
 /// Running turns: wire events, chunks, metrics, sealing.
 pub mod turn;
-/// The `@dispatch/wire` types.
-pub mod wire;
+/// The `@dispatch/wire` types (crates/wire).
+pub use dispatch_wire as wire;
 
 pub use config::Config;
 pub use server::Gateway;

@@ -5,13 +5,14 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod process;
 
 use crate::encoding::Transport;
+use crate::hub::Deliveries;
 
 /// Upper bounds of the SQLite write latency histogram, in seconds.
 const WRITE_BUCKETS: [f64; 12] = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5];
@@ -54,14 +55,11 @@ pub struct Metrics {
     pub turns_failed: AtomicU64,
     pub turns_aborted: AtomicU64,
     pub events_emitted: AtomicU64,
-    pub events_delivered: AtomicU64,
+    /// Events delivered and the rounds' writes (counted by the hub's parked streams too).
+    pub deliveries: Arc<Deliveries>,
     open_streams: [AtomicU64; Holder::ALL.len()],
     pub lag_recoveries: AtomicU64,
     pub subscriber_drops: AtomicU64,
-    /// Socket writes made by turns' rounds for parked streams (see `hub::ParkedStream`).
-    pub round_writes: AtomicU64,
-    /// Of those, writes the socket took only part of (its stream's task writes the rest).
-    pub round_short_writes: AtomicU64,
     write_buckets: [AtomicU64; WRITE_BUCKETS.len()],
     write_count: AtomicU64,
     write_micros: AtomicU64,
@@ -178,7 +176,7 @@ impl Metrics {
         counter(
             "dispatch_events_delivered_total",
             "Events handed to watchers' connections (one per watcher).",
-            self.events_delivered.load(Relaxed),
+            self.deliveries.events.load(Relaxed),
         );
         counter(
             "dispatch_subscriber_lag_recoveries_total",
@@ -193,12 +191,12 @@ impl Metrics {
         counter(
             "dispatch_round_writes_total",
             "Writes a turn's round made itself to the sockets of parked SSE and NDJSON streams.",
-            self.round_writes.load(Relaxed),
+            self.deliveries.round_writes.load(Relaxed),
         );
         counter(
             "dispatch_round_short_writes_total",
             "Rounds' writes the socket took only part of (a slow reader): its stream's task writes the rest.",
-            self.round_short_writes.load(Relaxed),
+            self.deliveries.round_short_writes.load(Relaxed),
         );
         let _ = writeln!(out, "# HELP dispatch_turns_running Turns running now.\n# TYPE dispatch_turns_running gauge");
         let _ = writeln!(out, "dispatch_turns_running {running}");

@@ -92,31 +92,60 @@ fn cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     graph.keys().find_map(|node| visit(node, graph, &mut Vec::new(), &mut done))
 }
 
-fn src() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+/// The gateway's sources and its fan-out core's (a crate of its own, below the gateway).
+fn roots() -> [PathBuf; 2] {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    [manifest.join("src"), manifest.join("crates/fanout/src")]
 }
 
-/// The top-level module a file belongs to (`src/hub/buffer.rs` → `hub`, `src/net.rs` → `net`).
-fn top_module(file: &Path) -> String {
-    let relative = file.strip_prefix(src()).unwrap();
+/// The top-level module a file under `root` belongs to (`src/turn/run.rs` → `turn`,
+/// `src/net.rs` → `net`).
+fn top_module(root: &Path, file: &Path) -> String {
+    let relative = file.strip_prefix(root).unwrap();
     let first = relative.components().next().unwrap().as_os_str().to_string_lossy().into_owned();
     first.trim_end_matches(".rs").to_owned()
 }
 
-#[test]
-fn the_top_level_modules_import_one_another_without_a_cycle() {
-    let all = files(&src());
-    let modules: BTreeSet<String> = all.iter().map(|f| top_module(f)).collect();
+/// What each top-level module of a crate imports of the others.
+fn module_graph(root: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let all = files(root);
+    let modules: BTreeSet<String> = all.iter().map(|f| top_module(root, f)).collect();
     let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for file in &all {
-        let from = top_module(file);
+        let from = top_module(root, file);
         let to: Vec<String> =
             named_after(&code(file), "crate::").into_iter().filter(|m| modules.contains(m) && *m != from).collect();
         graph.entry(from).or_default().extend(to);
     }
-    assert!(graph["hub"].contains("encoding"), "the reading of imports finds them: {graph:?}");
-    if let Some(around) = cycle(&graph) {
-        panic!("the top-level modules import in a cycle: {}", around.join(" -> "));
+    graph
+}
+
+#[test]
+fn the_top_level_modules_import_one_another_without_a_cycle() {
+    let [gateway, fanout] = roots();
+    let gateway = module_graph(&gateway);
+    let fanout = module_graph(&fanout);
+    // The reading of imports finds them.
+    assert!(gateway["turn"].contains("store"), "{gateway:?}");
+    assert!(fanout["hub"].contains("encoding"), "{fanout:?}");
+    for graph in [gateway, fanout] {
+        if let Some(around) = cycle(&graph) {
+            panic!("the top-level modules import in a cycle: {}", around.join(" -> "));
+        }
+    }
+}
+
+/// The fan-out core knows the wire and nothing else of the gateway: its manifest depends on no
+/// crate of the workspace but `dispatch-wire`, and its sources name no gateway module.
+#[test]
+fn the_fan_out_core_knows_no_application_type_beyond_the_wire() {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/fanout/Cargo.toml");
+    let manifest = std::fs::read_to_string(manifest).unwrap();
+    let ours: Vec<&str> = manifest.lines().filter(|l| l.starts_with("dispatch-")).collect();
+    assert_eq!(ours, ["dispatch-wire = { path = \"../wire\" }"], "the core's own dependencies");
+    for file in files(&roots()[1]) {
+        let code = code(&file);
+        assert!(!code.contains("dispatch_gateway"), "{} names the gateway", file.display());
     }
 }
 
@@ -125,11 +154,13 @@ fn the_top_level_modules_import_one_another_without_a_cycle() {
 #[test]
 fn the_files_of_each_module_import_one_another_without_a_cycle() {
     let mut cycles = Vec::new();
-    let mut folders: BTreeSet<PathBuf> = BTreeSet::new();
-    for file in files(&src()) {
-        folders.insert(file.parent().unwrap().to_owned());
+    let mut folders: BTreeSet<(PathBuf, PathBuf)> = BTreeSet::new();
+    for root in roots() {
+        for file in files(&root) {
+            folders.insert((root.clone(), file.parent().unwrap().to_owned()));
+        }
     }
-    for folder in folders {
+    for (root, folder) in folders {
         let inside: Vec<PathBuf> = std::fs::read_dir(&folder)
             .unwrap()
             .map(|e| e.unwrap().path())
@@ -145,7 +176,7 @@ fn the_files_of_each_module_import_one_another_without_a_cycle() {
             graph.entry(from).or_default().extend(to);
         }
         if let Some(around) = cycle(&graph) {
-            cycles.push(format!("{}: {}", folder.strip_prefix(src()).unwrap().display(), around.join(" -> ")));
+            cycles.push(format!("{}: {}", folder.strip_prefix(&root).unwrap().display(), around.join(" -> ")));
         }
     }
     assert!(cycles.is_empty(), "files that import in a cycle:\n{}", cycles.join("\n"));

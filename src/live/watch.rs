@@ -168,7 +168,7 @@ impl Watch {
         };
         let step = match delivery {
             Delivery::Events(events) => {
-                self.metrics.events_delivered.fetch_add(events.len() as u64, Relaxed);
+                self.metrics.deliveries.events.fetch_add(events.len() as u64, Relaxed);
                 let bytes = self.format.join(&events);
                 if self.until_sealed && events.last().is_some_and(|e| e.is_sealed()) {
                     Step::Last(bytes)

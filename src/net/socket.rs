@@ -1,6 +1,6 @@
 //! The socket primitives both live transports write with (`http1.rs` for watches,
 //! `websocket.rs` for sessions): a whole vectored write bounded by the drain timeout, the hub's
-//! [`Socket`] over a `TcpStream` (the one `unsafe` write), and [`Parking`], a stream lent to
+//! [`Socket`] over a connection's descriptor (the one `unsafe` write), and [`Parking`], a stream lent to
 //! the rounds of the turn it reads.
 
 use std::io::{self, IoSlice};
@@ -38,17 +38,30 @@ pub(super) async fn write_all(stream: &TcpStream, mut parts: &mut [IoSlice<'_>],
     Ok(())
 }
 
-impl Socket for TcpStream {
+/// A connection as the hub's rounds write to it: its descriptor, kept open by the stream it
+/// belongs to for as long as a round may hold it.
+struct Descriptor {
+    fd: std::os::fd::RawFd,
+    _open: Arc<TcpStream>,
+}
+
+impl Descriptor {
+    fn of(stream: &Arc<TcpStream>) -> Descriptor {
+        use std::os::fd::AsRawFd;
+        Descriptor { fd: stream.as_raw_fd(), _open: stream.clone() }
+    }
+}
+
+impl Socket for Descriptor {
     fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
         // A plain write(2) on the descriptor. tokio's `try_write*` first reads the socket's
         // readiness, a word the reactor thread updates on every ACK: in a round over a thousand
         // sockets that cache miss each was the gateway's costliest user-space line (W2). A
         // WouldBlock left unseen by tokio costs one extra attempt when the stream's task next
         // writes. (write, not send: the kernel's write count, /proc/PID/io `syscw`, sees it.)
-        use std::os::fd::AsRawFd;
-        // SAFETY: the descriptor belongs to `self`, open while it is borrowed; write(2) reads
-        // at most `bytes.len()` bytes from `bytes`.
-        let written = unsafe { libc::write(self.as_raw_fd(), bytes.as_ptr().cast(), bytes.len()) };
+        // SAFETY: the descriptor is the stream's that `self` holds, open while it is borrowed;
+        // write(2) reads at most `bytes.len()` bytes from `bytes`.
+        let written = unsafe { libc::write(self.fd, bytes.as_ptr().cast(), bytes.len()) };
         if written < 0 { Err(io::Error::last_os_error()) } else { Ok(written as usize) }
     }
 }
@@ -63,7 +76,7 @@ pub(super) struct Parking {
 
 impl Parking {
     pub(super) fn new(socket: &Arc<TcpStream>, encoding: Transport, metrics: Arc<Metrics>) -> Parking {
-        let stream = ParkedStream::new(socket.clone(), encoding, metrics);
+        let stream = ParkedStream::new(Arc::new(Descriptor::of(socket)), encoding, metrics.deliveries.clone());
         Parking { stream, attached: None, socket: socket.clone() }
     }
 

@@ -498,7 +498,7 @@ async fn gather(session: &mut Session, out: &mut BytesMut, draining: bool) -> bo
 async fn deliver(session: &mut Session, out: &mut BytesMut, id: &str, delivery: Delivery) -> bool {
     match delivery {
         Delivery::Events(events) => {
-            session.metrics.events_delivered.fetch_add(events.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            session.metrics.deliveries.events.fetch_add(events.len() as u64, std::sync::atomic::Ordering::Relaxed);
             for event in &events {
                 Transport::WebSocket.put(out, event);
             }

@@ -1,14 +1,19 @@
-//! An event as the hub holds it: encoded once for every transport.
+//! An event encoded once for every transport (as the hub holds it), and a batch of them framed
+//! for one transport's socket.
 
 use std::sync::{Arc, OnceLock};
 
 use bytes::{Bytes, BytesMut};
 
-use crate::encoding::{Transport, WS_TEXT, put_ndjson, put_sse_event, put_ws_frame, ws_chat_delta, ws_frame_len};
+use super::{
+    CHUNK_END, Transport, WS_TEXT, chunk_size, put_ndjson, put_sse_event, put_ws_frame, ws_chat_delta, ws_frame_len,
+};
 use crate::wire::AgentEvent;
 
+/// What an event is, as far as fan-out cares: deltas may be held back and coalesced, and
+/// `turn-sealed` ends a turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Kind {
+pub enum Kind {
     Text,
     Reasoning,
     Sealed,
@@ -17,7 +22,7 @@ pub(super) enum Kind {
 
 impl Kind {
     /// Text and reasoning deltas: the events a round may hold back, and the only ones coalesced.
-    pub(super) fn is_delta(self) -> bool {
+    pub fn is_delta(self) -> bool {
         matches!(self, Kind::Text | Kind::Reasoning)
     }
 }
@@ -30,7 +35,7 @@ pub struct EncodedEvent {
     /// Index of the last event this one stands for (`first` unless coalesced). The SSE id is
     /// `<turnId>:<last>`, so resuming after it is exact.
     pub last: u32,
-    pub(super) kind: Kind,
+    pub kind: Kind,
     /// The JSON object followed by `\n`.
     pub line: Bytes,
     /// `id: <turnId>:<last>\ndata: <json>\n\n`.
@@ -40,14 +45,14 @@ pub struct EncodedEvent {
 }
 
 impl EncodedEvent {
-    pub(super) fn new(turn_id: &str, first: u32, last: u32, event: &AgentEvent) -> EncodedEvent {
+    pub fn new(turn_id: &str, first: u32, last: u32, event: &AgentEvent) -> EncodedEvent {
         let (kind, json) = EncodedEvent::encode(event);
         EncodedEvent::build(turn_id, first, last, kind, &json)
     }
 
     /// The event's kind and JSON: the part of encoding that needs no index (done outside the
     /// buffer's lock).
-    pub(super) fn encode(event: &AgentEvent) -> (Kind, Vec<u8>) {
+    pub fn encode(event: &AgentEvent) -> (Kind, Vec<u8>) {
         let kind = match event {
             AgentEvent::TextDelta(_) => Kind::Text,
             AgentEvent::ReasoningDelta(_) => Kind::Reasoning,
@@ -57,7 +62,7 @@ impl EncodedEvent {
         (kind, serde_json::to_vec(event).expect("wire types always serialize"))
     }
 
-    pub(super) fn build(turn_id: &str, first: u32, last: u32, kind: Kind, json: &[u8]) -> EncodedEvent {
+    pub fn build(turn_id: &str, first: u32, last: u32, kind: Kind, json: &[u8]) -> EncodedEvent {
         let mut line = BytesMut::new();
         put_ndjson(&mut line, json);
         let mut sse = BytesMut::new();
@@ -75,13 +80,13 @@ impl EncodedEvent {
         self.kind == Kind::Sealed
     }
 
-    pub(super) fn size(&self) -> usize {
+    pub fn size(&self) -> usize {
         // The WebSocket copy is about one line long once built; count it up front.
         2 * self.line.len() + self.sse.len() + std::mem::size_of::<EncodedEvent>()
     }
 
     /// The delta text of a text or reasoning event.
-    pub(super) fn delta(&self) -> Option<String> {
+    pub fn delta(&self) -> Option<String> {
         match serde_json::from_slice::<AgentEvent>(&self.line).ok()? {
             AgentEvent::TextDelta(e) => Some(e.delta),
             AgentEvent::ReasoningDelta(e) => Some(e.delta),
@@ -92,6 +97,23 @@ impl EncodedEvent {
 
 /// An event in a transport's framing (each kept once per event, `EncodedEvent`).
 impl Transport {
+    /// The events as one write on a stream of this transport: an HTTP/1.1 chunk of SSE
+    /// messages or NDJSON lines, or one WebSocket frame per event.
+    pub fn frame(self, events: &[Arc<EncodedEvent>]) -> Bytes {
+        let len: usize = events.iter().map(|e| self.len(e)).sum();
+        let mut head = [0u8; 18];
+        let head = if self == Transport::WebSocket { &[][..] } else { chunk_size(&mut head, len) };
+        let mut out = BytesMut::with_capacity(head.len() + len + CHUNK_END.len());
+        out.extend_from_slice(head);
+        for e in events {
+            self.put(&mut out, e);
+        }
+        if self != Transport::WebSocket {
+            out.extend_from_slice(CHUNK_END);
+        }
+        out.freeze()
+    }
+
     /// The event's length in this encoding.
     pub fn len(self, event: &EncodedEvent) -> usize {
         match self {

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use super::Hub;
 use super::buffer::{NextTurn, TurnBuffer, batch_end, start_of};
-use super::event::EncodedEvent;
+use crate::encoding::EncodedEvent;
 
 /// What a cursor hands out next.
 #[derive(Debug)]

@@ -17,7 +17,7 @@
 //! never both write, and the bytes on the socket stay in order.
 
 use std::io;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
@@ -25,7 +25,17 @@ use tokio::sync::Notify;
 
 use super::pacing::PHASES;
 use crate::encoding::Transport;
-use crate::metrics::Metrics;
+
+/// What deliveries cost in writes, counted for the gateway's `/metrics`.
+#[derive(Debug, Default)]
+pub struct Deliveries {
+    /// Events written to watchers, by rounds and by the streams' own tasks.
+    pub events: AtomicU64,
+    /// Socket writes made by turns' rounds for parked streams.
+    pub round_writes: AtomicU64,
+    /// Of those, writes the socket took only part of (its stream's task writes the rest).
+    pub round_short_writes: AtomicU64,
+}
 
 /// The transport's side of a parked stream: its socket, written without waiting.
 pub trait Socket: Send + Sync {
@@ -36,7 +46,7 @@ pub trait Socket: Send + Sync {
 /// A stream's socket and position, which rounds write to while the stream is parked.
 pub struct ParkedStream {
     encoding: Transport,
-    metrics: Arc<Metrics>,
+    counts: Arc<Deliveries>,
     state: Mutex<ParkedState>,
     /// Tells the stream's task that the round handed the stream back.
     handed: Notify,
@@ -113,7 +123,7 @@ fn address(buffer: &impl Batches) -> usize {
 
 impl ParkedStream {
     /// A stream that rounds may write to through `socket` while it is parked.
-    pub fn new(socket: Arc<dyn Socket>, encoding: Transport, metrics: Arc<Metrics>) -> Arc<ParkedStream> {
+    pub fn new(socket: Arc<dyn Socket>, encoding: Transport, counts: Arc<Deliveries>) -> Arc<ParkedStream> {
         let state = ParkedState {
             socket: Some(socket),
             parked: false,
@@ -124,7 +134,7 @@ impl ParkedStream {
             sealed: false,
             sent: false,
         };
-        Arc::new(ParkedStream { encoding, metrics, state: Mutex::new(state), handed: Notify::new() })
+        Arc::new(ParkedStream { encoding, counts, state: Mutex::new(state), handed: Notify::new() })
     }
 
     fn lock(&self) -> MutexGuard<'_, ParkedState> {
@@ -211,13 +221,13 @@ impl ParkedStream {
                 return true;
             }
         };
-        self.metrics.round_writes.fetch_add(1, Relaxed);
-        self.metrics.events_delivered.fetch_add(built.events as u64, Relaxed);
+        self.counts.round_writes.fetch_add(1, Relaxed);
+        self.counts.events.fetch_add(built.events as u64, Relaxed);
         st.next = built.next;
         st.sent = true;
         st.sealed = built.sealed;
         if taken < built.chunk.len() {
-            self.metrics.round_short_writes.fetch_add(1, Relaxed);
+            self.counts.round_short_writes.fetch_add(1, Relaxed);
             st.rest = Some(built.chunk.slice(taken..));
         }
         if st.rest.is_some() || built.sealed || built.more {
@@ -301,11 +311,11 @@ mod tests {
     }
 
     /// A parked stream on one end of a socket pair, and the other end to read it from.
-    fn sink() -> (Arc<ParkedStream>, Arc<UnixStream>, UnixStream, Arc<Metrics>) {
+    fn sink() -> (Arc<ParkedStream>, Arc<UnixStream>, UnixStream, Arc<Deliveries>) {
         let (ours, theirs) = UnixStream::pair().unwrap();
         ours.set_nonblocking(true).unwrap();
         theirs.set_nonblocking(true).unwrap();
-        let metrics = Arc::new(Metrics::default());
+        let metrics: Arc<Deliveries> = Arc::default();
         let ours = Arc::new(ours);
         (ParkedStream::new(ours.clone(), Transport::Ndjson, metrics.clone()), ours, theirs, metrics)
     }
@@ -379,7 +389,7 @@ mod tests {
         assert_eq!(deltas_until(&mut theirs, 3).await, ["a", "b", "c"]);
         // b went at once or waited for c's round: one write or two.
         assert!((2..=3).contains(&metrics.round_writes.load(Relaxed)));
-        assert_eq!(metrics.events_delivered.load(Relaxed), 3);
+        assert_eq!(metrics.events.load(Relaxed), 3);
         hub.seal_turn(buffer.clone(), &sealed());
         assert!(handed_back(&sink).await, "turn-sealed hands the sink back");
         let back = sink.unpark();
@@ -408,7 +418,7 @@ mod tests {
         // A run of them (one bus message's worth) published together: one round, one write.
         buffer.publish_all(&[start(), start(), start()]);
         assert_eq!(metrics.round_writes.load(Relaxed), 3);
-        assert_eq!(metrics.events_delivered.load(Relaxed), 5);
+        assert_eq!(metrics.events.load(Relaxed), 5);
         let lines = dechunk(&read_now(&mut theirs));
         assert_eq!(lines.split(|b| *b == b'\n').filter(|l| !l.is_empty()).count(), 5);
     }
@@ -576,7 +586,7 @@ mod tests {
             let (ours, other) = UnixStream::pair().unwrap();
             ours.set_nonblocking(true).unwrap();
             other.set_nonblocking(true).unwrap();
-            let sink = ParkedStream::new(Arc::new(Dear(ours)), Transport::Ndjson, Arc::new(Metrics::default()));
+            let sink = ParkedStream::new(Arc::new(Dear(ours)), Transport::Ndjson, Arc::default());
             buffer.attach(&sink);
             sink.park(buffer.as_ref(), 0);
             sinks.push(sink);
@@ -609,7 +619,7 @@ mod tests {
         Arc<Hub>,
         Arc<TurnBuffer>,
         crate::hub::Cursor,
-        Vec<(Arc<ParkedStream>, Arc<UnixStream>, UnixStream, Arc<Metrics>)>,
+        Vec<(Arc<ParkedStream>, Arc<UnixStream>, UnixStream, Arc<Deliveries>)>,
         Vec<UnixStream>,
     ) {
         let hub = Hub::new(1 << 20, FlushWindow::new(u32::MAX, WINDOW));
@@ -775,7 +785,7 @@ mod tests {
             ours.set_nonblocking(true).unwrap();
             theirs.set_nonblocking(true).unwrap();
             let socket = Arc::new(Noted { inner: ours, writers: writers.clone() });
-            let sink = ParkedStream::new(socket, Transport::Ndjson, Arc::new(Metrics::default()));
+            let sink = ParkedStream::new(socket, Transport::Ndjson, Arc::default());
             buffer.attach(&sink);
             sink.park(buffer.as_ref(), 0);
             ends.push((sink, theirs));

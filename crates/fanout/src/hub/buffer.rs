@@ -5,16 +5,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::AcqRel, Ordering::Rel
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, Weak};
 use std::time::Duration;
 
-use bytes::BytesMut;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::event::{EncodedEvent, Kind};
 use super::pacing::{Decision, FlushWindow, PHASES, Pacing, Round};
 use super::parked::{Attached, Batches, Built, Chunks, ParkedStream, Ready};
 use super::remote::Outbox;
-use crate::encoding::Transport;
-use crate::encoding::{CHUNK_END, chunk_size};
+use crate::encoding::{EncodedEvent, Kind, Transport};
 use crate::wire::{AgentEvent, TurnReasoningDeltaEvent, TurnTextDeltaEvent};
 
 /// Most events one batch hands out: enough to make a write carry many events under load, few
@@ -416,7 +413,7 @@ pub(super) const SHARED_PAST: usize = 64;
 const PART: usize = 512;
 
 impl Batches for TurnBuffer {
-    /// The events from `next` on as one write: an HTTP/1.1 chunk, or WebSocket frames.
+    /// The events from `next` on as one write, framed by the transport.
     fn batch(&self, next: u32, encoding: Transport) -> Ready {
         let st = self.state();
         let start = start_of(&st.events, next);
@@ -426,20 +423,9 @@ impl Batches for TurnBuffer {
         }
         let end = batch_end(&st.events, st.largest, start, BATCH);
         let events = &st.events[start..end];
-        let len: usize = events.iter().map(|f| encoding.len(f)).sum();
-        let mut size = [0u8; 18];
-        let size = if encoding == Transport::WebSocket { &[][..] } else { chunk_size(&mut size, len) };
-        let mut chunk = BytesMut::with_capacity(size.len() + len + 2);
-        chunk.extend_from_slice(size);
-        for f in events {
-            encoding.put(&mut chunk, f);
-        }
-        if encoding != Transport::WebSocket {
-            chunk.extend_from_slice(CHUNK_END);
-        }
         let last = &events[events.len() - 1];
         Ready::Chunk(Built {
-            chunk: chunk.freeze(),
+            chunk: encoding.frame(events),
             events: events.len(),
             next: last.last + 1,
             sealed: last.is_sealed(),

@@ -1,11 +1,16 @@
-//! The bytes of the wire, shared by the hub (which encodes each event once) and the transports
-//! (which write them): SSE messages, NDJSON lines, server WebSocket frames, HTTP/1.1 chunk heads.
-//! Nothing here knows a socket.
+//! The bytes of the wire, shared by the hub (which keeps each event encoded once for every
+//! transport, [`EncodedEvent`]) and the transports (which write them): SSE messages, NDJSON
+//! lines, server WebSocket frames, HTTP/1.1 chunk heads. Nothing here knows a socket, and the
+//! hub frames nothing itself: a transport frames a batch ([`Transport::frame`]).
 
 use bytes::{BufMut, BytesMut};
 
+mod event;
+
+pub use event::{EncodedEvent, Kind};
+
 /// The live transports: how a stream's events are framed on its socket (the hub keeps each
-/// event in each framing, `hub/event.rs`), and how `/metrics` counts the streams open.
+/// event in each framing, `encoding/event.rs`), and how `/metrics` counts the streams open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transport {
     /// NDJSON lines (`Accept: application/x-ndjson`).

@@ -25,16 +25,14 @@ use crate::wire::AgentEvent;
 
 mod buffer;
 mod cursor;
-mod event;
 mod pacing;
 mod parked;
 mod remote;
 
 pub use buffer::{BATCH, TurnBuffer};
 pub use cursor::{Cursor, Delivery, EventId};
-pub use event::EncodedEvent;
 pub use pacing::FlushWindow;
-pub use parked::{ParkedStream, Socket, Unparked};
+pub use parked::{Deliveries, ParkedStream, Socket, Unparked};
 pub use remote::{Following, Outbox, Outgoing, Remote};
 
 use buffer::NextTurn;
@@ -298,6 +296,7 @@ mod tests {
     use tokio::time::Instant;
 
     use super::*;
+    use crate::encoding::EncodedEvent;
     use crate::wire::{TurnInputEvent, TurnSealedEvent, TurnStartEvent, TurnTextDeltaEvent};
 
     pub(super) fn text(d: &str) -> AgentEvent {

@@ -40,17 +40,19 @@ const FIRST_WRITE_NS: u64 = 4_000;
 /// longer is not a cost a window should follow.
 const WRITE_NS: std::ops::RangeInclusive<u64> = 250..=1_000_000;
 
-/// The configuration's defaults (`--flush-sweeps`, `--flush-max-ms`), for tests; the gateway
-/// builds its window from the configuration.
-#[cfg(test)]
+/// The window of the gateway's defaults (`--flush-sweeps`, `--flush-max-ms`).
 impl Default for FlushWindow {
     fn default() -> FlushWindow {
-        let config = crate::config::Config::defaults();
-        FlushWindow::new(config.flush_sweeps, Duration::from_millis(config.flush_max_ms))
+        FlushWindow::new(FlushWindow::SWEEPS, Duration::from_millis(FlushWindow::MAX_MS))
     }
 }
 
 impl FlushWindow {
+    /// Sweeps a window spans by default (`--flush-sweeps`).
+    pub const SWEEPS: u32 = 4;
+    /// The longest window by default, in milliseconds (`--flush-max-ms`).
+    pub const MAX_MS: u64 = 15;
+
     /// A window of `sweeps` sweeps, at most `max`, shared among the current runtime's workers
     /// (one outside a runtime).
     pub fn new(sweeps: u32, max: Duration) -> FlushWindow {
