@@ -23,8 +23,9 @@ pub const BATCH: usize = 128;
 /// into one write of up to `BATCH` of them, held whole by a connection that stopped reading.
 pub const BATCH_BYTES: usize = 256 * 1024;
 
-/// The buffer's read API, which cursors and the rounds share: where a position starts, and
-/// where a batch from it ends.
+// The buffer's read API, which cursors and the rounds share: where a position starts, and
+// where a batch from it ends.
+
 /// Where the events from index `next` on start: the first one whose last index is at or past
 /// `next`. Until a coalescing pass event `i` is at `i`, so that place is checked first (two
 /// events, instead of a binary search touching one at every step).

@@ -31,7 +31,7 @@ mod remote;
 
 pub use buffer::{BATCH, TurnBuffer};
 pub use cursor::{Cursor, Delivery, EventId};
-pub use pacing::FlushWindow;
+pub use pacing::{Decision, FlushWindow, PHASES, Pacing, Round};
 pub use parked::{Deliveries, ParkedStream, Socket, Unparked};
 pub use remote::{Following, Outbox, Outgoing, Remote};
 

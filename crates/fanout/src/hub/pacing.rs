@@ -71,7 +71,7 @@ impl FlushWindow {
     /// have the rounds write for more than half of the workers' time, and past all of it they
     /// fall behind, every delta later than the last. When writes are that dear (a slow stretch,
     /// a machine too small for its watchers), a longer window is the lesser latency.
-    pub(super) fn for_readers(&self, readers: usize) -> Duration {
+    pub fn for_readers(&self, readers: usize) -> Duration {
         if self.sweeps == 0 {
             return Duration::ZERO;
         }
@@ -124,11 +124,11 @@ impl FlushWindow {
 }
 
 /// Most phases a turn's parked watchers are staggered into.
-pub(super) const PHASES: usize = 8;
+pub const PHASES: usize = 8;
 
 /// What an event's publication starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Round {
+pub enum Round {
     /// A round of every watcher: woken tasks and every parked stream.
     Everyone,
     /// A round of the parked streams whose phase (their attach order modulo `k`) is due; woken
@@ -141,7 +141,7 @@ pub(super) enum Round {
 /// A decision: the round to run now, and when a round of everyone is due at the latest unless
 /// one runs before (a timer the buffer arms; `None`: no new deadline).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Decision {
+pub struct Decision {
     pub round: Round,
     pub deadline: Option<Instant>,
 }
@@ -153,7 +153,7 @@ impl Decision {
 /// A turn's pacing state: when it last ran a round, how its deltas are spaced, how its parked
 /// streams are staggered.
 #[derive(Debug, Default)]
-pub(super) struct Pacing {
+pub struct Pacing {
     /// The last round, of every watcher or of one phase.
     last_round: Option<Instant>,
     /// Deltas since the last round of everyone.
@@ -181,7 +181,7 @@ impl Pacing {
     /// The decision for an event published at `now`: a delta (`paced`) under `window`, or
     /// anything else (which always starts a round of everyone). The state moves as if the
     /// decision were carried out.
-    pub(super) fn decide(&mut self, now: Instant, window: Duration, paced: bool) -> Decision {
+    pub fn decide(&mut self, now: Instant, window: Duration, paced: bool) -> Decision {
         if paced {
             self.delta_at(now);
         }
