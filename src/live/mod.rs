@@ -23,7 +23,7 @@ mod watch;
 pub use reading::{Budgeted, Reading, ReadingBudget};
 pub use session::{Ops, Session, SessionSetup};
 pub use subscriptions::Subscriptions;
-pub use watch::{Step, Wake, Watch, WatchSetup, content_type};
+pub use watch::{Action, Wake, Watch, WatchSetup, content_type};
 
 /// A live stream, ready to be served.
 // A watch, the common case, is kept inline (it is moved once, into its connection's task).

@@ -82,8 +82,8 @@ pub enum Wake {
     Drained,
 }
 
-/// What to do next.
-pub enum Step {
+/// What a watch's connection does next (a writer's action; a model's step is another thing).
+pub enum Action {
     /// Write these bytes and go on.
     Write(Bytes),
     /// Write these bytes and end the stream.
@@ -138,25 +138,25 @@ impl Watch {
 
     /// What the stream opens with: `event: resync` when its cursor could not be resumed (ends
     /// the stream when the log cannot be read: the client comes back with its cursor).
-    pub async fn opening(&mut self) -> Step {
+    pub async fn opening(&mut self) -> Action {
         if !std::mem::take(&mut self.resync_first) {
-            return Step::Idle;
+            return Action::Idle;
         }
         match resync_message(&self.store, &self.conversation_id, &self.cursor).await {
-            Ok(message) => self.wrote(Step::Write(message)),
-            Err(Unreadable) => Step::End,
+            Ok(message) => self.wrote(Action::Write(message)),
+            Err(Unreadable) => Action::End,
         }
     }
 
-    /// The step for what the watcher woke up for: a delivery's events (the last write with
+    /// The action for what the watcher woke up for: a delivery's events (the last write with
     /// `until_sealed` once `turn-sealed` is among them), a `resync` (SSE) or the end (NDJSON,
     /// which cannot say `resync`) when its position was coalesced away, a keep-alive after a
     /// whole period of silence (so within two periods), and at shutdown what is available.
-    pub async fn step(&mut self, wake: Wake) -> Step {
+    pub async fn next(&mut self, wake: Wake) -> Action {
         let delivery = match wake {
             Wake::Delivery(delivery) => delivery,
-            Wake::Tick if std::mem::take(&mut self.sent) => return Step::Idle,
-            Wake::Tick => return Step::Write(keepalive(self.format)),
+            Wake::Tick if std::mem::take(&mut self.sent) => return Action::Idle,
+            Wake::Tick => return Action::Write(keepalive(self.format)),
             Wake::Drained => match self.cursor.try_batch(BATCH) {
                 Some(delivery) => delivery,
                 // Shutdown with a turn still unsealed under the cursor: it ends cut, saying so.
@@ -166,20 +166,20 @@ impl Watch {
                 None => Delivery::End,
             },
         };
-        let step = match delivery {
+        let action = match delivery {
             Delivery::Events(events) => {
                 self.metrics.deliveries.events.fetch_add(events.len() as u64, Relaxed);
                 let bytes = self.format.join(&events);
                 if self.until_sealed && events.last().is_some_and(|e| e.is_sealed()) {
-                    Step::Last(bytes)
+                    Action::Last(bytes)
                 } else {
-                    Step::Write(bytes)
+                    Action::Write(bytes)
                 }
             }
             Delivery::Lost { .. } if self.format == Transport::Sse => {
                 self.metrics.lag_recoveries.fetch_add(1, Relaxed);
                 match resync_message(&self.store, &self.conversation_id, &self.cursor).await {
-                    Ok(message) => Step::Write(message),
+                    Ok(message) => Action::Write(message),
                     Err(Unreadable) => self.cut("the log could not be read to resync this stream", ErrorCode::Storage),
                 }
             }
@@ -192,9 +192,9 @@ impl Watch {
                     ErrorCode::Lagged,
                 )
             }
-            Delivery::End => Step::End,
+            Delivery::End => Action::End,
         };
-        self.wrote(step)
+        self.wrote(action)
     }
 
     /// What the rounds wrote while the stream was parked; whether the stream ends there (they
@@ -204,13 +204,13 @@ impl Watch {
         back.sealed && self.until_sealed
     }
 
-    /// The step that ends the stream cut, with an `error` event (`code`) for the turn it reads.
-    fn cut(&self, message: &str, code: ErrorCode) -> Step {
+    /// The action that ends the stream cut, with an `error` event (`code`) for the turn it reads.
+    fn cut(&self, message: &str, code: ErrorCode) -> Action {
         let turn_id = self.cursor.replaying().unwrap_or_else(|| Arc::from(""));
         self.cut_in(&turn_id, message, code)
     }
 
-    fn cut_in(&self, turn_id: &str, message: &str, code: ErrorCode) -> Step {
+    fn cut_in(&self, turn_id: &str, message: &str, code: ErrorCode) -> Action {
         let error = crate::wire::AgentEvent::Error(crate::wire::TurnErrorEvent {
             conversation_id: self.conversation_id.clone(),
             turn_id: turn_id.to_owned(),
@@ -218,18 +218,18 @@ impl Watch {
             code: Some(code),
         });
         let json = serde_json::to_string(&error).expect("an event serializes");
-        Step::Cut(Bytes::from(if self.format == Transport::Sse {
+        Action::Cut(Bytes::from(if self.format == Transport::Sse {
             format!("data: {json}\n\n")
         } else {
             format!("{json}\n")
         }))
     }
 
-    fn wrote(&mut self, step: Step) -> Step {
-        if matches!(step, Step::Write(_) | Step::Last(_)) {
+    fn wrote(&mut self, action: Action) -> Action {
+        if matches!(action, Action::Write(_) | Action::Last(_)) {
             self.sent = true;
         }
-        step
+        action
     }
 
     /// Ready when the keep-alive period passed or shutdown began (the wakes that are not a
@@ -261,7 +261,7 @@ impl Watch {
         .await
     }
 
-    /// The watcher as a response body, for a connection served by hyper: the same steps, one
+    /// The watcher as a response body, for a connection served by hyper: the same actions, one
     /// chunk per write.
     /// A cut stream ends with an error, on which hyper closes the connection without the
     /// body's end.
@@ -278,17 +278,17 @@ impl Watch {
                     return Some((Err(cut), (watch, false, End::Whole)));
                 }
             }
-            let mut step = if first { watch.opening().await } else { Step::Idle };
+            let mut action = if first { watch.opening().await } else { Action::Idle };
             loop {
-                match step {
-                    Step::Write(bytes) => return Some((Ok(bytes), (watch, false, End::No))),
-                    Step::Last(bytes) => return Some((Ok(bytes), (watch, false, End::Whole))),
-                    Step::Cut(bytes) => return Some((Ok(bytes), (watch, false, End::Cut))),
-                    Step::End => return None,
-                    Step::Idle => {}
+                match action {
+                    Action::Write(bytes) => return Some((Ok(bytes), (watch, false, End::No))),
+                    Action::Last(bytes) => return Some((Ok(bytes), (watch, false, End::Whole))),
+                    Action::Cut(bytes) => return Some((Ok(bytes), (watch, false, End::Cut))),
+                    Action::End => return None,
+                    Action::Idle => {}
                 }
                 let wake = watch.wake().await;
-                step = watch.step(wake).await;
+                action = watch.next(wake).await;
             }
         })
     }

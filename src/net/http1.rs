@@ -38,7 +38,7 @@ use super::socket::{Parking, write_all};
 use crate::config::MOST_HEADERS;
 use crate::encoding::{CHUNK_END, LAST_CHUNK, chunk_size, has_token};
 use crate::hub::BATCH;
-use crate::live::{Cancelled, Handoff, Live, Step, Wake, Watch};
+use crate::live::{Action, Cancelled, Handoff, Live, Wake, Watch};
 use crate::metrics::Metrics;
 
 /// How the connection goes on after this module is done with it.
@@ -530,7 +530,7 @@ fn poll_gone(
     Poll::Pending
 }
 
-/// A watcher's stream (SSE or NDJSON): the steps [`Watch`] decides, written as chunks. While the
+/// A watcher's stream (SSE or NDJSON): the actions [`Watch`] decides, written as chunks. While the
 /// watcher has read everything there is and the turn is paced, it parks, and the turn's rounds
 /// write to the socket themselves. True when the stream ended (the last chunk is due), false
 /// when the client is gone.
@@ -542,20 +542,20 @@ async fn watch_stream(
 ) -> io::Result<bool> {
     let drain = limits.drain_timeout;
     let mut parking = Parking::new(stream, watch.format, watch.metrics.clone());
-    let mut step = watch.opening().await;
+    let mut action = watch.opening().await;
     loop {
-        match step {
-            Step::Write(bytes) => write_chunk(stream, &bytes, drain).await?,
-            Step::Last(bytes) => {
+        match action {
+            Action::Write(bytes) => write_chunk(stream, &bytes, drain).await?,
+            Action::Last(bytes) => {
                 write_chunk(stream, &bytes, drain).await?;
                 return Ok(true);
             }
-            Step::End => return Ok(true),
-            Step::Cut(bytes) => {
+            Action::End => return Ok(true),
+            Action::Cut(bytes) => {
                 write_chunk(stream, &bytes, drain).await?;
                 return Ok(false);
             }
-            Step::Idle => {}
+            Action::Idle => {}
         }
         let wake = match watch.cursor.try_batch(BATCH) {
             Some(delivery) => Wake::Delivery(delivery),
@@ -583,7 +583,7 @@ async fn watch_stream(
                     }
                     match woke {
                         None => {
-                            step = Step::Idle;
+                            action = Action::Idle;
                             continue;
                         }
                         Some(Err(())) => return Ok(false),
@@ -601,7 +601,7 @@ async fn watch_stream(
                 }
             },
         };
-        step = watch.step(wake).await;
+        action = watch.next(wake).await;
     }
 }
 

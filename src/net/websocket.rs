@@ -261,18 +261,41 @@ enum Woke {
     Incomplete,
 }
 
+/// What a session waits for besides its turns and its client: status changes (and the end of
+/// the flush window that holds them), the keep-alive ping, shutdown's drain, and the deadline of
+/// a frame or message left incomplete.
+struct Waits {
+    statuses: tokio::sync::broadcast::Receiver<StatusChange>,
+    /// Status changes held for one flush window, and when that window ends.
+    held: Vec<StatusChange>,
+    held_until: Option<Pin<Box<tokio::time::Sleep>>>,
+    ping: Option<tokio::time::Interval>,
+    drained: Cancelled,
+    /// Armed while a frame or message is incomplete; the client must finish it by then.
+    incomplete_until: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Waits {
+    /// Hands the held status changes to the session (its next write carries them).
+    fn release(&mut self, session: &mut Session) {
+        self.held_until = None;
+        release(session, &mut self.held, &mut self.statuses);
+    }
+}
+
 /// Serves the session until it ends; `read` holds what the client sent after its upgrade.
 pub async fn serve(stream: &Arc<TcpStream>, mut session: Session, read: Vec<u8>, drain: Duration) {
     let mut frames = FrameDecoder::new(read, session.max_message);
     let message_timeout = session.message_timeout;
-    // Armed while a frame or message is incomplete; the client must finish it by then.
-    let mut incomplete_until: Option<Pin<Box<tokio::time::Sleep>>> = None;
-    let Some(mut statuses) = session.take_statuses() else { return };
-    // Status changes held for one flush window, and when that window ends.
-    let mut held: Vec<StatusChange> = Vec::new();
-    let mut held_until: Option<Pin<Box<tokio::time::Sleep>>> = None;
-    let mut ping = session.keepalive.map(|p| tokio::time::interval_at(tokio::time::Instant::now() + p, p));
-    let mut drained = Cancelled::new(&session.drained);
+    let Some(statuses) = session.take_statuses() else { return };
+    let mut waits = Waits {
+        statuses,
+        held: Vec::new(),
+        held_until: None,
+        ping: session.keepalive.map(|p| tokio::time::interval_at(tokio::time::Instant::now() + p, p)),
+        drained: Cancelled::new(&session.drained),
+        incomplete_until: None,
+    };
     let mut parking = Parking::new(stream, Transport::WebSocket, session.metrics.clone());
     let mut out = BytesMut::new();
     let mut draining = false;
@@ -289,18 +312,15 @@ pub async fn serve(stream: &Arc<TcpStream>, mut session: Session, read: Vec<u8>,
                 Ok(false) | Err(_) => break None,
             },
             Some(Woke::Status(Ok(change))) => {
-                held.push(change);
+                waits.held.push(change);
                 let window = session.window();
                 if window.is_zero() {
-                    release(&mut session, &mut held, &mut statuses);
-                } else if held_until.is_none() {
-                    held_until = Some(Box::pin(tokio::time::sleep(window)));
+                    waits.release(&mut session);
+                } else if waits.held_until.is_none() {
+                    waits.held_until = Some(Box::pin(tokio::time::sleep(window)));
                 }
             }
-            Some(Woke::StatusesDue) => {
-                held_until = None;
-                release(&mut session, &mut held, &mut statuses);
-            }
+            Some(Woke::StatusesDue) => waits.release(&mut session),
             Some(Woke::Status(Err(RecvError::Lagged(missed)))) => {
                 tracing::debug!(missed, "status changes lagged on a WebSocket");
             }
@@ -310,45 +330,21 @@ pub async fn serve(stream: &Arc<TcpStream>, mut session: Session, read: Vec<u8>,
             Some(Woke::Incomplete) => break Some(POLICY),
             Some(Woke::Handed) | None => {}
         }
-        // The ops read so far.
-        let mut closing = None;
-        loop {
-            match frames.next() {
-                Ok(Some(Incoming::Text(t))) => session.handle(&t).await,
-                Ok(Some(Incoming::Binary(b))) => match std::str::from_utf8(&b) {
-                    Ok(t) => session.handle(t).await,
-                    Err(_) => session.send(&serde_json::json!({"type": "error", "message": "Invalid JSON"})),
-                },
-                Ok(Some(Incoming::Ping(p))) => session.pong(&p),
-                Ok(Some(Incoming::Pong)) => {}
-                // Answered with the same code (none for none).
-                Ok(Some(Incoming::Close(code))) => {
-                    closing = Some(code);
-                    break;
-                }
-                Ok(None) => break,
-                Err(code) => {
-                    closing = Some(Some(code));
-                    break;
-                }
-            }
-        }
-        if let Some(code) = closing {
+        if let Some(code) = read_ops(&mut session, &mut frames).await {
             break code;
         }
         // The deadline runs from the first byte of an incomplete frame to its last.
-        match (frames.incomplete(), incomplete_until.is_some()) {
-            (true, false) => incomplete_until = Some(Box::pin(tokio::time::sleep(message_timeout))),
-            (false, true) => incomplete_until = None,
+        match (frames.incomplete(), waits.incomplete_until.is_some()) {
+            (true, false) => waits.incomplete_until = Some(Box::pin(tokio::time::sleep(message_timeout))),
+            (false, true) => waits.incomplete_until = None,
             _ => {}
         }
         if !frames.within(&session.reading) {
             break Some(TRY_AGAIN_LATER);
         }
         // Everything there is to write, in one write; held status changes go with it.
-        if !held.is_empty() && !session.out().is_empty() {
-            held_until = None;
-            release(&mut session, &mut held, &mut statuses);
+        if !waits.held.is_empty() && !session.out().is_empty() {
+            waits.release(&mut session);
         }
         out.extend_from_slice(&session.out().split());
         if !gather(&mut session, &mut out, draining).await {
@@ -365,66 +361,97 @@ pub async fn serve(stream: &Arc<TcpStream>, mut session: Session, read: Vec<u8>,
         if draining {
             break Some(GOING_AWAY);
         }
-        woke = Some(match session.subscriptions().parkable() {
-            Some((buffer, next)) => {
-                parking.attach(&buffer);
-                parking.stream.park(buffer.as_ref(), next);
-                let handed = parking.stream.handed_back();
-                let status = next_status(&mut statuses, &mut held_until);
-                tokio::pin!(handed, status);
-                let woke = poll_fn(|cx| {
-                    if handed.as_mut().poll(cx).is_ready() {
-                        Poll::Ready(Woke::Handed)
-                    } else if stream.poll_read_ready(cx).is_ready() {
-                        Poll::Ready(Woke::Readable)
-                    } else if let Poll::Ready(woke) = status.as_mut().poll(cx) {
-                        Poll::Ready(woke)
-                    } else if ping.as_mut().is_some_and(|t| t.poll_tick(cx).is_ready()) {
-                        Poll::Ready(Woke::Ping)
-                    } else if Pin::new(&mut drained).poll(cx).is_ready() {
-                        Poll::Ready(Woke::Drained)
-                    } else if incomplete_until.as_mut().is_some_and(|t| t.as_mut().poll(cx).is_ready()) {
-                        Poll::Ready(Woke::Incomplete)
-                    } else {
-                        Poll::Pending
-                    }
-                })
-                .await;
-                let cursor = session.subscriptions().single().expect("the parked subscription is at hand");
-                if parking.take_back(cursor, drain).await.is_err() {
-                    return;
-                }
-                woke
-            }
-            None => match session.subscriptions().try_next(false) {
-                // What came since the gather; otherwise every subscription now waits.
-                Some((id, delivery)) => Woke::Delivery(id, delivery),
-                None => {
-                    parking.detach();
-                    // The client first: its ops are few and cheap, and a busy turn must not keep
-                    // them (an unsubscribe, a close) waiting.
-                    tokio::select! {
-                        biased;
-                        r = stream.readable() => match r {
-                            Ok(()) => Woke::Readable,
-                            Err(_) => return,
-                        },
-                        _ = until(incomplete_until.as_mut()) => Woke::Incomplete,
-                        (id, d) = session.subscriptions().next() => Woke::Delivery(id, d),
-                        woke = next_status(&mut statuses, &mut held_until) => woke,
-                        _ = tick(ping.as_mut()) => Woke::Ping,
-                        _ = &mut drained => Woke::Drained,
-                    }
-                }
-            },
-        });
+        match wait(stream, &mut session, &mut parking, &mut waits, drain).await {
+            Some(next) => woke = Some(next),
+            None => return,
+        }
     };
     drop(parking);
     // Whatever was gathered and held, then the close frame (best effort: the client may be gone).
-    release(&mut session, &mut held, &mut statuses);
+    waits.release(&mut session);
     out.extend_from_slice(&session.out().split());
     put_close(&mut out, end);
     let _ = write_all(stream, &mut [IoSlice::new(&out)], drain).await;
+}
+
+/// Handles the client's ops decoded so far; the close code to answer with (`Some(None)`: a
+/// close without one) when the client closes or breaks the protocol.
+async fn read_ops(session: &mut Session, frames: &mut FrameDecoder) -> Option<Option<u16>> {
+    loop {
+        match frames.next() {
+            Ok(Some(Incoming::Text(t))) => session.handle(&t).await,
+            Ok(Some(Incoming::Binary(b))) => match std::str::from_utf8(&b) {
+                Ok(t) => session.handle(t).await,
+                Err(_) => session.send(&serde_json::json!({"type": "error", "message": "Invalid JSON"})),
+            },
+            Ok(Some(Incoming::Ping(p))) => session.pong(&p),
+            Ok(Some(Incoming::Pong)) => {}
+            // Answered with the same code (none for none).
+            Ok(Some(Incoming::Close(code))) => return Some(code),
+            Ok(None) => return None,
+            Err(code) => return Some(Some(code)),
+        }
+    }
+}
+
+/// Waits for what the session does next, with nothing to write now. A session with one
+/// subscription reading an in-flight turn parks its socket with the turn's rounds meanwhile
+/// (and takes it back, with what they wrote, before it goes on); `None`: the connection is gone.
+async fn wait(
+    stream: &Arc<TcpStream>,
+    session: &mut Session,
+    parking: &mut Parking,
+    waits: &mut Waits,
+    drain: Duration,
+) -> Option<Woke> {
+    let Waits { statuses, held_until, ping, drained, incomplete_until, .. } = waits;
+    if let Some((buffer, next)) = session.subscriptions().parkable() {
+        parking.attach(&buffer);
+        parking.stream.park(buffer.as_ref(), next);
+        let handed = parking.stream.handed_back();
+        let status = next_status(statuses, held_until);
+        tokio::pin!(handed, status);
+        let woke = poll_fn(|cx| {
+            if handed.as_mut().poll(cx).is_ready() {
+                Poll::Ready(Woke::Handed)
+            } else if stream.poll_read_ready(cx).is_ready() {
+                Poll::Ready(Woke::Readable)
+            } else if let Poll::Ready(woke) = status.as_mut().poll(cx) {
+                Poll::Ready(woke)
+            } else if ping.as_mut().is_some_and(|t| t.poll_tick(cx).is_ready()) {
+                Poll::Ready(Woke::Ping)
+            } else if Pin::new(&mut *drained).poll(cx).is_ready() {
+                Poll::Ready(Woke::Drained)
+            } else if incomplete_until.as_mut().is_some_and(|t| t.as_mut().poll(cx).is_ready()) {
+                Poll::Ready(Woke::Incomplete)
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
+        let cursor = session.subscriptions().single().expect("the parked subscription is at hand");
+        parking.take_back(cursor, drain).await.ok()?;
+        return Some(woke);
+    }
+    // What came since the gather; otherwise every subscription now waits.
+    if let Some((id, delivery)) = session.subscriptions().try_next(false) {
+        return Some(Woke::Delivery(id, delivery));
+    }
+    parking.detach();
+    // The client first: its ops are few and cheap, and a busy turn must not keep them (an
+    // unsubscribe, a close) waiting.
+    Some(tokio::select! {
+        biased;
+        r = stream.readable() => match r {
+            Ok(()) => Woke::Readable,
+            Err(_) => return None,
+        },
+        _ = until(incomplete_until.as_mut()) => Woke::Incomplete,
+        (id, d) = session.subscriptions().next() => Woke::Delivery(id, d),
+        woke = next_status(statuses, held_until) => woke,
+        _ = tick(ping.as_mut()) => Woke::Ping,
+        _ = &mut *drained => Woke::Drained,
+    })
 }
 
 /// The ticker's next tick; never, without one.

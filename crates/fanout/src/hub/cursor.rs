@@ -123,12 +123,12 @@ impl Cursor {
         loop {
             match &mut self.at {
                 Position::Done => return Delivery::End,
-                Position::Waiting(slot) => {
-                    let slot = slot.clone();
-                    let filled = slot.filled.notified();
+                Position::Waiting(next) => {
+                    let next = next.clone();
+                    let filled = next.filled.notified();
                     tokio::pin!(filled);
                     filled.as_mut().enable();
-                    if let Some(buffer) = slot.turn.get() {
+                    if let Some(buffer) = next.turn.get() {
                         self.at = Position::Reading { buffer: Reader::new(buffer.clone()), next: 0 };
                         continue;
                     }

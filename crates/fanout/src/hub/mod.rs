@@ -145,7 +145,7 @@ impl Hub {
         opening: &[AgentEvent],
         outbox: Option<Outbox>,
     ) -> Arc<TurnBuffer> {
-        // Built and filled before the hub's lock is taken: nobody can see it until the slot
+        // Built and filled before the hub's lock is taken: nobody can see it until the place
         // and the channel point at it.
         let buffer = Arc::new(TurnBuffer::new(
             conversation_id,
@@ -161,9 +161,9 @@ impl Hub {
         }
         let mut channels = self.lock();
         let channel = channels.entry(Arc::from(conversation_id)).or_default();
-        let slot = std::mem::replace(&mut channel.next, buffer.next.clone());
-        let _ = slot.turn.set(buffer.clone());
-        slot.filled.notify_waiters();
+        let next = std::mem::replace(&mut channel.next, buffer.next.clone());
+        let _ = next.turn.set(buffer.clone());
+        next.filled.notify_waiters();
         channel.current = Some(buffer.clone());
         buffer
     }
@@ -279,7 +279,7 @@ impl Hub {
         Self::collect(&mut self.lock(), conversation_id);
     }
 
-    /// Drops a channel with no turn in flight whose next slot nobody else can reach: no
+    /// Drops a channel with no turn in flight whose next turn's place nobody else can reach: no
     /// watcher waits on it and no buffer a watcher still reads points at it.
     fn collect(channels: &mut HashMap<Arc<str>, Channel>, conversation_id: &str) {
         if let Some(channel) = channels.get(conversation_id)

@@ -13,12 +13,9 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
-use super::DEFAULT_REASONING_EFFORT;
-use super::claude::{ClaudeMapper, Mapped};
 use tokio::io::AsyncWriteExt;
-use tokio::process::{Child, ChildStdin, ChildStdout};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -26,7 +23,15 @@ use tokio_util::task::TaskTracker;
 use super::lines::{self, BoundedLines};
 use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
 use crate::config::{CommandCredential, Dialect};
-use crate::wire::{ErrorCode, OutputStream};
+
+mod agent;
+mod dialect;
+
+use agent::{Agent, StartedFor, log_stderr};
+
+use crate::wire::ErrorCode;
+pub use dialect::Mapper;
+use dialect::{claude_args, foreign_turn_line, interrupt_line, usable_session, user_line};
 
 /// Longest session id kept: it goes back to the next process as an argument and a variable.
 const MAX_SESSION_ID: usize = 256;
@@ -34,74 +39,6 @@ const MAX_SESSION_ID: usize = 256;
 /// Backoff before restarting a process that died, doubling up to the cap.
 const RESTART_BASE: Duration = Duration::from_millis(250);
 const RESTART_CAP: Duration = Duration::from_secs(10);
-
-/// A running agent process.
-struct Agent {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BoundedLines<ChildStdout>,
-    pgid: Option<i32>,
-    /// What it was started for: a turn on another model, in another folder or (Claude Code)
-    /// with another effort needs a new one.
-    started_for: StartedFor,
-    /// The session it holds: the one it resumed, or the last it reported. A turn that
-    /// resumes another (or none: the conversation's session was forgotten) needs a new one.
-    session: Option<String>,
-    /// The last turn it was given: a turn whose conversation went on without it (another
-    /// gateway or runtime ran the turn before) needs a new one.
-    last_turn: Option<String>,
-    /// How long it has to wind down before it is killed, to finish an interrupted turn or to
-    /// exit once its input is closed (the credential's `grace_secs`).
-    grace: Duration,
-    /// Its place among the credential's `max_processes`, given back when it is dropped.
-    _place: OwnedSemaphorePermit,
-}
-
-impl Agent {
-    /// Whether it can take this turn: started for its model, folder and effort, holding the
-    /// session the turn resumes, and given the conversation's turn before it.
-    fn fits(&self, started_for: &StartedFor, req: &TurnRequest) -> bool {
-        self.started_for == *started_for && self.session == req.session_id && self.last_turn == req.previous_turn_id
-    }
-
-    /// Kills the whole process group, then reaps the leader.
-    async fn kill(mut self) {
-        kill_group(self.pgid, &mut self.child).await;
-    }
-
-    /// Ends an idle process as the end of its input does, so that it writes what it keeps
-    /// (Claude Code its session's transcript, which a kill right after a turn cut short:
-    /// the next process resumed without the last turns); its group is killed after its
-    /// grace or once it exits.
-    async fn stop(self) {
-        let Agent { mut child, stdin, stdout, pgid, grace, .. } = self;
-        drop(stdin);
-        // Its output stays open, unread: a closed pipe could end it before it wrote.
-        let _ = tokio::time::timeout(grace, child.wait()).await;
-        kill_group(pgid, &mut child).await;
-        drop(stdout);
-    }
-}
-
-async fn kill_group(pgid: Option<i32>, child: &mut Child) {
-    if let Some(pgid) = pgid {
-        // SAFETY: kill(2) with a negative pid signals a process group; no memory involved.
-        unsafe {
-            libc::kill(-pgid, libc::SIGKILL);
-        }
-    }
-    let _ = child.kill().await;
-}
-
-/// The model and working directory a process was started with (its arguments, environment
-/// and folder), and Claude Code's effort (an argument too; the gateway's own dialect gets it
-/// with each turn): a process cannot move to others.
-#[derive(PartialEq)]
-struct StartedFor {
-    model: String,
-    cwd: Option<std::path::PathBuf>,
-    effort: Option<String>,
-}
 
 /// One conversation's agent (when alive) and its restart bookkeeping.
 #[derive(Default)]
@@ -113,6 +50,15 @@ struct AgentState {
     idle_since: Option<Instant>,
     /// Turns so far, so that an idle timer knows whether one came since it was armed.
     turns: u64,
+}
+
+impl AgentState {
+    /// Its process died (or was killed for breaking the protocol of admission): the next
+    /// start waits longer.
+    fn died(&mut self) {
+        self.failures += 1;
+        self.last_death = Some(Instant::now());
+    }
 }
 
 pub struct CommandRuntime {
@@ -182,9 +128,9 @@ impl Inner {
     /// takes its entry under the map's lock, so the count cannot rise meanwhile).
     fn forget(&self, conversation_id: &str) {
         let mut agents = self.agents.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(slot) = agents.get(conversation_id)
-            && Arc::strong_count(slot) == 1
-            && slot.try_lock().is_ok_and(|state| state.agent.is_none())
+        if let Some(entry) = agents.get(conversation_id)
+            && Arc::strong_count(entry) == 1
+            && entry.try_lock().is_ok_and(|state| state.agent.is_none())
         {
             agents.remove(conversation_id);
         }
@@ -197,26 +143,26 @@ impl Inner {
             return Ok(place);
         }
         // Chosen under the map's lock, cloning only the one chosen: a `forget` meanwhile must
-        // not find other entries held. A slot locked is in a turn (or being started): not
-        // idle. This conversation's own slot is locked by its turn.
+        // not find other entries held. An entry locked is in a turn (or being started): not
+        // idle. This conversation's own entry is locked by its turn.
         let idle = {
             let agents = self.agents.lock().unwrap_or_else(|p| p.into_inner());
             agents
                 .iter()
-                .filter_map(|(id, slot)| {
-                    let state = slot.try_lock().ok()?;
+                .filter_map(|(id, entry)| {
+                    let state = entry.try_lock().ok()?;
                     state.agent.as_ref()?;
-                    Some((state.idle_since, id, slot))
+                    Some((state.idle_since, id, entry))
                 })
                 .min_by_key(|(since, _, _)| *since)
-                .map(|(_, id, slot)| (id.clone(), slot.clone()))
+                .map(|(_, id, entry)| (id.clone(), entry.clone()))
         };
-        if let Some((id, slot)) = idle {
-            let stopped = match slot.try_lock() {
+        if let Some((id, entry)) = idle {
+            let stopped = match entry.try_lock() {
                 Ok(mut state) => state.agent.take(),
                 Err(_) => None,
             };
-            drop(slot);
+            drop(entry);
             if let Some(agent) = stopped {
                 tracing::info!(credential = %self.name, "stopping the agent process idle longest for a new one");
                 agent.stop().await;
@@ -294,25 +240,7 @@ impl Inner {
         let stdout =
             child.stdout.take().ok_or_else(|| RuntimeError::turn("the agent has no stdout", ErrorCode::AgentSpawn))?;
         if let Some(stderr) = child.stderr.take() {
-            let (credential, conversation) = (self.name.clone(), req.conversation_id.clone());
-            let mut lines = BoundedLines::new(stderr, self.max_line);
-            tokio::spawn(async move {
-                // Read to the end whatever comes: a program blocked on a full stderr pipe
-                // would stop answering.
-                loop {
-                    match lines.next_line().await {
-                        Ok(Some(line)) => {
-                            tracing::info!(credential = %credential, conversation = %conversation, "agent stderr: {line}")
-                        }
-                        Ok(None) => break,
-                        // Over the limit, or not UTF-8: that line only.
-                        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                            tracing::warn!(credential = %credential, conversation = %conversation, "agent stderr: {e}, left out")
-                        }
-                        Err(_) => break,
-                    }
-                }
-            });
+            log_stderr(BoundedLines::new(stderr, self.max_line), self.name.clone(), req.conversation_id.clone());
         }
         self.started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pgid = child.id().map(|id| id as i32);
@@ -322,39 +250,6 @@ impl Inner {
         Ok(Agent { child, stdin, stdout, pgid, started_for, session, last_turn, grace, _place: place })
     }
 
-    /// The line that submits a turn.
-    fn user_line(&self, req: &TurnRequest) -> String {
-        let value = match self.settings.dialect {
-            Dialect::Ndjson => json!({
-                "type": "user",
-                "turnId": req.turn_id,
-                "text": req.prompt,
-                "model": req.model,
-                "sessionId": req.session_id,
-                "cwd": req.cwd,
-                "reasoningEffort": req.reasoning_effort.as_deref().unwrap_or(DEFAULT_REASONING_EFFORT),
-            }),
-            Dialect::ClaudeStreamJson => json!({
-                "type": "user",
-                "message": {"role": "user", "content": [{"type": "text", "text": req.prompt}]},
-                "uuid": uuid::Uuid::new_v4().to_string(),
-            }),
-        };
-        value.to_string() + "\n"
-    }
-
-    fn interrupt_line(&self) -> String {
-        let value = match self.settings.dialect {
-            Dialect::Ndjson => json!({"type": "interrupt"}),
-            Dialect::ClaudeStreamJson => json!({
-                "type": "control_request",
-                "request_id": uuid::Uuid::new_v4().to_string(),
-                "request": {"subtype": "interrupt"},
-            }),
-        };
-        value.to_string() + "\n"
-    }
-
     /// One turn on the conversation's process; whatever its end, the idle timer is armed.
     async fn turn(
         self: &Arc<Self>,
@@ -362,24 +257,60 @@ impl Inner {
         sink: EventSink,
         cancel: CancellationToken,
     ) -> Result<(), RuntimeError> {
-        let slot = self.agent_state(&req.conversation_id);
-        let mut state = slot.lock().await;
-        state.turns += 1;
-        let seen = state.turns;
-        let result = self.run(&mut state, &req, sink, cancel).await;
-        drop(state);
-        self.arm_idle_timer(&req.conversation_id, slot, seen);
+        let state = self.agent_state(&req.conversation_id);
+        let mut held = state.lock().await;
+        held.turns += 1;
+        let seen = held.turns;
+        let result = self.run(&mut held, &req, sink, cancel).await;
+        drop(held);
+        self.arm_idle_timer(&req.conversation_id, state, seen);
         result
     }
 
+    /// A turn in four phases: a live process for it, the turn written to it (admission), its
+    /// lines read to the turn's end, and what the end leaves of the process.
     async fn run(
         &self,
-        slot: &mut AgentState,
+        state: &mut AgentState,
         req: &TurnRequest,
         sink: EventSink,
         cancel: CancellationToken,
     ) -> Result<(), RuntimeError> {
-        let alive = match slot.agent.as_mut() {
+        let Some(mut agent) = self.ready_agent(state, req, &cancel).await? else { return Ok(()) };
+        let foreign_open = self.admit(state, &mut agent, req).await?;
+        let (outcome, interrupted) = self.stream(&mut agent, req, sink, cancel, foreign_open).await;
+        match outcome {
+            Outcome::Settled => {
+                state.failures = 0;
+                state.idle_since = Some(Instant::now());
+                state.agent = Some(agent);
+                Ok(())
+            }
+            Outcome::Kill => {
+                agent.kill().await;
+                Ok(())
+            }
+            Outcome::Died(message) => {
+                agent.kill().await;
+                state.died();
+                if interrupted { Ok(()) } else { Err(RuntimeError::turn(message, ErrorCode::AgentExit)) }
+            }
+            Outcome::Protocol(message) => {
+                agent.kill().await;
+                Err(RuntimeError::turn(message, ErrorCode::AgentProtocol))
+            }
+        }
+    }
+
+    /// The conversation's process if it is alive and fits the turn, else a new one (after a
+    /// backoff when processes keep dying); `None` when the turn was stopped during the backoff.
+    async fn ready_agent(
+        &self,
+        state: &mut AgentState,
+        req: &TurnRequest,
+        cancel: &CancellationToken,
+    ) -> Result<Option<Agent>, RuntimeError> {
+        let alive = match state.agent.as_mut() {
             Some(agent) => agent.child.try_wait().ok().flatten().is_none(),
             None => false,
         };
@@ -387,37 +318,38 @@ impl Inner {
         // forgotten, or it went on elsewhere: the process goes (not a death: no backoff), and
         // one started for the turn resumes the session, if any.
         if alive
-            && slot.agent.as_ref().is_some_and(|agent| !agent.fits(&self.started_for(req), req))
-            && let Some(agent) = slot.agent.take()
+            && state.agent.as_ref().is_some_and(|agent| !agent.fits(&self.started_for(req), req))
+            && let Some(agent) = state.agent.take()
         {
             tracing::info!(credential = %self.name, conversation = %req.conversation_id, "a new agent process for another model, folder, effort or session, or turns run elsewhere");
             agent.stop().await;
         }
-        let mut agent = match slot.agent.take() {
-            Some(agent) if alive => agent,
+        match state.agent.take() {
+            Some(agent) if alive => Ok(Some(agent)),
             dead => {
-                if let Some(agent) = dead {
+                if let Some(mut agent) = dead {
                     agent.kill().await;
-                    slot.failures += 1;
-                    slot.last_death = Some(Instant::now());
+                    state.died();
                 }
                 // A process that keeps dying is restarted ever more slowly.
-                if slot.failures > 0 && slot.last_death.is_some() {
-                    let wait = (RESTART_BASE * 2u32.pow(slot.failures.min(8) - 1)).min(RESTART_CAP);
+                if state.failures > 0 && state.last_death.is_some() {
+                    let wait = (RESTART_BASE * 2u32.pow(state.failures.min(8) - 1)).min(RESTART_CAP);
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
-                        _ = cancel.cancelled() => return Ok(()),
+                        _ = cancel.cancelled() => return Ok(None),
                     }
                 }
                 let place = self.place().await?;
-                self.spawn(req, place)?
+                self.spawn(req, place).map(Some)
             }
-        };
+        }
+    }
 
-        // Admission: the write of the user line.
+    /// Admission: the write of the user line. Whether a turn the agent started itself is still
+    /// open (its lines are not this turn's).
+    async fn admit(&self, state: &mut AgentState, agent: &mut Agent, req: &TurnRequest) -> Result<bool, RuntimeError> {
         if agent.child.try_wait().ok().flatten().is_some() {
-            slot.failures += 1;
-            slot.last_death = Some(Instant::now());
+            state.died();
             return Err(RuntimeError::Failed("the agent process exited before the turn was written".into()));
         }
         // Claude Code may run turns of its own between ours (a background task's completion):
@@ -435,21 +367,18 @@ impl Inner {
                 tracing::info!(dropped, "dropped the lines of a turn the agent started itself");
             }
         }
-        let line = self.user_line(req);
+        let line = user_line(self.settings.dialect, req);
         let mut written = 0;
         while written < line.len() {
             match agent.stdin.write(&line.as_bytes()[written..]).await {
-                Ok(0) | Err(_) if written == 0 => {
-                    agent.kill().await;
-                    slot.failures += 1;
-                    slot.last_death = Some(Instant::now());
-                    return Err(RuntimeError::Failed("the agent process closed its input".into()));
-                }
                 Ok(0) | Err(_) => {
                     agent.kill().await;
-                    slot.failures += 1;
-                    slot.last_death = Some(Instant::now());
-                    return Err(RuntimeError::Ambiguous("the write of the turn to the agent broke part-way".into()));
+                    state.died();
+                    return Err(if written == 0 {
+                        RuntimeError::Failed("the agent process closed its input".into())
+                    } else {
+                        RuntimeError::Ambiguous("the write of the turn to the agent broke part-way".into())
+                    });
                 }
                 Ok(n) => written += n,
             }
@@ -459,7 +388,19 @@ impl Inner {
             return Err(RuntimeError::Ambiguous("the write of the turn to the agent broke part-way".into()));
         }
         agent.last_turn = Some(req.turn_id.clone());
+        Ok(foreign_open)
+    }
 
+    /// Reads the agent's lines into the turn until it ends; how it ended, and whether the
+    /// turn was stopped (the agent interrupted) meanwhile.
+    async fn stream(
+        &self,
+        agent: &mut Agent,
+        req: &TurnRequest,
+        sink: EventSink,
+        cancel: CancellationToken,
+        mut foreign_open: bool,
+    ) -> (Outcome, bool) {
         let mut mapper = Mapper::new(self.settings.dialect, self.settings.unattended);
         let mut interrupted: Option<tokio::time::Instant> = None;
         let outcome = loop {
@@ -473,7 +414,7 @@ impl Inner {
                     line = agent.stdout.next_line() => line,
                     _ = cancel.cancelled() => {
                         // Interrupt at once; the turn is already ending `aborted`.
-                        let _ = agent.stdin.write_all(self.interrupt_line().as_bytes()).await;
+                        let _ = agent.stdin.write_all(interrupt_line(self.settings.dialect).as_bytes()).await;
                         let _ = agent.stdin.flush().await;
                         interrupted = Some(tokio::time::Instant::now() + agent.grace);
                         continue;
@@ -530,33 +471,12 @@ impl Inner {
                 break Outcome::Settled;
             }
         };
-        match outcome {
-            Outcome::Settled => {
-                slot.failures = 0;
-                slot.idle_since = Some(Instant::now());
-                slot.agent = Some(agent);
-                Ok(())
-            }
-            Outcome::Kill => {
-                agent.kill().await;
-                Ok(())
-            }
-            Outcome::Died(message) => {
-                agent.kill().await;
-                slot.failures += 1;
-                slot.last_death = Some(Instant::now());
-                if interrupted.is_some() { Ok(()) } else { Err(RuntimeError::turn(message, ErrorCode::AgentExit)) }
-            }
-            Outcome::Protocol(message) => {
-                agent.kill().await;
-                Err(RuntimeError::turn(message, ErrorCode::AgentProtocol))
-            }
-        }
+        (outcome, interrupted.is_some())
     }
 
     /// After the idle timeout with no turn since this one: stops the conversation's process
     /// and forgets the conversation.
-    fn arm_idle_timer(self: &Arc<Self>, conversation_id: &str, slot: Arc<tokio::sync::Mutex<AgentState>>, seen: u64) {
+    fn arm_idle_timer(self: &Arc<Self>, conversation_id: &str, entry: Arc<tokio::sync::Mutex<AgentState>>, seen: u64) {
         let idle = Duration::from_secs(self.settings.idle_timeout_secs.max(1));
         let (inner, conversation_id) = (self.clone(), conversation_id.to_owned());
         tokio::spawn(async move {
@@ -565,7 +485,7 @@ impl Inner {
                 _ = inner.fence.cancelled() => return,
             }
             {
-                let mut state = slot.lock().await;
+                let mut state = entry.lock().await;
                 if state.turns != seen {
                     return;
                 }
@@ -574,7 +494,7 @@ impl Inner {
                     agent.stop().await;
                 }
             }
-            drop(slot);
+            drop(entry);
             inner.forget(&conversation_id);
         });
     }
@@ -616,19 +536,19 @@ impl Runtime for CommandRuntime {
 
     fn release(&self, conversation_id: &str) {
         let inner = self.inner.clone();
-        let Some(slot) = inner.agents.lock().unwrap_or_else(|p| p.into_inner()).get(conversation_id).cloned() else {
+        let Some(entry) = inner.agents.lock().unwrap_or_else(|p| p.into_inner()).get(conversation_id).cloned() else {
             return;
         };
         let conversation_id = conversation_id.to_owned();
         tokio::spawn(async move {
             // Should a conversation made again under the id have run a turn first, its process
             // goes too: its next turn starts another, which resumes its session.
-            let agent = slot.lock().await.agent.take();
+            let agent = entry.lock().await.agent.take();
             if let Some(agent) = agent {
                 tracing::info!(credential = %inner.name, conversation = %conversation_id, "stopping the agent process of a deleted conversation");
                 agent.stop().await;
             }
-            drop(slot);
+            drop(entry);
             inner.forget(&conversation_id);
         });
     }
@@ -642,128 +562,14 @@ impl Runtime for CommandRuntime {
             let agents: Vec<_> =
                 inner.agents.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, s)| s).collect();
             // Every turn has settled: the processes are idle, stopped all at once.
-            let stops = agents.into_iter().map(|slot| async move {
-                if let Some(agent) = slot.lock().await.agent.take() {
+            let stops = agents.into_iter().map(|entry| async move {
+                if let Some(agent) = entry.lock().await.agent.take() {
                     agent.stop().await;
                 }
             });
             futures_util::future::join_all(stops).await;
         })
     }
-}
-
-/// Maps agent lines to raw events, keeping what a dialect needs across lines.
-pub enum Mapper {
-    Ndjson,
-    Claude(ClaudeMapper),
-}
-
-impl Mapper {
-    pub fn new(dialect: Dialect, unattended: bool) -> Mapper {
-        match dialect {
-            Dialect::Ndjson => Mapper::Ndjson,
-            Dialect::ClaudeStreamJson => Mapper::Claude(ClaudeMapper::new(unattended)),
-        }
-    }
-
-    /// The raw events one line stands for (used directly by tests of recorded transcripts).
-    pub fn events(&mut self, line: &Value) -> Vec<RawEvent> {
-        self.map(line).events
-    }
-
-    fn map(&mut self, v: &Value) -> Mapped {
-        match self {
-            Mapper::Ndjson => Mapped { events: ndjson_event(v).into_iter().collect(), replies: Vec::new() },
-            Mapper::Claude(claude) => claude.map(v),
-        }
-    }
-}
-
-/// Whether a turn the agent started itself is still open after `line`: its `result` closes
-/// it, any other line of a turn opens it.
-fn foreign_turn_line(line: &str, open: bool) -> bool {
-    let kind =
-        serde_json::from_str::<Value>(line).ok().and_then(|v| v.get("type").and_then(Value::as_str).map(str::to_owned));
-    match kind.as_deref() {
-        Some("result") => false,
-        Some("assistant" | "user" | "stream_event") => true,
-        _ => open,
-    }
-}
-
-/// The gateway's own dialect: one raw event per line (unknown types are skipped).
-fn ndjson_event(v: &Value) -> Option<RawEvent> {
-    let s = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
-    Some(match v.get("type")?.as_str()? {
-        "step_start" => RawEvent::StepStart,
-        "text" => RawEvent::TextDelta(s("delta")?),
-        "reasoning" => RawEvent::ReasoningDelta(s("delta")?),
-        "tool_call" => {
-            RawEvent::ToolCall { id: s("id")?, name: s("name")?, input: v.get("input").cloned().unwrap_or(Value::Null) }
-        }
-        "tool_output" => RawEvent::ToolOutput {
-            id: s("id")?,
-            data: s("data")?,
-            stream: if s("stream").as_deref() == Some("stderr") { OutputStream::Stderr } else { OutputStream::Stdout },
-        },
-        "tool_result" => RawEvent::ToolResult {
-            id: s("id")?,
-            name: s("name").unwrap_or_default(),
-            content: s("content").unwrap_or_default(),
-            is_error: v.get("isError").and_then(Value::as_bool).unwrap_or(false),
-            duration_ms: v.get("durationMs").and_then(Value::as_u64),
-        },
-        "usage" => RawEvent::Usage(serde_json::from_value(v.get("usage")?.clone()).ok()?),
-        "step_end" => RawEvent::StepEnd,
-        "done" => RawEvent::Finish { reason: s("reason").unwrap_or_else(|| "stop".into()) },
-        "error" => RawEvent::Error {
-            message: s("message").unwrap_or_else(|| "the agent failed".into()),
-            code: s("code").map(|c| ErrorCode::parse(&c)),
-        },
-        "session" => RawEvent::SessionId(s("id")?),
-        _ => return None,
-    })
-}
-
-/// The arguments the gateway adds for Claude Code's stream-json mode. Permission requests come
-/// over stdio only with `--permission-prompt-tool stdio` (else `unattended` would have nothing
-/// to answer); the session is resumed as one argument (`--resume=<id>`), so an id that starts
-/// with a dash is not read as a flag. The effort is passed only when the conversation has one
-/// (else Claude Code's default), so a CLI older than `--effort` still starts.
-/// Whether a session id an agent reported can be given back to a process (an argument, an
-/// environment variable): not empty, at most `MAX_SESSION_ID` bytes, no control character
-/// (a NUL would fail every start of the conversation's processes, a long one the system's
-/// limit on an argument).
-fn usable_session(id: &str) -> bool {
-    !id.is_empty() && id.len() <= MAX_SESSION_ID && !id.chars().any(char::is_control)
-}
-
-fn claude_args(started_for: &StartedFor, session: Option<&str>, unattended: bool) -> Vec<String> {
-    // Partial messages: the CLI streams tokens (`stream_event` lines) instead of whole blocks.
-    let mut args: Vec<String> = [
-        "--print",
-        "--input-format",
-        "stream-json",
-        "--output-format",
-        "stream-json",
-        "--verbose",
-        "--include-partial-messages",
-        "--model",
-        &started_for.model,
-    ]
-    .into_iter()
-    .map(str::to_owned)
-    .collect();
-    if let Some(effort) = &started_for.effort {
-        args.extend(["--effort".to_owned(), effort.clone()]);
-    }
-    if unattended {
-        args.extend(["--permission-prompt-tool".to_owned(), "stdio".to_owned()]);
-    }
-    if let Some(session) = session {
-        args.push(format!("--resume={session}"));
-    }
-    args
 }
 
 #[cfg(test)]
