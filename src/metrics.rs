@@ -156,144 +156,196 @@ impl Metrics {
         connections: usize,
         agents: &[Processes],
     ) -> String {
-        let mut out = String::with_capacity(4096);
-        let mut counter = |name: &str, help: &str, value: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}");
-        };
-        counter("dispatch_turns_started_total", "Turns started.", self.turns_started.load(Relaxed));
-        counter("dispatch_turns_sealed_total", "Turns sealed, whatever their end.", self.turns_sealed.load(Relaxed));
-        counter(
+        let mut out = Exposition(String::with_capacity(4096));
+        self.render_turns(&mut out);
+        out.gauge("dispatch_turns_running", "Turns running now.", running);
+        out.gauge("dispatch_open_connections", "Client connections open (--max-connections).", connections);
+        render_hub(&mut out, channels, buffered, pacing);
+        out.family("dispatch_open_streams", "gauge", "Open live streams.");
+        for t in Holder::ALL {
+            out.sample(
+                "dispatch_open_streams",
+                &format!("transport=\"{}\"", t.label()),
+                self.open_streams[t.index()].load(Relaxed),
+            );
+        }
+        self.render_writes(&mut out);
+        self.render_errors(&mut out);
+        render_agents(&mut out, agents);
+        out.family(
+            "dispatch_build_info",
+            "gauge",
+            "The gateway's version (1): which version each gateway of a cluster runs.",
+        );
+        out.sample("dispatch_build_info", &format!("version=\"{}\"", env!("CARGO_PKG_VERSION")), 1);
+        let mut out = out.0;
+        self.bus.render(&mut out);
+        process::render(&mut out);
+        out
+    }
+
+    /// Turns and their events, and what delivering them cost.
+    fn render_turns(&self, out: &mut Exposition) {
+        out.counter("dispatch_turns_started_total", "Turns started.", self.turns_started.load(Relaxed));
+        out.counter(
+            "dispatch_turns_sealed_total",
+            "Turns sealed, whatever their end.",
+            self.turns_sealed.load(Relaxed),
+        );
+        out.counter(
             "dispatch_turns_failed_total",
             "Turns that ended with done{reason:error}.",
             self.turns_failed.load(Relaxed),
         );
-        counter(
+        out.counter(
             "dispatch_turns_aborted_total",
             "Turns that ended with done{reason:aborted}.",
             self.turns_aborted.load(Relaxed),
         );
-        counter("dispatch_events_emitted_total", "Events published by turns.", self.events_emitted.load(Relaxed));
-        counter(
+        out.counter("dispatch_events_emitted_total", "Events published by turns.", self.events_emitted.load(Relaxed));
+        out.counter(
             "dispatch_events_delivered_total",
             "Events handed to watchers' connections (one per watcher).",
             self.deliveries.events.load(Relaxed),
         );
-        counter(
+        out.counter(
             "dispatch_subscriber_lag_recoveries_total",
             "Watchers whose position was coalesced away and who were resynced.",
             self.lag_recoveries.load(Relaxed),
         );
-        counter(
+        out.counter(
             "dispatch_subscriber_drops_total",
             "Watchers disconnected because they could not be refilled or did not drain.",
             self.subscriber_drops.load(Relaxed),
         );
-        counter(
+        out.counter(
             "dispatch_round_writes_total",
             "Writes a turn's round made itself to the sockets of parked SSE and NDJSON streams.",
             self.deliveries.round_writes.load(Relaxed),
         );
-        counter(
+        out.counter(
             "dispatch_round_short_writes_total",
             "Rounds' writes the socket took only part of (a slow reader): its stream's task writes the rest.",
             self.deliveries.round_short_writes.load(Relaxed),
         );
-        let _ = writeln!(out, "# HELP dispatch_turns_running Turns running now.\n# TYPE dispatch_turns_running gauge");
-        let _ = writeln!(out, "dispatch_turns_running {running}");
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_open_connections Client connections open (--max-connections).\n# TYPE dispatch_open_connections gauge\ndispatch_open_connections {connections}"
-        );
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_hub_channels Conversations the hub holds state for.\n# TYPE dispatch_hub_channels gauge"
-        );
-        let _ = writeln!(out, "dispatch_hub_channels {channels}");
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_hub_buffer_bytes Bytes held by replay buffers (turns in flight, and sealed turns still being read).\n# TYPE dispatch_hub_buffer_bytes gauge\ndispatch_hub_buffer_bytes {buffered}"
-        );
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_flush_window_seconds How long paced deltas may wait for their round now.\n# TYPE dispatch_flush_window_seconds gauge\ndispatch_flush_window_seconds {}",
-            pacing.window.as_secs_f64()
-        );
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_round_write_seconds What a round's write to one socket costs, as measured (the flush window follows it).\n# TYPE dispatch_round_write_seconds gauge\ndispatch_round_write_seconds {}",
-            pacing.write_cost.as_secs_f64()
-        );
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_watchers_reading Watchers reading turns in flight here (the flush window follows them).\n# TYPE dispatch_watchers_reading gauge\ndispatch_watchers_reading {}",
-            pacing.readers
-        );
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_watchers_reading_elsewhere Watchers reading turns in flight on the cluster's other gateways, as they last said (the flush window counts them too).\n# TYPE dispatch_watchers_reading_elsewhere gauge\ndispatch_watchers_reading_elsewhere {}",
-            pacing.readers_elsewhere
-        );
-        let _ = writeln!(out, "# HELP dispatch_open_streams Open live streams.\n# TYPE dispatch_open_streams gauge");
-        for t in Holder::ALL {
-            let _ = writeln!(
-                out,
-                "dispatch_open_streams{{transport=\"{}\"}} {}",
-                t.label(),
-                self.open_streams[t.index()].load(Relaxed)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_sqlite_write_seconds Latency of the write transactions of turns (opens, appends, seals; group-committed) on either backend.\n# TYPE dispatch_sqlite_write_seconds histogram"
+    }
+
+    /// The latency histogram of the turns' write transactions.
+    fn render_writes(&self, out: &mut Exposition) {
+        let name = "dispatch_sqlite_write_seconds";
+        out.family(
+            name,
+            "histogram",
+            "Latency of the write transactions of turns (opens, appends, seals; group-committed) on either backend.",
         );
         for (bucket, bound) in self.write_buckets.iter().zip(WRITE_BUCKETS) {
-            let _ = writeln!(out, "dispatch_sqlite_write_seconds_bucket{{le=\"{bound}\"}} {}", bucket.load(Relaxed));
+            out.sample(&format!("{name}_bucket"), &format!("le=\"{bound}\""), bucket.load(Relaxed));
         }
         let count = self.write_count.load(Relaxed);
-        let _ = writeln!(out, "dispatch_sqlite_write_seconds_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(out, "dispatch_sqlite_write_seconds_sum {}", self.write_micros.load(Relaxed) as f64 / 1e6);
-        let _ = writeln!(out, "dispatch_sqlite_write_seconds_count {count}");
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_runtime_errors_total Turn errors by kind.\n# TYPE dispatch_runtime_errors_total counter"
-        );
+        out.sample(&format!("{name}_bucket"), "le=\"+Inf\"", count);
+        out.sample(&format!("{name}_sum"), "", self.write_micros.load(Relaxed) as f64 / 1e6);
+        out.sample(&format!("{name}_count"), "", count);
+    }
+
+    /// Turn errors by kind, and HTTP responses by status.
+    fn render_errors(&self, out: &mut Exposition) {
+        out.family("dispatch_runtime_errors_total", "counter", "Turn errors by kind.");
         for (kind, n) in self.runtime_errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            let kind = kind.replace(['\\', '"', '\n'], "_");
-            let _ = writeln!(out, "dispatch_runtime_errors_total{{kind=\"{kind}\"}} {n}");
+            out.sample("dispatch_runtime_errors_total", &format!("kind=\"{}\"", label_value(kind)), n);
         }
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_http_responses_total HTTP responses by status code (a live stream counts when it opens).\n# TYPE dispatch_http_responses_total counter"
+        out.family(
+            "dispatch_http_responses_total",
+            "counter",
+            "HTTP responses by status code (a live stream counts when it opens).",
         );
         for (code, n) in (100..).zip(&self.responses.0).map(|(code, n)| (code, n.load(Relaxed))).filter(|(_, n)| *n > 0)
         {
-            let _ = writeln!(out, "dispatch_http_responses_total{{code=\"{code}\"}} {n}");
+            out.sample("dispatch_http_responses_total", &format!("code=\"{code}\""), n);
         }
-        if !agents.is_empty() {
-            let _ = writeln!(
-                out,
-                "# HELP dispatch_agent_processes Agent processes running, by credential (max_processes).\n# TYPE dispatch_agent_processes gauge"
-            );
-            let label = |a: &Processes| a.credential.replace(['\\', '"', '\n'], "_");
-            for a in agents {
-                let _ = writeln!(out, "dispatch_agent_processes{{credential=\"{}\"}} {}", label(a), a.running);
-            }
-            let _ = writeln!(
-                out,
-                "# HELP dispatch_agent_starts_total Agent processes started, by credential (a restart for another model, folder, effort or session, or after a death, counts).\n# TYPE dispatch_agent_starts_total counter"
-            );
-            for a in agents {
-                let _ = writeln!(out, "dispatch_agent_starts_total{{credential=\"{}\"}} {}", label(a), a.started);
-            }
+    }
+}
+
+/// The hub: conversations held, bytes buffered, and the pacing of its rounds.
+fn render_hub(out: &mut Exposition, channels: usize, buffered: usize, pacing: Pacing) {
+    out.gauge("dispatch_hub_channels", "Conversations the hub holds state for.", channels);
+    out.gauge(
+        "dispatch_hub_buffer_bytes",
+        "Bytes held by replay buffers (turns in flight, and sealed turns still being read).",
+        buffered,
+    );
+    out.gauge(
+        "dispatch_flush_window_seconds",
+        "How long paced deltas may wait for their round now.",
+        pacing.window.as_secs_f64(),
+    );
+    out.gauge(
+        "dispatch_round_write_seconds",
+        "What a round's write to one socket costs, as measured (the flush window follows it).",
+        pacing.write_cost.as_secs_f64(),
+    );
+    out.gauge(
+        "dispatch_watchers_reading",
+        "Watchers reading turns in flight here (the flush window follows them).",
+        pacing.readers,
+    );
+    out.gauge(
+        "dispatch_watchers_reading_elsewhere",
+        "Watchers reading turns in flight on the cluster's other gateways, as they last said (the flush window counts them too).",
+        pacing.readers_elsewhere,
+    );
+}
+
+/// The command runtimes' processes, by credential (none without a command credential).
+fn render_agents(out: &mut Exposition, agents: &[Processes]) {
+    if agents.is_empty() {
+        return;
+    }
+    let label = |a: &Processes| format!("credential=\"{}\"", label_value(&a.credential));
+    out.family("dispatch_agent_processes", "gauge", "Agent processes running, by credential (max_processes).");
+    for a in agents {
+        out.sample("dispatch_agent_processes", &label(a), a.running);
+    }
+    out.family(
+        "dispatch_agent_starts_total",
+        "counter",
+        "Agent processes started, by credential (a restart for another model, folder, effort or session, or after a death, counts).",
+    );
+    for a in agents {
+        out.sample("dispatch_agent_starts_total", &label(a), a.started);
+    }
+}
+
+/// A label's value as the exposition format can carry it: no backslash, quote or newline.
+fn label_value(value: &str) -> String {
+    value.replace(['\\', '"', '\n'], "_")
+}
+
+/// The Prometheus text exposition, written a metric family at a time.
+struct Exposition(String);
+
+impl Exposition {
+    /// A family's `HELP` and `TYPE` lines.
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+
+    /// One sample, with its labels (`a="x",b="y"`, or none).
+    fn sample(&mut self, name: &str, labels: &str, value: impl std::fmt::Display) {
+        if labels.is_empty() {
+            let _ = writeln!(self.0, "{name} {value}");
+        } else {
+            let _ = writeln!(self.0, "{name}{{{labels}}} {value}");
         }
-        let _ = writeln!(
-            out,
-            "# HELP dispatch_build_info The gateway's version (1): which version each gateway of a cluster runs.\n# TYPE dispatch_build_info gauge\ndispatch_build_info{{version=\"{}\"}} 1",
-            env!("CARGO_PKG_VERSION")
-        );
-        self.bus.render(&mut out);
-        process::render(&mut out);
-        out
+    }
+
+    fn counter(&mut self, name: &str, help: &str, value: u64) {
+        self.family(name, "counter", help);
+        self.sample(name, "", value);
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, value: impl std::fmt::Display) {
+        self.family(name, "gauge", help);
+        self.sample(name, "", value);
     }
 }
 

@@ -125,82 +125,97 @@ pub async fn serve(
         };
         paused.ended();
         let _ = stream.set_nodelay(true);
-        let router = router.clone();
-        let metrics = metrics.clone();
-        let mut drained = Cancelled::new(&drained);
         // The slot is the task's only sign of life (another would grow every connection's
         // task, idle watchers' too): given back when the connection ends, or passed on to a
         // WebSocket session hyper upgrades it to, which runs in a task of its own (awaited
         // here, it would grow this task, idle watchers' too).
-        tokio::spawn(async move {
-            // Bodyless GETs first (written by `http1`); hyper takes over at any other request.
-            let stream = Arc::new(stream);
-            let next = http1::serve(&stream, &router, &limits, &metrics, &mut drained).await;
-            // The streams that lent the socket to the hub's rounds have let it go.
-            let Ok(mut stream) = Arc::try_unwrap(stream) else {
-                tracing::error!("a connection's socket is still lent out after its streams ended; closing it");
-                return;
-            };
-            let prefix = match next {
-                http1::Next::Hyper(prefix) => prefix,
-                http1::Next::Closed => {
-                    let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
-                    drop(slot);
-                    return;
-                }
-                http1::Next::Linger => {
-                    let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
-                    linger(&stream).await;
-                    drop(slot);
-                    return;
-                }
-            };
-            let drain = limits.drain_timeout;
-            let inner = GuardedStream { inner: stream, drain_timeout: drain, stalled: None };
-            let io = TokioIo::new(Rewind { prefix, read: 0, inner });
-            let slot = Arc::new(std::sync::Mutex::new(Some(slot)));
-            let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
-                let router = router.clone();
-                let slot = slot.clone();
-                async move {
-                    let upgrade = request.extensions_mut().remove::<OnUpgrade>();
-                    let response = match router.oneshot(request.map(Body::new)).await {
-                        Ok(response) => response,
-                        Err(never) => match never {},
-                    };
-                    Ok::<_, Infallible>(hand_over(response, upgrade, &slot, drain))
-                }
-            });
-            let connection = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(limits.header_read_timeout)
-                .max_buf_size(limits.max_head_bytes)
-                .max_headers(limits.max_headers)
-                .keep_alive(true)
-                .serve_connection(io, service)
-                .with_upgrades();
-            tokio::pin!(connection);
-            let mut draining = false;
-            loop {
-                tokio::select! {
-                    biased;
-                    result = connection.as_mut() => {
-                        if let Err(e) = result {
-                            tracing::trace!(error = %e, "connection ended with an error");
-                        }
-                        break;
-                    }
-                    _ = &mut drained, if !draining => {
-                        draining = true;
-                        connection.as_mut().graceful_shutdown();
-                    }
-                }
-            }
-            // The slot goes with hyper's service, unless a session took it.
-        });
+        tokio::spawn(connection(stream, router.clone(), limits, metrics.clone(), Cancelled::new(&drained), slot));
     }
     drop(listener);
     slots.all_closed().await;
+}
+
+/// One connection, to its end: bodyless GETs first (read and answered by `http1`), then hyper
+/// from any other request on.
+async fn connection(
+    stream: TcpStream,
+    router: Router,
+    limits: ConnectionLimits,
+    metrics: Arc<Metrics>,
+    mut drained: Cancelled,
+    slot: tokio::sync::OwnedSemaphorePermit,
+) {
+    let stream = Arc::new(stream);
+    let next = http1::serve(&stream, &router, &limits, &metrics, &mut drained).await;
+    // The streams that lent the socket to the hub's rounds have let it go.
+    let Ok(mut stream) = Arc::try_unwrap(stream) else {
+        tracing::error!("a connection's socket is still lent out after its streams ended; closing it");
+        return;
+    };
+    match next {
+        http1::Next::Hyper(prefix) => with_hyper(stream, prefix, router, limits, drained, slot).await,
+        http1::Next::Closed => {
+            let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
+        }
+        http1::Next::Linger => {
+            let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
+            linger(&stream).await;
+        }
+    }
+}
+
+/// The rest of a connection served by hyper, `prefix` being what `http1` read of its next
+/// request; shut down gracefully once the gateway drains.
+async fn with_hyper(
+    stream: TcpStream,
+    prefix: Vec<u8>,
+    router: Router,
+    limits: ConnectionLimits,
+    mut drained: Cancelled,
+    slot: tokio::sync::OwnedSemaphorePermit,
+) {
+    let drain = limits.drain_timeout;
+    let inner = GuardedStream { inner: stream, drain_timeout: drain, stalled: None };
+    let io = TokioIo::new(Rewind { prefix, read: 0, inner });
+    // The slot goes with hyper's service, unless a session took it.
+    let slot = Arc::new(std::sync::Mutex::new(Some(slot)));
+    let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+        let router = router.clone();
+        let slot = slot.clone();
+        async move {
+            let upgrade = request.extensions_mut().remove::<OnUpgrade>();
+            let response = match router.oneshot(request.map(Body::new)).await {
+                Ok(response) => response,
+                Err(never) => match never {},
+            };
+            Ok::<_, Infallible>(hand_over(response, upgrade, &slot, drain))
+        }
+    });
+    let connection = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.max_head_bytes)
+        .max_headers(limits.max_headers)
+        .keep_alive(true)
+        .serve_connection(io, service)
+        .with_upgrades();
+    tokio::pin!(connection);
+    let mut draining = false;
+    loop {
+        tokio::select! {
+            biased;
+            result = connection.as_mut() => {
+                if let Err(e) = result {
+                    tracing::trace!(error = %e, "connection ended with an error");
+                }
+                break;
+            }
+            _ = &mut drained, if !draining => {
+                draining = true;
+                connection.as_mut().graceful_shutdown();
+            }
+        }
+    }
 }
 
 /// After the gateway has closed its side of a connection whose last request's body it left

@@ -51,6 +51,17 @@ pub struct StartTurn {
     pub caller: Identity,
 }
 
+/// What an admitted turn runs with: its model (as the gateway names it, and its runtime's name
+/// for it), its folder and effort, and whose quotas it counts against.
+struct Admitted {
+    model: String,
+    runtime: Arc<dyn crate::runtime::Runtime>,
+    native_model: String,
+    cwd: Option<String>,
+    reasoning_effort: Option<String>,
+    quota_subject: Option<Arc<str>>,
+}
+
 /// A turn that has begun: its user message is in the log and its buffer is open.
 pub struct Started {
     pub conversation_id: String,
@@ -231,6 +242,9 @@ impl Turns {
         self.begin(req, None::<fn(&str) -> (String, String)>, None, true).await
     }
 
+    /// A turn in three phases: admitted (the caller, its quotas, the model and the folder),
+    /// opened (the store's turn, the hub's buffer, the conversation running), launched (the
+    /// runtime's request, in a task of its own).
     async fn begin<F>(
         self: &Arc<Self>,
         req: StartTurn,
@@ -243,37 +257,12 @@ impl Turns {
     {
         // A reservation handed over is this start's from the first line: a failure below lets
         // it go.
-        let handed = handed_over.then(|| self.busy.adopt(&req.conversation_id));
-        if self.closing.is_cancelled() {
-            return Err(StartError::ShuttingDown);
-        }
-        // The request's settings, else the conversation's, else the defaults.
-        let settings = self.store.settings(&req.conversation_id).await?;
-        if let crate::store::Ownership::Owned(owner) = &settings.ownership
-            && !req.caller.may_see(owner.as_deref())
-        {
-            return Err(StartError::NotFound(req.conversation_id.clone()));
-        }
-        let quota_subject = self.quotas.any().then(|| req.caller.viewer()).flatten();
-        if let Some(subject) = quota_subject {
-            crate::identity::check_turn_quotas(&self.store, &self.quotas, subject).await.map_err(|e| match e {
-                crate::identity::QuotaError::Exceeded(q) => StartError::Quota(q),
-                crate::identity::QuotaError::Store(e) => StartError::from(e),
-            })?;
-        }
-        let model = req.model.clone().or(settings.model).unwrap_or_else(|| self.registry.default_model().to_owned());
-        let cwd = req.cwd.clone().or(settings.cwd);
-        let reasoning_effort = req.reasoning_effort.clone().or(settings.reasoning_effort);
-        let Some((runtime, native_model)) = self.registry.resolve(&model) else {
-            return Err(StartError::UnknownModel(model));
-        };
-        let cwd = match cwd {
-            Some(asked) => Some(runtime.folder(&asked).ok_or(StartError::Folder(asked))?),
-            None => None,
-        };
+        let conversation_id = req.conversation_id.clone();
+        let handed = handed_over.then(|| self.busy.adopt(&conversation_id));
+        let admitted = self.admit(&req).await?;
         let reservation = match handed {
             Some(handed) => handed,
-            None => self.busy.reserve(&req.conversation_id, Busy::Starting)?,
+            None => self.busy.reserve(&conversation_id, Busy::Starting)?,
         };
 
         let turn_id = uuid::Uuid::now_v7().to_string();
@@ -287,25 +276,27 @@ impl Turns {
             .begin_turn(BeginTurn {
                 conversation_id: &req.conversation_id,
                 turn_id: &turn_id,
-                model: &model,
+                model: &admitted.model,
                 sticky_model: req.model.as_deref(),
                 user_text: &req.message,
                 default_title: &default_title(&req.message),
                 idempotency,
                 owner: req.caller.owner(),
-                quota_subject: quota_subject.map(|s| &**s),
+                quota_subject: admitted.quota_subject.as_deref(),
                 now: now_ms(),
             })
             .await?;
 
-        let ids = (req.conversation_id.clone(), turn_id.clone());
         let opening = [
             AgentEvent::UserMessage(TurnInputEvent {
-                conversation_id: ids.0.clone(),
-                turn_id: ids.1.clone(),
+                conversation_id: req.conversation_id.clone(),
+                turn_id: turn_id.clone(),
                 text: req.message.clone(),
             }),
-            AgentEvent::TurnStart(TurnStartEvent { conversation_id: ids.0.clone(), turn_id: ids.1.clone() }),
+            AgentEvent::TurnStart(TurnStartEvent {
+                conversation_id: req.conversation_id.clone(),
+                turn_id: turn_id.clone(),
+            }),
         ];
         let buffer = self.hub.begin_turn(&req.conversation_id, &turn_id, &opening);
 
@@ -323,24 +314,70 @@ impl Turns {
         self.announce(&req.conversation_id, ConversationStatus::Active);
         self.metrics.turns_started.fetch_add(1, Relaxed);
 
-        // What the runtime is owed: the conversation so far (read by the runtime, as far back
-        // as it needs) and what its last turn left. A read that fails ends the turn
-        // (`storage`): a runtime must never go on with a made-up history, nor start a fresh
-        // session where a resume was due.
+        let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone())
+            .for_caller(req.caller.clone(), admitted.quota_subject.is_some())
+            .with_lease(lease_lost);
+        self.launch(run, req, admitted, &turn_id, user_seq, inbox).await;
+        Ok(Started { conversation_id: conversation_id.clone(), turn_id, buffer })
+    }
+
+    /// Whether the caller may start this turn, and with what: the request's settings, else
+    /// the conversation's, else the defaults.
+    async fn admit(&self, req: &StartTurn) -> Result<Admitted, StartError> {
+        if self.closing.is_cancelled() {
+            return Err(StartError::ShuttingDown);
+        }
+        let settings = self.store.settings(&req.conversation_id).await?;
+        if let crate::store::Ownership::Owned(owner) = &settings.ownership
+            && !req.caller.may_see(owner.as_deref())
+        {
+            return Err(StartError::NotFound(req.conversation_id.clone()));
+        }
+        let quota_subject = self.quotas.any().then(|| req.caller.viewer()).flatten().cloned();
+        if let Some(subject) = &quota_subject {
+            crate::identity::check_turn_quotas(&self.store, &self.quotas, subject).await.map_err(|e| match e {
+                crate::identity::QuotaError::Exceeded(q) => StartError::Quota(q),
+                crate::identity::QuotaError::Store(e) => StartError::from(e),
+            })?;
+        }
+        let model = req.model.clone().or(settings.model).unwrap_or_else(|| self.registry.default_model().to_owned());
+        let Some((runtime, native_model)) = self.registry.resolve(&model) else {
+            return Err(StartError::UnknownModel(model));
+        };
+        let cwd = match req.cwd.clone().or(settings.cwd) {
+            Some(asked) => Some(runtime.folder(&asked).ok_or(StartError::Folder(asked))?),
+            None => None,
+        };
+        let reasoning_effort = req.reasoning_effort.clone().or(settings.reasoning_effort);
+        let native_model = native_model.to_owned();
+        Ok(Admitted { model, runtime, native_model, cwd, reasoning_effort, quota_subject })
+    }
+
+    /// Hands the turn to its runtime, in a task of its own, with what the runtime is owed: the
+    /// conversation so far (read by the runtime, as far back as it needs) and what its last
+    /// turn left. A read that fails ends the turn (`storage`): a runtime must never go on with
+    /// a made-up history, nor start a fresh session where a resume was due.
+    async fn launch(
+        &self,
+        run: run::TurnRun,
+        req: StartTurn,
+        admitted: Admitted,
+        turn_id: &str,
+        user_seq: u64,
+        inbox: Arc<Inbox>,
+    ) {
+        let Admitted { model, runtime, native_model, cwd, reasoning_effort, .. } = admitted;
         let history = runtime.needs_history().then(|| History::new(self.store.clone(), &req.conversation_id, user_seq));
         // The turn before matters to a runtime that keeps a process per conversation.
-        let previous_of = runtime.processes().is_some().then_some(turn_id.as_str());
+        let previous_of = runtime.processes().is_some().then_some(turn_id);
         let memory = self.store.runtime_memory(&req.conversation_id, &model, previous_of).await;
-        let span = tracing::info_span!("turn", conversation = %ids.0, turn = %ids.1, model = %model);
-        let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone())
-            .for_caller(req.caller.clone(), quota_subject.is_some())
-            .with_lease(lease_lost);
+        let span = tracing::info_span!("turn", conversation = %req.conversation_id, turn = %turn_id, model = %model);
         match memory {
             Ok(RuntimeMemory { session_id, tokens_per_estimate, previous_turn_id }) => {
                 let request = TurnRequest {
-                    conversation_id: req.conversation_id.clone(),
-                    turn_id: turn_id.clone(),
-                    model: native_model.to_owned(),
+                    conversation_id: req.conversation_id,
+                    turn_id: turn_id.to_owned(),
+                    model: native_model,
                     prompt: req.message,
                     cwd,
                     reasoning_effort,
@@ -353,12 +390,11 @@ impl Turns {
                 tokio::spawn(run.drive(runtime, request).instrument(span));
             }
             Err(e) => {
-                tracing::error!(conversation = %ids.0, error = %e, "cannot read the conversation for the runtime");
+                tracing::error!(conversation = %req.conversation_id, error = %e, "cannot read the conversation for the runtime");
                 let message = format!("the conversation could not be read for the runtime: {e}");
                 tokio::spawn(run.refuse(message).instrument(span));
             }
         }
-        Ok(Started { conversation_id: ids.0, turn_id: ids.1, buffer })
     }
 
     /// Aborts the running turn, if any, on this gateway or (over the bus) the one running it:
