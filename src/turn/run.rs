@@ -297,6 +297,42 @@ impl TurnRun {
         }
     }
 
+    /// Counts the turn's end in `/metrics`.
+    fn count_end(&self, end: &End) {
+        let metrics = &self.turns.metrics;
+        metrics.turns_sealed.fetch_add(1, Relaxed);
+        match end {
+            End::Failed { code, .. } => {
+                metrics.turns_failed.fetch_add(1, Relaxed);
+                metrics.runtime_error(code.as_ref().map_or("unknown", ErrorCode::as_str));
+            }
+            End::Aborted => {
+                metrics.turns_aborted.fetch_add(1, Relaxed);
+            }
+            End::Finished(_) => {}
+        }
+        // Every event of the turn, turn-sealed included.
+        metrics.events_emitted.fetch_add(u64::from(self.buffer.published()) + 1, Relaxed);
+    }
+
+    /// The turn of the messages queued too late for this one, unless it was stopped (a stop
+    /// means stop) or its conversation closed.
+    fn queued_turn(&self, end: &End, sealed_status: ConversationStatus) -> Option<super::StartTurn> {
+        let leftover = self.inbox.drain();
+        let stopped = matches!(end, End::Aborted) || sealed_status == ConversationStatus::Closed;
+        if stopped && !leftover.is_empty() {
+            tracing::info!(conversation = %self.conversation_id, dropped = leftover.len(), "dropped queued messages of a stopped turn");
+        }
+        (!stopped && !leftover.is_empty()).then(|| super::StartTurn {
+            conversation_id: self.conversation_id.clone(),
+            message: leftover.into_iter().map(|m| m.text).collect::<Vec<_>>().join("\n\n"),
+            model: None,
+            cwd: None,
+            reasoning_effort: None,
+            caller: self.caller.clone(),
+        })
+    }
+
     /// Closes whatever is open, then `error`?, `done`, metrics, `turn-sealed`, in that order.
     async fn finish(mut self, mut end: End) {
         let mut effects = std::mem::take(&mut self.effects);
@@ -341,20 +377,7 @@ impl TurnRun {
             }
         };
         let status = sealed_now.map_or("active", ConversationStatus::as_str);
-        let metrics = &self.turns.metrics;
-        metrics.turns_sealed.fetch_add(1, Relaxed);
-        match &end {
-            End::Failed { code, .. } => {
-                metrics.turns_failed.fetch_add(1, Relaxed);
-                metrics.runtime_error(code.as_ref().map_or("unknown", ErrorCode::as_str));
-            }
-            End::Aborted => {
-                metrics.turns_aborted.fetch_add(1, Relaxed);
-            }
-            End::Finished(_) => {}
-        }
-        // Every event of the turn, turn-sealed included.
-        metrics.events_emitted.fetch_add(u64::from(self.buffer.published()) + 1, Relaxed);
+        self.count_end(&end);
         tracing::info!(reason = %reason, status, "turn sealed");
         // Watchers get the end of the turn either way. A turn the database would not take
         // keeps its conversation reserved until a retry commits it, so no later turn's rows
@@ -380,19 +403,7 @@ impl TurnRun {
         // Steering that arrived too late for this turn becomes the next one, unless the turn
         // was stopped: a stop means stop. The conversation goes to it straight from this turn,
         // never free in between.
-        let leftover = self.inbox.drain();
-        let stopped = matches!(end, End::Aborted) || sealed_status == ConversationStatus::Closed;
-        if stopped && !leftover.is_empty() {
-            tracing::info!(conversation = %self.conversation_id, dropped = leftover.len(), "dropped queued messages of a stopped turn");
-        }
-        let next = (!stopped && !leftover.is_empty()).then(|| super::StartTurn {
-            conversation_id: self.conversation_id.clone(),
-            message: leftover.into_iter().map(|m| m.text).collect::<Vec<_>>().join("\n\n"),
-            model: None,
-            cwd: None,
-            reasoning_effort: None,
-            caller: self.caller.clone(),
-        });
+        let next = self.queued_turn(&end, sealed_status);
         match next {
             Some(_) => self.turns.busy.hand_over(&self.conversation_id),
             None => self.turns.busy.release(&self.conversation_id),

@@ -23,6 +23,15 @@ pub(super) enum End {
     Aborted,
 }
 
+/// A tool's result as the runtime reported it.
+struct ToolResult {
+    id: String,
+    name: String,
+    content: String,
+    is_error: bool,
+    duration_ms: Option<u64>,
+}
+
 impl End {
     /// `done.reason`.
     pub(super) fn reason(&self) -> String {
@@ -84,6 +93,86 @@ impl TurnSteps {
         }
     }
 
+    /// A tool call: in the open step, remembered until its result comes.
+    fn tool_call(
+        &mut self,
+        conversation_id: String,
+        turn_id: String,
+        id: String,
+        name: String,
+        input: serde_json::Value,
+        out: &mut Vec<Effect>,
+    ) {
+        let step_id = self.open_step().step_id.clone();
+        self.call_steps.insert(id.clone(), step_id.clone());
+        self.unanswered.push((id.clone(), name.clone()));
+        self.assembler.tool_call(ToolCallChunk {
+            tool_call_id: id.clone(),
+            tool_name: name.clone(),
+            input: input.clone(),
+            step_id: Some(step_id.clone()),
+        });
+        out.push(Effect::Publish(AgentEvent::ToolCall(TurnToolCallEvent {
+            conversation_id,
+            turn_id,
+            step_id,
+            tool_call_id: id,
+            tool_name: name,
+            input,
+        })));
+    }
+
+    /// A tool's result: it closes the step that called it, and is kept once enough are held.
+    fn tool_result(
+        &mut self,
+        (conversation_id, turn_id): (String, String),
+        result: ToolResult,
+        now: Instant,
+        out: &mut Vec<Effect>,
+    ) {
+        let ToolResult { id, name, content, is_error, duration_ms } = result;
+        self.close_step(now, out);
+        let step_id = self.call_steps.get(&id).cloned().unwrap_or_else(|| self.last_step_id());
+        if let Some(at) = self.unanswered.iter().position(|(call, _)| *call == id) {
+            self.unanswered.remove(at);
+        }
+        self.assembler.tool_result(ToolResultChunk {
+            tool_call_id: id.clone(),
+            tool_name: name.clone(),
+            content: content.clone(),
+            is_error,
+            step_id: Some(step_id.clone()),
+        });
+        out.push(Effect::Publish(AgentEvent::ToolResult(TurnToolResultEvent {
+            conversation_id,
+            turn_id,
+            step_id,
+            tool_call_id: id,
+            tool_name: name,
+            content,
+            is_error,
+            duration_ms,
+        })));
+        if self.assembler.pending_results() >= PERSIST_RESULTS {
+            out.push(Effect::Persist);
+        }
+        self.boundary = now;
+    }
+
+    /// Usage: counted in the open step (one opened at the last boundary when none was).
+    fn usage(&mut self, conversation_id: String, turn_id: String, usage: crate::wire::Usage, out: &mut Vec<Effect>) {
+        if self.step.is_none() && self.tally.step_count() == 0 {
+            self.step = Some(self.new_step(self.boundary));
+        }
+        let step_id = match &self.step {
+            Some(s) => s.step_id.clone(),
+            None => self.last_step_id(),
+        };
+        self.tally.add_usage(self.step.as_mut(), &usage);
+        let event = TurnUsageEvent { conversation_id, turn_id, step_id: Some(step_id), usage };
+        out.push(Effect::Publish(AgentEvent::Usage(event)));
+    }
+
     fn ids(&self) -> (String, String) {
         (self.conversation_id.clone(), self.turn_id.clone())
     }
@@ -119,25 +208,7 @@ impl TurnSteps {
                 let event = TurnReasoningDeltaEvent { conversation_id, turn_id, delta };
                 out.push(Effect::Publish(AgentEvent::ReasoningDelta(event)));
             }
-            RawEvent::ToolCall { id, name, input } => {
-                let step_id = self.open_step().step_id.clone();
-                self.call_steps.insert(id.clone(), step_id.clone());
-                self.unanswered.push((id.clone(), name.clone()));
-                self.assembler.tool_call(ToolCallChunk {
-                    tool_call_id: id.clone(),
-                    tool_name: name.clone(),
-                    input: input.clone(),
-                    step_id: Some(step_id.clone()),
-                });
-                out.push(Effect::Publish(AgentEvent::ToolCall(TurnToolCallEvent {
-                    conversation_id,
-                    turn_id,
-                    step_id,
-                    tool_call_id: id,
-                    tool_name: name,
-                    input,
-                })));
-            }
+            RawEvent::ToolCall { id, name, input } => self.tool_call(conversation_id, turn_id, id, name, input, out),
             RawEvent::ToolOutput { id, data, stream } => {
                 out.push(Effect::Publish(AgentEvent::ToolOutput(TurnToolOutputEvent {
                     conversation_id,
@@ -148,45 +219,10 @@ impl TurnSteps {
                 })));
             }
             RawEvent::ToolResult { id, name, content, is_error, duration_ms } => {
-                self.close_step(now, out);
-                let step_id = self.call_steps.get(&id).cloned().unwrap_or_else(|| self.last_step_id());
-                if let Some(at) = self.unanswered.iter().position(|(call, _)| *call == id) {
-                    self.unanswered.remove(at);
-                }
-                self.assembler.tool_result(ToolResultChunk {
-                    tool_call_id: id.clone(),
-                    tool_name: name.clone(),
-                    content: content.clone(),
-                    is_error,
-                    step_id: Some(step_id.clone()),
-                });
-                out.push(Effect::Publish(AgentEvent::ToolResult(TurnToolResultEvent {
-                    conversation_id,
-                    turn_id,
-                    step_id,
-                    tool_call_id: id,
-                    tool_name: name,
-                    content,
-                    is_error,
-                    duration_ms,
-                })));
-                if self.assembler.pending_results() >= PERSIST_RESULTS {
-                    out.push(Effect::Persist);
-                }
-                self.boundary = now;
+                let ids = (conversation_id, turn_id);
+                self.tool_result(ids, ToolResult { id, name, content, is_error, duration_ms }, now, out);
             }
-            RawEvent::Usage(usage) => {
-                if self.step.is_none() && self.tally.step_count() == 0 {
-                    self.step = Some(self.new_step(self.boundary));
-                }
-                let step_id = match &self.step {
-                    Some(s) => s.step_id.clone(),
-                    None => self.last_step_id(),
-                };
-                self.tally.add_usage(self.step.as_mut(), &usage);
-                let event = TurnUsageEvent { conversation_id, turn_id, step_id: Some(step_id), usage };
-                out.push(Effect::Publish(AgentEvent::Usage(event)));
-            }
+            RawEvent::Usage(usage) => self.usage(conversation_id, turn_id, usage, out),
             RawEvent::StepEnd => self.close_step(now, out),
             RawEvent::Finish { reason } => return Some(End::Finished(reason)),
             RawEvent::Error { message, code } => return Some(End::Failed { message, code }),

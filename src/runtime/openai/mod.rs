@@ -24,13 +24,15 @@ use tokio_util::sync::CancellationToken;
 
 mod calls;
 mod context;
+mod stream;
 
 use self::calls::{StepCalls, Toolkit};
 use self::context::{context_exceeded, estimated_tokens, fitting_messages, prompt_tokens_counted};
+use self::stream::Gathered;
 use super::http_client::{HttpClient, describe};
 use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
 use crate::config::RequestParams;
-use crate::wire::{ErrorCode, Usage};
+use crate::wire::ErrorCode;
 
 /// The most real tokens an estimated one may be taken for (and a quarter the least).
 const MOST_PER_ESTIMATE: f64 = 8.0;
@@ -163,147 +165,6 @@ async fn error_body(mut body: hyper::body::Incoming, max: usize, idle: Duration)
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-/// `finish_reason` in the wire's words.
-fn reason(finish: &str) -> String {
-    match finish {
-        "tool_calls" | "function_call" => "tool-calls".to_owned(),
-        "content_filter" => "content-filter".to_owned(),
-        other => other.to_owned(),
-    }
-}
-
-fn usage(u: &Value) -> Option<Usage> {
-    let input = u.get("prompt_tokens")?.as_u64()?;
-    let output = u.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0);
-    let cached = u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64);
-    Some(Usage { input_tokens: input, output_tokens: output, cache_read_tokens: cached, cache_write_tokens: None })
-}
-
-/// A tool call being streamed in pieces, by its index.
-#[derive(Default)]
-struct PartialCall {
-    id: String,
-    name: String,
-    arguments: String,
-}
-
-/// What one streamed step has gathered.
-#[derive(Default)]
-struct Gathered {
-    content: bool,
-    /// The step's text, for the next step's request.
-    text: String,
-    calls: BTreeMap<u64, PartialCall>,
-    /// With tools: the calls started so far (a call starts once the next one begins in the
-    /// stream, or the stream ends: its arguments are complete then).
-    started: Option<StepCalls>,
-    /// How many of `calls`, in index order, have been started.
-    launched: usize,
-    finish: Option<String>,
-    usage: Option<Usage>,
-    /// The estimated tokens of the request's messages, to calibrate by the usage.
-    estimate: u64,
-}
-
-impl Gathered {
-    /// Maps one `data:` chunk, sending what it carries.
-    async fn chunk(&mut self, sink: &EventSink, data: &Value) -> Result<(), RuntimeError> {
-        if let Some(error) = data.get("error") {
-            // `{"message": ...}` as OpenAI sends it, or the text alone.
-            let message = error
-                .as_str()
-                .or_else(|| error.get("message").and_then(Value::as_str))
-                .unwrap_or("the upstream reported an error");
-            return Err(RuntimeError::turn(message, ErrorCode::Upstream));
-        }
-        if let Some(u) = data.get("usage").and_then(usage) {
-            self.usage = Some(u);
-        }
-        let Some(choice) = data.get("choices").and_then(|c| c.get(0)) else { return Ok(()) };
-        let delta = choice.get("delta").cloned().unwrap_or(Value::Null);
-        let send = |event| async {
-            sink.send(event).await.map_err(|_| RuntimeError::turn("the turn went away", ErrorCode::Runtime))
-        };
-        // Servers that send both say the same thing twice: one is taken.
-        let reasoning = ["reasoning_content", "reasoning"]
-            .iter()
-            .find_map(|key| delta.get(*key).and_then(Value::as_str).filter(|t| !t.is_empty()));
-        if let Some(text) = reasoning {
-            self.content = true;
-            send(RawEvent::ReasoningDelta(text.to_owned())).await?;
-        }
-        // A refusal is what the model answered: the user reads it as the reply.
-        for key in ["content", "refusal"] {
-            if let Some(text) = delta.get(key).and_then(Value::as_str).filter(|t| !t.is_empty()) {
-                self.content = true;
-                self.text.push_str(text);
-                send(RawEvent::TextDelta(text.to_owned())).await?;
-            }
-        }
-        for call in delta.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
-            self.content = true;
-            let index = call.get("index").and_then(Value::as_u64).unwrap_or(0);
-            let partial = self.calls.entry(index).or_default();
-            if let Some(id) = call.get("id").and_then(Value::as_str) {
-                partial.id = id.to_owned();
-            }
-            if let Some(name) = call.pointer("/function/name").and_then(Value::as_str) {
-                partial.name.push_str(name);
-            }
-            if let Some(args) = call.pointer("/function/arguments").and_then(Value::as_str) {
-                partial.arguments.push_str(args);
-            }
-        }
-        // Every call but the last one the stream began is complete: started now (eager).
-        let complete = self.calls.len().saturating_sub(1);
-        self.launch(sink, complete).await?;
-        if let Some(finish) = choice.get("finish_reason").and_then(Value::as_str) {
-            self.finish = Some(reason(finish));
-        }
-        Ok(())
-    }
-
-    /// Starts the calls in index order up to (excluding) the `upto`th, when the turn has tools.
-    async fn launch(&mut self, sink: &EventSink, upto: usize) -> Result<(), RuntimeError> {
-        let Some(started) = self.started.as_mut() else { return Ok(()) };
-        for (index, call) in self.calls.iter().skip(self.launched).take(upto.saturating_sub(self.launched)) {
-            let id = if call.id.is_empty() { format!("call_{index}") } else { call.id.clone() };
-            started.start(sink, id, call.name.clone(), call.arguments.clone()).await?;
-        }
-        self.launched = self.launched.max(upto);
-        Ok(())
-    }
-
-    /// Ends the step: its tool calls (started, with tools), usage, the step's end. What
-    /// follows: the finish reason, the step's text, and its calls when it has any to run.
-    async fn end(mut self, sink: &EventSink) -> Result<(String, String, Option<StepCalls>), RuntimeError> {
-        let mut events = Vec::new();
-        if self.started.is_some() {
-            self.launch(sink, self.calls.len()).await?;
-        } else {
-            for (index, call) in std::mem::take(&mut self.calls) {
-                let input = serde_json::from_str(&call.arguments).unwrap_or(Value::String(call.arguments));
-                let id = if call.id.is_empty() { format!("call_{index}") } else { call.id };
-                events.push(RawEvent::ToolCall { id, name: call.name, input });
-            }
-        }
-        if let Some(u) = self.usage {
-            // The request's own count: once older turns are left out, the last turn's
-            // `contextSize` counts only what was kept, and calibrates nothing.
-            if u.input_tokens > 0 && self.estimate > 0 {
-                events.push(RawEvent::TokensPerEstimate(u.input_tokens as f64 / self.estimate as f64));
-            }
-            events.push(RawEvent::Usage(u));
-        }
-        events.push(RawEvent::StepEnd);
-        for e in events {
-            sink.send(e).await.map_err(|_| RuntimeError::turn("the turn went away", ErrorCode::Runtime))?;
-        }
-        let reason = self.finish.unwrap_or_else(|| "stop".to_owned());
-        Ok((reason, self.text, self.started.filter(|c| !c.is_empty())))
-    }
-}
-
 impl OpenAiRuntime {
     /// The request body: the rebuilt conversation, trimmed to the context window at `ratio`
     /// real tokens an estimated one and to `--max-runtime-request-bytes`, and the model's
@@ -419,23 +280,7 @@ impl OpenAiRuntime {
             {
                 return Err(error);
             }
-            let response = match tokio::time::timeout(idle, self.client.send(request)).await {
-                // The request went out and no answer came: the upstream may be working on it.
-                Err(_) => {
-                    return Err(RuntimeError::Ambiguous(
-                        "the upstream took the request but did not answer in time".into(),
-                    ));
-                }
-                // Never connected (the connect timeout included): nothing reached the upstream.
-                Ok(Err(e)) if e.is_connect() => {
-                    return Err(RuntimeError::Failed(format!("cannot reach the upstream: {}", describe(&e))));
-                }
-                // The request may have been sent before the failure: it may have been taken.
-                Ok(Err(e)) => {
-                    return Err(RuntimeError::Ambiguous(format!("the upstream request failed: {}", describe(&e))));
-                }
-                Ok(Ok(r)) => r,
-            };
+            let response = self.send(request).await?;
             let status = response.status();
             if !status.is_success() {
                 let wait = retry_after(response.headers());
@@ -486,22 +331,50 @@ impl OpenAiRuntime {
                     _ => RuntimeError::turn(message, ErrorCode::Upstream),
                 });
             }
-            // A 200 that is not a stream (a server that ignored `stream: true`, a proxy's error
-            // or sign-in page): the upstream took the request, so not retried; what came is
-            // said. A stream without a media type is read as one.
-            if let Some(kind) =
-                response.headers().get(CONTENT_TYPE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-                && !kind.trim_start().to_ascii_lowercase().starts_with("text/event-stream")
-            {
-                let body = error_body(response.into_body(), self.settings.max_event_bytes, idle).await;
-                let detail = readable(&body);
-                return Err(RuntimeError::turn(
-                    format!("the upstream answered {status} with {kind}, not an event stream: {detail}"),
-                    ErrorCode::Upstream,
-                ));
-            }
-            return Ok((response, estimate));
+            return Ok((self.event_stream(response).await?, estimate));
         }
+    }
+
+    /// Sends one request, waiting at most the idle timeout for its answer's head. How it
+    /// failed says whether the upstream may have taken it (ambiguous) or not (failed).
+    async fn send(
+        &self,
+        request: http::Request<Full<Bytes>>,
+    ) -> Result<http::Response<hyper::body::Incoming>, RuntimeError> {
+        match tokio::time::timeout(self.settings.idle_timeout, self.client.send(request)).await {
+            // The request went out and no answer came: the upstream may be working on it.
+            Err(_) => Err(RuntimeError::Ambiguous("the upstream took the request but did not answer in time".into())),
+            // Never connected (the connect timeout included): nothing reached the upstream.
+            Ok(Err(e)) if e.is_connect() => {
+                Err(RuntimeError::Failed(format!("cannot reach the upstream: {}", describe(&e))))
+            }
+            // The request may have been sent before the failure: it may have been taken.
+            Ok(Err(e)) => Err(RuntimeError::Ambiguous(format!("the upstream request failed: {}", describe(&e)))),
+            Ok(Ok(r)) => Ok(r),
+        }
+    }
+
+    /// A successful answer, as the event stream it must be. A 200 that is not a stream (a
+    /// server that ignored `stream: true`, a proxy's error or sign-in page): the upstream took
+    /// the request, so not retried; what came is said. A stream without a media type is read
+    /// as one.
+    async fn event_stream(
+        &self,
+        response: http::Response<hyper::body::Incoming>,
+    ) -> Result<http::Response<hyper::body::Incoming>, RuntimeError> {
+        let (status, idle) = (response.status(), self.settings.idle_timeout);
+        if let Some(kind) =
+            response.headers().get(CONTENT_TYPE).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            && !kind.trim_start().to_ascii_lowercase().starts_with("text/event-stream")
+        {
+            let body = error_body(response.into_body(), self.settings.max_event_bytes, idle).await;
+            let detail = readable(&body);
+            return Err(RuntimeError::turn(
+                format!("the upstream answered {status} with {kind}, not an event stream: {detail}"),
+                ErrorCode::Upstream,
+            ));
+        }
+        Ok(response)
     }
 
     /// The turn: one step, or with tools the agent loop (spec 9.2): a step whose model asks
@@ -559,7 +432,7 @@ impl OpenAiRuntime {
         };
         send(RawEvent::StepStart).await?;
         let (response, estimate) = self.open(req, step, &send).await?;
-        let mut gathered = Gathered { estimate, started: kit.map(StepCalls::new), ..Gathered::default() };
+        let mut gathered = Gathered::new(estimate, kit.map(StepCalls::new));
         // The bytes since the last whole event, bounded: an upstream that never ends an
         // event must not grow the parser's buffer without end.
         let since_event = Arc::new(AtomicUsize::new(0));
