@@ -129,6 +129,7 @@ pub async fn serve(
         // task, idle watchers' too): given back when the connection ends, or passed on to a
         // WebSocket session hyper upgrades it to, which runs in a task of its own (awaited
         // here, it would grow this task, idle watchers' too).
+        let stream = Arc::new(socket::Connection::new(stream));
         tokio::spawn(connection(stream, router.clone(), limits, metrics.clone(), Cancelled::new(&drained), slot));
     }
     drop(listener);
@@ -138,20 +139,20 @@ pub async fn serve(
 /// One connection, to its end: bodyless GETs first (read and answered by `http1`), then hyper
 /// from any other request on.
 async fn connection(
-    stream: TcpStream,
+    stream: Arc<socket::Connection>,
     router: Router,
     limits: ConnectionLimits,
     metrics: Arc<Metrics>,
     mut drained: Cancelled,
     slot: tokio::sync::OwnedSemaphorePermit,
 ) {
-    let stream = Arc::new(stream);
     let next = http1::serve(&stream, &router, &limits, &metrics, &mut drained).await;
     // The streams that lent the socket to the hub's rounds have let it go.
-    let Ok(mut stream) = Arc::try_unwrap(stream) else {
+    let Ok(stream) = Arc::try_unwrap(stream) else {
         tracing::error!("a connection's socket is still lent out after its streams ended; closing it");
         return;
     };
+    let mut stream = stream.into_inner();
     match next {
         http1::Next::Hyper(prefix) => with_hyper(stream, prefix, router, limits, drained, slot).await,
         http1::Next::Closed => {
@@ -314,7 +315,7 @@ async fn serve_upgraded(upgrade: OnUpgrade, session: Session, drain: Duration) {
     let Rewind { mut prefix, read, inner } = parts.io.into_inner();
     prefix.drain(..read);
     prefix.extend_from_slice(&parts.read_buf);
-    websocket::serve(&Arc::new(inner.inner), session, prefix, drain).await;
+    websocket::serve(&Arc::new(socket::Connection::new(inner.inner)), session, prefix, drain).await;
 }
 
 /// A stream that first yields bytes already read from it.

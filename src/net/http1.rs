@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use tower::ServiceExt;
 
 use super::ConnectionLimits;
-use super::socket::{Parking, write_all};
+use super::socket::{Connection, Parking, write_all};
 use crate::config::MOST_HEADERS;
 use crate::encoding::{CHUNK_END, LAST_CHUNK, chunk_size, has_token};
 use crate::hub::BATCH;
@@ -55,7 +55,7 @@ pub enum Next {
 /// Serves the connection's requests until one that is hyper's, the end of the connection, or
 /// shutdown (between requests).
 pub async fn serve(
-    stream: &Arc<TcpStream>,
+    stream: &Arc<Connection>,
     router: &Router,
     limits: &ConnectionLimits,
     metrics: &Metrics,
@@ -199,7 +199,7 @@ const BODY_STEP: usize = 64 * 1024;
 /// request's). An error when the client leaves or the body does not arrive within the body
 /// timeout (`TimedOut`: the handler answers 408).
 struct SocketBody {
-    stream: Arc<TcpStream>,
+    stream: Arc<Connection>,
     first: Option<bytes::Bytes>,
     left: usize,
     /// What the socket gave, read into spare capacity (no zeroing per read).
@@ -213,7 +213,7 @@ const BODY_WHOLE: u8 = 1;
 const BODY_GONE: u8 = 2;
 
 impl SocketBody {
-    fn new(stream: &Arc<TcpStream>, pending: &mut Vec<u8>, length: usize, timeout: Duration) -> SocketBody {
+    fn new(stream: &Arc<Connection>, pending: &mut Vec<u8>, length: usize, timeout: Duration) -> SocketBody {
         let have = length.min(pending.len());
         let first: Vec<u8> = pending.drain(..have).collect();
         if pending.is_empty() {
@@ -410,7 +410,7 @@ enum BodyStep {
 
 /// Writes `response`; whether the connection can carry another request.
 async fn respond(
-    stream: &Arc<TcpStream>,
+    stream: &Arc<Connection>,
     response: Response<Body>,
     close: bool,
     pending: &mut Vec<u8>,
@@ -535,7 +535,7 @@ fn poll_gone(
 /// write to the socket themselves. True when the stream ended (the last chunk is due), false
 /// when the client is gone.
 async fn watch_stream(
-    stream: &Arc<TcpStream>,
+    stream: &Arc<Connection>,
     mut watch: Watch,
     pending: &mut Vec<u8>,
     limits: &ConnectionLimits,

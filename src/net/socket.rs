@@ -1,6 +1,6 @@
 //! The socket primitives both live transports write with (`http1.rs` for watches,
 //! `websocket.rs` for sessions): a whole vectored write bounded by the drain timeout, the hub's
-//! [`Socket`] over a connection's descriptor (the one `unsafe` write), and [`Parking`], a stream lent to
+//! [`Socket`] over a client's [`Connection`] (the one `unsafe` write), and [`Parking`], a stream lent to
 //! the rounds of the turn it reads.
 
 use std::io::{self, IoSlice};
@@ -38,30 +38,40 @@ pub(super) async fn write_all(stream: &TcpStream, mut parts: &mut [IoSlice<'_>],
     Ok(())
 }
 
-/// A connection as the hub's rounds write to it: its descriptor, kept open by the stream it
-/// belongs to for as long as a round may hold it.
-struct Descriptor {
-    fd: std::os::fd::RawFd,
-    _open: Arc<TcpStream>,
-}
+/// A client's connection, as the live transports share it: tokio's stream (which it derefs
+/// to), and the hub's [`Socket`] that rounds write to while a stream is parked. Shared in an
+/// `Arc` that is lent to the rounds as it is: no allocation of its own per stream.
+pub struct Connection(TcpStream);
 
-impl Descriptor {
-    fn of(stream: &Arc<TcpStream>) -> Descriptor {
-        use std::os::fd::AsRawFd;
-        Descriptor { fd: stream.as_raw_fd(), _open: stream.clone() }
+impl Connection {
+    pub(super) fn new(stream: TcpStream) -> Connection {
+        Connection(stream)
+    }
+
+    pub(super) fn into_inner(self) -> TcpStream {
+        self.0
     }
 }
 
-impl Socket for Descriptor {
+impl std::ops::Deref for Connection {
+    type Target = TcpStream;
+
+    fn deref(&self) -> &TcpStream {
+        &self.0
+    }
+}
+
+impl Socket for Connection {
     fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
         // A plain write(2) on the descriptor. tokio's `try_write*` first reads the socket's
         // readiness, a word the reactor thread updates on every ACK: in a round over a thousand
         // sockets that cache miss each was the gateway's costliest user-space line (W2). A
         // WouldBlock left unseen by tokio costs one extra attempt when the stream's task next
         // writes. (write, not send: the kernel's write count, /proc/PID/io `syscw`, sees it.)
-        // SAFETY: the descriptor is the stream's that `self` holds, open while it is borrowed;
-        // write(2) reads at most `bytes.len()` bytes from `bytes`.
-        let written = unsafe { libc::write(self.fd, bytes.as_ptr().cast(), bytes.len()) };
+        use std::os::fd::AsRawFd;
+        // SAFETY: the descriptor belongs to `self`, open while it is borrowed; write(2) reads
+        // at most `bytes.len()` bytes from `bytes`.
+        let written = unsafe { libc::write(self.0.as_raw_fd(), bytes.as_ptr().cast(), bytes.len()) };
         if written < 0 { Err(io::Error::last_os_error()) } else { Ok(written as usize) }
     }
 }
@@ -71,12 +81,12 @@ impl Socket for Descriptor {
 pub(super) struct Parking {
     pub(super) stream: Arc<ParkedStream>,
     attached: Option<Arc<TurnBuffer>>,
-    socket: Arc<TcpStream>,
+    socket: Arc<Connection>,
 }
 
 impl Parking {
-    pub(super) fn new(socket: &Arc<TcpStream>, encoding: Transport, metrics: Arc<Metrics>) -> Parking {
-        let stream = ParkedStream::new(Arc::new(Descriptor::of(socket)), encoding, metrics.deliveries.clone());
+    pub(super) fn new(socket: &Arc<Connection>, encoding: Transport, metrics: Arc<Metrics>) -> Parking {
+        let stream = ParkedStream::new(socket.clone(), encoding, metrics.deliveries.clone());
         Parking { stream, attached: None, socket: socket.clone() }
     }
 

@@ -33,7 +33,7 @@ use bytes::BytesMut;
 use tokio::net::TcpStream;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
-use super::socket::{Parking, write_all};
+use super::socket::{Connection, Parking, write_all};
 use crate::encoding::Transport;
 use crate::encoding::{WS_CLOSE, put_ws_frame};
 use crate::hub::Delivery;
@@ -284,7 +284,7 @@ impl Waits {
 }
 
 /// Serves the session until it ends; `read` holds what the client sent after its upgrade.
-pub async fn serve(stream: &Arc<TcpStream>, mut session: Session, read: Vec<u8>, drain: Duration) {
+pub async fn serve(stream: &Arc<Connection>, mut session: Session, read: Vec<u8>, drain: Duration) {
     let mut frames = FrameDecoder::new(read, session.max_message);
     let message_timeout = session.message_timeout;
     let Some(statuses) = session.take_statuses() else { return };
@@ -398,7 +398,7 @@ async fn read_ops(session: &mut Session, frames: &mut FrameDecoder) -> Option<Op
 /// subscription reading an in-flight turn parks its socket with the turn's rounds meanwhile
 /// (and takes it back, with what they wrote, before it goes on); `None`: the connection is gone.
 async fn wait(
-    stream: &Arc<TcpStream>,
+    stream: &Arc<Connection>,
     session: &mut Session,
     parking: &mut Parking,
     waits: &mut Waits,

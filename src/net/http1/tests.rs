@@ -5,7 +5,7 @@ use super::*;
 #[tokio::test]
 async fn a_connection_task_stays_small() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let stream = Arc::new(TcpStream::connect(listener.local_addr().unwrap()).await.unwrap());
+    let stream = Arc::new(Connection::new(TcpStream::connect(listener.local_addr().unwrap()).await.unwrap()));
     let limits = ConnectionLimits {
         drain_timeout: Duration::from_secs(1),
         header_read_timeout: Duration::from_secs(1),

@@ -22,6 +22,7 @@ pub enum Kind {
 
 impl Kind {
     /// Text and reasoning deltas: the events a round may hold back, and the only ones coalesced.
+    #[inline]
     pub fn is_delta(self) -> bool {
         matches!(self, Kind::Text | Kind::Reasoning)
     }
@@ -71,11 +72,13 @@ impl EncodedEvent {
     }
 
     /// The event wrapped as a WebSocket `chat.delta` message (JSON text).
+    #[inline]
     pub fn ws(&self) -> &Bytes {
         self.ws.get_or_init(|| Bytes::from(ws_chat_delta(&self.line[..self.line.len() - 1])))
     }
 
     /// True for `turn-sealed`, the last event of a turn.
+    #[inline]
     pub fn is_sealed(&self) -> bool {
         self.kind == Kind::Sealed
     }
@@ -115,6 +118,7 @@ impl Transport {
     }
 
     /// The event's length in this encoding.
+    #[inline]
     pub fn len(self, event: &EncodedEvent) -> usize {
         match self {
             Transport::Ndjson => event.line.len(),
@@ -124,6 +128,7 @@ impl Transport {
     }
 
     /// Appends the event in this encoding.
+    #[inline]
     pub fn put(self, out: &mut BytesMut, event: &EncodedEvent) {
         match self {
             Transport::Ndjson => out.extend_from_slice(&event.line),
@@ -134,6 +139,7 @@ impl Transport {
 
     /// A batch of events as one buffer (shared, for a single event stored in this encoding), so
     /// that a batch costs one socket write.
+    #[inline]
     pub fn join(self, events: &[Arc<EncodedEvent>]) -> Bytes {
         match (self, events) {
             (Transport::Ndjson, [one]) => one.line.clone(),

@@ -35,6 +35,7 @@ impl Transport {
 }
 
 /// `<json>\n`.
+#[inline]
 pub fn put_ndjson(out: &mut BytesMut, json: &[u8]) {
     out.reserve(json.len() + 1);
     out.put_slice(json);
@@ -42,6 +43,7 @@ pub fn put_ndjson(out: &mut BytesMut, json: &[u8]) {
 }
 
 /// `id: <turnId>:<index>\ndata: <json>\n\n`: one event of a live SSE stream.
+#[inline]
 pub fn put_sse_event(out: &mut BytesMut, turn_id: &str, index: u32, json: &[u8]) {
     out.reserve(json.len() + turn_id.len() + 24);
     out.put_slice(b"id: ");
@@ -72,6 +74,7 @@ pub const WS_PING: u8 = 0x9;
 pub const WS_PONG: u8 = 0xA;
 
 /// The length of an unmasked (server) WebSocket frame with a payload of `payload` bytes.
+#[inline]
 pub fn ws_frame_len(payload: usize) -> usize {
     payload
         + match payload {
@@ -82,6 +85,7 @@ pub fn ws_frame_len(payload: usize) -> usize {
 }
 
 /// Appends one final, unmasked WebSocket frame (a server's frames are never masked).
+#[inline]
 pub fn put_ws_frame(out: &mut BytesMut, opcode: u8, payload: &[u8]) {
     out.reserve(ws_frame_len(payload.len()));
     out.put_u8(0x80 | opcode);
@@ -110,6 +114,7 @@ pub fn ws_chat_delta(json: &[u8]) -> Vec<u8> {
 }
 
 /// `<length in hex>\r\n`, the line that opens a chunk of a chunked HTTP/1.1 body.
+#[inline]
 pub fn chunk_size(buf: &mut [u8; 18], mut length: usize) -> &[u8] {
     let mut at = buf.len() - 2;
     buf[at..].copy_from_slice(b"\r\n");
@@ -124,6 +129,7 @@ pub fn chunk_size(buf: &mut [u8; 18], mut length: usize) -> &[u8] {
 }
 
 /// Whether a comma-separated header value lists `token` (any case).
+#[inline]
 pub fn has_token(value: &[u8], token: &[u8]) -> bool {
     value.split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
