@@ -1,9 +1,10 @@
 // The gateway itself, from `/metrics` (Prometheus text), `/ready` and `/tools`, read again two
 // seconds after each answer while shown: streams, turns, events, database writes, agent
-// processes per credential, and the MCP servers with their state and tools.
+// processes per credential, each model's turns, errors and latencies since the gateway
+// started, and the MCP servers with their state and tools.
 
 import { get, ApiError } from "./api.js";
-import { h, bytes, num } from "./dom.js";
+import { h, bytes, ms, num } from "./dom.js";
 
 /** `name{labels} value` lines into {"name{labels}": value}. */
 export function parsePrometheus(text) {
@@ -27,17 +28,77 @@ export function agentProcesses(values) {
   return rows.sort(([a], [b]) => a.localeCompare(b));
 }
 
+/** The labels of a series key (`name{a="x",b="y"}`), or null for another metric's. */
+function labelsOf(key, name) {
+  if (!key.startsWith(`${name}{`)) return null;
+  const labels = {};
+  for (const [, k, v] of key.slice(name.length + 1, -1).matchAll(/(\w+)="((?:[^"\\]|\\.)*)"/g)) labels[k] = v;
+  return labels;
+}
+
+/** The `q` quantile of a histogram's cumulative buckets ([[upper bound, count]], ascending),
+ *  interpolated inside its bucket as Prometheus's `histogram_quantile` does; undefined when
+ *  empty, the last finite bound when it falls in `+Inf`. */
+export function quantile(q, buckets) {
+  const total = buckets.at(-1)?.[1] || 0;
+  if (!total) return undefined;
+  const rank = q * total;
+  let [lower, below] = [0, 0];
+  for (const [bound, count] of buckets) {
+    if (count >= rank) {
+      if (bound === Infinity) return lower;
+      return lower + ((bound - lower) * (rank - below)) / Math.max(count - below, 1);
+    }
+    [lower, below] = [bound, count];
+  }
+  return lower;
+}
+
+/** A bucket's upper bound (`le`), `+Inf` included. */
+const bound = (le) => (le === "+Inf" ? Infinity : Number(le));
+
+/** Each model's figures since the gateway started, from the `dispatch_model_*` series:
+ *  [{model, credential, finished, failed, aborted, errors: {code: n}, input, output, ttft, decode}]. */
+export function modelFigures(values) {
+  const models = new Map();
+  const of = (labels) => {
+    if (!models.has(labels.model)) {
+      models.set(labels.model, {
+        model: labels.model, credential: labels.credential, finished: 0, failed: 0, aborted: 0,
+        errors: {}, input: 0, output: 0, ttft: [], decode: [],
+      });
+    }
+    return models.get(labels.model);
+  };
+  for (const [key, value] of Object.entries(values)) {
+    let labels;
+    if ((labels = labelsOf(key, "dispatch_model_turns_total"))) of(labels)[labels.outcome] = value;
+    else if ((labels = labelsOf(key, "dispatch_model_errors_total"))) of(labels).errors[labels.code] = value;
+    else if ((labels = labelsOf(key, "dispatch_model_tokens_total"))) of(labels)[labels.direction] = value;
+    else if ((labels = labelsOf(key, "dispatch_model_ttft_seconds_bucket"))) of(labels).ttft.push([bound(labels.le), value]);
+    else if ((labels = labelsOf(key, "dispatch_model_decode_seconds_bucket"))) of(labels).decode.push([bound(labels.le), value]);
+  }
+  for (const m of models.values()) {
+    m.ttft.sort((a, b) => a[0] - b[0]);
+    m.decode.sort((a, b) => a[0] - b[0]);
+  }
+  return [...models.values()].sort((a, b) => a.model.localeCompare(b.model));
+}
+
 export class GatewayView {
   constructor() {
     this.ready = h("p", { class: "ready", role: "status", "aria-label": "Database state" });
     this.cards = h("dl", { class: "cards" });
     this.tools = h("div", { class: "table-scroll" });
+    this.models = h("div", { class: "table-scroll" });
     this.element = h(
       "section",
       { class: "page", "aria-label": "Gateway" },
       h("h1", {}, "Gateway"),
       this.ready,
       this.cards,
+      h("h2", {}, "Models"),
+      this.models,
       h("h2", {}, "Tools"),
       this.tools,
     );
@@ -97,6 +158,42 @@ export class GatewayView {
         ...card(`Agent starts (${credential})`, num(started)),
       ]),
     );
+    this.showModels(modelFigures(m));
+  }
+
+  /** Each model's turns by outcome, its error rate and errors by code, time to first token
+   *  (p50, p95) and decode time (p95) of its steps, and its tokens: since the gateway started. */
+  showModels(models) {
+    if (!models.length) {
+      this.models.replaceChildren(h("p", { class: "empty" }, "No turn has sealed since the gateway started."));
+      return;
+    }
+    const seconds = (value) => (value === undefined ? "–" : ms(value * 1000));
+    const rows = models.map((m) => {
+      const turns = m.finished + m.failed + m.aborted;
+      const errors = Object.entries(m.errors).map(([code, n]) => `${code} ${num(n)}`).join(", ");
+      return h(
+        "tr",
+        { dataset: { model: m.model } },
+        h("td", {}, m.model),
+        h("td", { class: "turns" }, `${num(m.finished)} / ${num(m.failed)} / ${num(m.aborted)}`),
+        h("td", { class: "error-rate" }, turns ? `${num((100 * m.failed) / turns, 1)} %` : "–", errors ? ` (${errors})` : ""),
+        h("td", { class: "ttft" }, `${seconds(quantile(0.5, m.ttft))} / ${seconds(quantile(0.95, m.ttft))}`),
+        h("td", { class: "decode" }, seconds(quantile(0.95, m.decode))),
+        h("td", { class: "tokens" }, `${num(m.input)} / ${num(m.output)}`),
+      );
+    });
+    const head = h(
+      "tr",
+      {},
+      h("th", {}, "Model"),
+      h("th", {}, "Turns finished / failed / stopped"),
+      h("th", {}, "Error rate"),
+      h("th", {}, "First token p50 / p95"),
+      h("th", {}, "Decode p95"),
+      h("th", {}, "Tokens in / out"),
+    );
+    this.models.replaceChildren(h("table", { "aria-label": "Models" }, h("thead", {}, head), h("tbody", {}, rows)));
   }
 
   /** `/tools`: each MCP server's state (a failed one with its reason) and its tools. */

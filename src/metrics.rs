@@ -9,7 +9,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod models;
 mod process;
+
+pub use models::{Models, Outcome, code_label};
 
 use crate::encoding::Transport;
 use crate::hub::Deliveries;
@@ -63,7 +66,9 @@ pub struct Metrics {
     write_buckets: [AtomicU64; WRITE_BUCKETS.len()],
     write_count: AtomicU64,
     write_micros: AtomicU64,
-    runtime_errors: Mutex<BTreeMap<String, u64>>,
+    runtime_errors: Mutex<BTreeMap<&'static str, u64>>,
+    /// Turns by model and credential (`metrics/models.rs`).
+    pub models: Models,
     responses: Responses,
     pub bus: BusCounters,
 }
@@ -140,9 +145,11 @@ impl Metrics {
         }
     }
 
-    pub fn runtime_error(&self, kind: &str) {
+    /// Counts a turn error of `kind`: a bounded set (an error code's label, `retried`), so that
+    /// no client or agent program makes new series.
+    pub fn runtime_error(&self, kind: &'static str) {
         let mut errors = self.runtime_errors.lock().unwrap_or_else(|p| p.into_inner());
-        *errors.entry(kind.to_owned()).or_default() += 1;
+        *errors.entry(kind).or_default() += 1;
     }
 
     /// The text exposition; `running`, `channels`, `buffered`, `pacing` and `connections` are
@@ -171,6 +178,7 @@ impl Metrics {
         }
         self.render_writes(&mut out);
         self.render_errors(&mut out);
+        self.models.render(&mut out);
         render_agents(&mut out, agents);
         out.family(
             "dispatch_build_info",

@@ -314,9 +314,10 @@ impl Turns {
         self.announce(&req.conversation_id, ConversationStatus::Active);
         self.metrics.turns_started.fetch_add(1, Relaxed);
 
-        let run = run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone())
-            .for_caller(req.caller.clone(), admitted.quota_subject.is_some())
-            .with_lease(lease_lost);
+        let run =
+            run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone(), &admitted.model)
+                .for_caller(req.caller.clone(), admitted.quota_subject.is_some())
+                .with_lease(lease_lost);
         self.launch(run, req, admitted, &turn_id, user_seq, inbox).await;
         Ok(Started { conversation_id: conversation_id.clone(), turn_id, buffer })
     }

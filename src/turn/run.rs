@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 use super::Turns;
 use super::steps::{Effect, End, TurnSteps};
 use crate::hub::TurnBuffer;
+use crate::metrics::Outcome;
 use crate::runtime::{Inbox, RawEvent, Runtime, RuntimeError, TurnRequest};
 use crate::store::{NewChunk, SealTurn, Store, StoreError, now_ms};
 use crate::wire::*;
@@ -37,6 +38,8 @@ pub(super) struct TurnRun {
     unwritten: Vec<NewChunk>,
     /// The effects of the event at hand (kept for its allocation).
     effects: Vec<Effect>,
+    /// The model it runs, as the gateway names it (`<credential>/<model>`), for the metrics.
+    model: String,
     /// Who started the turn: a queued message left over starts the next turn as them.
     caller: crate::identity::Identity,
     /// The caller's day of tokens counts this turn's (a user, with quotas).
@@ -117,9 +120,11 @@ impl TurnRun {
         buffer: Arc<TurnBuffer>,
         cancel: CancellationToken,
         inbox: Arc<Inbox>,
+        model: &str,
     ) -> TurnRun {
         TurnRun {
             turns,
+            model: model.to_owned(),
             store,
             conversation_id: buffer.conversation_id.to_string(),
             turn_id: buffer.turn_id.to_string(),
@@ -297,14 +302,20 @@ impl TurnRun {
         }
     }
 
-    /// Counts the turn's end in `/metrics`.
-    fn count_end(&self, end: &End) {
+    /// Counts the turn's end in `/metrics`, and by its model.
+    fn count_end(&self, end: &End, turn_metrics: &crate::wire::TurnMetrics) {
         let metrics = &self.turns.metrics;
+        let outcome = match end {
+            End::Finished(_) => Outcome::Finished,
+            End::Aborted => Outcome::Aborted,
+            End::Failed { code, .. } => Outcome::Failed(code.as_ref()),
+        };
+        metrics.models.turn_ended(&self.model, outcome, turn_metrics);
         metrics.turns_sealed.fetch_add(1, Relaxed);
         match end {
             End::Failed { code, .. } => {
                 metrics.turns_failed.fetch_add(1, Relaxed);
-                metrics.runtime_error(code.as_ref().map_or("unknown", ErrorCode::as_str));
+                metrics.runtime_error(crate::metrics::code_label(code.as_ref()));
             }
             End::Aborted => {
                 metrics.turns_aborted.fetch_add(1, Relaxed);
@@ -377,7 +388,7 @@ impl TurnRun {
             }
         };
         let status = sealed_now.map_or("active", ConversationStatus::as_str);
-        self.count_end(&end);
+        self.count_end(&end, &turn_metrics);
         tracing::info!(reason = %reason, status, "turn sealed");
         // Watchers get the end of the turn either way. A turn the database would not take
         // keeps its conversation reserved until a retry commits it, so no later turn's rows

@@ -321,6 +321,18 @@ try {
   // The agent program the test ran a turn on stays up between turns.
   assert.equal(await page.getByLabel("Agent processes (agent)", { exact: true }).textContent(), "1");
   assert.equal(await page.getByLabel("Agent starts (agent)", { exact: true }).textContent(), "1");
+  // Each model's turns since the gateway started: by outcome (the stopped turn among them),
+  // the time to first token and decode time of its steps, its tokens.
+  const models = page.getByRole("table", { name: "Models" });
+  const scripted = models.locator('tr[data-model="demo/scripted"]');
+  await scripted.waitFor();
+  const [finished, , stopped] = (await scripted.locator("td.turns").textContent())
+    .split(" / ")
+    .map((n) => Number(n.replace(/,/g, "")));
+  assert.ok(finished >= 500 && stopped >= 1, `the scripted model's turns: ${finished} finished, ${stopped} stopped`);
+  assert.match(await scripted.locator("td.ttft").textContent(), /^(\d+ ms|[\d.]+ s|–) \/ (\d+ ms|[\d.]+ s|–)$/);
+  assert.match(await scripted.locator("td.tokens").textContent(), /^[\d,]+ \/ [\d,]+$/);
+  assert.equal(await models.locator('tr[data-model^="agent/"]').count(), 1, "the agent program's model");
   // Each value stands under its own label, whatever the width.
   const misplaced = await page.evaluate(() =>
     [...document.querySelectorAll(".cards dd")]

@@ -1,5 +1,7 @@
 //! What /metrics, /ready and the logs say while turns run and requests fail.
 
+use std::collections::BTreeMap;
+
 use super::*;
 
 #[tokio::test]
@@ -275,4 +277,133 @@ async fn metrics_count_responses_by_status() {
     // The first read of /metrics is among the 200s of the second.
     let moved: Vec<u64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
     assert_eq!(moved, [2, 1, 2, 3, 1, 1, 1], "200, 101, 400, 401, 404, 408, 431");
+}
+
+/// A Python with the official Prometheus client (`prometheus_client`), whose parser reads the
+/// exposition as Prometheus does: `DISPATCH_TEST_PROMETHEUS_PYTHON`. Without it the test says
+/// so and passes, unless `DISPATCH_REQUIRE_PROMETHEUS` is set.
+fn prometheus_python() -> Option<String> {
+    let python = std::env::var("DISPATCH_TEST_PROMETHEUS_PYTHON").ok().filter(|p| !p.is_empty());
+    if python.is_none() {
+        assert!(std::env::var_os("DISPATCH_REQUIRE_PROMETHEUS").is_none(), "prometheus_client is required");
+        eprintln!("skipped: DISPATCH_TEST_PROMETHEUS_PYTHON names no Python with prometheus_client");
+    }
+    python
+}
+
+/// Every sample of the exposition as the Prometheus client's parser reads it: name, labels,
+/// value. The parser refuses what Prometheus would (a malformed line, a bad escape).
+fn parsed(python: &str, text: &str) -> Vec<(String, BTreeMap<String, String>, f64)> {
+    use std::io::Write;
+    const PARSE: &str = "import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+print(json.dumps([[s.name, s.labels, s.value] for f in text_string_to_metric_families(sys.stdin.read()) for s in f.samples]))";
+    let mut child = std::process::Command::new(python)
+        .args(["-c", PARSE])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "the parser refused the exposition: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Turns are counted by model and credential: by outcome, failures by error code (a code an
+/// agent program made up counts as `other`, so no client makes new series), tokens in and
+/// out, and each step's time to first token and decode time as histograms, all read back by
+/// the Prometheus client's own parser.
+#[tokio::test]
+async fn turns_are_counted_by_model_with_bounded_labels() {
+    let Some(python) = prometheus_python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.scripted_script = Some(write_script(
+        dir.path(),
+        json!({"rules": [
+            {"match": "upstream", "steps": [{"text": "x", "usage": {"inputTokens": 1, "outputTokens": 1}}],
+             "error": {"message": "no", "code": "upstream"}},
+            {"match": "odd", "steps": [{"text": "x", "usage": {"inputTokens": 1, "outputTokens": 1}}],
+             "error": {"message": "no", "code": "made-up-by-the-agent"}},
+            {"steps": [{"text": "hello there", "usage": {"inputTokens": 7, "outputTokens": 3}}]}
+        ]}),
+    ));
+    let server = TestServer::start(config).await;
+    for (conversation, message) in [("a", "hi"), ("a", "hi again"), ("b", "upstream please"), ("c", "odd one")] {
+        server.chat(conversation, message).await;
+    }
+    let samples = parsed(&python, &server.metrics().await);
+    let value = |name: &str, labels: &[(&str, &str)]| -> Vec<f64> {
+        samples
+            .iter()
+            .filter(|(n, l, _)| n == name && labels.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v)))
+            .map(|(_, _, v)| *v)
+            .collect()
+    };
+    let model = [("model", "demo/scripted"), ("credential", "demo")];
+    let with = |extra: (&'static str, &'static str)| {
+        let mut labels = model.to_vec();
+        labels.push(extra);
+        labels
+    };
+    assert_eq!(value("dispatch_model_turns_total", &with(("outcome", "finished"))), [2.0]);
+    assert_eq!(value("dispatch_model_turns_total", &with(("outcome", "failed"))), [2.0]);
+    assert_eq!(value("dispatch_model_turns_total", &with(("outcome", "aborted"))), [0.0]);
+    assert_eq!(value("dispatch_model_errors_total", &with(("code", "upstream"))), [1.0]);
+    assert_eq!(value("dispatch_model_errors_total", &with(("code", "other"))), [1.0]);
+    assert!(
+        !samples.iter().any(|(_, labels, _)| labels.values().any(|v| v.contains("made-up"))),
+        "a runtime's own code makes no series"
+    );
+    assert_eq!(value("dispatch_model_tokens_total", &with(("direction", "input"))), [7.0 + 7.0 + 1.0 + 1.0]);
+    assert_eq!(value("dispatch_model_tokens_total", &with(("direction", "output"))), [3.0 + 3.0 + 1.0 + 1.0]);
+    // Every step with text had a first token and a decode: four steps.
+    assert_eq!(value("dispatch_model_ttft_seconds_count", &model), [4.0]);
+    assert_eq!(value("dispatch_model_decode_seconds_count", &model), [4.0]);
+    assert_eq!(value("dispatch_model_ttft_seconds_bucket", &with(("le", "+Inf"))), [4.0]);
+    assert_eq!(value("dispatch_runtime_errors_total", &[("kind", "other")]), [1.0]);
+}
+
+/// The Grafana dashboard of docker/ graphs only series the gateway exposes (its queries name
+/// metrics as the exposition spells them, a histogram's by its `_bucket` series), through the
+/// data source the compose file provisions beside it.
+#[tokio::test]
+async fn the_dashboard_graphs_series_the_gateway_exposes() {
+    let read = |path: &str| std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let dashboard: Value = serde_json::from_str(&read("docker/grafana/dispatch.json")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = test_config(dir.path());
+    config.scripted_script = Some(write_script(
+        dir.path(),
+        json!({"rules": [{"match": "fail", "steps": [{"text": "x"}], "error": {"message": "no", "code": "upstream"}}]}),
+    ));
+    let server = TestServer::start(config).await;
+    server.chat("m", "hello").await;
+    server.chat("m", "fail now").await;
+    let text = server.metrics().await;
+    // Every series name: a family's samples (a histogram's `_bucket`, `_sum` and `_count`).
+    let exposed: Vec<&str> =
+        text.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
+    let datasources = read("docker/grafana/datasources.yaml");
+    let mut queries = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        let uid = panel["datasource"]["uid"].as_str().unwrap();
+        assert!(datasources.contains(&format!("uid: {uid}")), "{}: data source {uid}", panel["title"]);
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            queries += 1;
+            let names =
+                expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| w.starts_with("dispatch_"));
+            for name in names {
+                assert!(exposed.contains(&name), "{}: {name} is not a series of /metrics", panel["title"]);
+            }
+        }
+    }
+    assert!(queries >= 10, "the dashboard has its panels");
+    let compose = read("docker/compose.yaml");
+    for file in ["datasources.yaml", "dashboards.yaml", "dispatch.json"] {
+        assert!(compose.contains(&format!("./grafana/{file}:")), "compose mounts docker/grafana/{file}");
+    }
 }

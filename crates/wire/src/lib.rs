@@ -206,6 +206,15 @@ impl ErrorCode {
     /// The code as the wire spells it.
     pub fn as_str(&self) -> &str {
         match self {
+            ErrorCode::Other(code) => code,
+            own => own.label(),
+        }
+    }
+
+    /// The code as a bounded label (metrics): the gateway's own as the wire spells them, and
+    /// `other` for any other (a runtime's own codes are whatever its program prints).
+    pub fn label(&self) -> &'static str {
+        match self {
             ErrorCode::Interrupted => "interrupted",
             ErrorCode::Lease => "lease",
             ErrorCode::Storage => "storage",
@@ -224,7 +233,7 @@ impl ErrorCode {
             ErrorCode::MaxSteps => "max-steps",
             ErrorCode::Shutdown => "shutdown",
             ErrorCode::Lagged => "lagged",
-            ErrorCode::Other(code) => code,
+            ErrorCode::Other(_) => "other",
         }
     }
 
