@@ -1,12 +1,17 @@
 // Status changes of every conversation, over the gateway's WebSocket (`/ws`): the list follows
 // them without polling. Reconnects with a growing pause when the socket drops. Signed in by the
-// session cookie, which the browser sends with the handshake.
+// session cookie, which the browser sends with the handshake. A socket the gateway refuses
+// while it answers the page's other requests is said to be refused, not "reconnecting" for
+// ever: a browser does not tell a page why a handshake failed, and the usual cause (a proxy
+// that rewrites Host, so the page's origin is not the gateway's) is the operator's to fix.
 
 export class StatusFeed {
   constructor(indicator) {
     this.indicator = indicator;
     this.listeners = new Set();
     this.pause = 500;
+    // Handshakes in a row that failed before the socket opened.
+    this.refused = 0;
     this.connect();
   }
 
@@ -29,6 +34,7 @@ export class StatusFeed {
     }
     clearTimeout(this.retry);
     this.pause = 500;
+    this.refused = 0;
     this.connect();
   }
 
@@ -36,9 +42,13 @@ export class StatusFeed {
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
     const socket = new WebSocket(`${scheme}//${location.host}/ws`);
     this.socket = socket;
-    this.show("connecting", "connecting…");
+    // Once refused, the page says so until a socket opens.
+    if (this.indicator.dataset.state !== "refused") this.show("connecting", "connecting…");
+    let opened = false;
     socket.onopen = () => {
+      opened = true;
       this.pause = 500;
+      this.refused = 0;
       this.show("live", "live");
       // A change missed while the socket was down: the list reads itself again.
       this.touch();
@@ -54,14 +64,35 @@ export class StatusFeed {
       for (const listener of this.listeners) listener(data);
     };
     socket.onclose = () => {
-      this.show("offline", "reconnecting…");
+      this.refused = opened ? 0 : this.refused + 1;
+      if (this.indicator.dataset.state !== "refused") this.show("offline", "reconnecting…");
+      if (this.refused >= 2) this.diagnose();
       this.retry = setTimeout(() => this.connect(), this.pause);
       this.pause = Math.min(this.pause * 2, 10_000);
     };
   }
 
-  show(state, text) {
+  /** Two handshakes in a row failed before opening: when the gateway answers HTTP, it refused
+   *  them (a gateway that is down answers nothing). */
+  async diagnose() {
+    try {
+      await fetch("/ready", { cache: "no-store" });
+    } catch {
+      return;
+    }
+    // A socket opened meanwhile: not refused after all.
+    if (this.socket.readyState === WebSocket.OPEN) return;
+    this.show(
+      "refused",
+      "live updates refused",
+      "The gateway answers this page but refused its WebSocket: behind a proxy, pass the Host header through " +
+        "or list this page's origin in --cors-origins (docs/security.md). The page still works; its lists do not update by themselves.",
+    );
+  }
+
+  show(state, text, title = "") {
     this.indicator.dataset.state = state;
     this.indicator.textContent = text;
+    this.indicator.title = title;
   }
 }

@@ -14,16 +14,20 @@ const words = (n) => Array.from({ length: n }, (_, i) => `w${i + 1}`).join(" ");
 const shot = (name) => path.join(SHOTS, `${name}.png`);
 const step = (what) => console.log(`console: ${what}`);
 
-/** A TCP proxy in front of `target`: `cut()` drops every connection open now. */
-function proxy(target) {
+/** A TCP proxy in front of `target` on `bind`: `cut()` drops every connection open now. With
+ *  `host`, the requests' Host header becomes it, as nginx's default (`proxy_set_header Host
+ *  $proxy_host`) does. */
+function proxy(target, host, bind = "127.0.0.1") {
   const sockets = new Set();
   let seen = "";
   const server = net.createServer((client) => {
     const upstream = net.connect(Number(target.port), target.hostname);
     sockets.add(client);
     sockets.add(upstream);
-    client.on("data", (data) => (seen += data.toString("latin1")));
-    client.pipe(upstream);
+    client.on("data", (data) => {
+      seen += data.toString("latin1");
+      upstream.write(host ? Buffer.from(data.toString("latin1").replace(/\r\nhost: [^\r]*/gi, `\r\nHost: ${host}`), "latin1") : data);
+    });
     upstream.pipe(client);
     const end = () => {
       client.destroy();
@@ -37,9 +41,9 @@ function proxy(target) {
     }
   });
   return new Promise((resolve) =>
-    server.listen(0, "127.0.0.1", () =>
+    server.listen(0, bind, () =>
       resolve({
-        url: `http://127.0.0.1:${server.address().port}`,
+        url: `http://${bind}:${server.address().port}`,
         cut: () => [...sockets].forEach((s) => s.destroy()),
         close: () => {
           server.close();
@@ -452,6 +456,24 @@ try {
   assert.equal(await alices.filter({ hasText: "owner" }).count(), 0, "a user is not shown owners");
   await locked.screenshot({ path: shot("signed-in-user") });
   step("signed out, then in with a token: her own conversations only");
+
+  // Behind a proxy that rewrites Host, the page's origin (here http://127.0.0.2:port, a name
+  // the gateway's default --cors-origins does not list, as a public name would not be) is not
+  // the gateway's: the gateway refuses the console's WebSocket (a page cannot learn why), and
+  // the header says so instead of "reconnecting" for ever; the page itself still reads.
+  const rewriting = await proxy(new URL(OPEN_URL), new URL(OPEN_URL).host, "127.0.0.2");
+  try {
+    const behind = await open(`${rewriting.url}/`);
+    await behind.getByRole("link", { name: /Five hundred turns/ }).waitFor();
+    const feedState = behind.getByRole("status", { name: "Status feed" });
+    await feedState.filter({ hasText: "live updates refused" }).waitFor({ timeout: 15_000 });
+    assert.match(await feedState.getAttribute("title"), /Host header/);
+    await behind.screenshot({ path: shot("refused-feed") });
+    await behind.close();
+  } finally {
+    rewriting.close();
+  }
+  step("behind a proxy that rewrites Host: the refused WebSocket is said, not retried in silence");
 
   assert.deepEqual(pageErrors, [], "no script errors on any page");
   console.log("console: all checks passed");
