@@ -4,15 +4,20 @@ use std::collections::BTreeMap;
 
 use super::*;
 
+/// A gateway whose scripted model fails a prompt that says "fail" (code `upstream`).
+async fn failing_server(dir: &std::path::Path) -> TestServer {
+    let mut config = test_config(dir);
+    config.scripted_script = Some(write_script(
+        dir,
+        json!({"rules": [{"match": "fail", "steps": [{"text": "x"}], "error": {"message": "no", "code": "upstream"}}]}),
+    ));
+    TestServer::start(config).await
+}
+
 #[tokio::test]
 async fn metrics_move_when_turns_run_and_ready_answers() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = test_config(dir.path());
-    config.scripted_script = Some(write_script(
-        dir.path(),
-        json!({"rules": [{"match": "fail", "steps": [{"text": "x"}], "error": {"message": "no", "code": "upstream"}}]}),
-    ));
-    let server = TestServer::start(config).await;
+    let server = failing_server(dir.path()).await;
     assert_eq!(server.get("/ready").await, (200, json!({"ready": true})));
     let read = || async {
         let r = server.client.get(server.url("/metrics")).send().await.unwrap();
@@ -374,12 +379,7 @@ async fn the_dashboard_graphs_series_the_gateway_exposes() {
     let read = |path: &str| std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR"))).unwrap();
     let dashboard: Value = serde_json::from_str(&read("docker/grafana/dispatch.json")).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let mut config = test_config(dir.path());
-    config.scripted_script = Some(write_script(
-        dir.path(),
-        json!({"rules": [{"match": "fail", "steps": [{"text": "x"}], "error": {"message": "no", "code": "upstream"}}]}),
-    ));
-    let server = TestServer::start(config).await;
+    let server = failing_server(dir.path()).await;
     server.chat("m", "hello").await;
     server.chat("m", "fail now").await;
     let text = server.metrics().await;
