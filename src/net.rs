@@ -135,8 +135,8 @@ pub async fn serve(
         let mut drained = Cancelled::new(&drained);
         // The connection's life: bodyless GETs first (read and answered by `http1`), then
         // hyper from any other request on. A block, not an async fn: a function's arguments
-        // take room of their own in its state, 152 bytes more in every connection's task
-        // (idle watchers' too, 10,000 of them in W4).
+        // take room of their own in its state, in every connection's task (idle watchers' too:
+        // W4's memory per stream rose 0.13 KiB with one, BENCHMARKS.md "Before and after").
         tokio::spawn(async move {
             let next = http1::serve(&stream, &router, &limits, &metrics, &mut drained).await;
             // The streams that lent the socket to the hub's rounds have let it go.
