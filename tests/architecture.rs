@@ -136,17 +136,14 @@ fn the_top_level_modules_import_one_another_without_a_cycle() {
 }
 
 /// The fan-out core knows the wire and nothing else of the gateway: its manifest depends on no
-/// crate of the workspace but `dispatch-wire`, and its sources name no gateway module.
+/// crate of the workspace but `dispatch-wire` (the gateway itself it cannot name: Cargo refuses
+/// a cycle).
 #[test]
 fn the_fan_out_core_knows_no_application_type_beyond_the_wire() {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/fanout/Cargo.toml");
     let manifest = std::fs::read_to_string(manifest).unwrap();
-    let ours: Vec<&str> = manifest.lines().filter(|l| l.starts_with("dispatch-")).collect();
+    let ours: Vec<&str> = manifest.lines().filter(|l| l.trim_start().starts_with("dispatch-")).collect();
     assert_eq!(ours, ["dispatch-wire = { path = \"../wire\" }"], "the core's own dependencies");
-    for file in files(&roots()[1]) {
-        let code = code(&file);
-        assert!(!code.contains("dispatch_gateway"), "{} names the gateway", file.display());
-    }
 }
 
 /// Inside each module (a folder), the files import one another (`super::<file>`) without a

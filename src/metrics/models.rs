@@ -104,7 +104,11 @@ impl Models {
     pub fn turn_ended(&self, model: &str, outcome: Outcome<'_>, metrics: &TurnMetrics) {
         let mut models = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let key = if models.contains_key(model) || models.len() < MAX_MODELS { model } else { "other" };
-        let turns = models.entry(key.to_owned()).or_default();
+        // A model seen before is looked up, not allocated again: this runs at every seal.
+        if !models.contains_key(key) {
+            models.insert(key.to_owned(), ModelTurns::default());
+        }
+        let turns = models.get_mut(key).expect("inserted above");
         match outcome {
             Outcome::Finished => turns.finished += 1,
             Outcome::Aborted => turns.aborted += 1,
