@@ -569,10 +569,18 @@ impl ChildGateway {
             .args(["--listen", "127.0.0.1:0", "--log-format", "json"])
             .args(args)
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("the gateway binary starts");
         let stdout = child.stdout.take().unwrap();
+        // What the gateway says on stderr before its log is set up (a refused flag, a database
+        // it cannot open, a full disk) is kept, so a gateway that never starts says why.
+        let mut stderr = child.stderr.take().unwrap();
+        let said = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+            text
+        });
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let logs = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let kept = logs.clone();
@@ -585,7 +593,16 @@ impl ChildGateway {
                 kept.lock().unwrap().push(v);
             }
         });
-        let addr = addr_rx.recv_timeout(std::time::Duration::from_secs(60)).expect("the gateway logs its address");
+        let addr = match addr_rx.recv_timeout(std::time::Duration::from_secs(60)) {
+            Ok(addr) => addr,
+            Err(e) => {
+                let _ = child.kill();
+                let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+                let said = said.join().unwrap_or_default();
+                let logs = logs.lock().unwrap().iter().map(Value::to_string).collect::<Vec<_>>().join("\n");
+                panic!("the gateway did not log its address ({e}; {status}); its log:\n{logs}\nits stderr:\n{said}");
+            }
+        };
         ChildGateway { child, api: Api::new(addr.clone()), addr, logs }
     }
 
