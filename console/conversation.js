@@ -11,11 +11,11 @@
 
 import { get, post, put, del, conversationPath, ApiError } from "./api.js";
 import { h } from "./dom.js";
-import { Turn, turnsFromChunks, applyEvent } from "./transcript.js";
+import { Turn, turnsFromChunks, applyEvent, doneFromMetrics } from "./transcript.js";
 import { TurnPlots } from "./metrics.js";
 
-/** At most this many of the newest chunks are shown on open. */
-const WINDOW = 2000;
+/** Chunks read at a time: the newest on open, older ones as the reader scrolls up to them. */
+const WINDOW = 500;
 /** A cursor that names no turn in flight: the stream opens with `resync`. */
 const NO_CURSOR = "none:0";
 /** The reasoning efforts the API takes. */
@@ -49,14 +49,27 @@ export class ConversationView {
     this.status = h("span", { class: "status", "aria-label": "Status" });
     this.stream = h("span", { class: "stream-state", role: "status", "aria-label": "Stream" });
     this.alert = h("p", { class: "alert", role: "alert" });
-    this.note = h("p", { class: "muted" });
+    this.note = h("p", { class: "muted", role: "status" });
+    // Older turns load when this comes into view (the reader scrolled to the top), or on a click.
+    this.olderButton = h("button", { type: "button", hidden: true, onclick: () => this.queue(() => this.loadOlder()) }, "Load older turns");
+    this.olderWatch = new IntersectionObserver((seen) => {
+      if (seen.some((e) => e.isIntersecting) && !this.olderButton.hidden) this.queue(() => this.loadOlder());
+    });
+    this.olderWatch.observe(this.olderButton);
+    // The seq of the oldest chunk shown, and the chunks of a first turn whose prompt is older
+    // than that (a window that begins inside a turn): the next older read completes it.
+    this.oldestSeq = 0;
+    this.partial = null;
+    this.metrics = [];
     this.history = h("div", { class: "history" });
     this.liveArea = h("div", { class: "live-area" });
     this.message = h("textarea", { "aria-label": "Message", rows: 3, placeholder: "Write a message; Enter sends, Shift+Enter breaks the line" });
     this.model = h("select", { "aria-label": "Model" }, h("option", { value: "" }, "conversation's model"));
     this.sendButton = h("button", { type: "submit", class: "primary" }, "Send");
     this.stopButton = h("button", { type: "button", disabled: true, onclick: () => this.stop() }, "Stop");
-    this.plots = new TurnPlots(id);
+    // History turns by the seq of their user message, until their metrics give them a footer.
+    this.unfooted = new Map();
+    this.plots = new TurnPlots(id, (turns) => this.footers(turns));
     // Deleting asks twice: the first press only shows the confirming button.
     this.closeButton = h("button", { type: "button", onclick: () => this.close() }, "Close conversation");
     this.deleteButton = h("button", { type: "button", class: "danger", onclick: () => this.askDelete(true) }, "Delete");
@@ -107,7 +120,7 @@ export class ConversationView {
       h("header", { class: "detail-head" }, titleForm, this.status, this.stream),
       h("p", { class: "muted id" }, "id ", h("code", {}, id)),
       settingsForm,
-      h("section", { class: "transcript", "aria-label": "Transcript" }, this.note, this.history, this.liveArea),
+      h("section", { class: "transcript", "aria-label": "Transcript" }, this.olderButton, this.note, this.history, this.liveArea),
       form,
       this.plots.element,
       h(
@@ -214,17 +227,63 @@ export class ConversationView {
       if (this.horizon > 0) query.set("sinceSeq", String(this.horizon));
       else query.set("limit", String(WINDOW));
       const window = await get(`${this.path}?${query}`);
-      if (this.horizon === 0 && window.chunks.length && window.chunks[0].seq > 1) {
-        this.note.textContent = `Showing the newest ${window.chunks.length} chunks; older ones are in the history API.`;
-      }
+      const opening = this.horizon === 0;
       const turns = turnsFromChunks(window.chunks).slice(this.sealedLive);
       this.history.append(...turns.map((t) => t.element));
+      this.awaitFooters(turns);
+      if (opening && window.chunks.length) this.olderShown(window.chunks, turns[0]);
       // A conversation opens at its newest turn, where a reader picks it up.
       if (this.horizon === 0 && !this.live) turns.at(-1)?.element.scrollIntoView({ block: "end", behavior: "instant" });
       this.horizon = latestSeq;
       this.sealedLive = 0;
     }
     if (grew) this.plots.refresh();
+  }
+
+  /** Reads the window of chunks before the oldest shown and puts its turns above, the reader's
+   *  place on the page kept. */
+  async loadOlder() {
+    if (this.oldestSeq <= 1) return;
+    const query = new URLSearchParams({ beforeSeq: String(this.oldestSeq), limit: String(WINDOW) });
+    const older = (await get(`${this.path}?${query}`)).chunks;
+    if (!older.length) return;
+    const chunks = older.concat(this.partial ? this.partial.chunks : []);
+    const turns = turnsFromChunks(chunks);
+    const page = document.scrollingElement;
+    const height = page.scrollHeight;
+    this.partial?.turn.element.remove();
+    this.history.prepend(...turns.map((t) => t.element));
+    page.scrollTop += page.scrollHeight - height;
+    this.awaitFooters(turns);
+    this.olderShown(chunks, turns[0]);
+    this.footers(this.metrics);
+  }
+
+  /** After a window whose first chunk is `chunks[0]`: what is older, and the first turn when
+   *  its prompt is older still. */
+  olderShown(chunks, first) {
+    this.oldestSeq = chunks[0].seq;
+    const prompt = chunks.findIndex((c) => c.role === "user" && c.chunk.type === "text");
+    this.partial = this.oldestSeq > 1 && prompt !== 0 ? { turn: first, chunks: chunks.slice(0, prompt < 0 ? chunks.length : prompt) } : null;
+    const hidden = this.oldestSeq - 1;
+    this.olderButton.hidden = hidden === 0;
+    this.note.textContent = hidden ? `${hidden.toLocaleString("en-US")} older chunks above` : "";
+  }
+
+  /** History turns wait for their metrics (read with the plots) for their footer. */
+  awaitFooters(turns) {
+    for (const turn of turns) if (turn.firstSeq !== undefined) this.unfooted.set(turn.firstSeq, turn);
+  }
+
+  /** Gives history turns the footer their live `done` gave them (metrics read by the plots). */
+  footers(metrics) {
+    this.metrics = metrics;
+    for (const m of metrics) {
+      const turn = this.unfooted.get(m.firstSeq);
+      if (!turn) continue;
+      turn.done(doneFromMetrics(m));
+      this.unfooted.delete(m.firstSeq);
+    }
   }
 
   onEvent(message) {
@@ -370,6 +429,7 @@ export class ConversationView {
 
   destroy() {
     this.resizer.disconnect();
+    this.olderWatch.disconnect();
     this.source?.close();
     clearTimeout(this.retry);
     this.unsubscribe();

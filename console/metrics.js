@@ -7,16 +7,23 @@ import { linePlot, barPlot } from "./plot.js";
 
 const has = (v) => v !== undefined && v !== null;
 
-/** Output tokens over generation time: the turn's steps' `genTotalMs` summed. */
+/** Output tokens over generation time: the turn's steps' `genTotalMs` summed, over the steps
+ *  whose usage the runtime reported. None for a turn with no usage reported (a stopped
+ *  stream): its zeros are no measurement, and 0 tokens/s would be a false one. */
 export function tokensPerSecond(turn) {
-  const gen = turn.steps.reduce((sum, s) => sum + (s.genTotalMs || 0), 0);
-  return gen > 0 ? turn.usage.outputTokens / (gen / 1000) : undefined;
+  if (turn.usageReported === false) return undefined;
+  const counted = turn.steps.filter((s) => s.usageReported !== false);
+  const gen = counted.reduce((sum, s) => sum + (s.genTotalMs || 0), 0);
+  const output = counted.reduce((sum, s) => sum + s.usage.outputTokens, 0);
+  return gen > 0 ? output / (gen / 1000) : undefined;
 }
 
 /** The plots of one conversation's sealed turns. */
 export class TurnPlots {
-  constructor(conversationId) {
+  /** `onRead` gets each read's turns (the transcript's footers come from them). */
+  constructor(conversationId, onRead = () => {}) {
     this.id = conversationId;
+    this.onRead = onRead;
     this.turns = [];
     this.selected = null;
     this.pinned = false;
@@ -30,6 +37,7 @@ export class TurnPlots {
       const answer = await this.reads.newest(`/conversations/${encodeURIComponent(this.id)}/metrics`);
       if (!answer) return;
       this.turns = answer.turns;
+      this.onRead(this.turns);
     } catch (e) {
       if (!(e instanceof ApiError)) throw e;
       return;
@@ -69,7 +77,7 @@ export class TurnPlots {
             segments: has(s.ttftMs)
               ? [{ value: s.ttftMs }, { value: s.decodeMs || 0 }]
               : [{ value: 0 }, { value: 0 }, { value: s.genTotalMs || 0 }],
-            detail: `step ${k + 1}: first token ${ms(s.ttftMs)}, decoding ${ms(s.decodeMs)}, generation ${ms(s.genTotalMs)}, ${num(s.usage.inputTokens)} in / ${num(s.usage.outputTokens)} out`,
+            detail: `step ${k + 1}: first token ${ms(s.ttftMs)}, decoding ${ms(s.decodeMs)}, generation ${ms(s.genTotalMs)}, ${s.usageReported === false ? "usage not reported" : `${num(s.usage.inputTokens)} in / ${num(s.usage.outputTokens)} out`}`,
           })),
         }),
       );

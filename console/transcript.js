@@ -1,6 +1,8 @@
 // Renders turns, from the sealed history (stored chunks) and from the live stream (events),
 // through the same calls, so a turn looks the same however it arrived. Reasoning is folded;
-// a step's tool calls are one group (by `stepId`), each call with its output and result.
+// a step's tool calls are one group (by `stepId`), each call with its output, duration and
+// result (a stored result keeps the output and duration the live events carried). A history
+// turn's footer comes from its metrics (`reason`, joined by `firstSeq`), a live one's from `done`.
 
 import { h, ms, num } from "./dom.js";
 
@@ -90,12 +92,14 @@ export class Turn {
     this.parts.append(h("div", { class: "system" }, text));
   }
 
-  /** The live `done`: why the turn ended, how long it took, what it cost. */
+  /** Why the turn ended, how long it took, what it cost: from the live `done`, or from the
+   *  stored metrics, which carry the same figures (`usageReported: false` where `done` had no
+   *  usage: its zeros measure nothing, so neither view shows them as a count). */
   done(event) {
     this.breakPart();
     const bits = [`done · ${event.reason}`];
     if (event.durationMs !== undefined) bits.push(ms(event.durationMs));
-    if (event.usage) bits.push(`${num(event.usage.outputTokens)} output tokens`);
+    bits.push(event.usage ? `${num(event.usage.outputTokens)} output tokens` : "usage not reported");
     if (event.contextSize !== undefined) bits.push(`context ${num(event.contextSize)}`);
     this.footer.replaceChildren(h("span", { class: "done", dataset: { reason: event.reason } }, bits.join(" · ")));
   }
@@ -105,13 +109,25 @@ export class Turn {
   }
 }
 
-/** Turns from stored chunks (`{seq, role, chunk}`), in order: a user text chunk starts a turn. */
+/** The footer a sealed turn's stored metrics give it, as the live `done` would have. */
+export function doneFromMetrics(metrics) {
+  return {
+    reason: metrics.reason ?? "stop",
+    durationMs: metrics.durationMs,
+    usage: metrics.usageReported === false ? undefined : metrics.usage,
+    contextSize: metrics.contextSize,
+  };
+}
+
+/** Turns from stored chunks (`{seq, role, chunk}`), in order: a user text chunk starts a turn
+ *  (its seq is the turn's `firstSeq`, the key to its metrics). */
 export function turnsFromChunks(chunks) {
   const turns = [];
   let turn = null;
-  for (const { role, chunk } of chunks) {
+  for (const { seq, role, chunk } of chunks) {
     if (role === "user" && chunk.type === "text") {
       turn = new Turn(chunk.text);
+      turn.firstSeq = seq;
       turns.push(turn);
       continue;
     }
@@ -133,7 +149,11 @@ export function turnsFromChunks(chunks) {
         turn.addToolCall(chunk.stepId, chunk.toolCallId, chunk.toolName, chunk.input);
         break;
       case "tool-result":
-        turn.addToolResult(chunk.stepId, chunk.toolCallId, chunk.toolName, chunk.content, chunk.isError);
+        if (chunk.output) {
+          if (!turn.tools.has(chunk.toolCallId)) turn.addToolCall(chunk.stepId, chunk.toolCallId, chunk.toolName, null);
+          turn.addToolOutput(chunk.toolCallId, chunk.output);
+        }
+        turn.addToolResult(chunk.stepId, chunk.toolCallId, chunk.toolName, chunk.content, chunk.isError, chunk.durationMs);
         break;
       case "error":
         turn.addError(chunk.message, chunk.code);

@@ -70,6 +70,7 @@ impl Gateway {
             queue: queue_limits,
             max_turns: config.max_turns as usize,
             max_duration: Duration::from_secs(config.max_turn_secs),
+            max_tool_output: config.max_tool_result_bytes,
         };
         // Users (who see only their own) come only with signed tokens: keys are administrators.
         let identities = crate::turn::Identities { quotas: config.quotas, users: auth.takes_tokens() };

@@ -115,7 +115,9 @@ fn script(dir: &std::path::Path) -> PathBuf {
             ]},
             {"match": "paced", "pace": 15, "steps": [{"text": words(60)}]},
             {"match": "dropped", "pace": 10, "steps": [{"text": words(80)}]},
-            {"match": "endless", "pace": 20, "steps": [{"text": "token ", "repeat": 100000}]}
+            {"match": "endless", "pace": 20, "steps": [{"text": "token ", "repeat": 100000}]},
+            {"match": "broken", "pace": 0, "steps": [{"text": "half an answer"}],
+             "error": {"message": "the upstream went away", "code": "upstream"}}
         ]}),
     )
 }
@@ -173,6 +175,12 @@ async fn the_console_in_a_real_browser() {
         open.mcp.insert(name.into(), serde_json::from_value(server).unwrap());
     }
     let open = TestServer::start(open).await;
+    // More conversations than the list's first page, older than every other: the list shows
+    // how many there are and loads the rest.
+    for i in 0..230 {
+        let (status, _) = open.post("/conversations", json!({"id": format!("bulk-{i:03}")})).await;
+        assert_eq!(status, 201);
+    }
     let events = open.chat_stream(json!({"conversationId": "agent-run", "message": "hi", "model": "agent/echo"})).await;
     assert_eq!(types(&events.collect().await).last(), Some(&"turn-sealed"));
     std::fs::create_dir_all(dir.path().join("locked")).unwrap();
@@ -198,6 +206,10 @@ async fn the_console_in_a_real_browser() {
         .await
         .unwrap();
     assert_eq!(mine.status(), 201);
+
+    // A conversation whose last turn failed, for the list's mark.
+    let failed = open.chat("failed-last", "broken please").await;
+    assert_eq!(failed.iter().find(|e| e["type"] == "done").unwrap()["reason"], "error");
 
     // A conversation of 500 sealed turns, for the plots' readability and their point count.
     for i in 0..500 {

@@ -15,6 +15,11 @@ fn script() -> Value {
              "usage": {"inputTokens": 10, "outputTokens": 30}},
             {"text": "Found ", "usage": {"inputTokens": 20, "outputTokens": 12}},
         ]},
+        {"match": "timed", "pace": 0, "steps": [
+            {"toolCalls": [{"id": "t", "name": "grep", "output": "line 1\n", "result": "1 match", "durationMs": 4}]},
+            {"text": "One.", "usage": {"inputTokens": 5, "outputTokens": 2}},
+        ]},
+        {"match": "broken", "pace": 0, "steps": [{"text": "half"}], "error": {"message": "gone away"}},
     ]})
 }
 
@@ -75,6 +80,96 @@ async fn status_close_and_last() {
         let (status, body) = server.get(&format!("/conversations/c-last/last{bad}")).await;
         assert_eq!(status, 400, "{bad}: {body}");
     }
+}
+
+/// What a reopened turn shows comes from the log: why each turn ended and where it starts (in
+/// its metrics), a stopped turn's unknown usage marked rather than passed off as zero, a tool's
+/// output and duration with its result, and a failed last turn in the list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reopened_turn_has_its_end_its_tools_and_no_made_up_usage() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(dir.path(), |_| {}).await;
+    server.chat("reopened", "timed grep").await;
+    let stream = server.chat_stream(json!({"conversationId": "reopened", "message": "stall"})).await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(server.post("/conversations/reopened/stop", json!({})).await.1["abortedTurn"], true);
+    let done = stream.collect().await.into_iter().find(|e| e["type"] == "done").unwrap();
+    assert_eq!((done["reason"].as_str(), done.get("usage")), (Some("aborted"), None), "{done}");
+
+    let history = server.history("reopened").await;
+    let user_seqs: Vec<&Value> = history.iter().filter(|c| c["role"] == "user").map(|c| &c["seq"]).collect();
+    let result = history.iter().find(|c| c["chunk"]["type"] == "tool-result").unwrap();
+    assert_eq!(result["chunk"]["durationMs"], 4, "{result}");
+    assert_eq!(result["chunk"]["output"], "line 1\n", "{result}");
+
+    let (_, metrics) = server.get("/conversations/reopened/metrics").await;
+    let turns = metrics["turns"].as_array().unwrap();
+    assert_eq!(turns.len(), 2);
+    assert_eq!((&turns[0]["reason"], &turns[0]["firstSeq"]), (&json!("stop"), user_seqs[0]));
+    assert_eq!(turns[0].get("usageReported"), None, "reported usage is not marked: {}", turns[0]);
+    assert_eq!((&turns[1]["reason"], &turns[1]["firstSeq"]), (&json!("aborted"), user_seqs[1]));
+    assert_eq!(turns[1]["usageReported"], false, "{}", turns[1]);
+    assert_eq!(turns[1]["steps"][0]["usageReported"], false, "{}", turns[1]);
+
+    let listed = |id: &'static str| {
+        let server = &server;
+        async move {
+            let (_, list) = server.get(&format!("/conversations?q={id}")).await;
+            list["conversations"][0].get("lastReason").cloned()
+        }
+    };
+    assert_eq!(listed("reopened").await, Some(json!("aborted")));
+    server.chat("broken-last", "broken").await;
+    assert_eq!(listed("broken-last").await, Some(json!("error")));
+    let (_, created) = server.post("/conversations", json!({"id": "no-turn-yet"})).await;
+    assert_eq!(created.get("lastReason"), None);
+    assert_eq!(listed("no-turn-yet").await, None);
+}
+
+/// `GET /conversations` pages with `nextCursor` and counts with `count=true`; a made-up cursor
+/// or count is a 400 that says why.
+#[tokio::test]
+async fn the_list_reads_in_pages_and_refuses_a_made_up_cursor() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(dir.path(), |_| {}).await;
+    for i in 0..5 {
+        assert_eq!(server.post("/conversations", json!({"id": format!("paged-{i}")})).await.0, 201);
+    }
+    let (mut ids, mut query) = (Vec::new(), "limit=2&count=true".to_owned());
+    loop {
+        let (status, page) = server.get(&format!("/conversations?{query}")).await;
+        assert_eq!(status, 200, "{page}");
+        assert_eq!(page["total"], 5, "{page}");
+        ids.extend(page["conversations"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap().to_owned()));
+        match page["nextCursor"].as_str() {
+            Some(cursor) => query = format!("limit=2&count=true&cursor={}", urlencoding(cursor)),
+            None => break,
+        }
+    }
+    let mut sorted = ids.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!((ids.len(), sorted.len()), (5, 5), "each once: {ids:?}");
+    let (_, plain) = server.get("/conversations").await;
+    assert_eq!((plain.get("total"), plain.get("nextCursor")), (None, None), "{plain}");
+    for bad in ["cursor=nope", "cursor=12:", "cursor=x:paged-1", "cursor=1:%20bad", "count=yes"] {
+        let (status, body) = server.get(&format!("/conversations?{bad}")).await;
+        assert_eq!((status, body["error"].is_string()), (400, true), "{bad}: {body}");
+    }
+}
+
+/// Percent-encodes what a query value must not carry raw.
+fn urlencoding(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
 }
 
 #[tokio::test]

@@ -109,7 +109,7 @@ proptest! {
                 Op::Text(t) => { a.text(t); texts.push_str(t); }
                 Op::Reasoning(t) => { a.reasoning(t); thoughts.push_str(t); }
                 Op::Call => a.tool_call(ToolCallChunk { tool_call_id: "c".into(), tool_name: "t".into(), input: json!({}), step_id: None }),
-                Op::Result => a.tool_result(ToolResultChunk { tool_call_id: "c".into(), tool_name: "t".into(), content: String::new(), is_error: false, step_id: None }),
+                Op::Result => a.tool_result(ToolResultChunk { tool_call_id: "c".into(), tool_name: "t".into(), content: String::new(), is_error: false, step_id: None, duration_ms: None, output: None }),
                 Op::EndStep => a.end_step(),
             }
         }

@@ -519,7 +519,19 @@ async fn a_loop_turn_has_the_wire_order_a_client_groups_by_step() {
             json!({"type": "turn-sealed"}),
         ]
     );
-    let history: Vec<Value> = server.history("w1").await.into_iter().map(|c| json!([c["role"], c["chunk"]])).collect();
+    // Each result keeps how long its call ran (timed here, so only its presence is compared).
+    let history: Vec<Value> = server
+        .history("w1")
+        .await
+        .into_iter()
+        .map(|mut c| {
+            if c["chunk"]["type"] == "tool-result" {
+                let ran = c["chunk"].as_object_mut().unwrap().remove("durationMs");
+                assert!(ran.is_some_and(|ms| ms.is_u64()), "a stored result's duration: {c}");
+            }
+            json!([c["role"], c["chunk"]])
+        })
+        .collect();
     let logged_call = |id: &str, text: &str| json!(["assistant", {"type": "tool-call", "toolCallId": id, "toolName": "py__shout", "input": {"text": text}, "stepId": s0}]);
     let logged_result = |id: &str, text: &str| json!(["tool", {"type": "tool-result", "toolCallId": id, "toolName": "py__shout", "content": text, "isError": false, "stepId": s0}]);
     assert_eq!(

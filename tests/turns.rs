@@ -95,7 +95,7 @@ async fn multi_step_turn_with_tools_emits_the_exact_sequence_and_log() {
             json!({"seq": 2, "role": "assistant", "chunk": {"type": "thinking", "text": "Let me check."}}),
             json!({"seq": 3, "role": "assistant", "chunk": {"type": "text", "text": "Checking the weather."}}),
             json!({"seq": 4, "role": "assistant", "chunk": {"type": "tool-call", "toolCallId": "call_w", "toolName": "weather", "input": {"city": "Paris"}, "stepId": s0}}),
-            json!({"seq": 5, "role": "tool", "chunk": {"type": "tool-result", "toolCallId": "call_w", "toolName": "weather", "content": "sunny", "isError": false, "stepId": s0}}),
+            json!({"seq": 5, "role": "tool", "chunk": {"type": "tool-result", "toolCallId": "call_w", "toolName": "weather", "content": "sunny", "isError": false, "stepId": s0, "durationMs": 7, "output": "fetching"}}),
             json!({"seq": 6, "role": "assistant", "chunk": {"type": "text", "text": "It is sunny in Paris."}}),
         ]
     );
@@ -120,6 +120,8 @@ async fn multi_step_turn_with_tools_emits_the_exact_sequence_and_log() {
             "durationMs": duration,
             "steps": steps,
             "contextSize": done["contextSize"],
+            "reason": "stop",
+            "firstSeq": 1,
         }]})
     );
 }

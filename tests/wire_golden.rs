@@ -225,8 +225,23 @@ fn every_chunk_and_the_stored_envelope() {
                 content: "x".into(),
                 is_error: false,
                 step_id: Some("t#0".into()),
+                duration_ms: None,
+                output: None,
             }),
             r#"{"type":"tool-result","toolCallId":"k","toolName":"ls","content":"x","isError":false,"stepId":"t#0"}"#,
+        ),
+        (
+            // The gateway's own fields, when it has them (docs/wire-choices.md).
+            Chunk::ToolResult(ToolResultChunk {
+                tool_call_id: "k".into(),
+                tool_name: "ls".into(),
+                content: "x".into(),
+                is_error: false,
+                step_id: None,
+                duration_ms: Some(4),
+                output: Some("a\n".into()),
+            }),
+            r#"{"type":"tool-result","toolCallId":"k","toolName":"ls","content":"x","isError":false,"durationMs":4,"output":"a\n"}"#,
         ),
         (Chunk::Error(ErrorChunk { message: "m".into(), code: None }), r#"{"type":"error","message":"m"}"#),
         (
@@ -258,16 +273,42 @@ fn metrics_and_conversation_meta() {
             ttft_ms: Some(1),
             decode_ms: Some(2),
             gen_total_ms: Some(3),
+            usage_reported: true,
         },
         r#"{"stepId":"t#0","usage":{"inputTokens":10,"outputTokens":5},"ttftMs":1,"decodeMs":2,"genTotalMs":3}"#,
     );
     golden(
-        StepMetrics { step_id: "t#0".into(), usage: usage(), ttft_ms: None, decode_ms: None, gen_total_ms: None },
+        StepMetrics {
+            step_id: "t#0".into(),
+            usage: usage(),
+            ttft_ms: None,
+            decode_ms: None,
+            gen_total_ms: None,
+            usage_reported: true,
+        },
         r#"{"stepId":"t#0","usage":{"inputTokens":10,"outputTokens":5}}"#,
     );
+    let bare = TurnMetrics {
+        turn_id: "t".into(),
+        usage: usage(),
+        duration_ms: None,
+        steps: vec![],
+        context_size: None,
+        usage_reported: true,
+        reason: None,
+        first_seq: None,
+    };
+    golden(bare.clone(), r#"{"turnId":"t","usage":{"inputTokens":10,"outputTokens":5},"steps":[]}"#);
+    // The gateway's own fields, when it has them (docs/wire-choices.md).
     golden(
-        TurnMetrics { turn_id: "t".into(), usage: usage(), duration_ms: None, steps: vec![], context_size: None },
-        r#"{"turnId":"t","usage":{"inputTokens":10,"outputTokens":5},"steps":[]}"#,
+        TurnMetrics {
+            usage: Default::default(),
+            usage_reported: false,
+            reason: Some("aborted".into()),
+            first_seq: Some(3),
+            ..bare
+        },
+        r#"{"turnId":"t","usage":{"inputTokens":0,"outputTokens":0},"steps":[],"usageReported":false,"reason":"aborted","firstSeq":3}"#,
     );
     golden(
         TurnMetrics {
@@ -280,8 +321,12 @@ fn metrics_and_conversation_meta() {
                 ttft_ms: None,
                 decode_ms: None,
                 gen_total_ms: Some(4),
+                usage_reported: true,
             }],
             context_size: Some(15),
+            usage_reported: true,
+            reason: None,
+            first_seq: None,
         },
         r#"{"turnId":"t","usage":{"inputTokens":10,"outputTokens":5},"durationMs":9,"steps":[{"stepId":"t#0","usage":{"inputTokens":10,"outputTokens":5},"genTotalMs":4}],"contextSize":15}"#,
     );
@@ -294,6 +339,7 @@ fn metrics_and_conversation_meta() {
             status: ConversationStatus::Idle,
             model: None,
             owner: None,
+            last_reason: None,
         },
         r#"{"id":"c","createdAt":1,"lastActivityAt":2,"title":"T","status":"idle"}"#,
     );
@@ -306,8 +352,9 @@ fn metrics_and_conversation_meta() {
             status: ConversationStatus::Closed,
             model: Some("demo/scripted".into()),
             owner: Some("alice".into()),
+            last_reason: Some("error".into()),
         },
-        r#"{"id":"c","createdAt":1,"lastActivityAt":2,"title":"","status":"closed","model":"demo/scripted","owner":"alice"}"#,
+        r#"{"id":"c","createdAt":1,"lastActivityAt":2,"title":"","status":"closed","model":"demo/scripted","owner":"alice","lastReason":"error"}"#,
     );
 }
 

@@ -39,8 +39,15 @@ pub struct CreateConversation {
 
 #[derive(Debug, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
 pub struct ConversationList {
     pub conversations: Vec<ConversationMeta>,
+    /// The gateway's: a full page may have more after it; `?cursor=` this reads the next.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_cursor: Option<String>,
+    /// The gateway's, with `?count=true`: how many conversations the filter finds in all.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub total: Option<u64>,
 }
 
 // Documents the body for OpenAPI; the handler writes it from the stored chunks' own JSON.
@@ -140,6 +147,8 @@ pub async fn create(
         ("status" = Option<String>, Query, description = "Comma-separated statuses: active, idle, closed"),
         ("limit" = Option<u64>, Query, description = "At most this many (default 100, max 1000)"),
         ("owner" = Option<String>, Query, description = "Administrators: only this subject's conversations (a user sees only their own, whatever this says)"),
+        ("cursor" = Option<String>, Query, description = "The page after the one whose `nextCursor` this is"),
+        ("count" = Option<bool>, Query, description = "`true`: the answer says how many conversations the filter finds in all (`total`)"),
     ),
     responses((status = 200, body = ConversationList), (status = 400, body = ErrorBody))
 ))]
@@ -178,8 +187,32 @@ pub async fn list(
         Some(s) if s.contains('\0') => return Err(ApiError::bad("`search` must not contain U+0000")),
         s => s.map(str::to_owned),
     };
-    let filter = ConversationFilter { id_prefix, search, statuses, owner, limit: limit as u32 };
-    Ok(Json(ConversationList { conversations: state.store.list_conversations(&filter).await? }))
+    let after = query.get("cursor").map(parse_cursor).transpose()?;
+    let count = match query.get("count") {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(other) => return Err(ApiError::bad(format!("`count` takes true or false, got {other:?}"))),
+    };
+    let filter = ConversationFilter { id_prefix, search, statuses, owner, after, limit: limit as u32 };
+    let conversations = state.store.list_conversations(&filter).await?;
+    // A full page may have more after it (a page that ends the list exactly says so when the
+    // next one comes back empty).
+    let next_cursor = match conversations.last() {
+        Some(last) if conversations.len() as u64 == limit => Some(format!("{}:{}", last.last_activity_at, last.id)),
+        _ => None,
+    };
+    let total = if count { Some(state.store.count_conversations(&filter).await?) } else { None };
+    Ok(Json(ConversationList { conversations, next_cursor, total }))
+}
+
+/// A list cursor, `<lastActivityAt>:<id>` of the row a page ended with. A conversation active
+/// since moves to the front of the list, so paging meanwhile neither repeats nor skips the
+/// rows that stayed put, and shows that one again only on a read from the start.
+fn parse_cursor(raw: &str) -> Result<(i64, String), ApiError> {
+    let bad = || ApiError::bad(format!("`cursor` is a list's `nextCursor`, got {raw:?}"));
+    let (at, id) = raw.split_once(':').ok_or_else(bad)?;
+    let at = at.parse::<i64>().map_err(|_| bad())?;
+    Ok((at, check_id(id).map_err(|_| bad())?.to_owned()))
 }
 
 /// A window of the conversation's log. An unknown id is an empty log.

@@ -1,20 +1,26 @@
 //! Conversation rows: create, read, list, rename, settings (deletion: `deletion`). A
 //! conversation marked deleted is left out of every read and write here.
 
-use super::sql::Query;
+use super::sql::{Query, Value};
 use super::{Store, StoreError, StoreResult};
 use crate::wire::{ConversationMeta, ConversationStatus};
 
 /// A conversation row's listed columns: id, title, status, model, created_at, last_activity_at,
-/// owner.
-type ConversationRow = (String, String, String, Option<String>, i64, i64, Option<String>);
+/// owner, and why its newest ended turn ended.
+type ConversationRow = (String, String, String, Option<String>, i64, i64, Option<String>, Option<String>);
 
-const META_COLUMNS: &str = "id, title, status, model, created_at, last_activity_at, owner";
+/// The last column reads the newest turn that ended (sealed, or cut off by a crash: `error`)
+/// backwards along `turns_by_ordinal`: the running turn, if any, and then one row.
+const META_COLUMNS: &str = "id, title, status, model, created_at, last_activity_at, owner,
+    (SELECT coalesce(t.reason, 'error') FROM turns t
+     WHERE t.conversation_id = conversations.id AND (t.sealed_at IS NOT NULL OR t.interrupted_at IS NOT NULL)
+     ORDER BY t.ordinal DESC LIMIT 1)";
 
 fn meta(
-    (id, title, status, model, created_at, last_activity_at, owner): ConversationRow,
+    (id, title, status, model, created_at, last_activity_at, owner, last_reason): ConversationRow,
 ) -> StoreResult<ConversationMeta> {
-    Ok(ConversationMeta { status: super::status_of(&status)?, id, created_at, last_activity_at, title, model, owner })
+    let status = super::status_of(&status)?;
+    Ok(ConversationMeta { status, id, created_at, last_activity_at, title, model, owner, last_reason })
 }
 
 pub struct NewConversation<'a> {
@@ -36,7 +42,51 @@ pub struct ConversationFilter {
     pub statuses: Vec<ConversationStatus>,
     /// Only this subject's conversations.
     pub owner: Option<String>,
+    /// The page after this row (its last activity and id): the conversations listed after it.
+    pub after: Option<(i64, String)>,
     pub limit: u32,
+}
+
+impl ConversationFilter {
+    /// What the filter asks, as SQL after `WHERE` (the page's place left out: a count reads
+    /// every page) and the values of its `$n`.
+    fn conditions(&self) -> (String, Vec<Value>) {
+        let mut sql = String::from("deleted_at IS NULL");
+        let mut values: Vec<Value> = Vec::new();
+        let mut mark = |value: Value| {
+            values.push(value);
+            format!("${}", values.len())
+        };
+        if let Some(prefix) = &self.id_prefix {
+            // Ids compare bytewise (PostgreSQL: COLLATE "C") and use only characters below
+            // U+007F, so every id with the prefix is in [prefix, prefix + U+007F): a range the
+            // primary key answers.
+            let (low, high) = (mark(prefix.as_str().into()), mark(format!("{prefix}\u{7f}").into()));
+            sql.push_str(&format!(" AND id >= {low} AND id < {high}"));
+        }
+        if let Some(owner) = &self.owner {
+            sql.push_str(&format!(" AND owner = {}", mark(owner.as_str().into())));
+        }
+        if let Some(text) = &self.search {
+            // The title's words, whatever their case (ASCII), with the text's `%`, `_` and `\`
+            // taken as themselves; or the ids with the text as their prefix (the primary key's
+            // range, as `id_prefix`). A scan of the rows that the other conditions leave.
+            let escaped: String = text
+                .to_ascii_lowercase()
+                .chars()
+                .flat_map(|c| if matches!(c, '%' | '_' | '\\') { vec!['\\', c] } else { vec![c] })
+                .collect();
+            let title = mark(format!("%{escaped}%").into());
+            let (low, high) = (mark(text.as_str().into()), mark(format!("{text}\u{7f}").into()));
+            sql.push_str(&format!(" AND (lower(title) LIKE {title} ESCAPE '\\' OR (id >= {low} AND id < {high}))"));
+        }
+        if !self.statuses.is_empty() {
+            // Values are bound, only the placeholders are generated.
+            let marks: Vec<String> = self.statuses.iter().map(|s| mark(s.as_str().into())).collect();
+            sql.push_str(&format!(" AND status IN ({})", marks.join(", ")));
+        }
+        (sql, values)
+    }
 }
 
 /// Who owns a conversation, as far as the store knows.
@@ -64,6 +114,7 @@ impl Store {
             status: ConversationStatus::Idle,
             model: c.model.map(str::to_owned),
             owner: c.owner.map(str::to_owned),
+            last_reason: None,
         })
     }
 
@@ -80,56 +131,33 @@ impl Store {
         row.map(meta).transpose()
     }
 
-    /// Newest activity first.
+    /// Newest activity first (then by id), a page of `limit` after `after`.
     pub async fn list_conversations(&self, f: &ConversationFilter) -> StoreResult<Vec<ConversationMeta>> {
-        let mut sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE deleted_at IS NULL");
-        let mut n = 0;
-        let mut next = || {
-            n += 1;
-            format!("${n}")
-        };
-        if f.id_prefix.is_some() {
-            // Ids compare bytewise (PostgreSQL: COLLATE "C") and use only characters below
-            // U+007F, so every id with the prefix is in [prefix, prefix + U+007F): a range the
-            // primary key answers.
-            sql.push_str(&format!(" AND id >= {} AND id < {}", next(), next()));
+        let (conditions, values) = f.conditions();
+        let mut sql = format!("SELECT {META_COLUMNS} FROM conversations WHERE {conditions}");
+        let n = values.len();
+        if f.after.is_some() {
+            // The rows after the page's last in the listing's order: `conversations_by_activity`.
+            let (at, id) = (n + 1, n + 2);
+            sql.push_str(&format!(" AND (last_activity_at < ${at} OR (last_activity_at = ${at} AND id > ${id}))"));
         }
-        if f.owner.is_some() {
-            sql.push_str(&format!(" AND owner = {}", next()));
-        }
-        if f.search.is_some() {
-            // The title's words, whatever their case (ASCII), with the text's `%`, `_` and `\`
-            // taken as themselves; or the ids with the text as their prefix (the primary key's
-            // range, as `id_prefix`). A scan of the rows that the other conditions leave.
-            let (title, low, high) = (next(), next(), next());
-            sql.push_str(&format!(" AND (lower(title) LIKE {title} ESCAPE '\\' OR (id >= {low} AND id < {high}))"));
-        }
-        if !f.statuses.is_empty() {
-            // Values are bound, only the placeholders are generated.
-            let marks: Vec<String> = f.statuses.iter().map(|_| next()).collect();
-            sql.push_str(&format!(" AND status IN ({})", marks.join(", ")));
-        }
-        sql.push_str(&format!(" ORDER BY last_activity_at DESC, id LIMIT {}", next()));
-        let mut q = Query::new(sql);
-        if let Some(prefix) = &f.id_prefix {
-            q = q.bind(prefix).bind(format!("{prefix}\u{7f}"));
-        }
-        if let Some(owner) = &f.owner {
-            q = q.bind(owner.as_str());
-        }
-        if let Some(text) = &f.search {
-            let escaped: String = text
-                .to_ascii_lowercase()
-                .chars()
-                .flat_map(|c| if matches!(c, '%' | '_' | '\\') { vec!['\\', c] } else { vec![c] })
-                .collect();
-            q = q.bind(format!("%{escaped}%")).bind(text.as_str()).bind(format!("{text}\u{7f}"));
-        }
-        for s in &f.statuses {
-            q = q.bind(s.as_str());
+        let limit = n + if f.after.is_some() { 3 } else { 1 };
+        sql.push_str(&format!(" ORDER BY last_activity_at DESC, id LIMIT ${limit}"));
+        let mut q = values.into_iter().fold(Query::new(sql), Query::bind);
+        if let Some((at, id)) = &f.after {
+            q = q.bind(*at).bind(id.as_str());
         }
         let rows: Vec<ConversationRow> = self.fetch_all(q.bind(i64::from(f.limit))).await?;
         rows.into_iter().map(meta).collect()
+    }
+
+    /// How many conversations the filter finds, on every page.
+    pub async fn count_conversations(&self, f: &ConversationFilter) -> StoreResult<u64> {
+        let (conditions, values) = f.conditions();
+        let sql = format!("SELECT count(*) FROM conversations WHERE {conditions}");
+        let q = values.into_iter().fold(Query::new(sql), Query::bind);
+        let (n,): (i64,) = self.fetch_optional(q).await?.unwrap_or((0,));
+        Ok(n.max(0) as u64)
     }
 
     /// Returns false when the conversation does not exist.
@@ -261,6 +289,46 @@ mod tests {
             assert!(found("e%t").await.is_empty(), "{b}: % is a percent sign");
             assert!(found("x_").await.is_empty(), "{b}: _ is an underscore");
             assert!(found("nothing").await.is_empty(), "{b}");
+        }
+    }
+
+    /// Pages follow each other by last activity then id, each conversation once, ties of
+    /// activity included; a count reads every page; the last turn's end is listed, on both
+    /// backends.
+    #[tokio::test]
+    async fn a_listing_reads_in_pages_with_a_count_and_each_last_turns_end() {
+        for t in every_backend().await {
+            let (store, b) = (&t.store, t.backend);
+            // Two share a last activity: the id orders them.
+            for (id, now) in [("p1", 10), ("p2", 20), ("p3", 20), ("p4", 30), ("p5", 40)] {
+                let new = NewConversation { id, title: "", model: None, owner: None, now };
+                store.create_conversation(new).await.unwrap();
+            }
+            let mut seen = Vec::new();
+            let mut after = None;
+            loop {
+                let filter = ConversationFilter { id_prefix: Some("p".into()), after, limit: 2, ..Default::default() };
+                let page = store.list_conversations(&filter).await.unwrap();
+                assert_eq!(store.count_conversations(&filter).await.unwrap(), 5, "{b}");
+                seen.extend(page.iter().map(|c| c.id.clone()));
+                match page.last() {
+                    Some(last) if page.len() == 2 => after = Some((last.last_activity_at, last.id.clone())),
+                    _ => break,
+                }
+            }
+            assert_eq!(seen, ["p5", "p4", "p2", "p3", "p1"], "{b}");
+
+            // A sealed turn's reason is listed; none before a turn ended.
+            let listed = |id: &'static str| async move {
+                let filter = ConversationFilter { id_prefix: Some(id.into()), limit: 1, ..Default::default() };
+                store.list_conversations(&filter).await.unwrap().remove(0).last_reason
+            };
+            assert_eq!(listed("p1").await, None, "{b}");
+            store.begin_test_turn("p1", "t1").await;
+            assert_eq!(listed("p1").await, None, "{b}: a running turn has not ended");
+            store.seal_test_turn("p1", "t1", None, &[]).await.unwrap();
+            assert_eq!(listed("p1").await.as_deref(), Some("stop"), "{b}");
+            assert_eq!(store.conversation("p1").await.unwrap().unwrap().last_reason.as_deref(), Some("stop"), "{b}");
         }
     }
 }

@@ -123,6 +123,7 @@ tuple_row!(A 0, B 1, C 2, D 3);
 tuple_row!(A 0, B 1, C 2, D 3, E 4);
 tuple_row!(A 0, B 1, C 2, D 3, E 4, F 5);
 tuple_row!(A 0, B 1, C 2, D 3, E 4, F 5, G 6);
+tuple_row!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7);
 
 /// SQL text with `$1`, `$2`... placeholders and the values they take.
 #[derive(Debug)]

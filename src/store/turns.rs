@@ -53,6 +53,10 @@ fn parse_metrics(json: &str) -> StoreResult<TurnMetrics> {
     serde_json::from_str(json).map_err(|e| StoreError::Corrupt(format!("turn metrics: {e}")))
 }
 
+/// A sealed turn's row as a metrics page reads it: ordinal, metrics JSON, the page's count, why
+/// it ended, the seq of its user message.
+type MetricsRow = (i64, String, i64, Option<String>, Option<i64>);
+
 impl Store {
     /// Opens a turn: creates the conversation when missing, marks it active, records the turn
     /// and appends the user's chunk, all in one transaction (shared with other writes queued
@@ -128,24 +132,33 @@ impl Store {
             };
             // The page's first `page` turns, then of those the ones whose JSON before them is
             // under `page_bytes` (the first always): `taken` counts the turns before that cut.
-            let sql = "SELECT ordinal, metrics, taken FROM (
-                           SELECT ordinal, metrics, count(*) OVER () AS taken,
+            let sql = "SELECT ordinal, metrics, taken, reason, first_seq FROM (
+                           SELECT ordinal, metrics, reason, first_seq, count(*) OVER () AS taken,
                                   sum(length(metrics)) OVER (ORDER BY ordinal) - length(metrics) AS before
-                           FROM (SELECT ordinal, metrics FROM turns
+                           FROM (SELECT ordinal, metrics, reason, first_seq FROM turns
                                  WHERE conversation_id = $1 AND metrics IS NOT NULL AND ordinal > $2
                                    AND EXISTS (SELECT 1 FROM conversations WHERE id = $1 AND deleted_at IS NULL)
                                  ORDER BY ordinal LIMIT $3) AS first_turns
                        ) AS sized
                        WHERE before < $4 ORDER BY ordinal";
             let query = Query::new(sql).bind(id.as_str()).bind(after).bind(page).bind(page_bytes);
-            let rows: Vec<(i64, String, i64)> = store.fetch_all(query).await?;
+            let rows: Vec<MetricsRow> = store.fetch_all(query).await?;
             // A page cut short by a deletion must not pass for the last.
             store.still(&id, &born).await?;
-            let Some(&(last, _, taken)) = rows.last() else { return Ok(None) };
+            let Some(&(last, _, taken, ..)) = rows.last() else { return Ok(None) };
             // More may follow a full page, or one its bytes cut.
             let more = taken == page || (rows.len() as i64) < taken;
             let next = more.then_some((last, born));
-            let metrics = rows.iter().map(|(_, json, _)| parse_metrics(json)).collect::<StoreResult<Vec<_>>>()?;
+            // Why each turn ended and where it starts in the log are the turn row's columns.
+            let metrics = rows
+                .into_iter()
+                .map(|(_, json, _, reason, first_seq)| {
+                    let mut metrics = parse_metrics(&json)?;
+                    metrics.reason = reason;
+                    metrics.first_seq = first_seq.map(|seq| seq as u64);
+                    Ok(metrics)
+                })
+                .collect::<StoreResult<Vec<_>>>()?;
             Ok(Some((metrics, (store, id, Some(next)))))
         })
     }
@@ -193,6 +206,9 @@ impl Store {
             duration_ms: None,
             steps: vec![],
             context_size: None,
+            usage_reported: true,
+            reason: None,
+            first_seq: None,
         };
         let seal =
             SealTurn { conversation_id, turn_id, reason: "stop", metrics: &metrics, now: 2, tokens_per_estimate };
@@ -231,6 +247,9 @@ mod tests {
                 duration_ms: Some(1),
                 steps: vec![],
                 context_size: None,
+                usage_reported: true,
+                reason: None,
+                first_seq: None,
             })
             .collect();
         let writes = metrics.writes();
@@ -257,7 +276,9 @@ mod tests {
                 Some(2),
                 "{backend} {c}: the final chunk was written"
             );
-            assert_eq!(store.turn_metrics(c).await.unwrap(), vec![m.clone()]);
+            // Read back with why it ended and where it starts, from the turn's row.
+            let read = TurnMetrics { reason: Some("stop".into()), first_seq: Some(1), ..m.clone() };
+            assert_eq!(store.turn_metrics(c).await.unwrap(), vec![read]);
         }
         // A seal that fails inside a shared transaction fails alone: the transaction is rolled
         // back and each seal tried on its own, so the others still seal.

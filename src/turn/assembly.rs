@@ -149,6 +149,8 @@ mod tests {
             content: "ok".into(),
             is_error: false,
             step_id: Some("s#0".into()),
+            duration_ms: None,
+            output: None,
         });
         a.text("next step");
         let got = summary(&a.take());

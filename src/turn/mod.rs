@@ -132,6 +132,9 @@ pub struct TurnLimits {
     pub max_turns: usize,
     /// The longest a turn runs before it ends with `error{code:"timeout"}`.
     pub max_duration: std::time::Duration,
+    /// The most of a tool call's streamed output the log keeps with its result, in bytes
+    /// (`--max-tool-result-bytes`, the bound of the result itself).
+    pub max_tool_output: usize,
 }
 
 pub struct Turns {

@@ -122,13 +122,14 @@ impl TurnRun {
         inbox: Arc<Inbox>,
         model: &str,
     ) -> TurnRun {
+        let max_tool_output = turns.limits.max_tool_output;
         TurnRun {
             turns,
             model: model.to_owned(),
             store,
             conversation_id: buffer.conversation_id.to_string(),
             turn_id: buffer.turn_id.to_string(),
-            steps: TurnSteps::new(&buffer.conversation_id, &buffer.turn_id, Instant::now()),
+            steps: TurnSteps::new(&buffer.conversation_id, &buffer.turn_id, Instant::now(), max_tool_output),
             buffer,
             cancel,
             inbox,

@@ -74,10 +74,14 @@ pub(super) struct TurnSteps {
     step_content: bool,
     /// The runtime's last calibration, written with the seal.
     pub(super) tokens_per_estimate: Option<f64>,
+    /// What each unanswered tool call streamed (`tool-output`), kept for its result's chunk so
+    /// that a reopened turn shows it as the live one did: at most `max_output` bytes a call.
+    outputs: HashMap<String, String>,
+    max_output: usize,
 }
 
 impl TurnSteps {
-    pub(super) fn new(conversation_id: &str, turn_id: &str, now: Instant) -> TurnSteps {
+    pub(super) fn new(conversation_id: &str, turn_id: &str, now: Instant, max_output: usize) -> TurnSteps {
         TurnSteps {
             conversation_id: conversation_id.to_owned(),
             turn_id: turn_id.to_owned(),
@@ -90,6 +94,8 @@ impl TurnSteps {
             published_content: false,
             step_content: false,
             tokens_per_estimate: None,
+            outputs: HashMap::new(),
+            max_output,
         }
     }
 
@@ -142,6 +148,8 @@ impl TurnSteps {
             content: content.clone(),
             is_error,
             step_id: Some(step_id.clone()),
+            duration_ms,
+            output: self.outputs.remove(&id),
         });
         out.push(Effect::Publish(AgentEvent::ToolResult(TurnToolResultEvent {
             conversation_id,
@@ -157,6 +165,22 @@ impl TurnSteps {
             out.push(Effect::Persist);
         }
         self.boundary = now;
+    }
+
+    /// Keeps a call's streamed output up to `max_output` bytes (cut at a character), and only
+    /// for a call that was made and not answered: a runtime cannot grow the map with made-up
+    /// ids.
+    fn keep_output(&mut self, id: &str, data: &str) {
+        if !self.unanswered.iter().any(|(call, _)| call == id) {
+            return;
+        }
+        let kept = self.outputs.entry(id.to_owned()).or_default();
+        let room = self.max_output.saturating_sub(kept.len());
+        let mut end = room.min(data.len());
+        while !data.is_char_boundary(end) {
+            end -= 1;
+        }
+        kept.push_str(&data[..end]);
     }
 
     /// Usage: counted in the open step (one opened at the last boundary when none was).
@@ -210,6 +234,7 @@ impl TurnSteps {
             }
             RawEvent::ToolCall { id, name, input } => self.tool_call(conversation_id, turn_id, id, name, input, out),
             RawEvent::ToolOutput { id, data, stream } => {
+                self.keep_output(&id, &data);
                 out.push(Effect::Publish(AgentEvent::ToolOutput(TurnToolOutputEvent {
                     conversation_id,
                     turn_id,
@@ -377,7 +402,7 @@ mod tests {
     /// where the chunks were written (indices into the published events).
     fn drive(events: Vec<RawEvent>, ending: End) -> (Vec<AgentEvent>, TurnSteps, u64) {
         let t0 = Instant::now();
-        let mut steps = TurnSteps::new("c", "t", t0);
+        let mut steps = TurnSteps::new("c", "t", t0, 64);
         let mut out = Vec::new();
         let mut at = t0;
         let mut end = None;
@@ -460,7 +485,7 @@ mod tests {
     #[test]
     fn large_tool_results_are_written_as_they_come() {
         let now = Instant::now();
-        let mut steps = TurnSteps::new("c", "t", now);
+        let mut steps = TurnSteps::new("c", "t", now, 64);
         let mut out = Vec::new();
         let result = |i: usize, size: usize| RawEvent::ToolResult {
             id: format!("call{i}"),

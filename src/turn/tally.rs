@@ -78,6 +78,7 @@ impl TurnTally {
             None => match (self.steps.last_mut(), self.reported.last_mut()) {
                 (Some(last), Some(reported)) => {
                     last.usage.add(usage);
+                    last.usage_reported = true;
                     *reported = true;
                     true
                 }
@@ -96,6 +97,7 @@ impl TurnTally {
             ttft_ms: timing.ttft_ms,
             decode_ms: timing.decode_ms,
             gen_total_ms: Some(timing.gen_total_ms),
+            usage_reported: step.usage.is_some(),
         });
         timing
     }
@@ -134,6 +136,10 @@ impl TurnTally {
             duration_ms: Some(duration_ms),
             steps: self.steps.clone(),
             context_size: self.context_size(),
+            usage_reported: self.reported.iter().any(|r| *r),
+            // Kept in the turn's own row, added when the metrics are read.
+            reason: None,
+            first_seq: None,
         }
     }
 }

@@ -128,7 +128,7 @@ try {
   assert.equal(await page.locator("ul.conversations li").getAttribute("data-id"), "made-elsewhere");
   // A read of the list answered after a newer one does not put its list back: the search for
   // "made-e" is held until the search is cleared and the whole list shown.
-  const search = await holdAnswers(page, /\/conversations\?limit=200&search=made-e$/);
+  const search = await holdAnswers(page, /\/conversations\?limit=200&count=true&search=made-e$/);
   await page.getByRole("searchbox", { name: "Search titles and ids" }).fill("made-e");
   await search.answered;
   await page.getByRole("searchbox", { name: "Search titles and ids" }).fill("");
@@ -145,6 +145,20 @@ try {
   await page.getByRole("status").filter({ hasText: "No conversation matches “no-such-words”." }).waitFor();
   await searchbox.fill("");
   await page.getByRole("link", { name: /Five hundred turns/ }).waitFor();
+  // A page of 200 rows says how many there are; the next page comes after it, without a row twice.
+  const rows = page.locator("ul.conversations li");
+  const total = (await api(OPEN_URL, "GET", "/conversations?count=true&limit=1")).body.total;
+  assert.ok(total > 200, `more conversations than a page (${total})`);
+  assert.equal(await rows.count(), 200);
+  assert.equal(await page.getByLabel("How many").textContent(), `200 of ${total}`);
+  await page.getByRole("button", { name: "Load more" }).click();
+  await page.getByLabel("How many").filter({ hasText: `${total} of ${total}` }).waitFor();
+  const ids = await rows.evaluateAll((lis) => lis.map((li) => li.dataset.id));
+  assert.equal(new Set(ids).size, total, "every conversation once");
+  assert.equal(await page.getByRole("button", { name: "Load more" }).isHidden(), true);
+  // A conversation whose last turn failed says so in its row; the others do not.
+  assert.equal(await page.locator('li[data-id="failed-last"] .outcome').textContent(), "last turn failed");
+  assert.equal(await page.locator('li[data-id="many-turns"] .outcome').count(), 0);
   assert.equal((await api(OPEN_URL, "POST", "/conversations/watched-elsewhere/messages", { message: "paced elsewhere" })).status, 202);
   await page.locator('li[data-id="watched-elsewhere"] .status[data-status="active"]').waitFor({ timeout: 10_000 });
   await page.screenshot({ path: shot("list") });
@@ -166,6 +180,7 @@ try {
   await page.locator('article.turn[data-live="true"][data-sealed="true"]').waitFor();
   assert.equal(await replyText(first), words(60), "the streamed reply, whole and once");
   assert.match(await first.locator(".done").textContent(), /done · stop/);
+  const firstFooter = await first.locator(".turn-footer").textContent();
   step("a sent message streams into the transcript");
 
   // Reload in the middle of a turn: the history, then the replay, which continues.
@@ -207,6 +222,10 @@ try {
     assert.equal(await group.locator(".tool.failed").count(), 1, `${where}: the failed call is marked`);
     assert.equal(await turn.locator("details.reasoning").count(), 1, `${where}: reasoning is folded`);
     assert.equal(await turn.locator("details.reasoning[open]").count(), 0, where);
+    // The first call streamed output and was timed: both stay after a reload.
+    const call = group.locator(".tool").first();
+    assert.equal(await call.locator(".tool-output").textContent(), "reading a", `${where}: the tool's output`);
+    assert.match(await call.locator(".tool-name").textContent(), /^read 3 ms$/, `${where}: the tool's duration`);
   };
   await checkTools(page.locator('article.turn[data-live="true"]').last(), "live");
   await tools.last().scrollIntoViewIfNeeded();
@@ -228,6 +247,8 @@ try {
   const composer = await page.locator("form.composer").boundingBox();
   assert.ok(footer.y + footer.height <= composer.y + 1, `the footer (${JSON.stringify(footer)}) must end above the composer (${JSON.stringify(composer)})`);
   await inView(page.locator('.done[data-reason="aborted"]'), "the stopped turn's footer");
+  // It stopped before its step reported usage: no count is made up for it.
+  assert.match(await page.locator('.done[data-reason="aborted"]').textContent(), /usage not reported/);
   await page.screenshot({ path: shot("aborted") });
   step("Stop ends the turn with done{aborted}; a refused Send and the turn's end are in view");
 
@@ -235,10 +256,17 @@ try {
   await page.getByRole("textbox", { name: "Title" }).fill("Console test");
   await page.getByRole("button", { name: "Save title" }).click();
   await page.getByRole("link", { name: /Console test/ }).waitFor();
+  // Each turn's footer as the live view showed it (the first one's before the reload of the
+  // second turn made it history).
+  const liveFooters = [firstFooter, ...(await page.locator('article.turn[data-live="true"] .turn-footer').allTextContents())];
+  assert.equal(liveFooters.length, 5);
   await page.reload();
   await page.locator("article.turn .tools").first().waitFor();
   const historyTurns = page.locator('article.turn[data-live="false"]');
   assert.equal(await historyTurns.count(), 5, "five sealed turns from history");
+  // The same footers from the stored metrics: a stopped turn does not pass for a whole reply.
+  await page.locator('article.turn[data-live="false"] .done[data-reason="aborted"]').waitFor();
+  assert.deepEqual(await historyTurns.locator(".turn-footer").allTextContents(), liveFooters);
   await checkTools(historyTurns.nth(3), "history");
   assert.equal(await replyText(historyTurns.nth(2)), words(80));
   step("the title is saved and the history renders as the stream did");
@@ -270,8 +298,13 @@ try {
   await page.locator("figure.plot", { hasText: "Context size" }).locator("circle.point").first().waitFor();
   const five = (await api(OPEN_URL, "GET", `/conversations/${conversationId}/metrics`)).body.turns;
   assert.equal(five.length, 5);
-  // The stopped turn may have ended before its step reported usage: then it has no context size.
+  // The stopped turn ended before its step reported usage: then it has no context size, and
+  // no output rate (its zeros measure nothing; 0 tokens/s would be a false point).
+  assert.equal(five[4].usageReported, false, "the stopped turn's usage is marked unreported");
   assert.equal(await points("Context size"), five.filter((t) => t.contextSize !== undefined).length);
+  const rated = (t) => t.usageReported !== false && t.steps.some((s) => s.usageReported !== false && s.genTotalMs > 0);
+  assert.ok(five[4].steps.some((s) => s.genTotalMs > 0), "the stopped turn generated for a while");
+  assert.equal(await points("Output tokens per second"), five.filter(rated).length);
   assert.equal(await points("Time to first token"), five.filter((t) => t.steps[0]?.ttftMs !== undefined).length);
   await page.locator("section.metrics").screenshot({ path: shot("plots") });
   await page.locator("figure.plot", { hasText: "Steps of turn 5" }).waitFor();
@@ -311,6 +344,22 @@ try {
   assert.match(readout, /^turn \d+: /, "a hover value");
   await page.locator("section.metrics").screenshot({ path: shot("plots-500") });
   step("plots have a point per sealed turn, with 1, 5 and 500, and hover values");
+
+  // It opened with the newest window of its log only; scrolling up loads the older turns
+  // above, until the first, each whole and once, with its footer.
+  const turnCount = () => page.locator("article.turn").count();
+  assert.ok((await turnCount()) < 500, "a long conversation opens with its newest turns only");
+  assert.match(await page.locator(".transcript > p[role=status]").textContent(), /^[\d,]+ older chunks above$/);
+  for (let i = 0; i < 20 && (await turnCount()) < 500; i++) {
+    const before = await turnCount();
+    await page.evaluate(() => window.scrollTo(0, 0));
+    await page.waitForFunction((n) => document.querySelectorAll("article.turn").length > n, before);
+  }
+  const prompts = await page.locator("article.turn .user").allTextContents();
+  assert.deepEqual(prompts, Array.from({ length: 500 }, (_, i) => `question ${i}`), "every turn once, in order");
+  assert.equal(await page.getByRole("button", { name: "Load older turns" }).isHidden(), true);
+  await page.waitForFunction(() => document.querySelectorAll("article.turn .turn-footer .done").length === 500);
+  step("a long conversation loads older turns as the reader scrolls up");
 
   // Throughput and the gateway's own state.
   await page.getByRole("link", { name: "Throughput", exact: true }).click();

@@ -122,6 +122,14 @@ pub struct ToolResultChunk {
     pub is_error: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step_id: Option<String>,
+    /// The gateway's: how long the call ran, as the live `tool-result` said (absent where the
+    /// runtime did not time it, and in logs written before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    /// The gateway's: what the tool streamed as `tool-output` before its result, joined, up
+    /// to `--max-tool-result-bytes` (absent when it streamed nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -291,6 +299,11 @@ pub struct StepMetrics {
     pub decode_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gen_total_ms: Option<u64>,
+    /// The gateway's: false when the runtime reported no usage for the step (a stopped
+    /// stream, say), whose `usage` then holds zeros that measure nothing. Written only when
+    /// false.
+    #[serde(default = "reported", skip_serializing_if = "is_reported")]
+    pub usage_reported: bool,
 }
 
 /// Durable metrics of one sealed turn: the persisted counterpart of `done`.
@@ -305,6 +318,26 @@ pub struct TurnMetrics {
     pub steps: Vec<StepMetrics>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_size: Option<u64>,
+    /// The gateway's: false when no step of the turn reported usage (`done` then carried
+    /// none), so `usage` holds zeros that measure nothing. Written only when false.
+    #[serde(default = "reported", skip_serializing_if = "is_reported")]
+    pub usage_reported: bool,
+    /// The gateway's, in `GET /conversations/:id/metrics`: why the turn ended (its
+    /// `done.reason`; `error` for a turn a crash cut off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The gateway's, in `GET /conversations/:id/metrics`: the seq of the turn's user message,
+    /// where it starts in the history (stored chunks carry no turn id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_seq: Option<u64>,
+}
+
+fn reported() -> bool {
+    true
+}
+
+fn is_reported(reported: &bool) -> bool {
+    *reported
 }
 
 /// Where a conversation is: a turn running (`active`), none (`idle`), or closed by `/close`.
@@ -350,6 +383,10 @@ pub struct ConversationMeta {
     /// The subject that created it (spec 8.4); absent for one created with auth off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    /// The gateway's: why its newest ended turn ended (that turn's `done.reason`; `error` for
+    /// one a crash cut off); absent before a turn ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_reason: Option<String>,
 }
 
 /// Every event a turn emits outward, discriminated by `type`.

@@ -271,6 +271,8 @@ mod tests {
                 content: "r".repeat(n),
                 is_error: false,
                 step_id: None,
+                duration_ms: None,
+                output: None,
             })
         };
         let assistant_chunk = prop_oneof![
@@ -307,6 +309,8 @@ mod tests {
             content: "r".into(),
             is_error: false,
             step_id: None,
+            duration_ms: None,
+            output: None,
         });
         let text = |t: &str| Chunk::Text(TextChunk { text: t.into() });
         let history = vec![
@@ -424,6 +428,8 @@ mod tests {
                     content: "here".into(),
                     is_error: false,
                     step_id: None,
+                    duration_ms: None,
+                    output: None,
                 }),
             ),
             chunk(4, Role::Assistant, Chunk::Text(TextChunk { text: "Found".into() })),
