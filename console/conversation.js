@@ -65,6 +65,12 @@ export class ConversationView {
     this.liveArea = h("div", { class: "live-area" });
     this.message = h("textarea", { "aria-label": "Message", rows: 3, placeholder: "Write a message; Enter sends, Shift+Enter breaks the line" });
     this.model = h("select", { "aria-label": "Model" }, h("option", { value: "" }, "conversation's model"));
+    this.model.addEventListener("change", () => this.fitControls());
+    // What the gateway says each model reads of the settings (`/models`), and which model a
+    // turn runs on when neither the composer nor the conversation names one.
+    this.modelInfo = {};
+    this.defaultModel = "";
+    this.stickyModel = "";
     this.sendButton = h("button", { type: "submit", class: "primary" }, "Send");
     this.stopButton = h("button", { type: "button", disabled: true, onclick: () => this.stop() }, "Stop");
     // History turns by the seq of their user message, until their metrics give them a footer.
@@ -98,15 +104,17 @@ export class ConversationView {
       event.preventDefault();
       this.saveTitle();
     });
-    // Where agent programs run and how hard they think; models that have no use for them
-    // ignore them.
+    // Where agent programs run and how hard they think, and their session: each control is
+    // enabled only when the model in use reads it (`fitControls`).
+    this.saveSettingsButton = h("button", { type: "submit" }, "Save settings");
+    this.newSessionButton = h("button", { type: "button", onclick: () => this.newSession() }, "New session");
     const settingsForm = h(
       "form",
       { class: "settings-form", "aria-label": "Settings" },
       this.folder,
       this.effort,
-      h("button", { type: "submit" }, "Save settings"),
-      h("button", { type: "button", onclick: () => this.newSession() }, "New session"),
+      this.saveSettingsButton,
+      this.newSessionButton,
     );
     settingsForm.addEventListener("submit", (event) => {
       event.preventDefault();
@@ -162,9 +170,28 @@ export class ConversationView {
       const chosen = this.model.value;
       this.model.replaceChildren(this.model.firstChild, ...models.models.map((m) => h("option", { value: m }, m)));
       this.model.value = sticky.model || chosen;
+      this.modelInfo = models.modelInfo || {};
+      this.defaultModel = models.defaultModel || "";
+      this.stickyModel = sticky.model || "";
+      this.fitControls();
     } catch (e) {
       this.fail(e);
     }
+  }
+
+  /** Enables the settings the model in use reads, and says of the others why they are off: a
+   *  folder or an effort a model ignores would be saved and do nothing. */
+  fitControls() {
+    const model = this.model.value || this.stickyModel || this.defaultModel;
+    const reads = new Set(this.modelInfo[model]?.settings || []);
+    const fit = (control, setting, what) => {
+      control.disabled = !reads.has(setting);
+      control.title = control.disabled ? `${model} does not use ${what}` : "";
+    };
+    fit(this.folder, "cwd", "a folder");
+    fit(this.effort, "reasoningEffort", "a reasoning effort");
+    fit(this.newSessionButton, "session", "an agent session");
+    this.saveSettingsButton.disabled = this.folder.disabled && this.effort.disabled;
   }
 
   /** The status alone (what the feed may have missed while its socket was down). */
@@ -352,9 +379,10 @@ export class ConversationView {
 
   async saveSettings() {
     try {
+      // Only what the model in use reads: the other stays as it was.
       const folder = this.folder.value.trim();
-      await put(`${this.path}/cwd`, { cwd: folder || null });
-      await put(`${this.path}/reasoning-effort`, { reasoningEffort: this.effort.value || null });
+      if (!this.folder.disabled) await put(`${this.path}/cwd`, { cwd: folder || null });
+      if (!this.effort.disabled) await put(`${this.path}/reasoning-effort`, { reasoningEffort: this.effort.value || null });
       this.alert.textContent = "";
     } catch (e) {
       this.fail(e);

@@ -228,7 +228,8 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
         if credential.models().is_empty() {
             return Err(ConfigError::credential(name, "`models` lists no model"));
         }
-        let (runtime, context_window): (Arc<dyn Runtime>, Option<u64>) = match credential {
+        // What each kind reads of a conversation's settings (`/models` says it per model).
+        let (runtime, context_window, settings): (Arc<dyn Runtime>, Option<u64>, Vec<&'static str>) = match credential {
             Credential::Scripted(c) => {
                 let script = match &c.script {
                     Some(path) => Script::load(path).map_err(|e| ConfigError::credential(name, e))?,
@@ -236,7 +237,7 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                 };
                 let pace = c.pace.unwrap_or(config.scripted_pace);
                 let reasoning = c.reasoning.unwrap_or(config.scripted_reasoning);
-                (Arc::new(ScriptedRuntime::new(pace, reasoning, script)), Some(32_768))
+                (Arc::new(ScriptedRuntime::new(pace, reasoning, script)), Some(32_768), vec![])
             }
             Credential::Openai(c) => {
                 let api_key = match &c.api_key_env {
@@ -272,7 +273,9 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                     return Err(ConfigError::credential(name, format!("model_params.{model}: not one of `models`")));
                 }
                 let runtime = OpenAiRuntime::new(settings).map_err(|e| ConfigError::credential(name, e))?;
-                (Arc::new(runtime), c.context_window)
+                // The effort goes into the request; the folder only to MCP servers, when it has them.
+                let reads = if c.mcp.is_empty() { vec!["reasoningEffort"] } else { vec!["cwd", "reasoningEffort"] };
+                (Arc::new(runtime), c.context_window, reads)
             }
             Credential::Command(c) => {
                 if c.grace_secs > MAX_GRACE_SECS {
@@ -281,11 +284,12 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                 }
                 servers_exist(name, &c.mcp, config)?;
                 let mcp = (!c.mcp.is_empty()).then(|| crate::tools::client_config(&c.mcp, &config.mcp).to_string());
-                (Arc::new(CommandRuntime::new(name, c.clone(), config.max_runtime_line_bytes, mcp)), None)
+                let runtime = CommandRuntime::new(name, c.clone(), config.max_runtime_line_bytes, mcp);
+                (Arc::new(runtime), None, vec!["cwd", "reasoningEffort", "session"])
             }
         };
         for model in credential.models() {
-            registry.add(name, model, runtime.clone(), ModelInfo { context_window });
+            registry.add(name, model, runtime.clone(), ModelInfo { context_window, settings: settings.clone() });
         }
     }
     if !registry.contains(&default_model) {

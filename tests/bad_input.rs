@@ -213,7 +213,10 @@ async fn conversation_crud() {
     assert_eq!(server.get("/health").await, (200, json!({"ok": true})));
     assert_eq!(
         server.get("/models").await,
-        (200, json!({"models": ["demo/scripted"], "modelInfo": {"demo/scripted": {"contextWindow": 32768}}}))
+        (
+            200,
+            json!({"models": ["demo/scripted"], "defaultModel": "demo/scripted", "modelInfo": {"demo/scripted": {"contextWindow": 32768}}})
+        )
     );
 }
 

@@ -15,6 +15,8 @@ use crate::runtime::ModelInfo;
 pub struct ModelList {
     /// `<credential>/<model>` names.
     pub models: Vec<String>,
+    /// The gateway's: the model of a turn that names none in a conversation that has none.
+    pub default_model: String,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub model_info: BTreeMap<String, ModelInfo>,
 }
@@ -25,9 +27,10 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     let registry = state.turns.registry();
     Json(ModelList {
         models: registry.names().map(str::to_owned).collect(),
+        default_model: registry.default_model().to_owned(),
         model_info: registry
             .infos()
-            .filter(|(_, info)| info.context_window.is_some())
+            .filter(|(_, info)| info.context_window.is_some() || !info.settings.is_empty())
             .map(|(name, info)| (name.to_owned(), info.clone()))
             .collect(),
     })

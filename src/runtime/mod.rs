@@ -328,6 +328,10 @@ pub trait Runtime: Send + Sync + 'static {
 pub struct ModelInfo {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context_window: Option<u64>,
+    /// The gateway's: the conversation settings a turn on this model reads (`cwd`,
+    /// `reasoningEffort`, `session`), so a client can leave out controls that would do nothing.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub settings: Vec<&'static str>,
 }
 
 struct ModelEntry {

@@ -271,6 +271,15 @@ try {
   assert.equal(await replyText(historyTurns.nth(2)), words(80));
   step("the title is saved and the history renders as the stream did");
 
+  // The folder, the effort and the session are off for the scripted model, which reads none
+  // of them, and on for an agent program's.
+  const controls = [page.getByRole("textbox", { name: "Folder" }), page.getByRole("combobox", { name: "Reasoning effort" }), page.getByRole("button", { name: "New session" }), page.getByRole("button", { name: "Save settings" })];
+  const disabled = async () => Promise.all(controls.map((c) => c.isDisabled()));
+  assert.deepEqual(await disabled(), [true, true, true, true], "nothing the scripted model would ignore is offered");
+  assert.equal(await controls[0].getAttribute("title"), "demo/scripted does not use a folder");
+  const chooseAgent = () => page.getByRole("combobox", { name: "Model" }).selectOption("agent/echo");
+  await chooseAgent();
+  assert.deepEqual(await disabled(), [false, false, false, false]);
   // The folder and reasoning effort agent programs get.
   await page.getByRole("textbox", { name: "Folder" }).fill("/tmp");
   await page.getByRole("combobox", { name: "Reasoning effort" }).selectOption("low");
@@ -287,6 +296,7 @@ try {
   step("the folder and reasoning effort are saved and read back");
 
   // A new agent session: the session is forgotten, and the page says what that means.
+  await chooseAgent();
   const forgotten = page.waitForResponse((r) => r.url().endsWith("/session") && r.request().method() === "DELETE");
   await page.getByRole("button", { name: "New session" }).click();
   assert.equal((await forgotten).status(), 204);

@@ -178,6 +178,10 @@ async fn echo_and_the_session_id_is_stored_and_passed_back() {
     // Another conversation gets its own process.
     turn(&server, "c2", "echo x").await;
     assert_eq!(starts(dir.path()).len(), 3);
+    // /models says an agent program reads all three of a conversation's settings.
+    let (_, models) = server.get("/models").await;
+    let name = models["models"][0].as_str().unwrap();
+    assert_eq!(models["modelInfo"][name]["settings"], json!(["cwd", "reasoningEffort", "session"]), "{models}");
 }
 
 /// A process is started for a model and a folder: a turn on another model or in another

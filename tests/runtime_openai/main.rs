@@ -127,6 +127,8 @@ async fn a_stream_with_reasoning_and_usage_maps_onto_the_wire() {
     assert!(requests[0].headers.contains(&("x-title".to_owned(), "dispatch".to_owned())));
     let (_, models) = server.get("/models").await;
     assert_eq!(models["modelInfo"]["up/m1"]["contextWindow"], 8192);
+    // It reads the effort (sent above), not a folder (it has no MCP servers) nor a session.
+    assert_eq!(models["modelInfo"]["up/m1"]["settings"], json!(["reasoningEffort"]), "{models}");
 }
 
 #[tokio::test]
