@@ -6,6 +6,9 @@
 
 use std::process::ExitCode;
 
+use tracing_subscriber::Layer;
+use tracing_subscriber::Registry;
+use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -54,13 +57,30 @@ pub fn run() -> ExitCode {
 }
 
 async fn serve(config: Config) -> Result<(), Box<dyn std::error::Error>> {
-    let filter = log_filter();
-    match config.log_format {
-        LogFormat::Text => tracing_subscriber::registry().with(tracing_subscriber::fmt::layer()).with(filter).init(),
-        LogFormat::Json => {
-            tracing_subscriber::registry().with(tracing_subscriber::fmt::layer().json()).with(filter).init()
+    // The log leaves the turns' spans out (they are the exporter's): its lines read the same
+    // with traces on or off.
+    let filter = log_filter().with_target(crate::turn::trace::TARGET, LevelFilter::OFF);
+    #[cfg_attr(not(feature = "otlp"), allow(unused_mut))]
+    let mut layers: Vec<Box<dyn Layer<Registry> + Send + Sync>> = vec![match config.log_format {
+        LogFormat::Text => tracing_subscriber::fmt::layer().with_filter(filter).boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer().json().with_filter(filter).boxed(),
+    }];
+    #[cfg(feature = "otlp")]
+    let exporting = match &config.otlp_endpoint {
+        Some(endpoint) => {
+            let (spans, exporting) = crate::otlp::layer(endpoint)?;
+            let only_spans =
+                tracing_subscriber::filter::Targets::new().with_target(crate::turn::trace::TARGET, LevelFilter::INFO);
+            layers.push(spans.with_filter(only_spans).boxed());
+            Some(exporting)
         }
+        None => None,
+    };
+    #[cfg(not(feature = "otlp"))]
+    if config.otlp_endpoint.is_some() {
+        return Err("--otlp-endpoint needs a gateway built with the `otlp` feature (cargo build --release --features otlp; the Docker image has it)".into());
     }
+    tracing_subscriber::registry().with(layers).init();
     // Installed before anything is announced: a SIGTERM right after "listening" must stop the
     // gateway gracefully, not kill it with the signal's default action.
     let shutdown = crate::shutdown::signal()?;
@@ -75,6 +95,10 @@ async fn serve(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         tracing::info!(addr = %ws.local_addr()?, "WebSocket listener (any path)");
     }
     gateway.serve(listener, ws_listener, shutdown).await?;
+    #[cfg(feature = "otlp")]
+    if let Some(exporting) = exporting {
+        exporting.shutdown().await;
+    }
     Ok(())
 }
 

@@ -450,6 +450,13 @@ pub struct Config {
     #[arg(long, env = "DISPATCH_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
 
+    /// Base URL of an OTLP/HTTP receiver (an OpenTelemetry Collector's `http://host:4318`):
+    /// each turn's spans (the turn, its runtime attempts, steps, tool calls and seal) are posted
+    /// to `<URL>/v1/traces` as protobuf. Needs a build with the `otlp` feature (the Docker image
+    /// has it); unset, nothing is exported (docs/operations.md, "Traces").
+    #[arg(long, env = "DISPATCH_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
+
     /// Credentials by name, from the file's `[credentials.<name>]` tables and
     /// `DISPATCH_CREDENTIALS__<NAME>__<KEY>` variables. None: the `demo` scripted credential.
     #[arg(skip)]
@@ -601,6 +608,7 @@ impl Config {
             print_configuration: false,
             backup: None,
             log_format: LogFormat::Text,
+            otlp_endpoint: None,
         }
     }
 }

@@ -30,6 +30,9 @@ pub mod metrics;
 pub mod net;
 /// The limit on open files, raised at start.
 mod open_files;
+/// A turn's spans over OTLP (the `otlp` feature).
+#[cfg(feature = "otlp")]
+pub mod otlp;
 /// Agent runtimes: the contract and its providers.
 pub mod runtime;
 /// Building the gateway and serving it.

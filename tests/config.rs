@@ -255,6 +255,29 @@ fn the_binary_without_the_cluster_feature_stops_at_a_postgres_url_and_says_how_t
     assert!(err.contains("postgres://") && err.contains("--features cluster"), "{err}");
 }
 
+/// `--otlp-endpoint` on a build without the `otlp` feature stops the start and says how to build
+/// one; on a build with it, an endpoint that is not an http(s) URL stops the start.
+#[test]
+fn an_otlp_endpoint_is_refused_where_it_cannot_be_used() {
+    let start = |endpoint: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
+            .args(["--listen", "127.0.0.1:0", "--otlp-endpoint", endpoint])
+            .env("DISPATCH_DATABASE", std::env::temp_dir().join("otlp-refused.db"))
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    if cfg!(feature = "otlp") {
+        let (code, err) = start("ftp://collector:4318");
+        assert_eq!(code, Some(1), "{err}");
+        assert!(err.contains("must be an http:// or https:// URL"), "{err}");
+    } else {
+        let (code, err) = start("http://127.0.0.1:4318");
+        assert_eq!(code, Some(1), "{err}");
+        assert!(err.contains("--otlp-endpoint") && err.contains("`otlp` feature"), "{err}");
+    }
+}
+
 /// An `openai` credential's URL and headers are checked at start, not at its first turn.
 #[test]
 fn a_bad_upstream_url_or_header_stops_the_start_and_names_its_credential() {

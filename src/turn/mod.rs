@@ -12,6 +12,7 @@ mod leases;
 mod run;
 mod steps;
 mod tally;
+pub mod trace;
 
 use std::sync::Arc;
 

@@ -8,6 +8,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Turns;
 use super::steps::{Effect, End, TurnSteps};
+use super::trace::TurnTrace;
 use crate::hub::TurnBuffer;
 use crate::metrics::Outcome;
 use crate::runtime::{Inbox, RawEvent, Runtime, RuntimeError, TurnRequest};
@@ -46,6 +47,8 @@ pub(super) struct TurnRun {
     counts_tokens: bool,
     /// Fired when the turn's lease is found gone (`Reservations::lost_leases`).
     lease_lost: CancellationToken,
+    /// The turn's spans (exported over OTLP when configured).
+    trace: TurnTrace,
 }
 
 /// How a turn whose lease is gone ends: this gateway's own watchers saw events that will never
@@ -123,7 +126,9 @@ impl TurnRun {
         model: &str,
     ) -> TurnRun {
         let max_tool_output = turns.limits.max_tool_output;
+        let trace = TurnTrace::new(&buffer.conversation_id, &buffer.turn_id, model);
         TurnRun {
+            trace,
             turns,
             model: model.to_owned(),
             store,
@@ -183,6 +188,7 @@ impl TurnRun {
             code: Some(ErrorCode::Timeout),
         };
         let end = 'attempts: loop {
+            self.trace.attempt((&self.conversation_id, &self.turn_id), attempt);
             let (sink, mut raw) = crate::runtime::event_queue(RAW_QUEUE, RAW_QUEUE_BYTES);
             let mut task = tokio::spawn(runtime.run_turn(request.clone(), sink, runtime_cancel.clone()));
             let failure = loop {
@@ -242,6 +248,7 @@ impl TurnRun {
     /// not be written (the turn ends failed once the event's other effects are carried out).
     async fn handle(&mut self, event: RawEvent) -> Option<End> {
         let mut effects = std::mem::take(&mut self.effects);
+        self.trace.raw((&self.conversation_id, &self.turn_id), &event);
         let end = self.steps.handle(event, Instant::now(), &mut effects);
         let failed = self.apply(&mut effects).await;
         self.effects = effects;
@@ -254,6 +261,7 @@ impl TurnRun {
         for effect in effects.drain(..) {
             match effect {
                 Effect::Publish(event) => {
+                    self.trace.published(&event);
                     self.buffer.publish(&event);
                 }
                 Effect::Persist if failed.is_none() => failed = self.flush().await.err(),
@@ -375,7 +383,8 @@ impl TurnRun {
         {
             tracing::warn!(error = %e, "could not count the turn's tokens against its subject's quota");
         }
-        let sealed_now = match self.store.seal_turn(seal, &rest).await {
+        let sealing = self.trace.seal((&self.conversation_id, &self.turn_id), &reason);
+        let sealed_now = match tracing::Instrument::instrument(self.store.seal_turn(seal, &rest), sealing).await {
             Ok(status) => Some(status),
             // Marked interrupted by another gateway: nothing of it is to be written any more,
             // and that gateway ends it for the others.
