@@ -8,7 +8,6 @@ use std::process::ExitCode;
 
 use tracing_subscriber::Layer;
 use tracing_subscriber::Registry;
-use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -57,21 +56,22 @@ pub fn run() -> ExitCode {
 }
 
 async fn serve(config: Config) -> Result<(), Box<dyn std::error::Error>> {
-    // The log leaves the turns' spans out (they are the exporter's): its lines read the same
-    // with traces on or off.
-    let filter = log_filter().with_target(crate::turn::trace::TARGET, LevelFilter::OFF);
+    // One filter for every layer (`RUST_LOG`): a filter per layer dropped some events of the
+    // log's (a `warn!` of the bus's, at start). With an exporter, the turns' spans stay enabled
+    // whatever the level asked.
+    #[cfg_attr(not(feature = "otlp"), allow(unused_mut))]
+    let mut filter = log_filter();
     #[cfg_attr(not(feature = "otlp"), allow(unused_mut))]
     let mut layers: Vec<Box<dyn Layer<Registry> + Send + Sync>> = vec![match config.log_format {
-        LogFormat::Text => tracing_subscriber::fmt::layer().with_filter(filter).boxed(),
-        LogFormat::Json => tracing_subscriber::fmt::layer().json().with_filter(filter).boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer().boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer().json().boxed(),
     }];
     #[cfg(feature = "otlp")]
     let exporting = match &config.otlp_endpoint {
         Some(endpoint) => {
             let (spans, exporting) = crate::otlp::layer(endpoint)?;
-            let only_spans =
-                tracing_subscriber::filter::Targets::new().with_target(crate::turn::trace::TARGET, LevelFilter::INFO);
-            layers.push(spans.with_filter(only_spans).boxed());
+            layers.push(spans.boxed());
+            filter = filter.with_target(crate::turn::trace::TARGET, tracing_subscriber::filter::LevelFilter::INFO);
             Some(exporting)
         }
         None => None,
@@ -80,7 +80,7 @@ async fn serve(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     if config.otlp_endpoint.is_some() {
         return Err("--otlp-endpoint needs a gateway built with the `otlp` feature (cargo build --release --features otlp; the Docker image has it)".into());
     }
-    tracing_subscriber::registry().with(layers).init();
+    tracing_subscriber::registry().with(layers).with(filter).init();
     // Installed before anything is announced: a SIGTERM right after "listening" must stop the
     // gateway gracefully, not kill it with the signal's default action.
     let shutdown = crate::shutdown::signal()?;

@@ -376,7 +376,7 @@ impl Turns {
         // The turn before matters to a runtime that keeps a process per conversation.
         let previous_of = runtime.processes().is_some().then_some(turn_id);
         let memory = self.store.runtime_memory(&req.conversation_id, &model, previous_of).await;
-        let span = tracing::info_span!("turn", conversation = %req.conversation_id, turn = %turn_id, model = %model);
+        let span = run.span();
         match memory {
             Ok(RuntimeMemory { session_id, tokens_per_estimate, previous_turn_id }) => {
                 let request = TurnRequest {

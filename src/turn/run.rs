@@ -169,6 +169,11 @@ impl TurnRun {
         Box::pin(self.run(runtime, request))
     }
 
+    /// The turn's span: its log lines and its exported spans run in it.
+    pub(super) fn span(&self) -> tracing::Span {
+        self.trace.span()
+    }
+
     /// Ends the turn before its runtime is asked: what the runtime needed could not be read.
     /// Boxed like [`TurnRun::drive`].
     pub(super) fn refuse(self, message: String) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {

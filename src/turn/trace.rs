@@ -1,7 +1,8 @@
 //! A turn's spans: the turn, each runtime attempt, each step, each tool call, and the seal,
-//! each with the conversation and turn ids. With `--otlp-endpoint` (the `otlp` feature) they
-//! are exported over OTLP (src/otlp.rs); the log leaves their target out, so log lines read as
-//! they did, and with no exporter no subscriber takes them (a disabled span costs a branch).
+//! each with the conversation and turn ids. The turn's span is also the one its log lines run
+//! in; with `--otlp-endpoint` (the `otlp` feature) they are exported over OTLP (src/otlp.rs).
+//! Their target is this module's, enabled at `info` (the log's default level; the exporter
+//! keeps it enabled whatever `RUST_LOG` says).
 //!
 //! Spans are driven by the turn's events rather than by scopes: a step opens with the
 //! runtime's `StepStart` (or its first output when a runtime marks no start) and closes with the
@@ -15,8 +16,8 @@ use tracing::field::Empty;
 use crate::runtime::RawEvent;
 use crate::wire::AgentEvent;
 
-/// The target of the turn's spans: the OTLP layer takes it, the log leaves it out.
-pub const TARGET: &str = "dispatch::trace";
+/// The target of the turn's spans (this module's path).
+pub const TARGET: &str = module_path!();
 
 pub(super) struct TurnTrace {
     turn: Span,
@@ -29,7 +30,6 @@ pub(super) struct TurnTrace {
 macro_rules! child {
     ($parent:expr, $turn:expr, $name:literal $(, $($field:tt)*)?) => {
         tracing::info_span!(
-            target: TARGET,
             parent: $parent,
             $name,
             conversation.id = $turn.conversation_id,
@@ -48,7 +48,6 @@ struct Ids<'a> {
 impl TurnTrace {
     pub(super) fn new(conversation_id: &str, turn_id: &str, model: &str) -> TurnTrace {
         let turn = tracing::info_span!(
-            target: TARGET,
             parent: None,
             "turn",
             conversation.id = conversation_id,
@@ -57,6 +56,11 @@ impl TurnTrace {
             reason = Empty,
         );
         TurnTrace { turn, attempt: None, step: None, tools: HashMap::new() }
+    }
+
+    /// The turn's span, for the task that runs it (its log lines run in it).
+    pub(super) fn span(&self) -> Span {
+        self.turn.clone()
     }
 
     /// A runtime attempt begins (the first, or a retry): the one before it has ended.

@@ -56,7 +56,7 @@ async fn a_gateway_with_other_retention_limits_says_the_stream_keeps_its_own() {
 
     let second = gateway(&["--bus-max-age-secs", "120", "--bus-max-bytes", "10000000"]);
     assert_eq!(config().await, created, "the stream is as it was");
-    assert!(warned(&second), "the second gateway says its limits do not apply");
+    assert!(warned(&second), "the second gateway says its limits do not apply: {:?}", second.logs.lock().unwrap());
 }
 
 /// An agent program (the gateway's NDJSON protocol) that logs each start with the session it
