@@ -1,7 +1,8 @@
 // The gateway itself, from `/metrics` (Prometheus text), `/ready` and `/tools`, read again two
 // seconds after each answer while shown: streams, turns, events, database writes, agent
 // processes per credential, each model's turns, errors and latencies since the gateway
-// started, and the MCP servers with their state and tools.
+// started, the last week's failed turns (`/metrics/errors`), and the MCP servers with their
+// state and tools.
 
 import { get, ApiError } from "./api.js";
 import { h, bytes, ms, num } from "./dom.js";
@@ -91,6 +92,7 @@ export class GatewayView {
     this.cards = h("dl", { class: "cards" });
     this.tools = h("div", { class: "table-scroll" });
     this.models = h("div", { class: "table-scroll" });
+    this.errors = h("div", { class: "table-scroll" });
     this.element = h(
       "section",
       { class: "page", "aria-label": "Gateway" },
@@ -99,6 +101,8 @@ export class GatewayView {
       this.cards,
       h("h2", {}, "Models"),
       this.models,
+      h("h2", {}, "Recent errors"),
+      this.errors,
       h("h2", {}, "Tools"),
       this.tools,
     );
@@ -125,6 +129,7 @@ export class GatewayView {
       this.ready.dataset.state = "unready";
     }
     await this.refreshTools();
+    await this.refreshErrors();
     let m;
     try {
       m = parsePrometheus(await get("/metrics"));
@@ -194,6 +199,35 @@ export class GatewayView {
       h("th", {}, "Tokens in / out"),
     );
     this.models.replaceChildren(h("table", { "aria-label": "Models" }, h("thead", {}, head), h("tbody", {}, rows)));
+  }
+
+  /** `/metrics/errors`: the last week's failed turns, newest first, each linked to its
+   *  conversation, with its model, code and message (an upstream's last error, per model). */
+  async refreshErrors() {
+    let answer;
+    try {
+      answer = await get("/metrics/errors?limit=20");
+    } catch (e) {
+      if (!(e instanceof ApiError)) throw e;
+      return;
+    }
+    if (!answer.errors.length) {
+      this.errors.replaceChildren(h("p", { class: "empty" }, "No turn failed in the last seven days."));
+      return;
+    }
+    const rows = answer.errors.map((e) =>
+      h(
+        "tr",
+        { dataset: { turnId: e.turnId } },
+        h("td", {}, h("time", { datetime: new Date(e.at).toISOString() }, new Date(e.at).toLocaleString())),
+        h("td", {}, e.model),
+        h("td", {}, h("a", { href: `#/c/${encodeURIComponent(e.conversationId)}` }, e.conversationId)),
+        h("td", { class: "code" }, e.code || "–"),
+        h("td", { class: "message" }, e.message),
+      ),
+    );
+    const head = h("tr", {}, ["When", "Model", "Conversation", "Code", "Error"].map((c) => h("th", { scope: "col" }, c)));
+    this.errors.replaceChildren(h("table", { "aria-label": "Recent errors" }, h("thead", {}, head), h("tbody", {}, rows)));
   }
 
   /** `/tools`: each MCP server's state (a failed one with its reason) and its tools. */

@@ -88,7 +88,9 @@ export class TurnPlots {
 
 const today = () => new Date().toISOString().slice(0, 10);
 
-/** `/metrics/throughput` per model, for a day, an ISO week or a month. */
+/** `/metrics/throughput` per model, for a day, an ISO week or a month, and the chosen model's
+ *  figures over that time from `/metrics/series` (by hour for a day or a week, by day for a
+ *  month): time to first token p50 and p95, output tokens per second, error rate. */
 export class ThroughputView {
   constructor() {
     this.period = h(
@@ -107,6 +109,12 @@ export class ThroughputView {
     this.message = h("p", { role: "status", class: "muted" });
     this.body = h("div");
     this.reads = new Reads(this.body);
+    this.model = h("select", { "aria-label": "Model over time" });
+    this.model.addEventListener("change", () => this.drawSeries());
+    this.charts = h("div", { class: "plots" });
+    this.overTime = h("section", { "aria-label": "Over time" }, h("h2", {}, "Over time"), h("label", {}, "Model ", this.model), this.charts);
+    this.seriesReads = new Reads(this.charts);
+    this.series = null;
     this.element = h(
       "section",
       { class: "page", "aria-label": "Throughput" },
@@ -114,14 +122,58 @@ export class ThroughputView {
       h("div", { class: "tools" }, h("label", {}, "Period ", this.period), h("label", {}, "Date ", this.date)),
       this.message,
       this.body,
+      this.overTime,
     );
     this.refresh();
   }
 
-  async refresh() {
+  async readSeries(query) {
     let data;
     try {
-      data = await this.reads.newest(`/metrics/throughput?period=${this.period.value}&date=${encodeURIComponent(this.date.value)}`);
+      data = await this.seriesReads.newest(`/metrics/series?${query}`);
+    } catch (e) {
+      if (e instanceof ApiError && e.status !== 401) this.message.textContent = e.message;
+      return;
+    }
+    if (!data) return;
+    this.series = data;
+    const chosen = this.model.value;
+    this.model.replaceChildren(...data.models.map((m) => h("option", { value: m.model }, m.model)));
+    // The model chosen before, else the one with the most turns in the period.
+    const turns = (m) => m.points.reduce((sum, p) => sum + p.turns, 0);
+    const busiest = data.models.reduce((a, b) => (turns(b) > turns(a) ? b : a), data.models[0]);
+    this.model.value = data.models.some((m) => m.model === chosen) ? chosen : busiest?.model ?? "";
+    this.drawSeries();
+  }
+
+  /** The chosen model's points: x is the hour (or day) of the period, from its start. */
+  drawSeries() {
+    const data = this.series;
+    const model = data?.models.find((m) => m.model === this.model.value);
+    if (!model) return this.charts.replaceChildren(h("p", { class: "muted" }, "No sealed turns in this period."));
+    const byDay = data.bucket === "day";
+    const xLabel = byDay ? "day" : "hour";
+    const slot = (p) => Math.round((p.at - data.start) / data.bucketMs) + (byDay ? 1 : 0);
+    const when = (p) => new Date(p.at).toLocaleString();
+    const series = (value, describe) =>
+      model.points.map((p) => {
+        const y = value(p);
+        return { x: slot(p), y, label: `${when(p)}: ${y === undefined ? "none" : describe(y)} (${num(p.turns)} turns)` };
+      });
+    this.charts.replaceChildren(
+      linePlot({ title: "Time to first token p50", xLabel, yLabel: "ms", points: series((p) => p.ttftP50Ms, ms) }),
+      linePlot({ title: "Time to first token p95", xLabel, yLabel: "ms", points: series((p) => p.ttftP95Ms, ms) }),
+      linePlot({ title: "Output tokens per second over time", xLabel, yLabel: "tokens/s", points: series((p) => p.outputTokensPerSecond, (v) => `${num(v, 1)} tokens/s`) }),
+      linePlot({ title: "Error rate", xLabel, yLabel: "%", points: series((p) => p.errorRate * 100, (v) => `${num(v, 1)} %`) }),
+    );
+  }
+
+  async refresh() {
+    const query = `period=${this.period.value}&date=${encodeURIComponent(this.date.value)}`;
+    this.readSeries(query);
+    let data;
+    try {
+      data = await this.reads.newest(`/metrics/throughput?${query}`);
     } catch (e) {
       if (e instanceof ApiError && e.status !== 401) this.message.textContent = e.message;
       return;

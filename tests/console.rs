@@ -258,6 +258,7 @@ async fn the_console_in_a_real_browser() {
         "plots",
         "plots-500",
         "throughput",
+        "over-time",
         "gateway",
         "narrow",
         "dark",

@@ -126,6 +126,82 @@ async fn a_reopened_turn_has_its_end_its_tools_and_no_made_up_usage() {
     assert_eq!(listed("no-turn-yet").await, None);
 }
 
+/// `GET /metrics/series`: each model's turns by hour, with their failures, stops, error rate,
+/// time-to-first-token quantiles and output rate; a bucket a period cannot take is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn series_count_each_models_turns_by_hour_with_their_first_token_quantiles() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(dir.path(), |_| {}).await;
+    server.chat("sr-0", "tools please").await;
+    server.chat("sr-1", "tools please").await;
+    server.chat("sr-2", "broken").await;
+    let stream = server.chat_stream(json!({"conversationId": "sr-3", "message": "stall"})).await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(server.post("/conversations/sr-3/stop", json!({})).await.1["abortedTurn"], true);
+    stream.collect().await;
+    let mut slowest = 0;
+    for i in 0..4 {
+        let (_, m) = server.get(&format!("/conversations/sr-{i}/metrics")).await;
+        slowest = slowest.max(m["turns"][0]["steps"][0]["ttftMs"].as_i64().expect("a first token"));
+    }
+
+    let (status, body) = server.get("/metrics/series").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!((&body["bucket"], &body["bucketMs"]), (&json!("hour"), &json!(3_600_000)));
+    let model = &body["models"][0];
+    assert_eq!(model["model"], "demo/scripted", "{body}");
+    let points = model["points"].as_array().unwrap();
+    let sum = |key: &str| points.iter().map(|p| p[key].as_i64().unwrap()).sum::<i64>();
+    assert_eq!((sum("turns"), sum("failed"), sum("aborted")), (4, 1, 1), "{body}");
+    for p in points {
+        let rate = p["failed"].as_f64().unwrap() / p["turns"].as_f64().unwrap();
+        assert!((p["errorRate"].as_f64().unwrap() - rate).abs() < 1e-9, "{p}");
+        assert_eq!(p["at"].as_i64().unwrap() % 3_600_000, 0, "{p}");
+        // The quantiles lie in the class of the slowest first token, or below it.
+        let bound = [25, 50, 100, 250, 500, 1_000, 2_000, 4_000].into_iter().find(|b| *b >= slowest).unwrap() as f64;
+        let (p50, p95) = (p["ttftP50Ms"].as_f64().unwrap(), p["ttftP95Ms"].as_f64().unwrap());
+        assert!(0.0 < p50 && p50 <= p95 && p95 <= bound, "{p} (slowest {slowest} ms)");
+    }
+    // The output rate over the day agrees with /metrics/throughput's.
+    let (_, throughput) = server.get("/metrics/throughput").await;
+    if let [point] = &points[..] {
+        let day = &throughput["models"][0];
+        match day["totalGenMs"].as_i64().unwrap() {
+            // Steps faster than a millisecond: no time to divide by, no rate.
+            0 => assert_eq!(point.get("outputTokensPerSecond"), None, "{point}"),
+            _ => {
+                let rate = day["tokensPerSecond"].as_f64().unwrap();
+                assert!((point["outputTokensPerSecond"].as_f64().unwrap() - rate).abs() < 1e-6, "{point} vs {day}");
+            }
+        }
+    }
+    let (_, month) = server.get("/metrics/series?period=month").await;
+    assert_eq!(
+        (&month["bucket"], month["models"][0]["points"][0]["at"].as_i64().unwrap() % 86_400_000),
+        (&json!("day"), 0)
+    );
+    for bad in ["?bucket=minute", "?period=month&bucket=hour", "?period=year"] {
+        let (status, body) = server.get(&format!("/metrics/series{bad}")).await;
+        assert_eq!((status, body["error"].is_string()), (400, true), "{bad}: {body}");
+    }
+
+    // The failed turn is the recent errors' one, with the error its log keeps.
+    let (status, recent) = server.get("/metrics/errors").await;
+    assert_eq!(status, 200, "{recent}");
+    let failed_turn = server.get("/conversations/sr-2/metrics").await.1["turns"][0]["turnId"].clone();
+    assert_eq!(recent["errors"].as_array().unwrap().len(), 1, "{recent}");
+    let error = &recent["errors"][0];
+    assert_eq!(
+        (&error["conversationId"], &error["turnId"], &error["model"], &error["message"]),
+        (&json!("sr-2"), &failed_turn, &json!("demo/scripted"), &json!("gone away")),
+        "{recent}"
+    );
+    for bad in ["?limit=0", "?limit=101", "?limit=x"] {
+        let (status, body) = server.get(&format!("/metrics/errors{bad}")).await;
+        assert_eq!((status, body["error"].is_string()), (400, true), "{bad}: {body}");
+    }
+}
+
 /// `GET /conversations` pages with `nextCursor` and counts with `count=true`; a made-up cursor
 /// or count is a 400 that says why.
 #[tokio::test]

@@ -14,6 +14,7 @@ mod models;
 mod openapi;
 mod ops;
 mod paged;
+mod series;
 mod settings;
 pub(crate) mod stream;
 mod throughput;
@@ -179,6 +180,8 @@ api! {
     "/conversations/{id}/session" => { delete: settings::forget_session },
     "/conversations/{id}/lsp" => { get: settings::lsp },
     "/metrics/throughput" => { get: throughput::throughput },
+    "/metrics/series" => { get: series::series },
+    "/metrics/errors" => { get: series::errors },
     "/ws" => { get: ws::ws },
     "/auth/session" => { get: auth::get_session, post: auth::begin_session, delete: auth::end_session },
     "/openapi.json" => { get: ops::openapi_json },

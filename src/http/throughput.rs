@@ -105,10 +105,41 @@ pub async fn throughput(
     Caller(caller): Caller,
     query: QueryParams,
 ) -> Result<Json<Throughput>, ApiError> {
-    let period = query.get("period").unwrap_or("day");
-    if !matches!(period, "day" | "week" | "month") {
-        return Err(ApiError::bad(format!("`period` takes day, week or month, got {period:?}")));
-    }
+    let Period { period, date, start, end } = period(&query)?;
+    let mut models: Vec<ModelRate> = state
+        .store
+        // A user counts their own turns; an administrator everyone's.
+        .throughput(start, end, caller.viewer().map(|v| &**v))
+        .await?
+        .into_iter()
+        .map(|r| ModelRate {
+            tokens_per_second: if r.gen_ms > 0 { r.output_tokens as f64 * 1000.0 / r.gen_ms as f64 } else { 0.0 },
+            model: r.model,
+            total_output_tokens: r.output_tokens,
+            total_gen_ms: r.gen_ms,
+            turns: r.turns,
+        })
+        .collect();
+    models.sort_by(|a, b| b.tokens_per_second.total_cmp(&a.tokens_per_second).then_with(|| a.model.cmp(&b.model)));
+    Ok(Json(Throughput { period: period.to_owned(), date, start, end, models }))
+}
+
+/// A period a query asks for (`period`, `date`): its name, the date as asked, and its bounds.
+pub(super) struct Period {
+    pub period: &'static str,
+    pub date: String,
+    pub start: i64,
+    pub end: i64,
+}
+
+/// `?period=day|week|month&date=` (default: today, UTC), each refused with why.
+pub(super) fn period(query: &QueryParams) -> Result<Period, ApiError> {
+    let period = match query.get("period").unwrap_or("day") {
+        "day" => "day",
+        "week" => "week",
+        "month" => "month",
+        other => return Err(ApiError::bad(format!("`period` takes day, week or month, got {other:?}"))),
+    };
     let today = civil_from_days(now_ms().div_euclid(DAY_MS));
     let (y, m, d) = match query.get("date") {
         None => (today.0, today.1, Some(today.2)),
@@ -127,22 +158,7 @@ pub async fn throughput(
         (_, Some(d)) => (format!("{y:04}-{m:02}-{d:02}"), days_from_civil(y, m, d), 1),
     };
     let (start, end) = (first_day * DAY_MS, (first_day + days) * DAY_MS);
-    let mut models: Vec<ModelRate> = state
-        .store
-        // A user counts their own turns; an administrator everyone's.
-        .throughput(start, end, caller.viewer().map(|v| &**v))
-        .await?
-        .into_iter()
-        .map(|r| ModelRate {
-            tokens_per_second: if r.gen_ms > 0 { r.output_tokens as f64 * 1000.0 / r.gen_ms as f64 } else { 0.0 },
-            model: r.model,
-            total_output_tokens: r.output_tokens,
-            total_gen_ms: r.gen_ms,
-            turns: r.turns,
-        })
-        .collect();
-    models.sort_by(|a, b| b.tokens_per_second.total_cmp(&a.tokens_per_second).then_with(|| a.model.cmp(&b.model)));
-    Ok(Json(Throughput { period: period.to_owned(), date, start, end, models }))
+    Ok(Period { period, date, start, end })
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ mod log;
 mod postgres;
 mod quotas;
 mod reads;
+mod series;
 mod sessions;
 mod sql;
 mod sqlite;
@@ -35,6 +36,7 @@ pub use conversations::{ConversationFilter, NewConversation, Ownership, Setting,
 pub use log::{HistoryPage, HistoryWindow};
 pub use quotas::QuotaUse;
 pub use reads::{History, HistoryChunk, LastText, ModelThroughput, RuntimeMemory};
+pub use series::{FailedTurn, SlotRow, TTFT_BOUNDS_MS};
 pub use sessions::StoredSession;
 pub use sqlite::backup::BackupError;
 pub use turns::{INTERRUPTED_MESSAGE, user_chunk};

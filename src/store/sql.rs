@@ -21,6 +21,14 @@ impl From<i64> for Value {
     }
 }
 
+/// NULL is bound as text (see `Value::Text`): for a column SQLite types by its value, not for
+/// a PostgreSQL integer one.
+impl From<Option<i64>> for Value {
+    fn from(v: Option<i64>) -> Value {
+        v.map_or(Value::Text(None), Value::Int)
+    }
+}
+
 impl From<f64> for Value {
     fn from(v: f64) -> Value {
         Value::Real(v)

@@ -33,6 +33,11 @@ pub(super) fn gen_total_ms(metrics: &TurnMetrics) -> i64 {
     metrics.steps.iter().filter(|st| st.usage.output_tokens > 0).filter_map(|st| st.gen_total_ms).sum::<u64>() as i64
 }
 
+/// The time to first token a seal records for figures over time: its first step's.
+pub(super) fn first_ttft_ms(metrics: &TurnMetrics) -> Option<i64> {
+    metrics.steps.first().and_then(|st| st.ttft_ms).map(|ms| ms as i64)
+}
+
 /// A write's error, with a reused idempotency key told apart (a unique violation on
 /// `idempotency_keys`, as both backends word it).
 pub(super) fn duplicate_key(e: StoreError) -> StoreError {

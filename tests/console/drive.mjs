@@ -377,10 +377,26 @@ try {
   await row.waitFor();
   assert.match(await row.locator("td").first().textContent(), /scripted/);
   await page.screenshot({ path: shot("throughput") });
+  // The model's figures over the day, by hour, as /metrics/series gives them: a point per hour
+  // with turns, the failed turn in the error rate.
+  const overTime = page.getByRole("region", { name: "Over time" });
+  const series = (await api(OPEN_URL, "GET", "/metrics/series")).body.models.find((m) => m.model === "demo/scripted");
+  assert.equal(await overTime.getByRole("combobox", { name: "Model over time" }).inputValue(), "demo/scripted");
+  const hourly = async (title) => overTime.locator("figure.plot", { hasText: title }).locator("circle.point").count();
+  await overTime.locator("figure.plot", { hasText: "Error rate" }).locator("circle.point").first().waitFor();
+  assert.equal(await hourly("Error rate"), series.points.length);
+  assert.equal(await hourly("Time to first token p95"), series.points.filter((p) => p.ttftP95Ms !== undefined).length);
+  assert.ok(series.points.some((p) => p.failed > 0 && p.errorRate > 0), "the failed turn is in the error rate");
+  await overTime.screenshot({ path: shot("over-time") });
   await page.getByRole("link", { name: "Gateway", exact: true }).click();
   await page.getByRole("status", { name: "Database state" }).filter({ hasText: "Ready" }).waitFor();
   assert.ok(Number(await page.getByLabel("WebSocket sessions", { exact: true }).textContent()) >= 1, "the console's own feed");
   assert.ok(Number((await page.getByLabel("Turns sealed", { exact: true }).textContent()).replace(/,/g, "")) >= 505);
+  // The last week's failed turns: the failed conversation's, with its code and error.
+  const failedRow = page.getByRole("table", { name: "Recent errors" }).locator("tbody tr").filter({ hasText: "failed-last" });
+  await failedRow.waitFor();
+  assert.equal(await failedRow.locator("td.code").textContent(), "upstream");
+  assert.equal(await failedRow.locator("td.message").textContent(), "the upstream went away");
   // The agent program the test ran a turn on stays up between turns.
   assert.equal(await page.getByLabel("Agent processes (agent)", { exact: true }).textContent(), "1");
   assert.equal(await page.getByLabel("Agent starts (agent)", { exact: true }).textContent(), "1");

@@ -26,6 +26,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (5, "calibrated model", include_str!("../../../migrations/postgres/0005_calibrated_model.sql")),
     (6, "identities", include_str!("../../../migrations/postgres/0006_identities.sql")),
     (7, "bus secret", include_str!("../../../migrations/postgres/0007_bus_secret.sql")),
+    (8, "turn ttft", include_str!("../../../migrations/postgres/0008_turn_ttft.sql")),
 ];
 
 /// The database server's clock in epoch ms, for lease times: every gateway compares them on

@@ -5,7 +5,9 @@ use sqlx::{PgConnection, Postgres as Driver, Transaction};
 
 use super::log::append;
 use crate::store::batch::{Write, Written};
-use crate::store::turns::{IDEMPOTENCY_KEEP_MS, duplicate_key, gen_total_ms, interrupted_marker, user_chunk};
+use crate::store::turns::{
+    IDEMPOTENCY_KEEP_MS, duplicate_key, first_ttft_ms, gen_total_ms, interrupted_marker, user_chunk,
+};
 use crate::store::{BeginTurn, SealTurn};
 use crate::store::{StoreError, StoreResult};
 
@@ -146,7 +148,8 @@ async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<cra
     let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
     let status: Option<String> = sqlx::query_scalar(
         "WITH t AS (
-             UPDATE turns SET sealed_at = $3, reason = $4, metrics = $5, output_tokens = $6, gen_total_ms = $7
+             UPDATE turns SET sealed_at = $3, reason = $4, metrics = $5, output_tokens = $6, gen_total_ms = $7,
+                 ttft_ms = $9
              WHERE conversation_id = $1 AND turn_id = $2
          )
          UPDATE conversations SET last_activity_at = $3, sealed_seq = last_seq,
@@ -165,6 +168,7 @@ async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<cra
     .bind(s.metrics.usage.output_tokens as i64)
     .bind(gen_total_ms(s.metrics))
     .bind(s.tokens_per_estimate)
+    .bind(first_ttft_ms(s.metrics))
     .fetch_optional(&mut *conn)
     .await?;
     // None: the turn does not hold the lease (an error: the seal's other statements roll back).

@@ -39,6 +39,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (10, "calibrated model", include_str!("../../../migrations/sqlite/0010_calibrated_model.sql")),
     (11, "identities", include_str!("../../../migrations/sqlite/0011_identities.sql")),
     (12, "bus secret", include_str!("../../../migrations/sqlite/0012_bus_secret.sql")),
+    (13, "turn ttft", include_str!("../../../migrations/sqlite/0013_turn_ttft.sql")),
 ];
 
 /// The database's clock in epoch ms, for lease times (see `store/lease.rs`).

@@ -8,7 +8,9 @@ use super::log::{append_to, appended_seq};
 use super::script::Script;
 use crate::store::NewChunk;
 use crate::store::batch::{Write, Written};
-use crate::store::turns::{IDEMPOTENCY_KEEP_MS, duplicate_key, gen_total_ms, interrupted_marker, user_chunk};
+use crate::store::turns::{
+    IDEMPOTENCY_KEEP_MS, duplicate_key, first_ttft_ms, gen_total_ms, interrupted_marker, user_chunk,
+};
 use crate::store::{BeginTurn, SealTurn};
 use crate::store::{StoreError, StoreResult};
 use crate::wire::ConversationStatus;
@@ -161,7 +163,7 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
     }
     script
         .sql(
-            "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?
+            "UPDATE turns SET sealed_at = ?, reason = ?, metrics = ?, output_tokens = ?, gen_total_ms = ?, ttft_ms = ?
              WHERE conversation_id = ? AND turn_id = ?;
              UPDATE conversations SET last_activity_at = ?, sealed_seq = last_seq,
                  status = CASE WHEN status = 'closed' THEN 'closed' ELSE 'idle' END,
@@ -176,6 +178,7 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
         .bind(metrics)
         .bind(s.metrics.usage.output_tokens as i64)
         .bind(gen_total_ms(s.metrics))
+        .bind(first_ttft_ms(s.metrics))
         .bind(s.conversation_id)
         .bind(s.turn_id)
         .bind(s.now)
