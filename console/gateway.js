@@ -129,7 +129,7 @@ export class GatewayView {
       this.ready.dataset.state = "unready";
     }
     await this.refreshTools();
-    await this.refreshErrors();
+    const recent = await this.refreshErrors();
     let m;
     try {
       m = parsePrometheus(await get("/metrics"));
@@ -163,12 +163,12 @@ export class GatewayView {
         ...card(`Agent starts (${credential})`, num(started)),
       ]),
     );
-    this.showModels(modelFigures(m));
+    this.showModels(modelFigures(m), recent || []);
   }
 
   /** Each model's turns by outcome, its error rate and errors by code, time to first token
    *  (p50, p95) and decode time (p95) of its steps, and its tokens: since the gateway started. */
-  showModels(models) {
+  showModels(models, recent) {
     if (!models.length) {
       this.models.replaceChildren(h("p", { class: "empty" }, "No turn has sealed since the gateway started."));
       return;
@@ -177,6 +177,8 @@ export class GatewayView {
     const rows = models.map((m) => {
       const turns = m.finished + m.failed + m.aborted;
       const errors = Object.entries(m.errors).map(([code, n]) => `${code} ${num(n)}`).join(", ");
+      // Its upstream's last error this week (recent errors come newest first).
+      const last = recent.find((e) => e.model === m.model);
       return h(
         "tr",
         { dataset: { model: m.model } },
@@ -186,6 +188,7 @@ export class GatewayView {
         h("td", { class: "ttft" }, `${seconds(quantile(0.5, m.ttft))} / ${seconds(quantile(0.95, m.ttft))}`),
         h("td", { class: "decode" }, seconds(quantile(0.95, m.decode))),
         h("td", { class: "tokens" }, `${num(m.input)} / ${num(m.output)}`),
+        h("td", { class: "last-error", title: last ? new Date(last.at).toLocaleString() : "" }, last ? last.message : "–"),
       );
     });
     const head = h(
@@ -197,6 +200,7 @@ export class GatewayView {
       h("th", {}, "First token p50 / p95"),
       h("th", {}, "Decode p95"),
       h("th", {}, "Tokens in / out"),
+      h("th", {}, "Last error (7 days)"),
     );
     this.models.replaceChildren(h("table", { "aria-label": "Models" }, h("thead", {}, head), h("tbody", {}, rows)));
   }
@@ -213,7 +217,7 @@ export class GatewayView {
     }
     if (!answer.errors.length) {
       this.errors.replaceChildren(h("p", { class: "empty" }, "No turn failed in the last seven days."));
-      return;
+      return answer.errors;
     }
     const rows = answer.errors.map((e) =>
       h(
@@ -228,6 +232,7 @@ export class GatewayView {
     );
     const head = h("tr", {}, ["When", "Model", "Conversation", "Code", "Error"].map((c) => h("th", { scope: "col" }, c)));
     this.errors.replaceChildren(h("table", { "aria-label": "Recent errors" }, h("thead", {}, head), h("tbody", {}, rows)));
+    return answer.errors;
   }
 
   /** `/tools`: each MCP server's state (a failed one with its reason) and its tools. */

@@ -411,7 +411,10 @@ try {
   assert.ok(finished >= 500 && stopped >= 1, `the scripted model's turns: ${finished} finished, ${stopped} stopped`);
   assert.match(await scripted.locator("td.ttft").textContent(), /^(\d+ ms|[\d.]+ s|–) \/ (\d+ ms|[\d.]+ s|–)$/);
   assert.match(await scripted.locator("td.tokens").textContent(), /^[\d,]+ \/ [\d,]+$/);
+  // Its upstream's last error, the failed conversation's; the agent program has had none.
+  assert.equal(await scripted.locator("td.last-error").textContent(), "the upstream went away");
   assert.equal(await models.locator('tr[data-model^="agent/"]').count(), 1, "the agent program's model");
+  assert.equal(await models.locator('tr[data-model^="agent/"] td.last-error').textContent(), "–");
   // Each value stands under its own label, whatever the width.
   const misplaced = await page.evaluate(() =>
     [...document.querySelectorAll(".cards dd")]
