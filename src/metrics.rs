@@ -12,7 +12,7 @@ use std::time::Duration;
 mod models;
 mod process;
 
-pub use models::{Models, Outcome, code_label};
+pub use models::{Models, Outcome, TTFT_BUCKETS, code_label};
 
 use crate::encoding::Transport;
 use crate::hub::Deliveries;

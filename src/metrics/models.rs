@@ -16,8 +16,9 @@ use crate::wire::{ErrorCode, TurnMetrics};
 /// thousands of series per figure.
 pub const MAX_MODELS: usize = 256;
 
-/// Upper bounds of the time-to-first-token histogram, in seconds.
-const TTFT_BUCKETS: [f64; 13] = [0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0];
+/// Upper bounds of the time-to-first-token histogram, in seconds (also the classes
+/// `GET /metrics/series` counts turns in, src/store/series.rs).
+pub const TTFT_BUCKETS: [f64; 13] = [0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0];
 
 /// Upper bounds of the decode-time histogram (first token to a step's end), in seconds.
 const DECODE_BUCKETS: [f64; 13] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0];

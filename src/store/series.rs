@@ -5,12 +5,20 @@
 
 use super::sql::Query;
 use super::{Store, StoreResult};
+use crate::metrics::TTFT_BUCKETS;
 
 /// Upper bounds (ms) of the classes a turn's time to first token is counted in: the bounds of
-/// `dispatch_model_ttft_seconds` (src/metrics/models.rs), so the two read alike. A class past
-/// the last holds the slower ones.
-pub const TTFT_BOUNDS_MS: [i64; 13] =
-    [25, 50, 100, 250, 500, 1_000, 2_000, 4_000, 8_000, 15_000, 30_000, 60_000, 120_000];
+/// `dispatch_model_ttft_seconds`, so the two read alike. A class past the last holds the slower
+/// ones.
+pub const TTFT_BOUNDS_MS: [i64; TTFT_BUCKETS.len()] = {
+    let mut bounds = [0; TTFT_BUCKETS.len()];
+    let mut i = 0;
+    while i < bounds.len() {
+        bounds[i] = (TTFT_BUCKETS[i] * 1000.0 + 0.5) as i64;
+        i += 1;
+    }
+    bounds
+};
 
 /// One model's turns in one slot, in one class of time to first token.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,6 +132,12 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use crate::store::testing::every_backend;
+
+    #[test]
+    fn the_classes_are_the_histograms_bounds_in_milliseconds() {
+        assert_eq!(super::TTFT_BOUNDS_MS[..4], [25, 50, 100, 250]);
+        assert_eq!(*super::TTFT_BOUNDS_MS.last().unwrap(), 120_000);
+    }
 
     /// Turns are counted by slot and class of time to first token, on both backends.
     #[tokio::test]
