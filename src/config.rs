@@ -229,8 +229,8 @@ pub struct Config {
     pub max_runtime_line_bytes: usize,
 
     /// Largest tool result a model gets back, in bytes: past it the result is cut, with a line
-    /// saying how much was left out (docs/tools.md). Also the most of a call's streamed output
-    /// the log keeps with its result.
+    /// saying how much was left out (docs/tools.md). Also the most of a turn's streamed tool
+    /// output the log keeps with its results (all its calls together).
     #[arg(long, env = "DISPATCH_MAX_TOOL_RESULT_BYTES", default_value_t = 1024 * 1024)]
     pub max_tool_result_bytes: usize,
 

@@ -75,9 +75,11 @@ pub(super) struct TurnSteps {
     /// The runtime's last calibration, written with the seal.
     pub(super) tokens_per_estimate: Option<f64>,
     /// What each unanswered tool call streamed (`tool-output`), kept for its result's chunk so
-    /// that a reopened turn shows it as the live one did: at most `max_output` bytes a call.
+    /// that a reopened turn shows it as the live one did: at most `max_output` bytes over the
+    /// whole turn (`output_kept` so far), however many calls stream.
     outputs: HashMap<String, String>,
     max_output: usize,
+    output_kept: usize,
 }
 
 impl TurnSteps {
@@ -96,6 +98,7 @@ impl TurnSteps {
             tokens_per_estimate: None,
             outputs: HashMap::new(),
             max_output,
+            output_kept: 0,
         }
     }
 
@@ -167,20 +170,21 @@ impl TurnSteps {
         self.boundary = now;
     }
 
-    /// Keeps a call's streamed output up to `max_output` bytes (cut at a character), and only
-    /// for a call that was made and not answered: a runtime cannot grow the map with made-up
-    /// ids.
+    /// Keeps a call's streamed output while the turn's `max_output` bytes last (cut at a
+    /// character), and only for a call that was made and not answered: a runtime cannot grow
+    /// the map with made-up ids, nor hold a budget per call by making many calls.
     fn keep_output(&mut self, id: &str, data: &str) {
         if !self.unanswered.iter().any(|(call, _)| call == id) {
             return;
         }
-        let kept = self.outputs.entry(id.to_owned()).or_default();
-        let room = self.max_output.saturating_sub(kept.len());
-        let mut end = room.min(data.len());
+        let mut end = self.max_output.saturating_sub(self.output_kept).min(data.len());
         while !data.is_char_boundary(end) {
             end -= 1;
         }
-        kept.push_str(&data[..end]);
+        if end > 0 {
+            self.outputs.entry(id.to_owned()).or_default().push_str(&data[..end]);
+            self.output_kept += end;
+        }
     }
 
     /// Usage: counted in the open step (one opened at the last boundary when none was).
@@ -482,6 +486,28 @@ mod tests {
 
     /// Tool results are written once they add up to `PERSIST_RESULTS`, not held to the
     /// step's end; small ones wait for it.
+    /// The outputs kept with results share one budget for the turn, cut at a character; an
+    /// output for a call never made is not kept.
+    #[test]
+    fn kept_tool_output_is_bounded_for_the_whole_turn() {
+        let now = Instant::now();
+        let mut steps = TurnSteps::new("c", "t", now, 64);
+        let mut out = Vec::new();
+        for i in 0..3 {
+            let call = RawEvent::ToolCall { id: format!("call{i}"), name: "run".into(), input: serde_json::json!({}) };
+            steps.handle(call, now, &mut out);
+            let output =
+                RawEvent::ToolOutput { id: format!("call{i}"), data: "é".repeat(20), stream: OutputStream::Stdout };
+            steps.handle(output, now, &mut out);
+        }
+        let stray = RawEvent::ToolOutput { id: "made-up".into(), data: "x".into(), stream: OutputStream::Stdout };
+        steps.handle(stray, now, &mut out);
+        assert_eq!(steps.outputs.get("call0").map(String::len), Some(40));
+        assert_eq!(steps.outputs.get("call1").map(String::len), Some(24), "cut at a character, within 64 bytes");
+        assert_eq!(steps.outputs.get("call2"), None, "nothing left for the third call");
+        assert!(!steps.outputs.contains_key("made-up"));
+    }
+
     #[test]
     fn large_tool_results_are_written_as_they_come() {
         let now = Instant::now();

@@ -126,8 +126,8 @@ pub struct ToolResultChunk {
     /// runtime did not time it, and in logs written before it was kept).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
-    /// The gateway's: what the tool streamed as `tool-output` before its result, joined, up
-    /// to `--max-tool-result-bytes` (absent when it streamed nothing).
+    /// The gateway's: what the tool streamed as `tool-output` before its result, joined, while
+    /// the turn's `--max-tool-result-bytes` of kept output last (absent when none was kept).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<String>,
 }
