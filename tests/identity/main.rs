@@ -247,15 +247,21 @@ async fn quotas_are_shared_by_the_gateways_of_a_cluster() {
 #[tokio::test]
 async fn the_counters_are_the_administrators_and_throughput_counts_a_users_own_turns() {
     let dir = tempfile::tempdir().unwrap();
-    let server = TestServer::start(config_with_secret(dir.path())).await;
+    let mut config = config_with_secret(dir.path());
+    let script = json!({"rules": [
+        {"match": "broken", "pace": 0, "steps": [{"text": "half"}], "error": {"message": "bob's upstream went away"}},
+        {"pace": 0, "steps": [{"text": "fine"}]}
+    ]});
+    config.scripted_script = Some(write_script(dir.path(), script));
+    let server = TestServer::start(config).await;
     let (alice, bob) = (hs256(user("alice"), SECRET.as_bytes()), hs256(user("bob"), SECRET.as_bytes()));
     let admin = hs256(json!({"sub": "root", "exp": now() + 600, "scope": "dispatch:admin"}), SECRET.as_bytes());
-    for (token, id) in [(&alice, "a1"), (&alice, "a2"), (&bob, "b1")] {
+    for (token, id, message) in [(&alice, "a1", "hi"), (&alice, "a2", "hi"), (&bob, "b1", "broken")] {
         let r = server
             .client
             .post(server.url("/chat"))
             .bearer_auth(token)
-            .json(&json!({"conversationId": id, "message": "hi"}))
+            .json(&json!({"conversationId": id, "message": message}))
             .send()
             .await
             .unwrap();
@@ -269,6 +275,23 @@ async fn the_counters_are_the_administrators_and_throughput_counts_a_users_own_t
     assert_eq!(turns(&his), 1, "{his}");
     let (_, all) = ask(&server, &admin, "GET", "/metrics/throughput", None).await;
     assert_eq!(turns(&all), 3, "{all}");
+    // So do the figures over time and the recent errors: bob's failed turn is his and the
+    // administrator's to see, never alice's.
+    let series = |body: &Value| -> (i64, i64) {
+        let points = body["models"].as_array().unwrap().iter().flat_map(|m| m["points"].as_array().unwrap().clone());
+        points.fold((0, 0), |(t, f), p| (t + p["turns"].as_i64().unwrap(), f + p["failed"].as_i64().unwrap()))
+    };
+    assert_eq!(series(&ask(&server, &alice, "GET", "/metrics/series", None).await.1), (2, 0));
+    assert_eq!(series(&ask(&server, &bob, "GET", "/metrics/series", None).await.1), (1, 1));
+    assert_eq!(series(&ask(&server, &admin, "GET", "/metrics/series", None).await.1), (3, 1));
+    let errors =
+        |body: Value| body["errors"].as_array().unwrap().iter().map(|e| e["message"].clone()).collect::<Vec<_>>();
+    assert_eq!(errors(ask(&server, &alice, "GET", "/metrics/errors", None).await.1), Vec::<Value>::new());
+    assert_eq!(errors(ask(&server, &bob, "GET", "/metrics/errors", None).await.1), [json!("bob's upstream went away")]);
+    assert_eq!(
+        errors(ask(&server, &admin, "GET", "/metrics/errors", None).await.1),
+        [json!("bob's upstream went away")]
+    );
     let (status, body) = ask(&server, &alice, "GET", "/metrics", None).await;
     assert_eq!(status, 403, "{body}");
     let r = server.client.get(server.url("/metrics")).bearer_auth(&admin).send().await.unwrap();
