@@ -20,6 +20,7 @@ fn script() -> Value {
             {"text": "One.", "usage": {"inputTokens": 5, "outputTokens": 2}},
         ]},
         {"match": "broken", "pace": 0, "steps": [{"text": "half"}], "error": {"message": "gone away"}},
+        {"match": "lengthy", "pace": 0, "steps": [{"text": "half"}], "error": {"message": "e".repeat(100_000)}},
     ]})
 }
 
@@ -200,6 +201,22 @@ async fn series_count_each_models_turns_by_hour_with_their_first_token_quantiles
         let (status, body) = server.get(&format!("/metrics/errors{bad}")).await;
         assert_eq!((status, body["error"].is_string()), (400, true), "{bad}: {body}");
     }
+}
+
+/// An error longer than a listing reads (an agent program's may be megabytes) is listed as too
+/// long, not read whole into the answer; the conversation's history keeps it whole.
+#[tokio::test]
+async fn a_recent_error_too_long_to_list_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server(dir.path(), |_| {}).await;
+    server.chat("lengthy", "lengthy").await;
+    let (status, recent) = server.get("/metrics/errors").await;
+    assert_eq!(status, 200);
+    let message = recent["errors"][0]["message"].as_str().unwrap();
+    assert!(message.starts_with("(an error too long to list"), "{}", &message[..message.len().min(200)]);
+    let history = server.history("lengthy").await;
+    let kept = history.iter().find(|c| c["chunk"]["type"] == "error").unwrap();
+    assert_eq!(kept["chunk"]["message"].as_str().unwrap().len(), 100_000);
 }
 
 /// `GET /conversations` pages with `nextCursor` and counts with `count=true`; a made-up cursor

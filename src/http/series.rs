@@ -160,11 +160,21 @@ pub async fn errors(
     Ok(Json(RecentErrors { errors: failed.into_iter().map(recent_error).collect() }))
 }
 
+/// A failed turn as listed. An error chunk longer than the store reads is cut, and no longer
+/// JSON: its message says where the whole one is.
 fn recent_error(turn: FailedTurn) -> RecentError {
-    let chunk: serde_json::Value =
-        turn.error_chunk.as_deref().and_then(|c| serde_json::from_str(c).ok()).unwrap_or_default();
+    let chunk: Option<serde_json::Value> =
+        turn.error_chunk.as_deref().map(|c| serde_json::from_str(c).unwrap_or_default());
+    let message = match &chunk {
+        Some(serde_json::Value::Null) => {
+            "(an error too long to list; the conversation's history has it whole)".to_owned()
+        }
+        Some(chunk) => chunk["message"].as_str().unwrap_or_default().to_owned(),
+        None => String::new(),
+    };
+    let chunk = chunk.unwrap_or_default();
     RecentError {
-        message: chunk["message"].as_str().unwrap_or_default().to_owned(),
+        message,
         code: chunk["code"].as_str().map(str::to_owned),
         conversation_id: turn.conversation_id,
         turn_id: turn.turn_id,
@@ -233,6 +243,22 @@ fn quantile(q: f64, classes: &[i64; TTFT_BOUNDS_MS.len() + 1]) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_cut_by_the_store_is_listed_as_too_long() {
+        let failed = |chunk: Option<&str>| FailedTurn {
+            conversation_id: "c".into(),
+            turn_id: "t".into(),
+            model: "m".into(),
+            sealed_at: 1,
+            error_chunk: chunk.map(str::to_owned),
+        };
+        let whole = recent_error(failed(Some(r#"{"type":"error","message":"gone","code":"upstream"}"#)));
+        assert_eq!((whole.message.as_str(), whole.code.as_deref()), ("gone", Some("upstream")));
+        let cut = recent_error(failed(Some(r#"{"type":"error","message":"aaaa"#)));
+        assert!(cut.message.starts_with("(an error too long to list"), "{}", cut.message);
+        assert_eq!(recent_error(failed(None)).message, "");
+    }
 
     #[test]
     fn quantiles_interpolate_within_a_class_as_prometheus_does() {

@@ -38,8 +38,12 @@ pub struct SlotRow {
 /// model, slot, class (-1: none), turns, failed, aborted, output tokens, generation ms.
 type Row = (String, i64, i64, i64, i64, i64, i64, i64);
 
+/// How much of a failed turn's error chunk a listing reads: an agent program's error can be
+/// as long as a line it may print (16 MiB by default), a hundred of them an answer of 1.6 GB.
+pub const MOST_ERROR_CHUNK_BYTES: i64 = 4096;
+
 /// A turn that ended `error`, with the error chunk its log ends with (absent for a turn whose
-/// error was not written: the database refused it).
+/// error was not written: the database refused it), its first `MOST_ERROR_CHUNK_BYTES` only.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FailedTurn {
     pub conversation_id: String,
@@ -98,9 +102,10 @@ impl Store {
     /// last error chunk (found in the turn's own chunks, from its first seq); with `owner`, only
     /// that subject's conversations'.
     pub async fn failed_turns(&self, since: i64, limit: u32, owner: Option<&str>) -> StoreResult<Vec<FailedTurn>> {
-        // Chunks are kept as the JSON text written, whose first key is the type.
+        // Chunks are kept as the JSON text written, whose first key is the type. (PostgreSQL's
+        // substr takes an integer length.)
         let mut sql = "SELECT t.conversation_id, t.turn_id, t.model, t.sealed_at,
-                              (SELECT c.chunk FROM chunks c
+                              (SELECT substr(c.chunk, 1, CAST($3 AS INTEGER)) FROM chunks c
                                WHERE c.conversation_id = t.conversation_id AND c.seq >= coalesce(t.first_seq, 0)
                                  AND c.turn_id = t.turn_id AND c.chunk LIKE '{\"type\":\"error\"%'
                                ORDER BY c.seq DESC LIMIT 1)
@@ -108,10 +113,10 @@ impl Store {
                        AND t.conversation_id NOT IN (SELECT id FROM conversations WHERE deleted_at IS NOT NULL"
             .to_owned();
         if owner.is_some() {
-            sql.push_str(" OR owner IS NULL OR owner <> $3");
+            sql.push_str(" OR owner IS NULL OR owner <> $4");
         }
         sql.push_str(") ORDER BY t.sealed_at DESC, t.turn_id LIMIT $2");
-        let mut query = Query::new(sql).bind(since).bind(i64::from(limit));
+        let mut query = Query::new(sql).bind(since).bind(i64::from(limit)).bind(MOST_ERROR_CHUNK_BYTES);
         if let Some(owner) = owner {
             query = query.bind(owner);
         }
