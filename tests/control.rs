@@ -235,7 +235,8 @@ async fn the_list_reads_in_pages_and_refuses_a_made_up_cursor() {
         assert_eq!(page["total"], 5, "{page}");
         ids.extend(page["conversations"].as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap().to_owned()));
         match page["nextCursor"].as_str() {
-            Some(cursor) => query = format!("limit=2&count=true&cursor={}", urlencoding(cursor)),
+            // A cursor is a time and an id: characters a query takes as they are.
+            Some(cursor) => query = format!("limit=2&count=true&cursor={cursor}"),
             None => break,
         }
     }
@@ -249,20 +250,6 @@ async fn the_list_reads_in_pages_and_refuses_a_made_up_cursor() {
         let (status, body) = server.get(&format!("/conversations?{bad}")).await;
         assert_eq!((status, body["error"].is_string()), (400, true), "{bad}: {body}");
     }
-}
-
-/// Percent-encodes what a query value must not carry raw.
-fn urlencoding(value: &str) -> String {
-    value
-        .bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
 }
 
 #[tokio::test]
