@@ -242,6 +242,14 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1024..=1 << 30))]
     pub max_runtime_request_bytes: u64,
 
+    /// Most bytes of text, reasoning and tool-call arguments one step of an OpenAI-compatible
+    /// upstream streams: past it the turn ends with code `upstream`. Each event is bounded by
+    /// `--max-runtime-line-bytes`; this bounds what a step gathers (its text and arguments go
+    /// up again in the agent loop's next request). 1 KiB to 1 GiB.
+    #[arg(long, env = "DISPATCH_MAX_STEP_BYTES", default_value_t = 16 * 1024 * 1024,
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 30))]
+    pub max_step_bytes: u64,
+
     /// Seconds between keep-alives on idle streams (SSE comment, NDJSON empty line, WebSocket
     /// ping).
     #[arg(long, env = "DISPATCH_KEEPALIVE_SECS", default_value_t = 15)]
@@ -568,6 +576,7 @@ impl Config {
             max_runtime_line_bytes: 16 * 1024 * 1024,
             max_tool_result_bytes: 1024 * 1024,
             max_runtime_request_bytes: 16 * 1024 * 1024,
+            max_step_bytes: 16 * 1024 * 1024,
             keepalive_secs: 15,
             flush_sweeps: 4,
             flush_max_ms: 15,

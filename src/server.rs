@@ -11,7 +11,7 @@ use crate::http::{AppState, Shared, router, ws_router};
 use crate::hub::Hub;
 use crate::metrics::Metrics;
 use crate::net::{ConnectionLimits, serve};
-use crate::runtime::command::CommandRuntime;
+use crate::runtime::command::{AgentTools, CommandRuntime};
 use crate::runtime::openai::{OpenAiRuntime, OpenAiSettings};
 use crate::runtime::scripted::{Script, ScriptedRuntime};
 use crate::runtime::{ModelInfo, Registry, Runtime};
@@ -257,6 +257,7 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                     idle_timeout: Duration::from_secs(c.idle_timeout_secs.max(1)),
                     max_event_bytes: config.max_runtime_line_bytes,
                     max_request_bytes: config.max_runtime_request_bytes,
+                    max_step_bytes: config.max_step_bytes as usize,
                     system_prompt: c.system_prompt.clone(),
                     context_window: c.context_window,
                     params: c.params.clone(),
@@ -266,6 +267,7 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                         servers: c.mcp.clone(),
                         max_steps: c.max_steps,
                         max_parallel: c.max_parallel_tools,
+                        max_calls: c.max_tool_calls,
                     }),
                 };
                 servers_exist(name, &c.mcp, config)?;
@@ -283,8 +285,9 @@ pub fn registry(config: &Config) -> Result<Registry, ConfigError> {
                     return Err(ConfigError::credential(name, why));
                 }
                 servers_exist(name, &c.mcp, config)?;
-                let mcp = (!c.mcp.is_empty()).then(|| crate::tools::client_config(&c.mcp, &config.mcp).to_string());
-                let runtime = CommandRuntime::new(name, c.clone(), config.max_runtime_line_bytes, mcp);
+                let tools =
+                    (!c.mcp.is_empty()).then(|| AgentTools { toolbox: toolbox.clone(), servers: c.mcp.clone() });
+                let runtime = CommandRuntime::new(name, c.clone(), config.max_runtime_line_bytes, tools);
                 (Arc::new(runtime), None, vec!["cwd", "reasoningEffort", "session"])
             }
         };

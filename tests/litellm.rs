@@ -82,6 +82,7 @@ async fn a_real_litellm_proxy_streams_turns_and_its_errors_are_retried_then_repo
             mcp: Vec::new(),
             max_steps: 32,
             max_parallel_tools: 4,
+            max_tool_calls: 16,
         }),
     );
     let server = TestServer::start(config).await;

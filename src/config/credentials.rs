@@ -75,6 +75,10 @@ fn default_max_parallel_tools() -> usize {
     4
 }
 
+fn default_max_tool_calls() -> usize {
+    16
+}
+
 /// Per-subject limits, checked before a turn starts (and a stream opens), counted in the
 /// database so that every gateway of a cluster shares them. Absent: no limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -164,6 +168,9 @@ pub struct OpenAiCredential {
     /// Tool calls of one turn running at once at most.
     #[serde(default = "default_max_parallel_tools")]
     pub max_parallel_tools: usize,
+    /// Tool calls one step runs at most: the calls past it are answered with an error result.
+    #[serde(default = "default_max_tool_calls")]
+    pub max_tool_calls: usize,
 }
 
 /// Parameters an `openai` request carries (absent: not sent, the upstream's default).

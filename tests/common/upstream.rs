@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
@@ -110,6 +110,16 @@ impl FakeUpstream {
     }
 }
 
+/// The first assistant tool call's arguments in `body` that are not JSON.
+fn unparsed_arguments(body: &Value) -> Option<String> {
+    let messages = body["messages"].as_array()?;
+    let calls = messages.iter().filter_map(|m| m["tool_calls"].as_array()).flatten();
+    calls
+        .filter_map(|c| c["function"]["arguments"].as_str())
+        .find(|a| serde_json::from_str::<Value>(a).is_err())
+        .map(str::to_owned)
+}
+
 /// Reads a request head: what was read (the head and whatever came after it) and where the
 /// head ends; None when the peer leaves first.
 pub async fn read_head(socket: &mut TcpStream) -> Option<(Vec<u8>, usize)> {
@@ -153,6 +163,19 @@ async fn serve(mut socket: TcpStream, state: Arc<State>) {
         peer: socket.peer_addr().ok(),
         at: std::time::Instant::now(),
     });
+    // As llama-server does: a request with a tool call whose arguments are not JSON is refused
+    // whole (a reply waiting stays for the next request).
+    if let Some(bad) = unparsed_arguments(&body) {
+        let body =
+            json!({"error": {"code": 500, "message": format!("Failed to parse tool call arguments as JSON: {bad}")}});
+        let body = body.to_string();
+        let response = format!(
+            "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = socket.write_all(response.as_bytes()).await;
+        return;
+    }
     let reply = state.replies.lock().unwrap().pop_front().unwrap_or(Reply::Status(500));
     let stream_head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
     let data = |payloads: &[Value]| payloads.iter().map(|p| format!("data: {p}\n\n")).collect::<String>();

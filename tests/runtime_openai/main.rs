@@ -56,6 +56,7 @@ fn config_with(dir: &std::path::Path, upstream: &FakeUpstream, adjust: impl FnOn
         mcp: Vec::new(),
         max_steps: 32,
         max_parallel_tools: 4,
+        max_tool_calls: 16,
     };
     adjust(&mut credential);
     config.credentials.insert("up".into(), Credential::Openai(credential));
@@ -467,6 +468,7 @@ async fn request_parameters_come_from_the_credential_and_the_model() {
             mcp: Vec::new(),
             max_steps: 32,
             max_parallel_tools: 4,
+            max_tool_calls: 16,
         }),
     );
     config.database = dispatch_gateway::config::Database::Sqlite(dir.path().join("other.db"));

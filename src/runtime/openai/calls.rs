@@ -27,6 +27,9 @@ const PROGRESS_QUEUE: usize = 64;
 pub(super) struct Toolkit {
     pub tools: Arc<TurnTools>,
     pub places: Arc<Semaphore>,
+    /// Calls one step may run (`max_tool_calls`): the rest are answered with an error result,
+    /// so that a prompt cannot make one step run (and the next request carry) hundreds.
+    pub max_calls: usize,
     /// Fires when the turn is stopped or ends: calls in flight are cancelled.
     pub cancel: CancellationToken,
 }
@@ -35,7 +38,10 @@ pub(super) struct Toolkit {
 pub(super) struct Call {
     pub id: String,
     pub name: String,
-    /// The arguments as the model wrote them (sent back up as written).
+    /// The arguments as they go back up: the parsed JSON written again, or, when the model
+    /// wrote no valid JSON, that text as a JSON string, as the history rebuild sends it. Never
+    /// the raw text: an upstream that parses arguments (llama-server) refuses a whole request
+    /// that carries a cut call's `{"message":`.
     pub arguments: String,
     result: Pending,
 }
@@ -44,6 +50,8 @@ enum Pending {
     Running(JoinHandle<(Outcome, u64)>),
     /// Identical to the call at this index: its result is that one's.
     SameAs(usize),
+    /// Not run: past the step's `max_tool_calls`.
+    Refused(usize),
 }
 
 /// The step's calls, started as they complete.
@@ -71,12 +79,14 @@ impl StepCalls {
         name: String,
         arguments: String,
     ) -> Result<(), RuntimeError> {
-        let input: Value = serde_json::from_str(&arguments).unwrap_or_else(|_| Value::String(arguments.clone()));
+        let input: Value = serde_json::from_str(&arguments).unwrap_or(Value::String(arguments));
         send(sink, RawEvent::ToolCall { id: id.clone(), name: name.clone(), input: input.clone() }).await?;
         // Same name, same arguments (as JSON, so spacing aside): run once.
-        let key = (name.clone(), serde_json::to_string(&input).unwrap_or_default());
+        let arguments = input.to_string();
+        let key = (name.clone(), arguments.clone());
         let result = match self.firsts.get(&key) {
             Some(first) => Pending::SameAs(*first),
+            None if self.firsts.len() >= self.kit.max_calls => Pending::Refused(self.kit.max_calls),
             None => {
                 self.firsts.insert(key, self.calls.len());
                 Pending::Running(self.spawn(sink, id.clone(), name.clone(), input))
@@ -139,6 +149,12 @@ impl StepCalls {
                     (Outcome { content: "the call failed inside the gateway".into(), is_error: true }, 0)
                 }),
                 Pending::SameAs(first) => (outcomes[first].0.clone(), 0),
+                Pending::Refused(most) => {
+                    let why = format!(
+                        "not run: the step asked for more than {most} tool calls (the credential's max_tool_calls); ask for fewer at a time"
+                    );
+                    (Outcome { content: why, is_error: true }, 0)
+                }
             };
             send(
                 sink,

@@ -147,6 +147,45 @@ pub(super) fn estimated_tokens(message: &Value) -> u64 {
     (text as u64).div_ceil(4) + 4
 }
 
+/// This turn's earlier steps (assistant calls, tool results, steering) as a request carries
+/// them within `budget` tokens: while they are over it, the oldest tool result, then the oldest
+/// call's arguments and text, is replaced by a line saying what was left out, so that a loop
+/// that calls many tools or reads large results cannot grow its requests without bound. Also
+/// returns how many messages were shortened.
+pub(super) fn fitting_steps(added: &[Value], budget: u64) -> (std::borrow::Cow<'_, [Value]>, usize) {
+    let mut total: u64 = added.iter().map(estimated_tokens).sum();
+    if total <= budget {
+        return (std::borrow::Cow::Borrowed(added), 0);
+    }
+    let mut steps = added.to_vec();
+    let mut shortened = 0;
+    // Results first (they are most of a loop's bytes), then what the model wrote.
+    for role in ["tool", "assistant"] {
+        for message in steps.iter_mut().filter(|m| m["role"] == role) {
+            if total <= budget {
+                return (std::borrow::Cow::Owned(steps), shortened);
+            }
+            let before = estimated_tokens(message);
+            let bytes = message["content"].as_str().map_or(0, str::len)
+                + message.get("tool_calls").map_or(0, |c| c.to_string().len());
+            let note = format!(
+                "[{bytes} bytes left out of this request: the turn's tool calls and results passed its size bound]"
+            );
+            // A short message would only grow.
+            if bytes <= note.len() * 2 {
+                continue;
+            }
+            message["content"] = Value::String(note);
+            for call in message.get_mut("tool_calls").and_then(Value::as_array_mut).into_iter().flatten() {
+                call["function"]["arguments"] = Value::String("{}".into());
+            }
+            total = total - before + estimated_tokens(message);
+            shortened += 1;
+        }
+    }
+    (std::borrow::Cow::Owned(steps), shortened)
+}
+
 /// Leaves out the oldest turns (a user message and what answered it) until the messages fit
 /// `budget` tokens; never the `keep` first (the system prompt), nor the last user message (the
 /// new one) and what follows it. Returns how many messages were left out.

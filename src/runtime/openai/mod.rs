@@ -9,6 +9,7 @@
 //! the usage chunk as usage, `finish_reason` as `done.reason`. Cancelling drops the request,
 //! which closes its connection at once.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,7 +28,7 @@ mod context;
 mod stream;
 
 use self::calls::{StepCalls, Toolkit};
-use self::context::{context_exceeded, estimated_tokens, fitting_messages, prompt_tokens_counted};
+use self::context::{context_exceeded, estimated_tokens, fitting_messages, fitting_steps, prompt_tokens_counted};
 use self::stream::Gathered;
 use super::http_client::{HttpClient, describe};
 use super::{EventSink, RawEvent, Runtime, RuntimeError, RuntimeFuture, TurnRequest};
@@ -58,6 +59,8 @@ pub struct OpenAiSettings {
     pub max_event_bytes: usize,
     /// The most bytes of messages a request carries (`--max-runtime-request-bytes`).
     pub max_request_bytes: u64,
+    /// The most bytes of text, reasoning and tool arguments one step streams (`--max-step-bytes`).
+    pub max_step_bytes: usize,
     pub system_prompt: Option<String>,
     /// Tokens the models take; the oldest turns are left out so a request fits.
     pub context_window: Option<u64>,
@@ -79,6 +82,8 @@ pub struct ToolSettings {
     pub max_steps: u32,
     /// Calls of one turn running at once.
     pub max_parallel: usize,
+    /// Calls one step may run (`max_tool_calls`).
+    pub max_calls: usize,
 }
 
 impl std::fmt::Debug for ToolSettings {
@@ -188,9 +193,15 @@ impl OpenAiRuntime {
         // The size bound, in the estimate's own units (four bytes a token), holds whatever the
         // calibration: it bounds the gateway's read and the request, not the model's count.
         let size = self.settings.max_request_bytes / 4;
-        // This turn's earlier steps go up whole, after the history fitted to what they leave.
-        let added: u64 = step.added.iter().map(estimated_tokens).sum();
-        let budget = window.map_or(size, |w| w.min(size)).saturating_sub(added);
+        // This turn's earlier steps go up after the history fitted to what they leave; they
+        // take at most three quarters of the bound (the new prompt needs room too), their
+        // oldest results left out first when they would take more.
+        let bound = window.map_or(size, |w| w.min(size));
+        let (added, dropped) = fitting_steps(step.added, bound / 4 * 3);
+        if dropped > 0 {
+            tracing::info!(dropped, "left older tool results out of the request to fit its size bound");
+        }
+        let budget = bound.saturating_sub(added.iter().map(estimated_tokens).sum());
         let history = req
             .history
             .as_ref()
@@ -208,7 +219,7 @@ impl OpenAiRuntime {
             tracing::info!(left_out, "left the oldest messages out of the request to fit the context window");
         }
         let mut messages = messages;
-        messages.extend(step.added.iter().cloned());
+        messages.extend(added.into_owned());
         let (estimate, count) = (messages.iter().map(estimated_tokens).sum(), messages.len());
         let mut body = Map::new();
         body.insert("model".into(), json!(req.model));
@@ -397,6 +408,7 @@ impl OpenAiRuntime {
         let kit = Toolkit {
             tools: Arc::new(tools),
             places: Arc::new(tokio::sync::Semaphore::new(settings.max_parallel.max(1))),
+            max_calls: settings.max_calls.max(1),
             cancel: calls_cancel,
         };
         let mut added: Vec<Value> = Vec::new();
@@ -405,6 +417,11 @@ impl OpenAiRuntime {
             let (reason, text, calls) = self.step(&req, &sink, &step, Some(kit.clone())).await?;
             let Some(calls) = calls else { return send(RawEvent::Finish { reason }).await };
             added.extend(calls.finish(&sink, text).await?);
+            // What the turn holds of its steps stays within what a request may carry: older
+            // results are replaced by a note now, not only left out of each request.
+            if let (Cow::Owned(fitted), _) = fitting_steps(&added, self.settings.max_request_bytes / 4 / 4 * 3) {
+                added = fitted;
+            }
             // Steering: what was queued meanwhile goes to the model before its next step.
             for message in req.inbox.drain() {
                 send(RawEvent::UserInput(message.text.clone())).await?;
@@ -432,7 +449,7 @@ impl OpenAiRuntime {
         };
         send(RawEvent::StepStart).await?;
         let (response, estimate) = self.open(req, step, &send).await?;
-        let mut gathered = Gathered::new(estimate, kit.map(StepCalls::new));
+        let mut gathered = Gathered::new(estimate, kit.map(StepCalls::new), self.settings.max_step_bytes);
         // The bytes since the last whole event, bounded: an upstream that never ends an
         // event must not grow the parser's buffer without end.
         let since_event = Arc::new(AtomicUsize::new(0));

@@ -49,13 +49,33 @@ pub(super) struct Gathered {
     usage: Option<Usage>,
     /// The estimated tokens of the request's messages, to calibrate by the usage.
     estimate: u64,
+    /// Bytes of text, reasoning and call arguments streamed so far, and the most a step may
+    /// stream (`--max-step-bytes`): each event is bounded on its own, and this bounds their
+    /// sum, which the step holds (its text and arguments go up again in the next request).
+    streamed: usize,
+    most: usize,
 }
 
 impl Gathered {
     /// A step's gathering, for a request of `estimate` tokens; with tools, its calls start as
     /// they complete.
-    pub(super) fn new(estimate: u64, started: Option<StepCalls>) -> Gathered {
-        Gathered { estimate, started, ..Gathered::default() }
+    pub(super) fn new(estimate: u64, started: Option<StepCalls>, most: usize) -> Gathered {
+        Gathered { estimate, started, most, ..Gathered::default() }
+    }
+
+    /// Counts `bytes` more of the step; past the bound the turn ends (`upstream`).
+    fn count(&mut self, bytes: usize) -> Result<(), RuntimeError> {
+        self.streamed += bytes;
+        if self.streamed > self.most {
+            return Err(RuntimeError::turn(
+                format!(
+                    "the upstream streamed more than {} bytes of text and tool arguments in one step (--max-step-bytes)",
+                    self.most
+                ),
+                ErrorCode::Upstream,
+            ));
+        }
+        Ok(())
     }
 
     /// Maps one `data:` chunk, sending what it carries.
@@ -81,18 +101,23 @@ impl Gathered {
             .iter()
             .find_map(|key| delta.get(*key).and_then(Value::as_str).filter(|t| !t.is_empty()));
         if let Some(text) = reasoning {
+            self.count(text.len())?;
             self.content = true;
             send(RawEvent::ReasoningDelta(text.to_owned())).await?;
         }
         // A refusal is what the model answered: the user reads it as the reply.
         for key in ["content", "refusal"] {
             if let Some(text) = delta.get(key).and_then(Value::as_str).filter(|t| !t.is_empty()) {
+                self.count(text.len())?;
                 self.content = true;
                 self.text.push_str(text);
                 send(RawEvent::TextDelta(text.to_owned())).await?;
             }
         }
         for call in delta.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
+            let name = call.pointer("/function/name").and_then(Value::as_str).map_or(0, str::len);
+            let arguments = call.pointer("/function/arguments").and_then(Value::as_str).map_or(0, str::len);
+            self.count(name + arguments)?;
             self.content = true;
             let index = call.get("index").and_then(Value::as_u64).unwrap_or(0);
             let partial = self.calls.entry(index).or_default();

@@ -7,6 +7,8 @@
 //! `DISPATCH_TEST_MCP_PYTHON` (a Python with `mcp`); without them the tests are skipped, unless
 //! `DISPATCH_REQUIRE_MCP` is set.
 
+mod bounds;
+#[path = "../common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -89,6 +91,7 @@ fn config(dir: &Path, upstream: &FakeUpstream, servers: Vec<(&str, McpServer)>) 
             mcp: names,
             max_steps: 8,
             max_parallel_tools: 4,
+            max_tool_calls: 16,
         }),
     );
     config
