@@ -8,6 +8,8 @@
 /// `hub::Remote` and `turn::Cluster`, and a build without it has none).
 #[cfg(feature = "cluster")]
 pub mod bus;
+/// What a child process (agent program, MCP server) keeps of the gateway's environment.
+pub mod child_env;
 /// The program: configuration, logs, signals, serving until shutdown.
 pub mod cli;
 /// Flags and environment.

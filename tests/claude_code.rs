@@ -236,11 +236,13 @@ async fn the_real_claude_code_cli_streams_runs_tools_with_leave_follows_the_mode
     server.stop().await;
 }
 
-/// A `command` credential with `mcp` hands the gateway's MCP servers to Claude Code through
-/// `--mcp-config` (spec 9.3): the real CLI calls a tool of the configured server (the test's
-/// Python server over stdio, made with the `mcp` package).
+/// A `command` credential with `mcp` hands the gateway's MCP servers to Claude Code through the
+/// gateway's own MCP endpoint: the real CLI calls a tool of the configured server (the test's
+/// Python server over stdio, made with the `mcp` package); a tool outside the server's `tools`
+/// is neither offered to the model nor callable; the server and the agent see none of the
+/// gateway's environment.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn claude_code_calls_a_tool_of_a_configured_mcp_server() {
+async fn claude_code_gets_only_the_allowed_tools_and_none_of_the_gateways_environment() {
     let install = "npm install @anthropic-ai/claude-code";
     let Some(claude) = program("DISPATCH_TEST_CLAUDE", "claude", "DISPATCH_REQUIRE_CLAUDE", install) else { return };
     let Some(python) = std::env::var_os("DISPATCH_TEST_MCP_PYTHON") else {
@@ -264,7 +266,11 @@ async fn claude_code_calls_a_tool_of_a_configured_mcp_server() {
     .collect();
     let mut config = test_config(dir.path());
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/tools/server.py");
-    let server = json!({"command": python.to_string_lossy(), "args": [script, "stdio"]});
+    let server =
+        json!({"command": python.to_string_lossy(), "args": [script, "stdio"], "tools": ["shout", "environment"]});
+    // A secret of the gateway's own, as an upstream key would be.
+    // SAFETY: set before the gateway starts; no other thread of this test reads the environment.
+    unsafe { std::env::set_var("DISPATCH_TEST_GATEWAY_SECRET", "gateway-only-4c1d") };
     config.mcp.insert("py".into(), serde_json::from_value(server).unwrap());
     let credential = CommandCredential {
         program: claude.display().to_string(),
@@ -289,5 +295,39 @@ async fn claude_code_calls_a_tool_of_a_configured_mcp_server() {
     assert_eq!(result["isError"], false, "{result}");
     assert!(result["content"].as_str().unwrap().contains("FROM CLAUDE"), "the server ran the call: {result}");
     assert!(text_of(&events).contains("FROM CLAUDE"), "the model read it: {events:?}");
+
+    // The model was offered the allowed tools of the server, and no other.
+    let offered: Vec<String> = last_streamed(&dir)["body"]["tools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t["name"].as_str().filter(|n| n.starts_with("mcp__")).map(str::to_owned))
+        .collect();
+    assert_eq!(offered, ["mcp__py__environment", "mcp__py__shout"], "only the allow-list");
+
+    // A tool outside the list, asked for anyway: not run.
+    let events = server.chat("forbidden", "use the forbidden mcp tool").await;
+    let result = events.iter().find(|e| e["type"] == "tool-result").unwrap_or_else(|| panic!("a result: {events:?}"));
+    assert_eq!(result["isError"], true, "{result}");
+    assert!(!result["content"].as_str().unwrap().contains("slept"), "the server never ran it: {result}");
+
+    // The server's environment: the basics, nothing of the gateway's.
+    let events = server.chat("environment", "show the environment mcp tool").await;
+    let result = events.iter().find(|e| e["type"] == "tool-result").unwrap_or_else(|| panic!("a result: {events:?}"));
+    let environment = result["content"].as_str().unwrap();
+    assert!(environment.contains("PATH="), "the server printed its environment: {result}");
+    for secret in ["gateway-only-4c1d", "DISPATCH_TEST_GATEWAY_SECRET", "sk-ant-test", "DISPATCH_REQUIRE"] {
+        assert!(!environment.contains(secret), "{secret} reached the server: {environment}");
+    }
+
+    // The agent's own environment (its Bash tool runs `env`): its credential's `env`, nothing
+    // of the gateway's.
+    let events = server.chat("agent-env", "printenv tool").await;
+    let result = events.iter().find(|e| e["type"] == "tool-result").unwrap_or_else(|| panic!("a result: {events:?}"));
+    let environment = result["content"].as_str().unwrap();
+    assert!(environment.contains("ANTHROPIC_BASE_URL="), "the agent printed its environment: {result}");
+    for secret in ["gateway-only-4c1d", "DISPATCH_TEST_GATEWAY_SECRET", "DISPATCH_REQUIRE"] {
+        assert!(!environment.contains(secret), "{secret} reached the agent: {environment}");
+    }
     server.stop().await;
 }

@@ -7,6 +7,7 @@
 //! Tools are named `<server>__<tool>` for the model. Nothing here blocks a turn on a dead
 //! server: a server that is not ready gives no tools, and a call to it an error result.
 
+mod bridge;
 mod content;
 mod server;
 
@@ -21,6 +22,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use self::bridge::{Pass, TOKEN_VARIABLE};
 pub use self::content::{capped, result_text};
 use self::server::{Connection, State};
 use crate::config::{McpScope, McpServer};
@@ -68,31 +70,6 @@ pub fn check_server(name: &str, spec: &McpServer) -> Result<(), String> {
     Ok(())
 }
 
-/// The servers `names` as an MCP client's configuration, for an agent program that runs its own
-/// tools (spec 9.3): `{"mcpServers": {name: ...}}` as Claude Code's `--mcp-config` reads it,
-/// stdio servers as commands, url servers as `http` entries. A url server's token goes as
-/// `${VAR}`, expanded by the agent from its environment: never written into its arguments,
-/// which every local user may read.
-pub fn client_config(names: &[String], specs: &BTreeMap<String, McpServer>) -> Value {
-    let mut servers = serde_json::Map::new();
-    for name in names {
-        let Some(spec) = specs.get(name) else { continue };
-        let entry = match (&spec.command, &spec.url) {
-            (Some(command), _) => json!({"type": "stdio", "command": command, "args": spec.args, "env": spec.env}),
-            (None, Some(url)) => {
-                let mut entry = json!({"type": "http", "url": url});
-                if let Some(var) = &spec.token_env {
-                    entry["headers"] = json!({"Authorization": format!("Bearer ${{{var}}}")});
-                }
-                entry
-            }
-            (None, None) => continue,
-        };
-        servers.insert(name.clone(), entry);
-    }
-    json!({"mcpServers": servers})
-}
-
 /// Calls, errors and time per server and tool (`/metrics`).
 #[derive(Debug, Clone, Default)]
 pub struct ToolStats {
@@ -119,6 +96,8 @@ pub struct Toolbox {
     max_result: usize,
     tasks: TaskTracker,
     closing: CancellationToken,
+    /// The MCP endpoint for agent programs, listening once the first one needs it.
+    bridge: Mutex<Option<Arc<bridge::Bridge>>>,
 }
 
 /// What `GET /tools` says of one server.
@@ -178,7 +157,13 @@ impl Toolbox {
                 (name.clone(), Arc::new(server))
             })
             .collect();
-        Toolbox { servers, max_result, tasks: TaskTracker::new(), closing: CancellationToken::new() }
+        Toolbox {
+            servers,
+            max_result,
+            tasks: TaskTracker::new(),
+            closing: CancellationToken::new(),
+            bridge: Default::default(),
+        }
     }
 
     /// Starts the shared servers, in the background (a turn that needs one waits for it at
@@ -256,6 +241,24 @@ impl Toolbox {
             }
         }
         TurnTools { tools, down, max_result: self.max_result }
+    }
+
+    /// A way in for an agent program of `conversation` working in `folder` to the servers
+    /// `names`, through the gateway's MCP endpoint (`bridge.rs`): the tools the `openai` loop
+    /// would get, nothing else. Fails when the endpoint cannot listen.
+    pub fn pass(
+        self: &Arc<Self>,
+        names: &[String],
+        conversation: &str,
+        folder: Option<PathBuf>,
+    ) -> Result<Pass, String> {
+        let mut bridge = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
+        if bridge.is_none() {
+            let started = bridge::Bridge::start(Arc::downgrade(self), &self.tasks, self.closing.clone())
+                .map_err(|e| format!("the MCP endpoint for agent programs cannot listen: {e}"))?;
+            *bridge = Some(started);
+        }
+        Ok(bridge.as_ref().expect("started above").pass(names, conversation, folder))
     }
 
     /// Every server and its tools, for `GET /tools`.
@@ -474,6 +477,11 @@ impl TurnTools {
 
     pub fn is_empty(&self) -> bool {
         self.tools.is_empty()
+    }
+
+    /// Each tool's name (`<server>__<tool>`), description and input schema.
+    pub fn listed(&self) -> impl Iterator<Item = (&str, Option<&str>, &Value)> {
+        self.tools.iter().map(|t| (t.name.as_str(), t.description.as_deref(), &t.input_schema))
     }
 
     /// The request's `tools`: Chat Completions function definitions.

@@ -295,6 +295,9 @@ impl Connection {
             let service = match (&spec.command, &spec.url) {
                 (Some(program), _) => {
                     let mut command = tokio::process::Command::new(program);
+                    // Nothing of the gateway's environment but the basics: a server that
+                    // prints its environment shows none of the gateway's secrets.
+                    crate::child_env::clean(&mut command);
                     command.args(&spec.args).envs(&spec.env).kill_on_drop(true);
                     if let Some(folder) = &self.folder {
                         command.current_dir(folder);

@@ -4,6 +4,7 @@
 mod common;
 mod faults;
 mod processes;
+mod tools;
 mod transcripts;
 
 use std::collections::BTreeMap;

@@ -1,4 +1,4 @@
-"""A small MCP server made with the `mcp` package, for tests/tools.rs.
+"""A small MCP server made with the `mcp` package, for tests/tools/.
 
 `server.py http PORT TOKEN`: Streamable HTTP on 127.0.0.1:PORT at /mcp, refusing requests
 without `Authorization: Bearer TOKEN`. `server.py stdio`: the same tools over stdio.
@@ -54,6 +54,12 @@ async def grow(ctx: Context) -> str:
     server.add_tool(grown)
     await ctx.request_context.session.send_tool_list_changed()
     return "added grown"
+
+
+@server.tool()
+def environment() -> str:
+    """The server's environment, one NAME=value a line."""
+    return "\n".join(f"{k}={v}" for k, v in sorted(os.environ.items()))
 
 
 @server.tool()

@@ -29,6 +29,8 @@ pub(super) struct Agent {
     pub(super) grace: Duration,
     /// Its place among the credential's `max_processes`, given back when it is dropped.
     pub(super) _place: OwnedSemaphorePermit,
+    /// Its way to the gateway's MCP servers, withdrawn when it is dropped.
+    pub(super) _pass: Option<crate::tools::Pass>,
 }
 
 impl Agent {

@@ -81,18 +81,25 @@ struct Inner {
     turns: TaskTracker,
     /// Processes started so far (`dispatch_agent_starts_total`).
     started: std::sync::atomic::AtomicU64,
-    /// The credential's MCP servers as an MCP client's configuration (`{"mcpServers": ...}`):
-    /// Claude Code gets it as `--mcp-config`, the gateway's own dialect as `DISPATCH_MCP_CONFIG`.
-    mcp_config: Option<String>,
+    /// The credential's MCP servers, reached through the gateway's MCP endpoint: each process
+    /// gets a pass (Claude Code as `--mcp-config`, the gateway's own dialect as
+    /// `DISPATCH_MCP_CONFIG`), so that it sees the tools the `openai` loop sees and no more.
+    tools: Option<AgentTools>,
+}
+
+/// A credential's MCP servers (`mcp`) and the toolbox that runs them.
+pub struct AgentTools {
+    pub toolbox: Arc<crate::tools::Toolbox>,
+    pub servers: Vec<String>,
 }
 
 impl CommandRuntime {
-    /// `mcp_config`: see [`Inner::mcp_config`].
+    /// `tools`: see [`Inner::tools`].
     pub fn new(
         name: &str,
         mut settings: CommandCredential,
         max_line: usize,
-        mcp_config: Option<String>,
+        tools: Option<AgentTools>,
     ) -> CommandRuntime {
         settings.max_processes = settings.max_processes.max(1);
         // The folders its agents may work in, as they are now (symlinks followed): its
@@ -113,7 +120,7 @@ impl CommandRuntime {
                 fence: CancellationToken::new(),
                 turns: TaskTracker::new(),
                 started: std::sync::atomic::AtomicU64::new(0),
-                mcp_config,
+                tools,
             }),
         }
     }
@@ -192,14 +199,32 @@ impl Inner {
         let s = &self.settings;
         let started_for = self.started_for(req);
         let mut command = tokio::process::Command::new(&s.program);
+        // The gateway's secrets stay home: the agent gets the basics and its credential's `env`.
+        crate::child_env::clean(&mut command);
         command.args(&s.args);
+        let pass = match &self.tools {
+            Some(tools) => {
+                let folder = started_for
+                    .cwd
+                    .as_ref()
+                    .and_then(|cwd| tools.toolbox.folder(&tools.servers, &cwd.to_string_lossy()));
+                let pass = tools
+                    .toolbox
+                    .pass(&tools.servers, &req.conversation_id, folder)
+                    .map_err(|e| RuntimeError::turn(e, ErrorCode::AgentSpawn))?;
+                command.env(crate::tools::TOKEN_VARIABLE, pass.token());
+                Some(pass)
+            }
+            None => None,
+        };
+        let mcp = pass.as_ref().map(|p| p.config().to_string());
         if s.dialect == Dialect::ClaudeStreamJson {
             command.args(claude_args(&started_for, req.session_id.as_deref(), s.unattended));
             // Only the gateway's servers: the agent sees the tool set every runtime sees.
-            if let Some(mcp) = &self.mcp_config {
+            if let Some(mcp) = &mcp {
                 command.args(["--mcp-config", mcp, "--strict-mcp-config"]);
             }
-        } else if let Some(mcp) = &self.mcp_config {
+        } else if let Some(mcp) = &mcp {
             command.env("DISPATCH_MCP_CONFIG", mcp);
         }
         if let Some(session) = &req.session_id {
@@ -247,7 +272,7 @@ impl Inner {
         let stdout = BoundedLines::new(stdout, self.max_line);
         let grace = Duration::from_secs(s.grace_secs);
         let (session, last_turn) = (req.session_id.clone(), req.previous_turn_id.clone());
-        Ok(Agent { child, stdin, stdout, pgid, started_for, session, last_turn, grace, _place: place })
+        Ok(Agent { child, stdin, stdout, pgid, started_for, session, last_turn, grace, _place: place, _pass: pass })
     }
 
     /// One turn on the conversation's process; whatever its end, the idle timer is armed.
@@ -508,8 +533,14 @@ enum Outcome {
 }
 
 impl Runtime for CommandRuntime {
+    /// Inside the credential's roots, and inside its conversation servers' roots when it has
+    /// any (they start in the agent's folder).
     fn folder(&self, cwd: &str) -> Option<String> {
-        crate::folders::inside(&self.inner.roots, cwd).map(|path| path.to_string_lossy().into_owned())
+        let inside = crate::folders::inside(&self.inner.roots, cwd)?.to_string_lossy().into_owned();
+        match &self.inner.tools {
+            Some(t) if t.toolbox.uses_folders(&t.servers) => t.toolbox.folder(&t.servers, &inside).map(|_| inside),
+            _ => Some(inside),
+        }
     }
 
     fn processes(&self) -> Option<crate::metrics::Processes> {
