@@ -92,11 +92,23 @@ onUnauthorized(() => {
   message.textContent = "This gateway needs you to sign in: paste a token or one of its API keys.";
   askForKey();
 });
+// Sent here to sign in by a page of the gateway's web client (`/?next=/app/...`): once signed
+// in, back to it. Only a path of this origin (never `//host`), so the link cannot lead away.
+function goBack(session) {
+  const next = new URLSearchParams(location.search).get("next");
+  if (session && next && /^\/(?![\/\\])/.test(next)) {
+    location.assign(next);
+    return true;
+  }
+  return false;
+}
 form.addEventListener("submit", async (event) => {
   event.preventDefault();
   const token = input.value.trim();
+  let session;
   try {
-    showWho(await signIn(token));
+    session = await signIn(token);
+    showWho(session);
   } catch (e) {
     message.textContent =
       e instanceof ApiError && e.status === 401 ? "The gateway refused that token or key. " + e.message : e.message;
@@ -104,6 +116,7 @@ form.addEventListener("submit", async (event) => {
   }
   input.value = "";
   dialog.close("key");
+  if (goBack(session)) return;
   feed.restart();
   route();
 });
@@ -130,5 +143,9 @@ dialog.addEventListener("close", () => {
 });
 
 window.addEventListener("hashchange", route);
-whoAmI().then(showWho, () => {});
+whoAmI().then((session) => {
+  showWho(session);
+  // Signed in already (another tab): straight back to the page that sent the reader here.
+  if (session && session.subject !== "anonymous") goBack(session);
+}, () => {});
 route();

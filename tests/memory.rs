@@ -188,3 +188,128 @@ async fn hostile_shapes_at_their_caps_stay_within_the_documented_bounds() {
         assert!(during <= before + bound, "{shape}: {before} MiB before, {during} MiB during; bound +{bound} MiB");
     }
 }
+
+/// The agent loop and `--web-root` at their bounds (docs/security.md): an upstream that asks
+/// for 200 calls of a 1 MiB result a step (`max_tool_calls` 16, requests within 16 MiB), one
+/// that streams 128 MiB of text in 1 MiB events (`--max-step-bytes` 16 MiB), and 16 readers of
+/// a 32 MiB file of the web root that stop reading (a 64 KiB chunk each, and the connection's
+/// buffer). Before the bounds these grew the gateway by ~1 GiB, ~1.3 GiB and 512 MiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_loop_and_the_web_root_stay_within_their_bounds() {
+    use common::upstream::{FakeUpstream, Reply};
+    let dir = tempfile::tempdir().unwrap();
+    let web = dir.path().join("web");
+    std::fs::create_dir_all(&web).unwrap();
+    std::fs::write(web.join("index.html"), "<!doctype html>").unwrap();
+    std::fs::write(web.join("big.bin"), vec![b'b'; 32 * MIB as usize]).unwrap();
+
+    // A step of 200 calls of a 1 MiB result; three of them, then an answer.
+    let calls: Vec<serde_json::Value> = (0..200)
+        .map(|i| {
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, "id": format!("c{i}"),
+                "type": "function", "function": {"name": "py__big", "arguments": format!("{{\"size\": {}}}", MIB + i)}}]}}]})
+        })
+        .chain([json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})])
+        .collect();
+    let says =
+        Reply::Stream(vec![json!({"choices": [{"index": 0, "delta": {"content": "done"}, "finish_reason": "stop"}]})]);
+    let mib_text = "t".repeat(MIB as usize - 64);
+    let text: Vec<serde_json::Value> =
+        (0..128).map(|_| json!({"choices": [{"index": 0, "delta": {"content": mib_text}}]})).collect();
+    let python = std::env::var("DISPATCH_TEST_MCP_PYTHON").ok();
+    assert!(python.is_some() || std::env::var_os("DISPATCH_REQUIRE_MCP").is_none(), "a Python with `mcp` is required");
+    let mut replies = vec![Reply::Stream(text)];
+    if python.is_some() {
+        replies.extend([Reply::Stream(calls.clone()), Reply::Stream(calls.clone()), Reply::Stream(calls), says]);
+    }
+    let upstream = FakeUpstream::start(replies).await;
+    let server_py = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tools/server.py");
+    let mut toml =
+        format!("[credentials.up]\nkind = \"openai\"\nbase_url = \"{}\"\nmodels = [\"m\"]\n", upstream.base_url());
+    if let Some(python) = &python {
+        toml += &format!(
+            "mcp = [\"py\"]\n\n[mcp.py]\ncommand = {python:?}\nargs = [{:?}, \"stdio\"]\nscope = \"shared\"\n",
+            server_py.display().to_string()
+        );
+    }
+    std::fs::write(dir.path().join("gateway.toml"), toml).unwrap();
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
+        .args(["--listen", &addr.to_string(), "--database", dir.path().join("g.db").to_str().unwrap()])
+        .args(["--config", dir.path().join("gateway.toml").to_str().unwrap()])
+        .args(["--web-root", web.to_str().unwrap(), "--turn-buffer-max-bytes", &(8 * MIB).to_string()])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let child = Child(child);
+    let pid = child.0.id();
+    let client = reqwest::Client::new();
+    let url = |path: &str| format!("http://{addr}{path}");
+    assert!(
+        common::eventually(200, || async { client.get(url("/health")).send().await.is_ok() }).await,
+        "the gateway starts"
+    );
+    let idle = |id: &'static str| {
+        let client = client.clone();
+        let status = url(&format!("/conversations/{id}/status"));
+        async move {
+            common::eventually(600, || async {
+                let s = client.get(&status).send().await.unwrap();
+                s.json::<serde_json::Value>().await.unwrap()["isActive"] == false
+            })
+            .await
+        }
+    };
+    let mut report = Vec::new();
+
+    // A step that streams 128 MiB of text.
+    let before = rss_mib(pid);
+    let r = client.post(url("/conversations/text/messages")).json(&json!({"message": "talk"})).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let peak = tokio::spawn(peak_over(pid, Duration::from_secs(6)));
+    assert!(idle("text").await, "the turn ends");
+    let during = peak.await.unwrap();
+    // The step's text (16 MiB), and each delta's copies on its way: the wire event, its
+    // framings in the turn's buffer, the log's batch (measured ~9x the step; docs/security.md).
+    report.push(("step text", before, during, 10 * 16 + ALLOWANCE));
+
+    // Three steps of 200 calls of 1 MiB each.
+    if python.is_some() {
+        let before = rss_mib(pid);
+        let r =
+            client.post(url("/conversations/loop/messages")).json(&json!({"message": "read"})).send().await.unwrap();
+        assert_eq!(r.status(), 202);
+        let peak = tokio::spawn(peak_over(pid, Duration::from_secs(15)));
+        assert!(idle("loop").await, "the loop ends");
+        let during = peak.await.unwrap();
+        let requests = upstream.requests();
+        let largest = requests.iter().map(|r| r.body.to_string().len()).max().unwrap();
+        assert!(largest <= 17 * MIB as usize, "the largest request: {largest} bytes");
+        // A step's 16 results, what the turn keeps of its steps (12 MiB), the request as JSON and
+        // as bytes (16 MiB each), the results in the turn's buffer.
+        report.push(("loop", before, during, 16 + 12 + 2 * 16 + 8 + ALLOWANCE));
+    }
+
+    // 16 readers of a 32 MiB file that stop reading.
+    let before = rss_mib(pid);
+    let mut readers = Vec::new();
+    for _ in 0..16 {
+        let mut socket = stalled(addr).await;
+        socket.write_all(b"GET /app/big.bin HTTP/1.1\r\nhost: localhost\r\n\r\n").await.unwrap();
+        readers.push(socket);
+    }
+    let during = peak_over(pid, Duration::from_secs(3)).await;
+    drop(readers);
+    report.push(("web root", before, during, 16 + ALLOWANCE));
+
+    let after = rss_mib(pid);
+    for (shape, before, during, bound) in &report {
+        eprintln!("{shape}: resident {before} MiB before, {during} MiB during (bound +{bound} MiB)");
+    }
+    eprintln!("after: {after} MiB");
+    for (shape, before, during, bound) in report {
+        assert!(during <= before + bound, "{shape}: {before} MiB before, {during} MiB during; bound +{bound} MiB");
+    }
+}

@@ -21,8 +21,8 @@ use crate::store::now_ms;
 const PUBLIC: &[&str] = &["/health", "/ready", "/openapi.json", "/", "/auth/session"];
 
 /// Whether anyone may call `path`, keys or not: the probes, the API's description, signing in,
-/// the console's page and modules and a `--web-root` client's files (which hold no data: the
-/// pages ask for a key or token when the API does).
+/// the console's page and modules, and a `--web-root` client's files (which send a request
+/// that is not signed in to the console's sign-in themselves, rather than answer 401).
 pub(super) fn is_public(config: &crate::config::Config, path: &str) -> bool {
     PUBLIC.contains(&path)
         || path.starts_with(super::console::ASSETS)

@@ -209,7 +209,7 @@ pub fn generated_openapi_json() -> String {
 pub fn router(state: AppState) -> Router {
     let router = api().fallback(not_found).method_not_allowed_fallback(method_not_allowed);
     let router = match &state.config.web_root {
-        Some(root) => router.merge(web::router(root.clone(), &state.config.web_path)),
+        Some(root) => router.merge(web::router(root.clone(), &state.config.web_path, state.auth.enabled())),
         None => router,
     };
     #[cfg(feature = "docs-ui")]

@@ -62,9 +62,32 @@ async fn a_web_root_is_served_from_the_gateways_own_origin() {
     std::fs::write(root.join("assets/app.js"), "console.log(1)").unwrap();
     std::fs::write(dir.path().join("outside.txt"), "secret").unwrap();
     let mut config = config_with_secret(dir.path());
-    config.web_root = Some(root);
+    config.web_root = Some(root.clone());
+    std::fs::write(root.join(".env"), "SECRET=hidden").unwrap();
+    std::fs::create_dir_all(root.join(".git")).unwrap();
+    std::fs::write(root.join(".git/config"), "hidden").unwrap();
+    std::os::unix::fs::symlink(root.join(".env"), root.join("env.txt")).unwrap();
     let server = TestServer::start(config).await;
-    let get = |path: &str| server.client.get(server.url(path)).send();
+    // Not signed in: every path is sent to the console's sign-in, with the way back.
+    let anonymous = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    for (path, next) in [("/app/", "%2Fapp%2F"), ("/app/assets/app.js?v=1", "%2Fapp%2Fassets%2Fapp%2Ejs%3Fv%3D1")] {
+        let r = anonymous.get(server.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 303, "{path}");
+        assert_eq!(r.headers()["location"], format!("/?next={next}").as_str(), "{path}");
+    }
+    let token = hs256(user("alice"), SECRET.as_bytes());
+    let get = |path: &str| server.client.get(server.url(path)).bearer_auth(&token).send();
+    // Hidden names are never served, nor through a link to one.
+    for path in ["/app/.env", "/app/.git/config", "/app/%2eenv"] {
+        let r = get(path).await.unwrap();
+        let status = r.status();
+        let body = r.text().await.unwrap();
+        assert!(!body.contains("hidden"), "{path}: {status} {body}");
+        assert_eq!(status, 404, "{path}: {body}");
+        assert!(serde_json::from_str::<Value>(&body).unwrap()["error"].is_string(), "{path}: {body}");
+    }
+    let r = get("/app/env.txt").await.unwrap();
+    assert!(!r.text().await.unwrap().contains("hidden"), "a link to a hidden name is not followed");
     let r = get("/app/assets/app.js").await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "text/javascript; charset=utf-8");
@@ -103,10 +126,9 @@ async fn a_browser_signs_in_once_and_works_with_the_cookie_alone_and_another_sit
     let env = [("GATEWAY", server.url("")), ("TOKEN", token.clone())];
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let report = browser_report("identity/drive.mjs", &chromium, &playwright, &env).await;
-    // The page: refused before signing in, then everything with the cookie alone.
+    // The page: sent to sign in, then back, and everything with the cookie alone.
     let client = &report["client"];
-    assert_eq!(client["before"], 401, "{client}");
-    assert_eq!(client["signIn"], 204, "{client}");
+    assert_eq!(report["redirected"], "/?next=%2Fapp%2F", "sent to the console's sign-in with a way back");
     assert_eq!(client["who"]["subject"], "alice", "{client}");
     assert_eq!(client["list"], 200, "{client}");
     assert_eq!(client["sent"], 202, "{client}");

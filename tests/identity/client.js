@@ -1,8 +1,7 @@
-// A web client as a team would serve it with `--web-root`: it signs in once with the token its
-// address carries, then reads, streams (SSE and WebSocket) and sends with nothing but the
+// A web client as a team would serve it with `--web-root`: signed in once through the
+// console's sign-in, it reads, streams (SSE and WebSocket) and sends with nothing but the
 // session cookie the browser keeps. It writes what it saw into #result (tests/identity.rs).
 
-const token = new URLSearchParams(location.hash.slice(1)).get("token");
 const out = {};
 
 async function status(method, path, body) {
@@ -52,8 +51,6 @@ function wsTurn(id) {
 
 (async () => {
   try {
-    out.before = (await status("GET", "/conversations")).status;
-    out.signIn = (await status("POST", "/auth/session", { token })).status;
     out.who = JSON.parse((await status("GET", "/auth/session")).body);
     out.list = (await status("GET", "/conversations")).status;
     out.sse = await sseTurn("web-sse");

@@ -1,5 +1,6 @@
-// A browser signs in once on a page the gateway serves from `--web-root` and then uses the API
-// with the session cookie alone (`client.js`); a page of another site then tries to use that
+// A browser opens a page the gateway serves from `--web-root`, is sent to the console's
+// sign-in, signs in once there, comes back and then uses the API with the session cookie alone
+// (`client.js`); a page of another site then tries to use that
 // cookie. Prints one JSON line of what each page could do; tests/identity.rs judges it.
 
 import http from "node:http";
@@ -49,7 +50,14 @@ try {
   const page = await context.newPage();
   const errors = [];
   page.on("pageerror", (e) => errors.push(String(e)));
-  await page.goto(`${GATEWAY}/app/#token=${encodeURIComponent(TOKEN)}`);
+  // Not signed in: the web client's page sends the reader to the console's sign-in, which
+  // comes back to it once signed in.
+  await page.goto(`${GATEWAY}/app/`);
+  const asked = new URL(page.url());
+  report.redirected = asked.pathname + asked.search;
+  await page.fill("#key-input", TOKEN);
+  await page.press("#key-input", "Enter");
+  await page.waitForURL(`${GATEWAY}/app/`, { timeout: 30000 });
   report.client = JSON.parse(await page.locator("#result").textContent({ timeout: 60000 }));
   report.cookies = (await context.cookies()).map((c) => ({ name: c.name, httpOnly: c.httpOnly, sameSite: c.sameSite }));
   report.scriptSeesCookie = await page.evaluate(() => document.cookie);
