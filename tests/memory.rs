@@ -61,6 +61,24 @@ impl Drop for Child {
     }
 }
 
+/// The gateway's binary with `flags` on a free loopback port and a database in `dir`, once it
+/// answers `/health`.
+async fn gateway(dir: &std::path::Path, flags: &[[&str; 2]]) -> (Child, std::net::SocketAddr) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
+        .args(["--listen", &addr.to_string(), "--database", dir.join("g.db").to_str().unwrap()])
+        .args(flags.iter().flatten())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let child = Child(child);
+    let client = reqwest::Client::new();
+    let health = format!("http://{addr}/health");
+    assert!(common::eventually(200, || async { client.get(&health).send().await.is_ok() }).await, "the gateway starts");
+    (child, addr)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_shapes_at_their_caps_stay_within_the_documented_bounds() {
     let dir = tempfile::tempdir().unwrap();
@@ -71,25 +89,24 @@ async fn hostile_shapes_at_their_caps_stay_within_the_documented_bounds() {
         dir.path(),
         json!({"rules": [{"match": "tools", "pace": 0, "steps": [{"text": "reading", "toolCalls": calls}]}]}),
     );
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
-        .args(["--listen", &addr.to_string(), "--database", dir.path().join("g.db").to_str().unwrap()])
-        .args(["--scripted-pace", "0", "--scripted-script", script.to_str().unwrap(), "--api-keys", "k"])
-        .args(["--max-body-bytes", &(2 * MIB).to_string(), "--max-reading-bytes", &(16 * MIB).to_string()])
-        .args(["--history-page-bytes", &MIB.to_string(), "--turn-buffer-max-bytes", &(8 * MIB).to_string()])
-        .args(["--replay-max-bytes", &(64 * MIB).to_string(), "--request-timeout-secs", "60"])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let child = Child(child);
+    let (child, addr) = gateway(
+        dir.path(),
+        &[
+            ["--scripted-pace", "0"],
+            ["--scripted-script", script.to_str().unwrap()],
+            ["--api-keys", "k"],
+            ["--max-body-bytes", &(2 * MIB).to_string()],
+            ["--max-reading-bytes", &(16 * MIB).to_string()],
+            ["--history-page-bytes", &MIB.to_string()],
+            ["--turn-buffer-max-bytes", &(8 * MIB).to_string()],
+            ["--replay-max-bytes", &(64 * MIB).to_string()],
+            ["--request-timeout-secs", "60"],
+        ],
+    )
+    .await;
     let pid = child.0.id();
     let client = reqwest::Client::new();
     let url = |path: &str| format!("http://{addr}{path}");
-    assert!(
-        common::eventually(200, || async { client.get(url("/health")).send().await.is_ok() }).await,
-        "the gateway starts"
-    );
     let mut report = Vec::new();
 
     // Bodies: keyless clients are refused from the head; keyed ones fit the budget or get 503.
@@ -234,23 +251,19 @@ async fn the_agent_loop_and_the_web_root_stay_within_their_bounds() {
     }
     std::fs::write(dir.path().join("gateway.toml"), toml).unwrap();
 
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
-        .args(["--listen", &addr.to_string(), "--database", dir.path().join("g.db").to_str().unwrap()])
-        .args(["--config", dir.path().join("gateway.toml").to_str().unwrap()])
-        .args(["--web-root", web.to_str().unwrap(), "--turn-buffer-max-bytes", &(8 * MIB).to_string()])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let child = Child(child);
+    let config = dir.path().join("gateway.toml");
+    let (child, addr) = gateway(
+        dir.path(),
+        &[
+            ["--config", config.to_str().unwrap()],
+            ["--web-root", web.to_str().unwrap()],
+            ["--turn-buffer-max-bytes", &(8 * MIB).to_string()],
+        ],
+    )
+    .await;
     let pid = child.0.id();
     let client = reqwest::Client::new();
     let url = |path: &str| format!("http://{addr}{path}");
-    assert!(
-        common::eventually(200, || async { client.get(url("/health")).send().await.is_ok() }).await,
-        "the gateway starts"
-    );
     let idle = |id: &'static str| {
         let client = client.clone();
         let status = url(&format!("/conversations/{id}/status"));
