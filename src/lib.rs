@@ -26,6 +26,8 @@ pub use dispatch_fanout::hub;
 pub mod identity;
 /// Live streams between the routes that open them and the connections that serve them.
 pub mod live;
+/// Client-chosen text as it goes into log lines: control characters escaped.
+pub mod log_text;
 /// Counters for `GET /metrics`.
 pub mod metrics;
 /// The listening socket: connections that stop draining are closed.

@@ -98,7 +98,7 @@ pub async fn begin_session(
     let id = random_id();
     let session = StoredSession { subject: identity.subject.to_string(), admin: identity.admin, expires_at };
     state.store.begin_session(&crate::identity::session_hash(&id), &session, now).await?;
-    tracing::info!(target: "dispatch::audit", subject = %identity.subject, admin = identity.admin, "signed in");
+    tracing::info!(target: "dispatch::audit", subject = %crate::log_text::Escaped(&identity.subject), admin = identity.admin, "signed in");
     let max_age = ((expires_at - now) / 1000).max(0);
     let secure = if secure_request(&state, &headers) { "; Secure" } else { "" };
     let cookie = format!("{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age}{secure}");

@@ -284,7 +284,7 @@ async fn authenticate(State(state): State<AppState>, mut req: Request, next: Nex
     let response = next.run(req).await;
     tracing::info!(
         target: "dispatch::audit",
-        subject = %subject,
+        subject = %crate::log_text::Escaped(&subject),
         admin,
         method = %method,
         path = %path,

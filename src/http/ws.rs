@@ -167,7 +167,7 @@ impl WsOps {
     }
 
     async fn chat_send(&self, session: &mut Session, op: &JsonObject, conversation_id: Option<&str>) {
-        tracing::info!(target: "dispatch::audit", subject = %self.caller.subject, admin = self.caller.admin, op = "chat.send", conversation = conversation_id.unwrap_or("(new)"), "state change");
+        tracing::info!(target: "dispatch::audit", subject = %crate::log_text::Escaped(&self.caller.subject), admin = self.caller.admin, op = "chat.send", conversation = %crate::log_text::Escaped(conversation_id.unwrap_or("(new)")), "state change");
         let start = match parse_chat(op, &self.caller) {
             Ok(start) => start,
             Err(e) => return chat_error(session, conversation_id, e.to_string()),
@@ -191,7 +191,7 @@ impl WsOps {
     }
 
     async fn chat_queue(&self, session: &mut Session, op: &JsonObject, conversation_id: Option<&str>) {
-        tracing::info!(target: "dispatch::audit", subject = %self.caller.subject, admin = self.caller.admin, op = "chat.queue", conversation = conversation_id.unwrap_or(""), "state change");
+        tracing::info!(target: "dispatch::audit", subject = %crate::log_text::Escaped(&self.caller.subject), admin = self.caller.admin, op = "chat.queue", conversation = %crate::log_text::Escaped(conversation_id.unwrap_or("")), "state change");
         let Some(id) = conversation_id.filter(|id| check_id(id).is_ok()) else {
             return chat_error(session, conversation_id, "`conversationId` is required");
         };

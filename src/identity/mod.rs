@@ -22,6 +22,9 @@ use crate::config::Config;
 /// Scope that makes a token's subject an administrator.
 pub const ADMIN_SCOPE: &str = "dispatch:admin";
 
+/// What an API key's subject begins with (`key:<hash prefix>`): a token's `sub` may not.
+pub const KEY_SUBJECT_PREFIX: &str = "key:";
+
 /// How long a session begun with an API key lasts (a token's session ends at its `exp`).
 pub const KEY_SESSION_SECS: u64 = 12 * 60 * 60;
 
@@ -130,7 +133,7 @@ impl Authenticator {
             .iter()
             .map(|key| {
                 let hash: [u8; 32] = digest(&SHA256, key.as_bytes()).as_ref().try_into().expect("32 bytes");
-                let subject = format!("key:{}", hex(&hash[..4]));
+                let subject = format!("{KEY_SUBJECT_PREFIX}{}", hex(&hash[..4]));
                 (hash, Arc::from(subject))
             })
             .collect();

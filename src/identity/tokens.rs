@@ -138,6 +138,13 @@ impl Tokens {
         }
         let Some(exp) = claims.exp else { return Err(TokenError::Claim("exp".into())) };
         let Some(sub) = claims.sub.filter(|s| !s.is_empty()) else { return Err(TokenError::Claim("sub".into())) };
+        // Subjects are namespaced by kind: `key:` names API keys, which no token may speak for.
+        if sub.starts_with(super::KEY_SUBJECT_PREFIX) {
+            return Err(TokenError::Claim(format!(
+                "sub: a token's subject cannot begin with `{}`, which names API keys",
+                super::KEY_SUBJECT_PREFIX
+            )));
+        }
         let admin = claims.scope.as_deref().is_some_and(|s| s.split(' ').any(|s| s == ADMIN_SCOPE));
         Ok(Identity { subject: Arc::from(sub), admin, expires_at: Some(exp), anonymous: false })
     }

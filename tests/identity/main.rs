@@ -410,3 +410,80 @@ async fn ask(server: &TestServer, token: &str, method: &str, path: &str, body: O
     }
     read_json(request.send().await.unwrap()).await
 }
+
+/// Subjects are namespaced by kind: a token cannot speak for an API key's subject (`key:...`),
+/// so it neither lists nor reads that key's conversations.
+#[tokio::test]
+async fn a_token_cannot_name_a_keys_subject() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_with_secret(dir.path());
+    config.api_keys = vec!["the-admin-key".into()];
+    let server = TestServer::start(config).await;
+    let (status, body) = ask(&server, "the-admin-key", "GET", "/auth/session", None).await;
+    assert_eq!(status, 200, "{body}");
+    let key_subject = body["subject"].as_str().unwrap().to_owned();
+    assert!(key_subject.starts_with("key:"), "{body}");
+    let (status, _) = ask(&server, "the-admin-key", "POST", "/conversations", Some(&json!({"id": "keys-own"}))).await;
+    assert_eq!(status, 201);
+    let forged = hs256(user(&key_subject), SECRET.as_bytes());
+    let (status, body, challenge) = who(&server, &forged).await;
+    assert_eq!(status, 401, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("names API keys"), "{body}");
+    assert!(challenge.contains("invalid_token"), "{challenge}");
+    let (status, _) = ask(&server, &forged, "GET", "/conversations/keys-own", None).await;
+    assert_eq!(status, 401, "refused, not read");
+}
+
+/// A subject with a newline and an escape sequence cannot forge a log line or reach the
+/// operator's terminal: the text log writes them escaped.
+#[tokio::test]
+async fn a_subject_cannot_forge_a_log_line() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, SECRET).unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dispatch-gateway"))
+        .args(["--listen", "127.0.0.1:0", "--log-format", "text", "--database"])
+        .arg(dir.path().join("g.db"))
+        .arg("--jwt-secret-file")
+        .arg(&secret)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(line);
+        }
+    });
+    let first = lines.recv_timeout(Duration::from_secs(30)).expect("the gateway logs its address");
+    let at = first.rfind("127.0.0.1:").unwrap_or_else(|| panic!("an address: {first:?}"));
+    let addr: String = first[at..].chars().take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':').collect();
+    let forger = "eve\n2026-01-01T00:00:00Z  INFO dispatch::audit: forged subject=root\u{1b}]0;pwned\u{7}";
+    let token = hs256(user(forger), SECRET.as_bytes());
+    let client = reqwest::Client::new();
+    let r = client
+        .post(format!("http://{addr}/conversations"))
+        .bearer_auth(&token)
+        .json(&json!({"id": "forging"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let mut logged = Vec::new();
+    while let Ok(line) = lines.recv_timeout(Duration::from_secs(2)) {
+        let audit = line.contains("state change");
+        logged.push(line);
+        if audit {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = logged.join("\n");
+    assert!(text.contains("eve\\n2026-01-01"), "the subject, escaped: {text:?}");
+    assert!(!logged.iter().any(|l| l.starts_with("2026-01-01")), "no forged line: {text:?}");
+    assert!(!text.contains("\u{1b}]0;pwned"), "no escape sequence reaches the terminal: {text:?}");
+}
