@@ -403,6 +403,13 @@ pub struct Config {
     )]
     pub cors_origins: Vec<String>,
 
+    /// Origins besides the gateway's own whose pages may use the session cookie alone to change
+    /// state or open a WebSocket, comma-separated, as `--cors-origins` writes them. Default:
+    /// none, so a page on another port of this machine (same-site to the browser, which sends
+    /// it the cookie) cannot act as the person signed in at the console.
+    #[arg(long, env = "DISPATCH_SESSION_ORIGINS", value_delimiter = ',')]
+    pub session_origins: Vec<String>,
+
     /// Host names the gateway answers to, comma-separated (`*`: any); a request naming another
     /// `Host` is refused (421) before routing, which closes DNS rebinding. Default: listening on
     /// a loopback address, the loopback names (`localhost`, `127.0.0.1`, `[::1]`, any port);
@@ -610,6 +617,7 @@ impl Config {
             max_queued_messages: 32,
             max_queued_bytes: 256 * 1024,
             cors_origins: LOOPBACK_ORIGINS.iter().map(|o| (*o).to_owned()).collect(),
+            session_origins: Vec::new(),
             allowed_hosts: Vec::new(),
             max_reading_bytes: 64 * 1024 * 1024,
             ws_listen: None,

@@ -58,9 +58,22 @@ impl Config {
     /// answers to by name (`--allowed-hosts` or a loopback name), never whatever `Host` the
     /// request says.
     pub fn admits_origin(&self, origin: &[u8], host: Option<&[u8]>) -> bool {
-        if self.allows_origin(origin) {
-            return true;
-        }
+        self.allows_origin(origin) || self.own_origin(origin, host)
+    }
+
+    /// Whether a page from `origin` may use the session cookie alone to change state or open a
+    /// WebSocket on a request that names `host`: the gateway's own origin, or one listed in
+    /// `--session-origins`. Never `--cors-origins` (its default admits every loopback port, and
+    /// SameSite ignores ports: a page on another port of this machine is same-site, so the
+    /// browser sends it the cookie); those origins get in with a credential of their own.
+    pub fn admits_session_origin(&self, origin: &[u8], host: Option<&[u8]>) -> bool {
+        self.session_origins.iter().any(|o| origin_matches(o.as_bytes(), origin)) || self.own_origin(origin, host)
+    }
+
+    /// Whether `origin` is the gateway's own for a request naming `host`: the origin of a host
+    /// it answers to by name (`--allowed-hosts` or a loopback name), never whatever `Host` the
+    /// request says.
+    fn own_origin(&self, origin: &[u8], host: Option<&[u8]>) -> bool {
         let authority = origin.strip_prefix(b"http://").or_else(|| origin.strip_prefix(b"https://"));
         let (Some(authority), Some(host)) = (authority, host) else { return false };
         if !authority.eq_ignore_ascii_case(host) {

@@ -268,8 +268,8 @@ async fn authenticate(State(state): State<AppState>, mut req: Request, next: Nex
     if by_cookie && (changes || req.headers().contains_key(header::UPGRADE)) {
         let host = req.headers().get(header::HOST).map(|h| h.as_bytes());
         let origin = req.headers().get(header::ORIGIN).map(|o| o.as_bytes());
-        if !origin.is_some_and(|origin| state.config.admits_origin(origin, host)) {
-            let message = "a request signed in by the session cookie alone must come from an allowed page (Origin)";
+        if !origin.is_some_and(|origin| state.config.admits_session_origin(origin, host)) {
+            let message = "a request signed in by the session cookie alone must come from the gateway's own pages (Origin; --session-origins)";
             return ApiError::Forbidden(message.into()).into_response();
         }
     }

@@ -144,6 +144,14 @@ async fn a_browser_signs_in_once_and_works_with_the_cookie_alone_and_another_sit
     assert_eq!(evil["read"], "threw", "{evil}");
     assert_eq!(evil["sendJson"], "threw", "{evil}");
     assert_eq!(evil["websocket"], "refused", "{evil}");
+    // A page on another loopback port, which the browser sends the cookie: no WebSocket, no
+    // read, no state change (the bodyless close included).
+    let other = &report["otherPort"];
+    assert_eq!(other["read"], "threw", "{other}");
+    assert_eq!(other["sendJson"], "threw", "{other}");
+    assert_eq!(other["websocket"], "refused", "{other}");
+    let (_, closed) = ask(&server, &token, "GET", "/conversations?status=closed", None).await;
+    assert_eq!(closed["conversations"], json!([]), "nothing was closed: {closed}");
     let (_, history) =
         read_json(server.client.get(server.url("/conversations/web-sse")).bearer_auth(&token).send().await.unwrap())
             .await;

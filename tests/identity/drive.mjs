@@ -22,6 +22,8 @@ const evilPage = (gateway) => `<!doctype html><title>evil</title><script>
   await tryIt("sendJson", async () => (await fetch("${gateway}/conversations/web-sse/messages", { method: "POST",
     credentials: "include", headers: { "content-type": "application/json" },
     body: JSON.stringify({ message: "forged" }) })).status);
+  await tryIt("close", async () => (await fetch("${gateway}/conversations/web-ws/close", { method: "POST",
+    credentials: "include", mode: "no-cors" })).type);
   await tryIt("websocket", () => new Promise((resolve) => {
     const ws = new WebSocket("${gateway.replace("http", "ws")}/ws");
     ws.onopen = () => { ws.send(JSON.stringify({ type: "chat.send", conversationId: "web-sse", message: "forged" }));
@@ -39,6 +41,9 @@ const evil = http.createServer((req, res) => {
 });
 await new Promise((resolve) => evil.listen(0, "127.0.0.1", resolve));
 const evilUrl = `http://evil.test:${evil.address().port}/`;
+// A page on another port of this machine: same-site to the browser (SameSite ignores ports),
+// so it is sent the cookie, and its origin is one the default --cors-origins admits.
+const otherPortUrl = `http://127.0.0.1:${evil.address().port}/`;
 
 const browser = await chromium.launch({
   executablePath: CHROMIUM,
@@ -64,6 +69,9 @@ try {
   const other = await context.newPage();
   await other.goto(evilUrl);
   report.evil = JSON.parse(await other.locator("#result").textContent({ timeout: 30000 }));
+  const sameSite = await context.newPage();
+  await sameSite.goto(otherPortUrl);
+  report.otherPort = JSON.parse(await sameSite.locator("#result").textContent({ timeout: 30000 }));
   report.errors = errors;
 } finally {
   await browser.close();
