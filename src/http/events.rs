@@ -10,9 +10,9 @@ use super::error::ApiError;
 #[cfg(feature = "openapi")]
 use super::error::ErrorBody;
 use super::extract::{QueryParams, SeenId};
-use super::stream::{watch, watch_response};
+use super::stream::{blind_watch, watch, watch_response};
 use crate::encoding::Transport;
-use crate::hub::{Cursor, EventId};
+use crate::hub::EventId;
 use crate::metrics::Holder;
 
 /// Follows a conversation: the in-flight turn's events replayed from its start (or right after
@@ -71,9 +71,10 @@ pub async fn events(
         };
     let permit = state.open_stream(Holder::Live(format), &seen.caller).await?;
     let id = seen.id;
-    // Another subject's conversation is watched as an id nobody uses: nothing ever comes.
+    // Another subject's conversation is watched as an id nobody uses: nothing ever comes, and a
+    // resume cursor answers `resync` at 0, as it does for an unused id (claimed just now, empty).
     if !seen.visible || !super::claim(&state, &id, &seen.caller).await? {
-        return Ok(watch_response(watch(&state, Cursor::idle(), format, id, until_sealed, false, permit)));
+        return Ok(watch_response(blind_watch(&state, format, id, resume.is_some(), permit)));
     }
     let (cursor, resync_first) = state.hub.subscribe(&id, resume.as_ref()).await;
     Ok(watch_response(watch(&state, cursor, format, id, until_sealed, resync_first, permit)))

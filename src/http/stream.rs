@@ -35,6 +35,15 @@ pub fn watch(
     })
 }
 
+/// The watcher of a conversation the caller may not see, watched as an id nobody has used:
+/// nothing ever comes, and a resume cursor (`resync_first`) answers `resync` at `latestSeq` 0,
+/// as it does for an unused id.
+pub fn blind_watch(state: &AppState, format: Transport, id: String, resync_first: bool, permit: StreamPermit) -> Watch {
+    let mut watch = watch(state, Cursor::idle(), format, id, false, resync_first, permit);
+    watch.blind();
+    watch
+}
+
 /// The `200` of a watcher, with the headers every live stream carries.
 pub fn watch_response(watch: Watch) -> Response {
     // A body of no known length (none is written: the watch is the body), so that nothing on

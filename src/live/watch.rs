@@ -63,6 +63,9 @@ pub struct Watch {
     pub format: Transport,
     until_sealed: bool,
     resync_first: bool,
+    /// The caller may not see the conversation: it is watched as an id nobody has used, whose
+    /// `resync` says `latestSeq` 0 (its log is never read), so no answer tells that it exists.
+    blind: bool,
     store: Store,
     conversation_id: String,
     pub metrics: Arc<Metrics>,
@@ -126,6 +129,7 @@ impl Watch {
             format: setup.format,
             until_sealed: setup.until_sealed,
             resync_first: setup.resync_first,
+            blind: false,
             store: setup.store,
             conversation_id: setup.conversation_id,
             metrics: setup.metrics,
@@ -136,11 +140,20 @@ impl Watch {
         }
     }
 
+    /// Watches as an id nobody has used (see [`Watch::blind`]'s field).
+    pub fn blind(&mut self) {
+        self.blind = true;
+    }
+
     /// What the stream opens with: `event: resync` when its cursor could not be resumed (ends
     /// the stream when the log cannot be read: the client comes back with its cursor).
     pub async fn opening(&mut self) -> Action {
         if !std::mem::take(&mut self.resync_first) {
             return Action::Idle;
+        }
+        if self.blind {
+            let data = serde_json::json!({"conversationId": self.conversation_id, "latestSeq": 0});
+            return self.wrote(Action::Write(sse_named("resync", &data.to_string())));
         }
         match resync_message(&self.store, &self.conversation_id, &self.cursor).await {
             Ok(message) => self.wrote(Action::Write(message)),
@@ -178,6 +191,10 @@ impl Watch {
             }
             Delivery::Lost { .. } if self.format == Transport::Sse => {
                 self.metrics.lag_recoveries.fetch_add(1, Relaxed);
+                if self.blind {
+                    let data = serde_json::json!({"conversationId": self.conversation_id, "latestSeq": 0});
+                    return self.wrote(Action::Write(sse_named("resync", &data.to_string())));
+                }
                 match resync_message(&self.store, &self.conversation_id, &self.cursor).await {
                     Ok(message) => Action::Write(message),
                     Err(Unreadable) => self.cut("the log could not be read to resync this stream", ErrorCode::Storage),

@@ -89,6 +89,23 @@ async fn walk_every_route(server: &TestServer) {
                 }
             };
             assert_eq!(head(foreign.clone()).await, head(unused.clone()).await, "{method} {foreign}");
+            // An SSE resume opens the same way too: `resync` at 0 for both, so the cursor tells
+            // nothing of whether the conversation exists or how long its log is.
+            let opening = |id: String| {
+                let url = server.url(&format!("/conversations/{id}/events"));
+                let request = server.client.get(url).bearer_auth(&bob).header("last-event-id", "t0:5");
+                async move {
+                    let mut r = request.send().await.unwrap();
+                    let first = tokio::time::timeout(Duration::from_secs(2), r.chunk()).await;
+                    let text =
+                        first.ok().and_then(|c| c.ok().flatten()).map(|b| String::from_utf8_lossy(&b).into_owned());
+                    text.unwrap_or_default().replace(&id, "ID")
+                }
+            };
+            let (foreign_opening, unused_opening) =
+                (opening("alices".into()).await, opening(format!("fresh-{i}")).await);
+            assert!(unused_opening.starts_with("event: resync"), "{unused_opening:?}");
+            assert_eq!(foreign_opening, unused_opening, "a resume of {foreign}");
             continue;
         }
         let (foreign_status, foreign_body) = ask(server, &bob, method, &foreign, body.as_ref()).await;
