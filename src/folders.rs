@@ -1,4 +1,4 @@
-//! Where agents and their tools may work (spec 8.1's `cwd_roots`): a folder a request names is
+//! Where agents and their tools may work (`cwd_roots`, docs/security.md): a folder a request names is
 //! taken only inside the roots the configuration gives.
 
 use std::path::{Path, PathBuf};

@@ -43,7 +43,7 @@ async fn malformed_bodies_are_rejected_and_change_nothing() {
         .map(|s| (s, ()))
         .unwrap();
     assert_eq!((status, got), (400, ()));
-    // A body not typed as JSON is refused for its type (spec 8.1), whatever it holds: a page's
+    // A body not typed as JSON is refused for its type (docs/security.md), whatever it holds: a page's
     // form or `no-cors` fetch cannot send a JSON type without asking first.
     for untyped in [None, Some("text/plain"), Some("application/x-www-form-urlencoded"), Some("multipart/form-data")] {
         let mut request = server.client.put(server.url("/conversations/x/title")).body(r#"{"title": "t"}"#);

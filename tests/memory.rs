@@ -1,4 +1,4 @@
-//! What clients can make the gateway hold, measured (spec 8.2): the gateway's
+//! What clients can make the gateway hold, measured (docs/security.md): the gateway's
 //! binary as a child process, its resident memory (`VmRSS`) read before, during and after each
 //! hostile shape at the caps set here, and held within the caps plus a fixed allowance for what
 //! any gateway holds while it works (the allocator's, the database's caches, the tasks'):

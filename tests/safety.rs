@@ -1,4 +1,4 @@
-//! Safe defaults (spec 8.1): a gateway started with no configuration cannot be driven by a web
+//! Safe defaults (docs/security.md): a gateway started with no configuration cannot be driven by a web
 //! page it did not let in, on any path. The browser half (`tests/safety/drive.mjs`) attacks it
 //! from real Chromium pages; the rest sends what such pages send over raw sockets, on both the
 //! gateway's own HTTP/1.1 path and hyper's (a chunked body).
@@ -276,7 +276,7 @@ async fn read_to_close(socket: &mut TcpStream) -> Vec<u8> {
     all
 }
 
-/// A stream the gateway ends before its turn's end ends visibly (spec 8.2): an NDJSON watcher
+/// A stream the gateway ends before its turn's end ends visibly (docs/security.md): an NDJSON watcher
 /// that fell too far behind (its place in the replay buffer coalesced away) gets an `error`
 /// event saying so, and the connection closes without the chunked body's end, so no client or
 /// proxy takes the truncated answer for a whole one: on the gateway's own HTTP/1.1 path (a

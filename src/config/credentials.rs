@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-/// Where an MCP server's tools are served from, and how it is run (spec 9.1).
+/// Where an MCP server's tools are served from, and how it is run (docs/tools.md).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct McpServer {
@@ -39,7 +39,7 @@ pub struct McpServer {
     /// is stopped (its conversation starts it again when it next needs it).
     #[serde(default = "default_max_processes")]
     pub max_processes: usize,
-    /// The folders a conversation's server may be started in (spec 8's `cwd_roots`); default:
+    /// The folders a conversation's server may be started in (`cwd_roots`, docs/security.md); default:
     /// the gateway's working directory.
     #[serde(default)]
     pub cwd_roots: Vec<PathBuf>,

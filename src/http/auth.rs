@@ -1,4 +1,4 @@
-//! `/auth/session`: browser sessions (spec 8.5). A page trades a token or key for the
+//! `/auth/session`: browser sessions (docs/identity.md). A page trades a token or key for the
 //! `dispatch_session` cookie once (HttpOnly: its scripts never hold it; SameSite=Strict: other
 //! sites' pages never send it), then reads, streams and sends with nothing but the cookie.
 //! The cookie names a session kept in the database (`store/sessions.rs`), so `DELETE` ends it

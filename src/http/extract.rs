@@ -148,7 +148,7 @@ async fn path_id(parts: &mut Parts, state: &AppState) -> Result<(String, Identit
 }
 
 /// A conversation id the caller may use: another subject's conversation is answered 404, as an
-/// unknown one is by the routes that take this (spec 8.4).
+/// unknown one is by the routes that take this (docs/identity.md).
 pub struct ConversationId(pub String);
 
 impl FromRequestParts<AppState> for ConversationId {

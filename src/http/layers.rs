@@ -79,7 +79,7 @@ async fn trace(State(state): State<AppState>, req: Request, next: Next) -> Respo
     response
 }
 
-/// What a request must be before anything else looks at it (spec 8.1), from its head alone:
+/// What a request must be before anything else looks at it (docs/security.md), from its head alone:
 /// - It names one host, as `host[:port]` (RFC 9112 3.2; with two, a proxy in front may have
 ///   read the other), and one this gateway answers to (421 otherwise): a page whose name was
 ///   re-bound to this machine's address names its own host, so it reads nothing (DNS
@@ -227,7 +227,7 @@ fn presented(req: &Request) -> Option<Presented<'_>> {
     super::auth::session_cookie(req.headers()).map(Presented::Cookie)
 }
 
-/// Who the request comes from (spec 8.3): the identity goes into the request's extensions for
+/// Who the request comes from (docs/identity.md): the identity goes into the request's extensions for
 /// the handlers. A public path is served without a credential (and with one, as its subject).
 /// A request authenticated by the session cookie alone must come from an allowed page to
 /// change anything (its `Origin` present and admitted): the cookie goes along with requests a

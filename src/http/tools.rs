@@ -1,4 +1,4 @@
-//! `GET /tools`: the MCP servers, their state and the tools they give models (spec 9.1).
+//! `GET /tools`: the MCP servers, their state and the tools they give models (docs/tools.md).
 
 use axum::Json;
 use axum::extract::State;

@@ -1,4 +1,4 @@
-//! Who a request comes from (spec 8.3): an API key (an administrator), a signed token (its
+//! Who a request comes from (docs/identity.md): an API key (an administrator), a signed token (its
 //! `sub` is the subject; `scope` with `dispatch:admin` makes an administrator), or the session
 //! cookie a browser got for one of those. With neither keys nor token keys configured, auth is
 //! off and every request is the one anonymous administrator.

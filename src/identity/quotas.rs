@@ -1,4 +1,4 @@
-//! Quotas per subject (spec 8.4): checked before a turn starts or a stream opens, against
+//! Quotas per subject (docs/identity.md): checked before a turn starts or a stream opens, against
 //! counts kept in the database (`store/quotas.rs`), so every gateway of a cluster enforces the
 //! same budget. Administrators have none. A check and the start it allows are not one
 //! transaction: requests racing on several gateways may pass a limit by the few that raced.

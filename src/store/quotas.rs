@@ -1,4 +1,4 @@
-//! What a subject has used, for its quotas (spec 8.4): counted in the database so that every
+//! What a subject has used, for its quotas (docs/identity.md): counted in the database so that every
 //! gateway of a cluster sees the same numbers.
 //!
 //! - Turns running: the conversations the subject owns whose lease a turn holds.

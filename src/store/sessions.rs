@@ -1,4 +1,4 @@
-//! Browser sessions (spec 8.5): the cookie's value is a random id the gateway made; only its
+//! Browser sessions (docs/identity.md): the cookie's value is a random id the gateway made; only its
 //! SHA-256 is stored, with who signed in and until when. Kept in the database so that every
 //! gateway of a cluster honours a session, and `DELETE /auth/session` ends it everywhere.
 

@@ -11,13 +11,13 @@ pub fn user_chunk(text: &str) -> NewChunk {
 }
 
 /// The error chunk that marks a turn whose process died: appended at the next start, or by
-/// another gateway when the turn's lease ends (the wording is spec 1.5's either way).
+/// another gateway when the turn's lease ends (the wording is docs/storage.md's either way).
 pub const INTERRUPTED_MESSAGE: &str = "turn interrupted: server restarted";
 
 /// How long idempotency keys are kept, at least.
 pub(super) const IDEMPOTENCY_KEEP_MS: i64 = 24 * 60 * 60 * 1000;
 
-/// The error chunk that marks a turn cut off (spec 1.5: one per turn, then it is history).
+/// The error chunk that marks a turn cut off (docs/storage.md: one per turn, then it is history).
 pub(super) fn interrupted_marker() -> NewChunk {
     NewChunk {
         role: Role::Assistant,

@@ -1,4 +1,4 @@
-//! A tool's result as the model reads it: one text, whatever parts the server sent (spec 9.2).
+//! A tool's result as the model reads it: one text, whatever parts the server sent (docs/tools.md).
 //!
 //! Read from the result's JSON (MCP's `CallToolResult`), not the SDK's types: a part of a kind
 //! newer than the SDK still gets its name said instead of failing the call.

@@ -1,4 +1,4 @@
-//! Tools for every model (spec 9): the MCP servers the configuration names, and what a turn
+//! Tools for every model (docs/tools.md): the MCP servers the configuration names, and what a turn
 //! needs of them: the tool definitions its model gets and a way to call them.
 //!
 //! A `shared` server has one client for the gateway, started with it in the background. A
@@ -181,7 +181,7 @@ impl Toolbox {
     }
 
     /// `cwd` as a conversation's server would be started in it: inside one of the roots of every
-    /// conversation server in `names` (spec 8's rule: canonical, symlinks followed).
+    /// conversation server in `names` (the rule of docs/security.md: canonical, symlinks followed).
     pub fn folder(&self, names: &[String], cwd: &str) -> Option<PathBuf> {
         let mut folder = None;
         for server in

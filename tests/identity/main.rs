@@ -1,4 +1,4 @@
-//! Identities (spec 8.3 to 8.5): signed tokens and their refusals, owned conversations on
+//! Identities (docs/identity.md): signed tokens and their refusals, owned conversations on
 //! every route, quotas, browser sessions.
 
 mod browsers;

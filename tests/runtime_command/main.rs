@@ -231,7 +231,7 @@ async fn another_model_or_folder_starts_a_new_process_that_resumes_the_session()
     assert!(body["error"].as_str().unwrap().contains("is not a folder the agent may work in"), "{body}");
 }
 
-/// An agent works only inside its credential's folders (spec 8.1): a request or a
+/// An agent works only inside its credential's folders (docs/security.md): a request or a
 /// conversation that names another place (the root, `..`, a symlink out of the root) is
 /// refused with 400 before anything starts, and the answer says nothing of the host's folders.
 #[tokio::test]

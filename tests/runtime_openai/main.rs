@@ -236,7 +236,7 @@ async fn the_history_sent_upstream_is_the_log() {
     let sent = &upstream.requests()[1].body["messages"];
     // The log: user, assistant text + tool call (one message), user. A tool call no result
     // answered (no server runs this credential's tools) goes up answered `Aborted`: Chat
-    // Completions rejects a call without its `tool` message (spec 9.2).
+    // Completions rejects a call without its `tool` message (docs/tools.md).
     assert_eq!(log.len(), 5);
     assert_eq!(log[2]["chunk"]["type"], "tool-call");
     assert_eq!(

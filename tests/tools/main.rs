@@ -1,4 +1,4 @@
-//! Tools for every model (spec 9): real MCP servers from the registries (the reference
+//! Tools for every model (docs/tools.md): real MCP servers from the registries (the reference
 //! `server-everything` and `server-filesystem` from npm, a server made with the `mcp` package
 //! from PyPI over Streamable HTTP and stdio), a fake OpenAI upstream that asks for the calls,
 //! and the gateway running the agent loop between them.
@@ -470,7 +470,7 @@ async fn conversation_servers_are_capped_and_stopped_when_idle() {
     server.stop().await;
 }
 
-/// The wire order of spec 1 for a loop turn, exactly, as the reference web client reads it:
+/// The wire order for a loop turn ("The loop, on the wire" in docs/tools.md), exactly, as the reference web client reads it:
 /// a step's batched calls share its `stepId` (live and in the log), their results follow its
 /// `step-complete` in call order, and the next step has the next `stepId`.
 #[tokio::test]

@@ -380,7 +380,7 @@ pub struct ConversationMeta {
     pub status: ConversationStatus,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
-    /// The subject that created it (spec 8.4); absent for one created with auth off.
+    /// The subject that created it (docs/identity.md); absent for one created with auth off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
     /// The gateway's: why its newest ended turn ended (that turn's `done.reason`; `error` for

@@ -1,4 +1,4 @@
-//! The tool calls of one step of the agent loop (spec 9.2): each started as soon as its
+//! The tool calls of one step of the agent loop (docs/tools.md): each started as soon as its
 //! arguments are complete in the stream, at most `max_parallel_tools` of a turn at once,
 //! identical ones run once; their progress streamed as `tool-output`; their results handed
 //! back in call order once the step has ended.

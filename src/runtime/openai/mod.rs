@@ -72,7 +72,7 @@ pub struct OpenAiSettings {
     pub tools: Option<ToolSettings>,
 }
 
-/// A credential's tools and the loop's bounds (spec 9.2).
+/// A credential's tools and the loop's bounds (docs/tools.md).
 #[derive(Clone)]
 pub struct ToolSettings {
     pub toolbox: Arc<crate::tools::Toolbox>,
@@ -388,7 +388,7 @@ impl OpenAiRuntime {
         Ok(response)
     }
 
-    /// The turn: one step, or with tools the agent loop (spec 9.2): a step whose model asks
+    /// The turn: one step, or with tools the agent loop (docs/tools.md): a step whose model asks
     /// for calls runs them, sends their results back up and takes the next step, until a step
     /// asks for none or `max_steps` is reached.
     async fn turn(&self, req: TurnRequest, sink: EventSink, cancel: CancellationToken) -> Result<(), RuntimeError> {
