@@ -4,7 +4,7 @@
 //! through [`Escaped`], every control character is written as an escape (`\n`, `\u{1b}`); the
 //! JSON log format escapes them anyway.
 
-use std::fmt;
+use std::fmt::{self, Write};
 
 /// `text` with its control characters escaped, for a log field (`subject = %Escaped(s)`).
 pub struct Escaped<'a>(pub &'a str);
@@ -15,7 +15,7 @@ impl fmt::Display for Escaped<'_> {
             if c.is_control() {
                 write!(f, "{}", c.escape_default())?;
             } else {
-                f.write_fmt(format_args!("{c}"))?;
+                f.write_char(c)?;
             }
         }
         Ok(())

@@ -51,7 +51,7 @@ enum Pending {
     /// Identical to the call at this index: its result is that one's.
     SameAs(usize),
     /// Not run: past the step's `max_tool_calls`.
-    Refused(usize),
+    Refused,
 }
 
 /// The step's calls, started as they complete.
@@ -86,7 +86,7 @@ impl StepCalls {
         let key = (name.clone(), arguments.clone());
         let result = match self.firsts.get(&key) {
             Some(first) => Pending::SameAs(*first),
-            None if self.firsts.len() >= self.kit.max_calls => Pending::Refused(self.kit.max_calls),
+            None if self.firsts.len() >= self.kit.max_calls => Pending::Refused,
             None => {
                 self.firsts.insert(key, self.calls.len());
                 Pending::Running(self.spawn(sink, id.clone(), name.clone(), input))
@@ -149,9 +149,10 @@ impl StepCalls {
                     (Outcome { content: "the call failed inside the gateway".into(), is_error: true }, 0)
                 }),
                 Pending::SameAs(first) => (outcomes[first].0.clone(), 0),
-                Pending::Refused(most) => {
+                Pending::Refused => {
                     let why = format!(
-                        "not run: the step asked for more than {most} tool calls (the credential's max_tool_calls); ask for fewer at a time"
+                        "not run: the step asked for more than {} tool calls (the credential's max_tool_calls); ask for fewer at a time",
+                        self.kit.max_calls
                     );
                     (Outcome { content: why, is_error: true }, 0)
                 }

@@ -147,12 +147,14 @@ pub(super) fn estimated_tokens(message: &Value) -> u64 {
     (text as u64).div_ceil(4) + 4
 }
 
-/// This turn's earlier steps (assistant calls, tool results, steering) as a request carries
-/// them within `budget` tokens: while they are over it, the oldest tool result, then the oldest
-/// call's arguments and text, is replaced by a line saying what was left out, so that a loop
-/// that calls many tools or reads large results cannot grow its requests without bound. Also
+/// This turn's earlier steps (assistant calls, tool results, steering) as a request of at most
+/// `bound` tokens carries them: within three quarters of it (the new prompt and some history
+/// need room too). While they are over that, the oldest tool result, then the oldest call's
+/// arguments and text, is replaced by a line saying what was left out, so that a loop that
+/// calls many tools or reads large results cannot grow its requests without bound. Also
 /// returns how many messages were shortened.
-pub(super) fn fitting_steps(added: &[Value], budget: u64) -> (std::borrow::Cow<'_, [Value]>, usize) {
+pub(super) fn fitting_steps(added: &[Value], bound: u64) -> (std::borrow::Cow<'_, [Value]>, usize) {
+    let budget = bound / 4 * 3;
     let mut total: u64 = added.iter().map(estimated_tokens).sum();
     if total <= budget {
         return (std::borrow::Cow::Borrowed(added), 0);

@@ -193,11 +193,10 @@ impl OpenAiRuntime {
         // The size bound, in the estimate's own units (four bytes a token), holds whatever the
         // calibration: it bounds the gateway's read and the request, not the model's count.
         let size = self.settings.max_request_bytes / 4;
-        // This turn's earlier steps go up after the history fitted to what they leave; they
-        // take at most three quarters of the bound (the new prompt needs room too), their
-        // oldest results left out first when they would take more.
+        // This turn's earlier steps go up after the history fitted to what they leave (their
+        // oldest results left out first when they would take most of the bound).
         let bound = window.map_or(size, |w| w.min(size));
-        let (added, dropped) = fitting_steps(step.added, bound / 4 * 3);
+        let (added, dropped) = fitting_steps(step.added, bound);
         if dropped > 0 {
             tracing::info!(dropped, "left older tool results out of the request to fit its size bound");
         }
@@ -419,7 +418,8 @@ impl OpenAiRuntime {
             added.extend(calls.finish(&sink, text).await?);
             // What the turn holds of its steps stays within what a request may carry: older
             // results are replaced by a note now, not only left out of each request.
-            if let (Cow::Owned(fitted), _) = fitting_steps(&added, self.settings.max_request_bytes / 4 / 4 * 3) {
+            // (The size bound in the estimate's units, four bytes a token, as `body` counts it.)
+            if let (Cow::Owned(fitted), _) = fitting_steps(&added, self.settings.max_request_bytes / 4) {
                 added = fitted;
             }
             // Steering: what was queued meanwhile goes to the model before its next step.
