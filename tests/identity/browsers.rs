@@ -129,6 +129,7 @@ async fn a_browser_signs_in_once_and_works_with_the_cookie_alone_and_another_sit
     // The page: sent to sign in, then back, and everything with the cookie alone.
     let client = &report["client"];
     assert_eq!(report["redirected"], "/?next=%2Fapp%2F", "sent to the console's sign-in with a way back");
+    assert_eq!(report["nextElsewhere"], json!(["stayed", "stayed", "stayed"]), "the way back never leaves the gateway");
     assert_eq!(client["who"]["subject"], "alice", "{client}");
     assert_eq!(client["list"], 200, "{client}");
     assert_eq!(client["sent"], 202, "{client}");

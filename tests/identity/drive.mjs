@@ -64,6 +64,12 @@ try {
   await page.press("#key-input", "Enter");
   await page.waitForURL(`${GATEWAY}/app/`, { timeout: 30000 });
   report.client = JSON.parse(await page.locator("#result").textContent({ timeout: 60000 }));
+  // A link to the console whose way back leads to another site: signed in, the console stays.
+  for (const next of ["//evil.test/", "/\\evil.test/", "http://evil.test/"]) {
+    await page.goto(`${GATEWAY}/?next=${encodeURIComponent(next)}`);
+    await page.waitForTimeout(1000);
+    (report.nextElsewhere ||= []).push(page.url().startsWith(`${GATEWAY}/`) ? "stayed" : page.url());
+  }
   report.cookies = (await context.cookies()).map((c) => ({ name: c.name, httpOnly: c.httpOnly, sameSite: c.sameSite }));
   report.scriptSeesCookie = await page.evaluate(() => document.cookie);
   const other = await context.newPage();

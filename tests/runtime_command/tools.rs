@@ -20,8 +20,8 @@ import json, os, sys, urllib.request, urllib.error
 config = json.loads(os.environ["DISPATCH_MCP_CONFIG"])["mcpServers"]["py"]
 token = os.environ["DISPATCH_MCP_TOKEN"]
 
-def rpc(method, params, token=token, origin=None):
-    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).encode()
+def rpc(method, params, token=token, origin=None, raw=None):
+    body = raw if raw is not None else json.dumps({"jsonrpc": "2.0", "id": 1, "method": method, "params": params}).encode()
     headers = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
     headers["authorization"] = config["headers"]["Authorization"].replace("${DISPATCH_MCP_TOKEN}", token)
     if origin:
@@ -50,8 +50,14 @@ for line in sys.stdin:
         "environment": rpc("tools/call", {"name": "environment", "arguments": {}})["result"]["content"][0]["text"],
         "wrong_token": rpc("tools/list", {}, token="0" * 64),
         "origin": rpc("tools/list", {}, origin="http://127.0.0.1:9"),
+        "malformed": rpc("", {}, raw=b"{not json"),
+        "unknown": rpc("resources/list", {}),
+        "too_big": rpc("", {}, raw=b"[" + b" " * (17 * 1024 * 1024) + b"]"),
         "own": sorted(os.environ),
     }
+    # Where its pass lets it in, for the test to try once the process is gone.
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pass.json"), "w") as f:
+        json.dump({"url": config["url"], "token": token}, f)
     emit(type="step_start")
     emit(type="text", delta=json.dumps(said))
     emit(type="step_end")
@@ -105,5 +111,31 @@ async fn an_agent_program_gets_the_allowed_tools_through_the_gateway_and_no_secr
         }
     }
     assert!(own.contains(&"AGENT_SETTING"), "the credential's env: {own:?}");
+    // Hostile requests with a live token: each a clear answer, the endpoint still serving.
+    assert_eq!(said["malformed"]["error"]["code"], -32700, "{said}");
+    assert_eq!(said["unknown"]["error"]["code"], -32601, "{said}");
+    assert_eq!(said["too_big"]["status"], 413, "{said}");
+    assert!(said["too_big"]["body"]["error"].is_string(), "{said}");
+
+    // The pass goes with its process: once the conversation (and its agent) is deleted, its
+    // token lets nothing in.
+    let pass: Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("pass.json")).unwrap()).unwrap();
+    let list = |token: String| {
+        let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"});
+        let request = server.client.post(pass["url"].as_str().unwrap()).bearer_auth(token).json(&body);
+        async move { request.send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(list(pass["token"].as_str().unwrap().to_owned()).await, 200, "live while its process runs");
+    let (status, _) = server.delete("/conversations/tools").await;
+    assert_eq!(status, 204);
+    let mut answered = 0;
+    for _ in 0..100 {
+        answered = list(pass["token"].as_str().unwrap().to_owned()).await;
+        if answered == 401 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(answered, 401, "the token of a process that ended");
     server.stop().await;
 }
