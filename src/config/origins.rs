@@ -113,6 +113,22 @@ mod tests {
     }
 
     #[test]
+    fn the_cookie_is_lent_to_the_gateways_own_origin_and_listed_session_origins_only() {
+        let mut config = Config::defaults();
+        let own = Some(&b"127.0.0.1:24203"[..]);
+        assert!(config.admits_session_origin(b"http://127.0.0.1:24203", own));
+        // Another loopback port: admitted by --cors-origins' default, never lent the cookie.
+        assert!(config.admits_origin(b"http://127.0.0.1:5173", own));
+        assert!(!config.admits_session_origin(b"http://127.0.0.1:5173", own));
+        assert!(!config.admits_session_origin(b"http://localhost:24203", own), "another name is another origin");
+        // A Host the gateway does not answer to by name makes no origin its own.
+        assert!(!config.admits_session_origin(b"http://evil.example", Some(b"evil.example")));
+        config.session_origins = vec!["http://127.0.0.1:5173".into()];
+        assert!(config.admits_session_origin(b"http://127.0.0.1:5173", own));
+        assert!(!config.admits_session_origin(b"http://127.0.0.1:5174", own));
+    }
+
+    #[test]
     fn a_loopback_listener_answers_to_loopback_names_only_unless_told() {
         let mut config = Config::defaults();
         for good in ["localhost", "localhost:24203", "127.0.0.1:1", "[::1]:24203", "LOCALHOST"] {
