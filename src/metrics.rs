@@ -57,6 +57,9 @@ pub struct Metrics {
     pub turns_sealed: AtomicU64,
     pub turns_failed: AtomicU64,
     pub turns_aborted: AtomicU64,
+    /// Turns whose quota charge was (partly) estimated, and the tokens so charged.
+    pub quota_estimated_turns: AtomicU64,
+    pub quota_estimated_tokens: AtomicU64,
     pub events_emitted: AtomicU64,
     /// Events delivered and the rounds' writes (counted by the hub's parked streams too).
     pub deliveries: Arc<Deliveries>,
@@ -195,6 +198,16 @@ impl Metrics {
     /// Turns and their events, and what delivering them cost.
     fn render_turns(&self, out: &mut Exposition) {
         out.counter("dispatch_turns_started_total", "Turns started.", self.turns_started.load(Relaxed));
+        out.counter(
+            "dispatch_quota_estimated_turns_total",
+            "Turns counted against a tokens_per_day quota with an estimate for a step that reported no usage (stopped, failed, cut).",
+            self.quota_estimated_turns.load(Relaxed),
+        );
+        out.counter(
+            "dispatch_quota_estimated_tokens_total",
+            "Tokens those turns were charged in all (reported and estimated).",
+            self.quota_estimated_tokens.load(Relaxed),
+        );
         out.counter(
             "dispatch_turns_sealed_total",
             "Turns sealed, whatever their end.",
@@ -394,12 +407,40 @@ impl BusCounters {
     }
 }
 
+/// A stream's own early end: cancelled, with why, when the credential that opened it is taken
+/// back. Its token is a child of the shutdown's (`drained`), so a stream waits on one token for
+/// both and asks [`Ending::why`] which it was.
+#[derive(Clone)]
+pub struct Ending {
+    pub token: tokio_util::sync::CancellationToken,
+    why: Arc<std::sync::OnceLock<String>>,
+}
+
+impl Ending {
+    pub fn under(drained: &tokio_util::sync::CancellationToken) -> Ending {
+        Ending { token: drained.child_token(), why: Arc::default() }
+    }
+
+    /// Ends the stream, saying why (the first reason stands).
+    pub fn end(&self, why: &str) {
+        let _ = self.why.set(why.to_owned());
+        self.token.cancel();
+    }
+
+    /// Why the stream was ended early (none: it was not, or only by the shutdown).
+    pub fn why(&self) -> Option<&str> {
+        self.why.get().map(String::as_str)
+    }
+}
+
 /// Counts a stream open for as long as it lives, against the cap.
 pub struct StreamPermit {
     metrics: std::sync::Arc<Metrics>,
     holder: Holder,
-    /// What else the stream holds until it ends (its subject's place under a quota).
+    /// What else the stream holds until it ends (its subject's place under a quota, its grant).
     _held: Option<Box<dyn Send + Sync>>,
+    /// The stream's early end, when its caller signed in (none with auth off).
+    ending: Option<Ending>,
 }
 
 impl StreamPermit {
@@ -411,7 +452,26 @@ impl StreamPermit {
             gauge.fetch_sub(1, Relaxed);
             return None;
         }
-        Some(StreamPermit { metrics: metrics.clone(), holder, _held: None })
+        Some(StreamPermit { metrics: metrics.clone(), holder, _held: None, ending: None })
+    }
+
+    /// The permit of a stream that ends early with `ending`.
+    pub fn ending(mut self, ending: Ending) -> StreamPermit {
+        self.ending = Some(ending);
+        self
+    }
+
+    /// The token a stream ends on: its own early end, else the shutdown's `drained`.
+    pub fn end_token<'a>(
+        &'a self,
+        drained: &'a tokio_util::sync::CancellationToken,
+    ) -> &'a tokio_util::sync::CancellationToken {
+        self.ending.as_ref().map_or(drained, |e| &e.token)
+    }
+
+    /// Why the stream was ended early, if it was (not the shutdown).
+    pub fn ended(&self) -> Option<&str> {
+        self.ending.as_ref().and_then(Ending::why)
     }
 
     /// The permit holding `held` too, for as long as the stream lives.

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use ring::digest::{SHA256, digest};
 use subtle::ConstantTimeEq;
 
-pub use quotas::{QuotaError, QuotaExceeded, StreamPlace, StreamQuota, check_turn_quotas};
+pub use quotas::{QuotaError, QuotaExceeded, StreamPlace, StreamQuota, turn_budget};
 
 use crate::config::Config;
 

@@ -1,17 +1,13 @@
-//! Quotas per subject (docs/identity.md): checked before a turn starts or a stream opens, against
-//! counts kept in the database (`store/quotas.rs`), so every gateway of a cluster enforces the
-//! same budget. Administrators have none. A check and the start it allows are not one
-//! transaction: requests racing on several gateways may pass a limit by the few that raced.
+//! Quotas per subject (docs/identity.md): a turn's are checked in the transaction that records
+//! it (`store/quotas.rs`: exact, on one gateway or several sharing PostgreSQL); streams are
+//! counted here and mirrored in the database for the other gateways. Administrators have none.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::config::Quotas;
-use crate::store::{Store, StoreError, now_ms};
-
-const MINUTE_MS: i64 = 60_000;
-const DAY_MS: i64 = 24 * 60 * 60 * 1000;
+use crate::store::{OverBudget, Store, StoreError, TurnBudget, now_ms};
 
 /// How often a gateway refreshes the stream counts it holds in the database.
 const STREAM_REFRESH: Duration = Duration::from_secs(20);
@@ -41,48 +37,41 @@ fn exceeded(limit: &'static str, retry_after_secs: u64, message: String) -> Quot
     QuotaError::Exceeded(QuotaExceeded { limit, retry_after_secs: retry_after_secs.max(1), message })
 }
 
-/// Seconds until a window of `window_ms` that began at `oldest_ms` has moved past it.
-fn until_free(oldest_ms: Option<i64>, window_ms: i64, now: i64) -> u64 {
-    oldest_ms.map_or(1, |oldest| ((oldest + window_ms - now).max(0) as u64).div_ceil(1000))
+/// The budget a subject's new turn is admitted against, under `quotas` (none when no turn
+/// limit is set: the turn is neither checked nor counted).
+pub fn turn_budget(quotas: &Quotas, subject: &str) -> Option<TurnBudget> {
+    let budget = TurnBudget {
+        subject: subject.to_owned(),
+        concurrent_turns: quotas.concurrent_turns,
+        turns_per_minute: quotas.turns_per_minute,
+        tokens_per_day: quotas.tokens_per_day,
+    };
+    (budget.concurrent_turns.is_some() || budget.turns_per_minute.is_some() || budget.tokens_per_day.is_some())
+        .then_some(budget)
 }
 
-/// Whether `subject` may start one more turn.
-pub async fn check_turn_quotas(store: &Store, quotas: &Quotas, subject: &str) -> Result<(), QuotaError> {
-    let now = now_ms();
-    if let Some(max) = quotas.concurrent_turns {
-        let running = store.running_turns(subject).await?;
-        if running >= u64::from(max) {
-            return Err(exceeded(
-                "concurrent_turns",
-                5,
-                format!("{running} of your turns are running, as many as your quota allows ({max}, concurrent_turns)"),
-            ));
-        }
+/// The 429 a refused opening write is answered with.
+impl From<OverBudget> for QuotaExceeded {
+    fn from(over: OverBudget) -> QuotaExceeded {
+        let OverBudget { limit, used, max, oldest_ms, window_ms } = over;
+        let message = match limit {
+            "concurrent_turns" => {
+                format!("{used} of your turns are running, as many as your quota allows ({max}, concurrent_turns)")
+            }
+            "turns_per_minute" => {
+                format!("you started {used} turns in the last minute, your quota (turns_per_minute)")
+            }
+            _ => format!("your turns used {used} tokens in the last 24 hours, your quota is {max} ({limit})"),
+        };
+        // A running turn may end any moment: look again in a few seconds. A window frees a
+        // place when its oldest entry leaves it.
+        let retry_after_secs = match oldest_ms {
+            Some(oldest) => ((oldest + window_ms - now_ms()).max(0) as u64).div_ceil(1000),
+            None if window_ms == 0 => 5,
+            None => 1,
+        };
+        QuotaExceeded { limit, retry_after_secs: retry_after_secs.max(1), message }
     }
-    if let Some(max) = quotas.turns_per_minute {
-        let used = store.turns_since(subject, now - MINUTE_MS).await?;
-        if used.amount >= u64::from(max) {
-            return Err(exceeded(
-                "turns_per_minute",
-                until_free(used.oldest_ms, MINUTE_MS, now),
-                format!("you started {} turns in the last minute, your quota (turns_per_minute)", used.amount),
-            ));
-        }
-    }
-    if let Some(max) = quotas.tokens_per_day {
-        let used = store.tokens_since(subject, now - DAY_MS).await?;
-        if used.amount >= max {
-            return Err(exceeded(
-                "tokens_per_day",
-                until_free(used.oldest_ms, DAY_MS, now),
-                format!(
-                    "your turns used {} tokens in the last 24 hours, your quota is {max} (tokens_per_day)",
-                    used.amount
-                ),
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// This gateway's open streams per subject, mirrored in the database for the others.

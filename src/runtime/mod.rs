@@ -66,6 +66,11 @@ pub enum RawEvent {
     /// How many tokens the upstream counted per token the runtime estimated in the request it
     /// sent: kept with the conversation and handed to its next turn.
     TokensPerEstimate(f64),
+    /// The runtime sent the open step's request: about this many tokens, by the estimator
+    /// that trims context. A step that ends without usage (stopped, failed, cut) is charged
+    /// it (with its output) against its subject's `tokens_per_day`; without it, the turn's
+    /// first step is charged its prompt.
+    RequestSize(u64),
     /// The runtime took a steering message from its inbox and passes it to its model now.
     UserInput(String),
 }
@@ -234,7 +239,11 @@ impl RawEvent {
             RawEvent::Error { message, .. } => message.len(),
             RawEvent::Finish { reason } => reason.len(),
             RawEvent::SessionId(id) => id.len(),
-            RawEvent::StepStart | RawEvent::Usage(_) | RawEvent::StepEnd | RawEvent::TokensPerEstimate(_) => 0,
+            RawEvent::StepStart
+            | RawEvent::Usage(_)
+            | RawEvent::StepEnd
+            | RawEvent::TokensPerEstimate(_)
+            | RawEvent::RequestSize(_) => 0,
         }
     }
 }

@@ -35,7 +35,7 @@ pub(super) enum Write {
         /// Key, body hash, response.
         idempotency: Option<(String, String, String)>,
         owner: Option<String>,
-        quota_subject: Option<String>,
+        budget: Option<super::TurnBudget>,
         now: i64,
         /// How long the turn's lease on its conversation lasts unless renewed, in ms (from the
         /// database's clock: see `lease`).
@@ -55,6 +55,8 @@ pub(super) enum Write {
         now: i64,
         chunks: Vec<NewChunk>,
         tokens_per_estimate: Option<f64>,
+        /// Subject and tokens.
+        charge: Option<(String, u64)>,
     },
     /// A turn found cut off: its one `interrupted` marker, the history horizon moved past it,
     /// its lease released. With `only_expired`, only when the turn's lease has ended (another
@@ -124,7 +126,7 @@ impl Write {
             default_title,
             idempotency,
             owner,
-            quota_subject,
+            budget,
             now,
             ..
         } = self
@@ -144,14 +146,15 @@ impl Write {
                 response,
             }),
             owner: owner.as_deref(),
-            quota_subject: quota_subject.as_deref(),
+            budget: budget.as_ref(),
             now: *now,
         })
     }
 
     /// The parts of a seal, borrowed, and the chunks it appends first.
     pub(super) fn as_seal(&self) -> Option<(SealTurn<'_>, &[NewChunk])> {
-        let Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks, tokens_per_estimate } = self else {
+        let Write::Seal { conversation_id, turn_id, reason, metrics, now, chunks, tokens_per_estimate, charge } = self
+        else {
             return None;
         };
         let seal = SealTurn {
@@ -161,6 +164,7 @@ impl Write {
             metrics,
             now: *now,
             tokens_per_estimate: *tokens_per_estimate,
+            charge: charge.as_ref().map(|(subject, tokens)| super::writes::Charge { subject, tokens: *tokens }),
         };
         Some((seal, chunks))
     }

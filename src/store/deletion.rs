@@ -184,7 +184,7 @@ mod tests {
                 default_title: "hi",
                 idempotency: None,
                 owner: None,
-                quota_subject: None,
+                budget: None,
                 now: 3,
             };
             assert!(matches!(store.begin_turn(begin).await, Err(StoreError::Deleting)), "{b}");

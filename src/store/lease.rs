@@ -174,7 +174,7 @@ mod tests {
                 default_title: "again",
                 idempotency: None,
                 owner: None,
-                quota_subject: None,
+                budget: None,
                 now: 2,
             };
             assert!(matches!(store.begin_turn(second).await, Err(StoreError::Busy)), "{b}");

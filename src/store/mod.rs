@@ -34,13 +34,13 @@ use crate::config::Database;
 use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation, Ownership, Setting, Settings};
 pub use log::{HistoryPage, HistoryWindow};
-pub use quotas::QuotaUse;
+pub use quotas::{OverBudget, TurnBudget};
 pub use reads::{History, HistoryChunk, LastText, ModelThroughput, RuntimeMemory};
 pub use series::{FailedTurn, SlotRow, TTFT_BOUNDS_MS};
 pub use sessions::StoredSession;
 pub use sqlite::backup::BackupError;
 pub use turns::{INTERRUPTED_MESSAGE, user_chunk};
-pub use writes::{BeginTurn, IdempotencyRecord, NewChunk, SealTurn};
+pub use writes::{BeginTurn, Charge, IdempotencyRecord, NewChunk, SealTurn};
 
 /// `--backup`: a consistent copy of the SQLite database in the new file `to`, taken while a
 /// gateway may be running on it; the copy's size in bytes.
@@ -75,6 +75,10 @@ pub enum StoreError {
     /// Another turn holds the conversation's lease (on this gateway or another).
     #[error("a turn is already generating for this conversation")]
     Busy,
+    /// The subject's new turn would pass one of its quotas (checked in the opening write's
+    /// transaction: nothing was written).
+    #[error("the turn would pass the quota {}", .0.limit)]
+    OverBudget(OverBudget),
     /// The conversation is being deleted (its id is free once it is gone).
     #[error("the conversation is being deleted")]
     Deleting,

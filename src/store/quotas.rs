@@ -2,58 +2,96 @@
 //! gateway of a cluster sees the same numbers.
 //!
 //! - Turns running: the conversations the subject owns whose lease a turn holds.
-//! - Turns per minute and tokens per day: `quota_turns`, a row per turn the subject started
-//!   (written in the turn's first transaction), its tokens added at the seal.
+//! - Turns per minute and tokens per day: `quota_turns`, a row per turn the subject started,
+//!   its tokens set by the seal's transaction (the usage the runtime reported, or the turn's
+//!   estimate when it ended without one).
+//!
+//! Admission is exact: the counts are read and the turn recorded in one transaction
+//! ([`TurnBudget`], checked by each backend's opening write). On SQLite the one writer
+//! connection makes that transaction the only one; on PostgreSQL it first takes a lock per
+//! subject (`pg_advisory_xact_lock`), so that gateways admitting the same subject at once take
+//! turns, each counting what the one before committed.
 //! - Streams: `quota_streams`, each gateway's count of the subject's open streams, refreshed
 //!   while any is open; a row not refreshed for a minute (its gateway died) stops counting.
 
 use super::sql::Query;
-use super::{Store, StoreResult};
+use super::{Store, StoreError, StoreResult};
 
 pub(super) const DAY_MS: i64 = 24 * 60 * 60 * 1000;
 
 /// How long a gateway's stream count stands without being refreshed.
 pub const STREAM_ROW_FRESH_MS: i64 = 60_000;
 
-/// What a subject used in a window: how much, and when the oldest of it started (for
-/// `Retry-After`).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct QuotaUse {
-    pub amount: u64,
+const MINUTE_MS: i64 = 60_000;
+
+/// The limits a subject's new turn is admitted against (none set: no check, no row).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TurnBudget {
+    pub subject: String,
+    pub concurrent_turns: Option<u32>,
+    pub turns_per_minute: Option<u32>,
+    pub tokens_per_day: Option<u64>,
+}
+
+/// A limit the new turn would pass: the opening write is refused with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverBudget {
+    /// `concurrent_turns`, `turns_per_minute` or `tokens_per_day`.
+    pub limit: &'static str,
+    pub used: u64,
+    pub max: u64,
+    /// When the oldest of what counts started (none for running turns): for `Retry-After`.
     pub oldest_ms: Option<i64>,
+    /// The window the limit counts over, in ms (0 for running turns).
+    pub window_ms: i64,
+}
+
+/// What the budget's check reads: turns running, turns and the oldest start in the last
+/// minute, tokens and the oldest counted start in the last day.
+type BudgetRow = (i64, i64, Option<i64>, i64, Option<i64>);
+
+impl TurnBudget {
+    /// The one statement that reads what the subject used (run inside the opening write's
+    /// transaction, after the subject's lock on PostgreSQL).
+    pub(super) fn usage(&self, now: i64) -> Query {
+        let sql = "SELECT
+              (SELECT count(*) FROM conversations
+                 WHERE owner = $1 AND lease_turn IS NOT NULL AND deleted_at IS NULL),
+              (SELECT count(*) FROM quota_turns WHERE subject = $1 AND started_at > $2),
+              (SELECT min(started_at) FROM quota_turns WHERE subject = $1 AND started_at > $2),
+              (SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) FROM quota_turns
+                 WHERE subject = $1 AND started_at > $3 AND tokens > 0),
+              (SELECT min(started_at) FROM quota_turns WHERE subject = $1 AND started_at > $3 AND tokens > 0)";
+        Query::new(sql).bind(self.subject.as_str()).bind(now - MINUTE_MS).bind(now - DAY_MS)
+    }
+
+    /// Whether one more turn fits what [`TurnBudget::usage`] read.
+    pub(super) fn judge(&self, row: Option<BudgetRow>) -> StoreResult<()> {
+        let (running, minute, minute_oldest, tokens, day_oldest) = row.unwrap_or((0, 0, None, 0, None));
+        let over = |limit, used: i64, max: u64, oldest_ms, window_ms| {
+            let used = used.max(0) as u64;
+            (used >= max).then_some(OverBudget { limit, used, max, oldest_ms, window_ms })
+        };
+        let refusal = self
+            .concurrent_turns
+            .and_then(|max| over("concurrent_turns", running, u64::from(max), None, 0))
+            .or_else(|| {
+                self.turns_per_minute
+                    .and_then(|max| over("turns_per_minute", minute, u64::from(max), minute_oldest, MINUTE_MS))
+            })
+            .or_else(|| self.tokens_per_day.and_then(|max| over("tokens_per_day", tokens, max, day_oldest, DAY_MS)));
+        refusal.map_or(Ok(()), |over| Err(StoreError::OverBudget(over)))
+    }
 }
 
 impl Store {
-    /// Turns running now in conversations `subject` owns.
-    pub async fn running_turns(&self, subject: &str) -> StoreResult<u64> {
-        let sql = "SELECT count(*) FROM conversations
-                   WHERE owner = $1 AND lease_turn IS NOT NULL AND deleted_at IS NULL";
-        let (n,): (i64,) = self.fetch_optional(Query::new(sql).bind(subject)).await?.unwrap_or((0,));
+    /// Tokens charged to the turns `subject` started since `since_ms` (what `tokens_per_day`
+    /// counts).
+    pub async fn tokens_since(&self, subject: &str, since_ms: i64) -> StoreResult<u64> {
+        let sql =
+            "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) FROM quota_turns WHERE subject = $1 AND started_at > $2";
+        let (n,): (i64,) = self.fetch_optional(Query::new(sql).bind(subject).bind(since_ms)).await?.unwrap_or((0,));
         Ok(n.max(0) as u64)
-    }
-
-    /// Turns `subject` started since `since_ms`.
-    pub async fn turns_since(&self, subject: &str, since_ms: i64) -> StoreResult<QuotaUse> {
-        let sql = "SELECT count(*), min(started_at) FROM quota_turns WHERE subject = $1 AND started_at > $2";
-        let row: Option<(i64, Option<i64>)> = self.fetch_optional(Query::new(sql).bind(subject).bind(since_ms)).await?;
-        let (n, oldest) = row.unwrap_or((0, None));
-        Ok(QuotaUse { amount: n.max(0) as u64, oldest_ms: oldest })
-    }
-
-    /// Tokens of the turns `subject` started since `since_ms`.
-    pub async fn tokens_since(&self, subject: &str, since_ms: i64) -> StoreResult<QuotaUse> {
-        let sql = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT), min(started_at) FROM quota_turns
-                   WHERE subject = $1 AND started_at > $2 AND tokens > 0";
-        let row: Option<(i64, Option<i64>)> = self.fetch_optional(Query::new(sql).bind(subject).bind(since_ms)).await?;
-        let (n, oldest) = row.unwrap_or((0, None));
-        Ok(QuotaUse { amount: n.max(0) as u64, oldest_ms: oldest })
-    }
-
-    /// Adds a sealed turn's tokens to its subject's day (no row: the turn was not counted).
-    pub async fn add_turn_tokens(&self, subject: &str, turn_id: &str, tokens: u64) -> StoreResult<()> {
-        let sql = "UPDATE quota_turns SET tokens = tokens + $3 WHERE subject = $1 AND turn_id = $2";
-        self.execute(Query::new(sql).bind(subject).bind(turn_id).bind(tokens.min(i64::MAX as u64) as i64)).await?;
-        Ok(())
     }
 
     /// Records `open` streams of `subject` on `gateway` as of `now`.

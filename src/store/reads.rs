@@ -243,7 +243,7 @@ mod tests {
                 default_title: "hi",
                 idempotency: None,
                 owner: None,
-                quota_subject: None,
+                budget: None,
                 now: 1,
             };
             store.begin_turn(begin).await.unwrap();

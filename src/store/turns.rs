@@ -76,7 +76,7 @@ impl Store {
             default_title: t.default_title.to_owned(),
             idempotency: t.idempotency.map(|r| (r.key.to_owned(), r.body_hash.to_owned(), r.response.to_owned())),
             owner: t.owner.map(str::to_owned),
-            quota_subject: t.quota_subject.map(str::to_owned),
+            budget: t.budget.cloned(),
             now: t.now,
             lease_ms: self.lease_ms(),
         };
@@ -111,6 +111,7 @@ impl Store {
             now: s.now,
             chunks: final_chunks.to_vec(),
             tokens_per_estimate: s.tokens_per_estimate,
+            charge: s.charge.map(|c| (c.subject.to_owned(), c.tokens)),
         };
         self.write(job).await?.status()
     }
@@ -191,7 +192,7 @@ impl Store {
             default_title: "hi",
             idempotency: None,
             owner: None,
-            quota_subject: None,
+            budget: None,
             now: 1,
         };
         self.begin_turn(begin).await.unwrap();
@@ -215,8 +216,15 @@ impl Store {
             reason: None,
             first_seq: None,
         };
-        let seal =
-            SealTurn { conversation_id, turn_id, reason: "stop", metrics: &metrics, now: 2, tokens_per_estimate };
+        let seal = SealTurn {
+            conversation_id,
+            turn_id,
+            reason: "stop",
+            metrics: &metrics,
+            now: 2,
+            tokens_per_estimate,
+            charge: None,
+        };
         self.seal_turn(seal, chunks).await
     }
 }
@@ -267,6 +275,7 @@ mod tests {
                 metrics: m,
                 now: 2,
                 tokens_per_estimate: None,
+                charge: None,
             };
             let store = store.clone();
             async move { store.seal_turn(seal, &[user_chunk("the end")]).await }
@@ -303,6 +312,7 @@ mod tests {
                 metrics: m,
                 now: 3,
                 tokens_per_estimate: None,
+                charge: None,
             };
             let store = store.clone();
             async move { store.seal_turn(seal, &[]).await }

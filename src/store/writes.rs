@@ -26,8 +26,9 @@ pub struct BeginTurn<'a> {
     pub idempotency: Option<IdempotencyRecord<'a>>,
     /// The owner of a conversation the turn creates.
     pub owner: Option<&'a str>,
-    /// The subject whose quotas count the turn (none: an administrator, or no quotas).
-    pub quota_subject: Option<&'a str>,
+    /// The subject's quotas, checked and the turn counted in the same transaction (none: an
+    /// administrator, or no quotas).
+    pub budget: Option<&'a super::TurnBudget>,
     pub now: i64,
 }
 
@@ -48,4 +49,13 @@ pub struct SealTurn<'a> {
     /// What the runtime reported as `TokensPerEstimate`, kept with the conversation for its
     /// next turn (`None` keeps what was there).
     pub tokens_per_estimate: Option<f64>,
+    /// What the turn costs its subject's day of tokens (none: not counted).
+    pub charge: Option<Charge<'a>>,
+}
+
+/// Tokens a sealed turn costs the subject whose quota counted it.
+#[derive(Debug, Clone, Copy)]
+pub struct Charge<'a> {
+    pub subject: &'a str,
+    pub tokens: u64,
 }

@@ -60,7 +60,7 @@ struct Admitted {
     native_model: String,
     cwd: Option<String>,
     reasoning_effort: Option<String>,
-    quota_subject: Option<Arc<str>>,
+    budget: Option<crate::store::TurnBudget>,
 }
 
 /// A turn that has begun: its user message is in the log and its buffer is open.
@@ -101,6 +101,7 @@ impl From<StoreError> for StartError {
         match e {
             // Another gateway's turn holds the conversation: the same answer as one of ours.
             StoreError::Busy => StartError::Busy,
+            StoreError::OverBudget(over) => StartError::Quota(over.into()),
             e => StartError::Store(e),
         }
     }
@@ -286,7 +287,7 @@ impl Turns {
                 default_title: &default_title(&req.message),
                 idempotency,
                 owner: req.caller.owner(),
-                quota_subject: admitted.quota_subject.as_deref(),
+                budget: admitted.budget.as_ref(),
                 now: now_ms(),
             })
             .await?;
@@ -320,7 +321,7 @@ impl Turns {
 
         let run =
             run::TurnRun::new(self.clone(), self.store.clone(), buffer.clone(), cancel, inbox.clone(), &admitted.model)
-                .for_caller(req.caller.clone(), admitted.quota_subject.is_some())
+                .for_caller(req.caller.clone(), admitted.budget.is_some())
                 .with_lease(lease_lost);
         self.launch(run, req, admitted, &turn_id, user_seq, inbox).await;
         Ok(Started { conversation_id: conversation_id.clone(), turn_id, buffer })
@@ -338,13 +339,8 @@ impl Turns {
         {
             return Err(StartError::NotFound(req.conversation_id.clone()));
         }
-        let quota_subject = self.quotas.any().then(|| req.caller.viewer()).flatten().cloned();
-        if let Some(subject) = &quota_subject {
-            crate::identity::check_turn_quotas(&self.store, &self.quotas, subject).await.map_err(|e| match e {
-                crate::identity::QuotaError::Exceeded(q) => StartError::Quota(q),
-                crate::identity::QuotaError::Store(e) => StartError::from(e),
-            })?;
-        }
+        // Checked, and the turn counted, by the opening write itself (exact under races).
+        let budget = req.caller.viewer().and_then(|subject| crate::identity::turn_budget(&self.quotas, subject));
         let model = req.model.clone().or(settings.model).unwrap_or_else(|| self.registry.default_model().to_owned());
         let Some((runtime, native_model)) = self.registry.resolve(&model) else {
             return Err(StartError::UnknownModel(model));
@@ -355,7 +351,7 @@ impl Turns {
         };
         let reasoning_effort = req.reasoning_effort.clone().or(settings.reasoning_effort);
         let native_model = native_model.to_owned();
-        Ok(Admitted { model, runtime, native_model, cwd, reasoning_effort, quota_subject })
+        Ok(Admitted { model, runtime, native_model, cwd, reasoning_effort, budget })
     }
 
     /// Hands the turn to its runtime, in a task of its own, with what the runtime is owed: the

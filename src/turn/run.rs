@@ -78,6 +78,7 @@ struct PendingSeal {
     metrics: TurnMetrics,
     rest: Vec<NewChunk>,
     tokens_per_estimate: Option<f64>,
+    charge: Option<(Arc<str>, u64)>,
 }
 
 impl PendingSeal {
@@ -95,6 +96,7 @@ impl PendingSeal {
                 metrics: &self.metrics,
                 now: now_ms(),
                 tokens_per_estimate: self.tokens_per_estimate,
+                charge: self.charge.as_ref().map(|(subject, tokens)| crate::store::Charge { subject, tokens: *tokens }),
             };
             match self.store.seal_turn(seal, &self.rest).await {
                 Ok(status) => {
@@ -181,6 +183,7 @@ impl TurnRun {
     }
 
     async fn run(mut self, runtime: Arc<dyn Runtime>, request: TurnRequest) {
+        self.steps.prompt(&request.prompt);
         let runtime_cancel = self.cancel.child_token();
         let mut attempt = 0;
         // A runtime that hangs (an agent program that prints nothing, say) would otherwise hold
@@ -317,6 +320,25 @@ impl TurnRun {
     }
 
     /// Counts the turn's end in `/metrics`, and by its model.
+    /// What the turn costs its subject's day, written with the seal (none: not counted).
+    fn charge(&self) -> Option<(Arc<str>, u64)> {
+        if !self.counts_tokens {
+            return None;
+        }
+        let charge = self.steps.tally.charge();
+        if charge.estimated_steps > 0 {
+            let metrics = &self.turns.metrics;
+            metrics.quota_estimated_turns.fetch_add(1, Relaxed);
+            metrics.quota_estimated_tokens.fetch_add(charge.tokens, Relaxed);
+            tracing::info!(
+                tokens = charge.tokens,
+                steps = charge.estimated_steps,
+                "charged the turn an estimate for steps without usage"
+            );
+        }
+        Some((self.caller.subject.clone(), charge.tokens))
+    }
+
     fn count_end(&self, end: &End, turn_metrics: &crate::wire::TurnMetrics) {
         let metrics = &self.turns.metrics;
         let outcome = match end {
@@ -373,6 +395,7 @@ impl TurnRun {
         let turn_metrics = self.steps.tally.metrics(&self.turn_id, duration_ms);
         let mut rest = std::mem::take(&mut self.unwritten);
         rest.extend(self.steps.assembler.take());
+        let charge = self.charge();
         let seal = SealTurn {
             conversation_id: &self.conversation_id,
             turn_id: &self.turn_id,
@@ -380,14 +403,8 @@ impl TurnRun {
             metrics: &turn_metrics,
             now: now_ms(),
             tokens_per_estimate: self.steps.tokens_per_estimate,
+            charge: charge.as_ref().map(|(subject, tokens)| crate::store::Charge { subject, tokens: *tokens }),
         };
-        let tokens = turn_metrics.usage.input_tokens.saturating_add(turn_metrics.usage.output_tokens);
-        if self.counts_tokens
-            && tokens > 0
-            && let Err(e) = self.store.add_turn_tokens(&self.caller.subject, &self.turn_id, tokens).await
-        {
-            tracing::warn!(error = %e, "could not count the turn's tokens against its subject's quota");
-        }
         let sealing = self.trace.seal((&self.conversation_id, &self.turn_id), &reason);
         let sealed_now = match tracing::Instrument::instrument(self.store.seal_turn(seal, &rest), sealing).await {
             Ok(status) => Some(status),
@@ -422,6 +439,7 @@ impl TurnRun {
                 metrics: turn_metrics,
                 rest,
                 tokens_per_estimate: self.steps.tokens_per_estimate,
+                charge,
             };
             tokio::spawn(pending.retry());
             return;

@@ -80,6 +80,8 @@ pub(super) struct TurnSteps {
     outputs: HashMap<String, String>,
     max_output: usize,
     output_kept: usize,
+    /// The prompt's estimated tokens (four bytes a token, as the runtimes' estimator).
+    prompt_tokens: u64,
 }
 
 impl TurnSteps {
@@ -99,6 +101,7 @@ impl TurnSteps {
             outputs: HashMap::new(),
             max_output,
             output_kept: 0,
+            prompt_tokens: 0,
         }
     }
 
@@ -113,6 +116,7 @@ impl TurnSteps {
         out: &mut Vec<Effect>,
     ) {
         let step_id = self.open_step().step_id.clone();
+        self.open_step().streamed(name.len() + input.to_string().len());
         self.call_steps.insert(id.clone(), step_id.clone());
         self.unanswered.push((id.clone(), name.clone()));
         self.assembler.tool_call(ToolCallChunk {
@@ -207,8 +211,10 @@ impl TurnSteps {
 
     /// Handles one raw event published at `now`; the end, when it is a terminal.
     pub(super) fn handle(&mut self, event: RawEvent, now: Instant, out: &mut Vec<Effect>) -> Option<End> {
-        let bookkeeping =
-            matches!(event, RawEvent::StepStart | RawEvent::SessionId(_) | RawEvent::TokensPerEstimate(_));
+        let bookkeeping = matches!(
+            event,
+            RawEvent::StepStart | RawEvent::SessionId(_) | RawEvent::TokensPerEstimate(_) | RawEvent::RequestSize(_)
+        );
         if !bookkeeping {
             self.published_content = true;
         }
@@ -223,6 +229,7 @@ impl TurnSteps {
             RawEvent::TextDelta(delta) | RawEvent::ReasoningDelta(delta) if delta.is_empty() => {}
             RawEvent::TextDelta(delta) => {
                 self.open_step().token(now);
+                self.open_step().streamed(delta.len());
                 self.assembler.text(&delta);
                 out.push(Effect::Publish(AgentEvent::TextDelta(TurnTextDeltaEvent {
                     conversation_id,
@@ -232,6 +239,7 @@ impl TurnSteps {
             }
             RawEvent::ReasoningDelta(delta) => {
                 self.open_step().token(now);
+                self.open_step().streamed(delta.len());
                 self.assembler.reasoning(&delta);
                 let event = TurnReasoningDeltaEvent { conversation_id, turn_id, delta };
                 out.push(Effect::Publish(AgentEvent::ReasoningDelta(event)));
@@ -263,8 +271,14 @@ impl TurnSteps {
             }
             RawEvent::SessionId(id) => out.push(Effect::SessionId(id)),
             RawEvent::TokensPerEstimate(ratio) => self.tokens_per_estimate = Some(ratio),
+            RawEvent::RequestSize(tokens) => self.open_step().sent_tokens = tokens,
         }
         None
+    }
+
+    /// The turn's prompt: the first step's charge until the runtime reports its request.
+    pub(super) fn prompt(&mut self, prompt: &str) {
+        self.prompt_tokens = (prompt.len() as u64).div_ceil(4) + 4;
     }
 
     /// A retry after a failed attempt: the step it opened produced nothing.
@@ -316,7 +330,12 @@ impl TurnSteps {
     }
 
     fn new_step(&self, started: Instant) -> OpenStep {
-        OpenStep::new(format!("{}#{}", self.turn_id, self.tally.step_count()), started)
+        let mut step = OpenStep::new(format!("{}#{}", self.turn_id, self.tally.step_count()), started);
+        // Until the runtime says what it sent, the first step is charged the prompt.
+        if self.tally.step_count() == 0 {
+            step.sent_tokens = self.prompt_tokens;
+        }
+        step
     }
 
     fn open_step(&mut self) -> &mut OpenStep {

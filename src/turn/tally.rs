@@ -12,6 +12,10 @@ pub struct OpenStep {
     started: Instant,
     first_token: Option<Instant>,
     usage: Option<Usage>,
+    /// The tokens of the request that began the step, as the gateway estimates them.
+    pub sent_tokens: u64,
+    /// Bytes the step streamed (text, reasoning, tool calls).
+    streamed_bytes: u64,
 }
 
 /// Step timing as `step-complete` carries it: `genTotalMs == ttftMs + decodeMs` exactly.
@@ -29,7 +33,18 @@ fn ms(d: Duration) -> u64 {
 
 impl OpenStep {
     pub fn new(step_id: String, started: Instant) -> OpenStep {
-        OpenStep { step_id, started, first_token: None, usage: None }
+        OpenStep { step_id, started, first_token: None, usage: None, sent_tokens: 0, streamed_bytes: 0 }
+    }
+
+    /// `bytes` of the model's output arrived (a delta, a tool call).
+    pub fn streamed(&mut self, bytes: usize) {
+        self.streamed_bytes = self.streamed_bytes.saturating_add(bytes as u64);
+    }
+
+    /// What the step costs when no usage is reported for it: the request's estimate and the
+    /// output at the estimator's four bytes a token.
+    fn estimate(&self) -> u64 {
+        self.sent_tokens.saturating_add(self.streamed_bytes.div_ceil(4))
     }
 
     /// A text or reasoning delta arrived.
@@ -56,11 +71,22 @@ pub struct TurnTally {
     steps: Vec<StepMetrics>,
     /// Per closed step: whether the runtime reported usage for it.
     reported: Vec<bool>,
+    /// Per closed step: its estimated tokens, charged when no usage is reported for it.
+    estimates: Vec<u64>,
+}
+
+/// What a turn costs its subject's day of tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Charge {
+    pub tokens: u64,
+    /// Steps charged their estimate (no usage reported for them: stopped, failed, cut, or an
+    /// upstream that does not report).
+    pub estimated_steps: usize,
 }
 
 impl TurnTally {
     pub fn new(started: Instant) -> TurnTally {
-        TurnTally { started, steps: Vec::new(), reported: Vec::new() }
+        TurnTally { started, steps: Vec::new(), reported: Vec::new(), estimates: Vec::new() }
     }
 
     pub fn step_count(&self) -> usize {
@@ -91,6 +117,7 @@ impl TurnTally {
     pub fn close_step(&mut self, step: OpenStep, ended: Instant) -> StepTiming {
         let timing = step.timing(ended);
         self.reported.push(step.usage.is_some());
+        self.estimates.push(step.estimate());
         self.steps.push(StepMetrics {
             step_id: step.step_id,
             usage: step.usage.unwrap_or_default(),
@@ -112,6 +139,22 @@ impl TurnTally {
             total.add(&s.usage);
         }
         Some(total)
+    }
+
+    /// The turn's charge: the usage reported, step by step, and the estimate of each step
+    /// without a report.
+    pub fn charge(&self) -> Charge {
+        let mut charge = Charge { tokens: 0, estimated_steps: 0 };
+        for ((step, reported), estimate) in self.steps.iter().zip(&self.reported).zip(&self.estimates) {
+            let tokens = if *reported {
+                step.usage.input_tokens.saturating_add(step.usage.output_tokens)
+            } else {
+                charge.estimated_steps += 1;
+                *estimate
+            };
+            charge.tokens = charge.tokens.saturating_add(tokens);
+        }
+        charge
     }
 
     /// `done.contextSize`: input + output of the last step that reported usage.
@@ -187,5 +230,25 @@ mod tests {
         // Usage that arrives after the step closed still counts for that step.
         assert!(tally.add_usage(None, &usage(3, 4)));
         assert_eq!(tally.context_size(), Some(7));
+    }
+
+    #[test]
+    fn a_step_without_usage_is_charged_its_estimate() {
+        let t0 = Instant::now();
+        let mut tally = TurnTally::new(t0);
+        let mut s0 = OpenStep::new("t#0".into(), t0);
+        s0.sent_tokens = 1_000;
+        s0.streamed(4_000);
+        tally.add_usage(Some(&mut s0), &usage(900, 20));
+        tally.close_step(s0, t0);
+        let mut s1 = OpenStep::new("t#1".into(), t0);
+        s1.sent_tokens = 1_200;
+        s1.streamed(401);
+        tally.close_step(s1, t0);
+        // Reported: what was reported (not the estimate); the second: 1,200 + 401 / 4.
+        assert_eq!(tally.charge(), Charge { tokens: 920 + 1_200 + 101, estimated_steps: 1 });
+        // A report after the step closed replaces its estimate.
+        tally.add_usage(None, &usage(1_100, 50));
+        assert_eq!(tally.charge(), Charge { tokens: 920 + 1_150, estimated_steps: 0 });
     }
 }

@@ -63,7 +63,7 @@ pub fn opening<'a>(
         default_title: text,
         idempotency: None,
         owner: None,
-        quota_subject: None,
+        budget: None,
         now: 1,
     }
 }

@@ -184,13 +184,16 @@ pub enum ErrorCode {
     Shutdown,
     /// A WebSocket session fell too far behind a turn and was cut from it.
     Lagged,
+    /// The stream's credential was taken back (a sign-out, a revoked key, a session or token
+    /// past its expiry, a key withdrawn from the JWKS): the stream ends.
+    Unauthorized,
     /// A code a runtime reported that is not one of the above.
     Other(String),
 }
 
 impl ErrorCode {
     /// The gateway's own codes.
-    pub const OWN: [ErrorCode; 18] = [
+    pub const OWN: [ErrorCode; 19] = [
         ErrorCode::Interrupted,
         ErrorCode::Lease,
         ErrorCode::Storage,
@@ -209,6 +212,7 @@ impl ErrorCode {
         ErrorCode::MaxSteps,
         ErrorCode::Shutdown,
         ErrorCode::Lagged,
+        ErrorCode::Unauthorized,
     ];
 
     /// The code as the wire spells it.
@@ -241,6 +245,7 @@ impl ErrorCode {
             ErrorCode::MaxSteps => "max-steps",
             ErrorCode::Shutdown => "shutdown",
             ErrorCode::Lagged => "lagged",
+            ErrorCode::Unauthorized => "unauthorized",
             ErrorCode::Other(_) => "other",
         }
     }

@@ -449,6 +449,7 @@ impl OpenAiRuntime {
         };
         send(RawEvent::StepStart).await?;
         let (response, estimate) = self.open(req, step, &send).await?;
+        send(RawEvent::RequestSize(estimate)).await?;
         let mut gathered = Gathered::new(estimate, kit.map(StepCalls::new), self.settings.max_step_bytes);
         // The bytes since the last whole event, bounded: an upstream that never ends an
         // event must not grow the parser's buffer without end.

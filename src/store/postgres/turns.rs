@@ -17,6 +17,15 @@ pub(super) async fn apply(tx: &mut Transaction<'static, Driver>, write: &Write) 
     match write {
         Write::Begin { lease_ms, .. } => {
             let begin = write.as_begin().expect("an opening write");
+            if let Some(budget) = begin.budget {
+                // Gateways admitting the same subject take turns (the lock is held to the
+                // commit), and each counts what the one before committed.
+                sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 7201))")
+                    .bind(budget.subject.as_str())
+                    .execute(&mut *conn)
+                    .await?;
+                budget.judge(budget.usage(begin.now).postgres_rows(&mut *conn).await?.pop())?;
+            }
             begin_turn(conn, &begin, *lease_ms).await.map_err(duplicate_key).map(Written::Seq)
         }
         Write::Append { conversation_id, turn_id, chunks, now } => {
@@ -108,7 +117,8 @@ async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>, lease_ms: i64) -
     if opened.rows_affected() == 0 {
         return Err(StoreError::Busy);
     }
-    if let Some(subject) = t.quota_subject {
+    if let Some(budget) = t.budget {
+        let subject = budget.subject.as_str();
         sqlx::query("DELETE FROM quota_turns WHERE subject = $1 AND started_at < $2")
             .bind(subject)
             .bind(t.now - super::super::quotas::DAY_MS)
@@ -172,5 +182,14 @@ async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<cra
     .fetch_optional(&mut *conn)
     .await?;
     // None: the turn does not hold the lease (an error: the seal's other statements roll back).
-    crate::store::status_of(&status.ok_or(StoreError::LeaseLost)?)
+    let status = crate::store::status_of(&status.ok_or(StoreError::LeaseLost)?)?;
+    if let Some(charge) = s.charge {
+        sqlx::query("UPDATE quota_turns SET tokens = $1 WHERE subject = $2 AND turn_id = $3")
+            .bind(charge.tokens.min(i64::MAX as u64) as i64)
+            .bind(charge.subject)
+            .bind(s.turn_id)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(status)
 }

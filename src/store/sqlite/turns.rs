@@ -21,6 +21,11 @@ pub(super) fn apply(conn: &Connection, write: &Write) -> StoreResult<Written> {
     match write {
         Write::Begin { lease_ms, .. } => {
             let begin = write.as_begin().expect("an opening write");
+            // The one writer connection runs this transaction alone: what it counts is all
+            // there is, including the turns opened earlier in the same transaction.
+            if let Some(budget) = begin.budget {
+                budget.judge(budget.usage(begin.now).sqlite_rows(conn)?.pop())?;
+            }
             begin_to(&mut script, &begin, *lease_ms)?;
             let rows = script.run(conn).map_err(|e| duplicate_key(e.into()))?;
             // No row: the conversation's lease is another turn's.
@@ -122,7 +127,8 @@ fn begin_to(script: &mut Script, t: &BeginTurn<'_>, lease_ms: i64) -> StoreResul
         .bind(t.now)
         .bind(t.conversation_id)
         .bind(t.turn_id);
-    if let Some(subject) = t.quota_subject {
+    if let Some(budget) = t.budget {
+        let subject = budget.subject.as_str();
         script
             .sql(
                 "DELETE FROM quota_turns WHERE subject = ? AND started_at < ?;
@@ -160,6 +166,14 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
     let metrics = serde_json::to_string(s.metrics).map_err(|e| StoreError::Corrupt(e.to_string()))?;
     if !final_chunks.is_empty() {
         append_to(script, s.conversation_id, s.turn_id, final_chunks, s.now)?;
+    }
+    // Before the status row, which must stay the script's last.
+    if let Some(charge) = s.charge {
+        script
+            .sql("UPDATE quota_turns SET tokens = ? WHERE subject = ? AND turn_id = ?;")
+            .bind(charge.tokens.min(i64::MAX as u64) as i64)
+            .bind(charge.subject)
+            .bind(s.turn_id);
     }
     script
         .sql(
