@@ -351,6 +351,13 @@ pub struct Config {
     #[arg(skip = 60u64)]
     pub jwks_refetch_secs: u64,
 
+    /// Seconds between reads of the JWKS (sooner when its `Cache-Control: max-age` says so, at
+    /// most every 10 s): a key withdrawn from the set is refused from the next read on, and the
+    /// streams and sessions it opened end then.
+    #[arg(long, env = "DISPATCH_JWKS_REFRESH_SECS", default_value_t = 300,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub jwks_refresh_secs: u64,
+
     /// The `iss` every token must carry, when set.
     #[arg(long, env = "DISPATCH_JWT_ISSUER")]
     pub jwt_issuer: Option<String>,
@@ -605,6 +612,7 @@ impl Config {
             jwks_max_bytes: 1024 * 1024,
             token_cache_bytes: 1024 * 1024,
             jwks_refetch_secs: 60,
+            jwks_refresh_secs: 300,
             jwt_issuer: None,
             jwt_audience: None,
             trust_forwarded_proto: false,

@@ -46,7 +46,6 @@ impl Gateway {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let registry = registry(&config)?;
         registry.tools().start();
-        let auth = Arc::new(crate::identity::Authenticator::new(&config).map_err(StartupError::Identity)?);
         let metrics = Arc::new(Metrics::default());
         let limits = StoreOptions {
             busy_timeout: Duration::from_millis(config.sqlite_busy_timeout_ms),
@@ -56,6 +55,7 @@ impl Gateway {
             delete_batch_rows: config.delete_batch_rows,
         };
         let store = Store::open_with(&config.database, metrics.clone(), limits).await?;
+        let auth = crate::identity::Authenticator::new(&config, store.clone()).map_err(StartupError::Identity)?;
         let flush = crate::hub::FlushWindow::new(config.flush_sweeps, Duration::from_millis(config.flush_max_ms));
         let (remote, cluster) = connect_bus(&config, &metrics, &store).await?.unzip();
         let caps = crate::hub::Caps {
@@ -72,11 +72,11 @@ impl Gateway {
             max_duration: Duration::from_secs(config.max_turn_secs),
             max_tool_output: config.max_tool_result_bytes,
         };
-        // Users (who see only their own) come only with signed tokens: keys are administrators.
-        let identities = crate::turn::Identities { quotas: config.quotas, users: auth.takes_tokens() };
+        // Users (who see only their own) come with signed tokens and made keys.
+        let identities = crate::turn::Identities { quotas: config.quotas, users: auth.enabled() };
         let turns =
             Turns::new(store.clone(), hub.clone(), Arc::new(registry), metrics.clone(), limits, cluster, identities);
-        let stream_quota = crate::identity::StreamQuota::new(store.clone(), &config.quotas);
+        let stream_quota = crate::identity::StreamQuota::new(store.clone(), &config.quotas, auth.enabled());
         let connections = crate::net::ConnectionSlots::new(config.max_connections());
         let reading = crate::live::ReadingBudget::new(config.max_reading_bytes as usize);
         Ok(Gateway {

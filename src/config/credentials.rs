@@ -81,8 +81,9 @@ fn default_max_tool_calls() -> usize {
 
 /// Per-subject limits, checked before a turn starts (and a stream opens), counted in the
 /// database so that every gateway of a cluster shares them. Absent: no limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Quotas {
     /// Turns running at once.
     pub concurrent_turns: Option<u32>,

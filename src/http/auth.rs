@@ -91,12 +91,24 @@ pub async fn begin_session(
     }
     let identity = state.auth.identify(token).await.map_err(|e| ApiError::Unauthorized(e.to_string()))?;
     let now = now_ms();
+    // Until the credential's own end, and at most 12 hours for a key.
+    let key_session = now + (KEY_SESSION_SECS * 1000) as i64;
     let expires_at = match identity.expires_at {
+        Some(exp) if identity.credential.starts_with(crate::identity::KEY_SUBJECT_PREFIX) => {
+            (exp as i64).saturating_mul(1000).min(key_session)
+        }
         Some(exp) => (exp as i64).saturating_mul(1000),
-        None => now + (KEY_SESSION_SECS * 1000) as i64,
+        None => key_session,
     };
     let id = random_id();
-    let session = StoredSession { subject: identity.subject.to_string(), admin: identity.admin, expires_at };
+    // A session remembers what made it (so that taking that back ends it) and its quotas.
+    let session = StoredSession {
+        subject: identity.subject.to_string(),
+        admin: identity.admin,
+        expires_at,
+        credential: identity.credential.to_string(),
+        quotas: identity.quotas.map(|q| serde_json::to_string(&q).expect("quotas serialize")),
+    };
     state.store.begin_session(&crate::identity::session_hash(&id), &session, now).await?;
     tracing::info!(target: "dispatch::audit", subject = %crate::log_text::Escaped(&identity.subject), admin = identity.admin, "signed in");
     let max_age = ((expires_at - now) / 1000).max(0);
@@ -116,7 +128,9 @@ pub async fn begin_session(
 ))]
 pub async fn end_session(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     if let Some(id) = session_cookie(&headers) {
-        state.store.end_session(&crate::identity::session_hash(id)).await?;
+        let hash = crate::identity::session_hash(id);
+        state.store.end_session(&hash).await?;
+        state.auth.grants.end_session(&hash, "signed out");
     }
     let secure = if secure_request(&state, &headers) { "; Secure" } else { "" };
     let cookie = format!("{COOKIE}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0{secure}");

@@ -174,6 +174,8 @@ pub(super) fn refusal(e: &AuthError) -> Response {
     let challenge = match e {
         AuthError::Missing => "Bearer",
         AuthError::Invalid(_) => "Bearer error=\"invalid_token\"",
+        // The key may be fine: never "sign in again" for what the database could not say.
+        AuthError::Unavailable(why) => return ApiError::Unavailable(why.clone()).into_response(),
     };
     let mut response = ApiError::Unauthorized(e.to_string()).into_response();
     response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static(challenge));

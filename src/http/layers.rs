@@ -15,7 +15,6 @@ use tracing::Instrument;
 use super::AppState;
 use super::error::{ApiError, InternalDetail};
 use crate::identity::{AuthError, Identity};
-use crate::store::now_ms;
 
 /// Routes anyone may call, keys or not.
 const PUBLIC: &[&str] = &["/health", "/ready", "/openapi.json", "/", "/auth/session"];
@@ -244,8 +243,8 @@ async fn authenticate(State(state): State<AppState>, mut req: Request, next: Nex
     let public = is_public(&state.config, req.uri().path()) && !req.headers().contains_key(header::UPGRADE);
     let found = match presented(&req) {
         Some(Presented::Token(token)) => auth.identify(&token).await.map(|identity| (identity, false)),
-        Some(Presented::Cookie(id)) => match state.store.session(&crate::identity::session_hash(id), now_ms()).await {
-            Ok(Some(session)) => Ok((crate::identity::Identity::of_session(&session), true)),
+        Some(Presented::Cookie(id)) => match auth.session(&crate::identity::session_hash(id)).await {
+            Ok(Some(identity)) => Ok((identity, true)),
             Ok(None) => Err(AuthError::Invalid("the session has ended; sign in again".into())),
             // The database cannot say: a public route (a probe) is served anyway, others fail
             // as a read would (never "sign in again" for a session that may be fine).

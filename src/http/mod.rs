@@ -8,6 +8,7 @@ mod conversations;
 pub mod error;
 mod events;
 mod extract;
+mod keys;
 mod layers;
 mod models;
 #[cfg(feature = "openapi")]
@@ -82,10 +83,18 @@ impl AppState {
     ) -> Result<crate::metrics::StreamPermit, ApiError> {
         let permit = crate::metrics::StreamPermit::acquire(&self.metrics, holder, self.config.max_streams)
             .ok_or_else(|| ApiError::AtCapacity("too many open streams; try again later".into()))?;
-        let Some(subject) = caller.viewer() else { return Ok(permit) };
-        Ok(match self.stream_quota.take(subject).await? {
-            Some(place) => permit.holding(place),
-            None => permit,
+        // A signed-in caller's stream ends when its credential is taken back.
+        let (permit, grant) = match self.auth.grants.hold(caller, &self.drained) {
+            Some((ending, held)) => (permit.ending(ending), Some(held)),
+            None => (permit, None),
+        };
+        let place = match caller.viewer() {
+            Some(subject) => self.stream_quota.take(subject, caller.quotas(&self.config.quotas).streams).await?,
+            None => None,
+        };
+        Ok(match (place, grant) {
+            (None, None) => permit,
+            (place, grant) => permit.holding((place, grant)),
         })
     }
 
@@ -148,7 +157,7 @@ macro_rules! api {
                 (name = "control", description = "Start, stop, steer and inspect turns"),
                 (name = "operations", description = "Health and operations"),
                 (name = "console", description = "The web console's page and modules"),
-                (name = "auth", description = "Browser sessions: sign in with a token or key, get the session cookie"),
+                (name = "auth", description = "Browser sessions (sign in with a token or key, get the session cookie), keys made at runtime, taking credentials back"),
             )
         )]
         struct ApiDoc;
@@ -184,6 +193,9 @@ api! {
     "/metrics/errors" => { get: series::errors },
     "/ws" => { get: ws::ws },
     "/auth/session" => { get: auth::get_session, post: auth::begin_session, delete: auth::end_session },
+    "/auth/sessions" => { delete: keys::end_sessions },
+    "/keys" => { post: keys::create, get: keys::list },
+    "/keys/{id}" => { delete: keys::revoke },
     "/openapi.json" => { get: ops::openapi_json },
     "/ready" => { get: ops::ready },
     "/metrics" => { get: ops::metrics },

@@ -29,7 +29,8 @@ pub fn watch(
         keepalive: state.keepalive(),
         store: state.store.clone(),
         conversation_id,
-        drained: state.drained.clone(),
+        // The caller's credential taken back ends it too (see `Watch::next`).
+        drained: permit.end_token(&state.drained).clone(),
         metrics: state.metrics.clone(),
         permit,
     })

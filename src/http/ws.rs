@@ -64,7 +64,8 @@ pub async fn ws(State(state): State<AppState>, Caller(caller): Caller, request: 
         metrics: state.metrics.clone(),
         statuses: state.turns.status_changes(),
         keepalive: state.keepalive(),
-        drained: state.drained.clone(),
+        // The caller's credential taken back ends it too (1008).
+        drained: permit.end_token(&state.drained).clone(),
         max_message: state.config.max_body_bytes,
         message_timeout: Duration::from_secs(state.config.ws_message_timeout_secs.max(1)),
         reading: state.reading.clone(),

@@ -1,6 +1,8 @@
-//! The keys of a JWKS URL: fetched at start, cached, and fetched again when a token names a
-//! `kid` the cache lacks (a rotation), at most once a minute (once every 5 s while fetches
-//! fail), so that tokens with made-up `kid`s cannot make the gateway hammer the identity
+//! The keys of a JWKS URL: fetched at start, read again every `--jwks-refresh-secs` (sooner when
+//! the answer's `Cache-Control: max-age` says so, never more often than every 10 s), so that a
+//! key withdrawn from the set is refused from the next read on; and fetched again when a token
+//! names a `kid` the cache lacks (a rotation), at most once a minute (once every 5 s while
+//! fetches fail), so that tokens with made-up `kid`s cannot make the gateway hammer the identity
 //! provider. A fetch is bounded in time (5 s) and size (`--jwks-max-bytes`); only public keys
 //! (RSA, EC P-256) are taken from it.
 
@@ -18,6 +20,8 @@ use crate::runtime::http_client::HttpClient;
 
 const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
 const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(5);
+/// The shortest wait between periodic reads, whatever `max-age` says.
+const SHORTEST_REFRESH: Duration = Duration::from_secs(10);
 
 type Keys = HashMap<String, (DecodingKey, Algorithm)>;
 
@@ -28,6 +32,10 @@ pub(super) struct Jwks {
     /// Between fetches a token's unknown `kid` may cause (a minute).
     refetch_after: Duration,
     keys: RwLock<Arc<Keys>>,
+    /// Between periodic reads (`--jwks-refresh-secs`).
+    refresh_every: Duration,
+    /// The last answer's `Cache-Control: max-age`, in seconds (0: none).
+    max_age: std::sync::atomic::AtomicU64,
     /// Held while fetching; when the last fetch ended, and whether it failed (why).
     fetching: tokio::sync::Mutex<Option<(Instant, Option<String>)>>,
 }
@@ -35,7 +43,12 @@ pub(super) struct Jwks {
 impl Jwks {
     /// Checks the URL and starts the first fetch (a JWKS that is down does not stop the start:
     /// tokens are refused until it answers).
-    pub(super) fn start(url: &str, max_bytes: usize, refetch_after: Duration) -> Result<Arc<Jwks>, String> {
+    pub(super) fn start(
+        url: &str,
+        max_bytes: usize,
+        refetch_after: Duration,
+        refresh_every: Duration,
+    ) -> Result<Arc<Jwks>, String> {
         let uri: http::Uri = url.parse().map_err(|e| format!("--jwks-url {url:?}: {e}"))?;
         if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
             return Err(format!("--jwks-url {url:?}: an http:// or https:// URL"));
@@ -47,13 +60,34 @@ impl Jwks {
             max_bytes,
             refetch_after,
             keys: RwLock::default(),
+            refresh_every,
+            max_age: Default::default(),
             fetching: tokio::sync::Mutex::new(None),
         });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let first = jwks.clone();
-            runtime.spawn(async move { first.refresh(true).await });
+            runtime.spawn(Jwks::keep_fresh(Arc::downgrade(&jwks)));
         }
         Ok(jwks)
+    }
+
+    /// Reads the set at start, then again and again for as long as the gateway takes tokens.
+    async fn keep_fresh(jwks: std::sync::Weak<Jwks>) {
+        loop {
+            let wait = {
+                let Some(jwks) = jwks.upgrade() else { return };
+                jwks.refresh(true).await;
+                let max_age = jwks.max_age.load(std::sync::atomic::Ordering::Relaxed);
+                let wait =
+                    if max_age > 0 { jwks.refresh_every.min(Duration::from_secs(max_age)) } else { jwks.refresh_every };
+                wait.max(SHORTEST_REFRESH.min(jwks.refresh_every))
+            };
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Whether the set, as last read, still has the key `kid`.
+    pub(super) fn knows(&self, kid: &str) -> bool {
+        self.keys.read().unwrap_or_else(|p| p.into_inner()).contains_key(kid)
     }
 
     /// The key `kid` names, for a token signed with `alg`.
@@ -110,6 +144,15 @@ impl Jwks {
         if !response.status().is_success() {
             return Err(format!("it answered {}", response.status()));
         }
+        let max_age = response
+            .headers()
+            .get_all(http::header::CACHE_CONTROL)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .find_map(|d| d.trim().strip_prefix("max-age=").and_then(|s| s.trim().parse::<u64>().ok()))
+            .unwrap_or(0);
+        self.max_age.store(max_age, std::sync::atomic::Ordering::Relaxed);
         let body = Limited::new(response.into_body(), self.max_bytes)
             .collect()
             .await

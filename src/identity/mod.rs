@@ -1,12 +1,15 @@
-//! Who a request comes from (docs/identity.md): an API key (an administrator), a signed token (its
-//! `sub` is the subject; `scope` with `dispatch:admin` makes an administrator), or the session
-//! cookie a browser got for one of those. With neither keys nor token keys configured, auth is
-//! off and every request is the one anonymous administrator.
+//! Who a request comes from (docs/identity.md): a configured API key (an administrator), a key
+//! made at runtime (`dk_...`, `POST /keys`), a signed token (its `sub` is the subject; `scope`
+//! with `dispatch:admin` makes an administrator), or the session cookie a browser got for one
+//! of those. With neither keys nor token keys configured, auth is off and every request is the
+//! one anonymous administrator.
 //!
 //! Every credential is checked from the request's head: the layer that calls
 //! [`Authenticator::identify`] runs before any byte of the body is read.
 
+mod grants;
 mod jwks;
+mod keys;
 mod quotas;
 mod tokens;
 
@@ -15,9 +18,12 @@ use std::sync::Arc;
 use ring::digest::{SHA256, digest};
 use subtle::ConstantTimeEq;
 
+pub use grants::{Grants, Held};
+pub use keys::{MADE_KEY_PREFIX, MadeKey, NewKey};
 pub use quotas::{QuotaError, QuotaExceeded, StreamPlace, StreamQuota, turn_budget};
 
-use crate::config::Config;
+use crate::config::{Config, Quotas};
+use crate::store::{Store, StoreError, StoredSession};
 
 /// Scope that makes a token's subject an administrator.
 pub const ADMIN_SCOPE: &str = "dispatch:admin";
@@ -64,17 +70,38 @@ pub struct Identity {
     pub expires_at: Option<u64>,
     /// Auth is off: the subject owns nothing (what it creates has no owner).
     pub anonymous: bool,
+    /// What proved it, so that taking that back ends what it opened: `key:<id>` (a made key),
+    /// `api-key:<hash prefix>` (a configured key), `token:<kid>` (a signed token; `token:`
+    /// when a configured key checked it); empty with auth off.
+    pub credential: Arc<str>,
+    /// The session (the hash of its id) when the cookie proved it.
+    pub session: Option<Arc<str>>,
+    /// Quotas that replace the configured ones for this identity (a made key's).
+    pub quotas: Option<Quotas>,
 }
 
 impl Identity {
+    /// A signed-in identity, proved by `credential`.
+    pub fn signed(subject: Arc<str>, admin: bool, expires_at: Option<u64>, credential: Arc<str>) -> Identity {
+        Identity { subject, admin, expires_at, anonymous: false, credential, session: None, quotas: None }
+    }
+
     /// The identity a request with this session's cookie has.
-    pub fn of_session(session: &crate::store::StoredSession) -> Identity {
-        Identity {
-            subject: Arc::from(session.subject.as_str()),
-            admin: session.admin,
-            expires_at: Some((session.expires_at / 1000).max(0) as u64),
-            anonymous: false,
-        }
+    fn of_session(session: StoredSession, id_hash: &str) -> Identity {
+        let mut identity = Identity::signed(
+            Arc::from(session.subject.as_str()),
+            session.admin,
+            Some((session.expires_at / 1000).max(0) as u64),
+            Arc::from(session.credential.as_str()),
+        );
+        identity.session = Some(Arc::from(id_hash));
+        identity.quotas = session.quotas.as_deref().and_then(|q| serde_json::from_str(q).ok());
+        identity
+    }
+
+    /// The quotas this identity's turns and streams count against.
+    pub fn quotas<'a>(&'a self, configured: &'a Quotas) -> &'a Quotas {
+        self.quotas.as_ref().unwrap_or(configured)
     }
 }
 
@@ -87,6 +114,9 @@ impl Identity {
             admin: true,
             expires_at: None,
             anonymous: true,
+            credential: Arc::from(""),
+            session: None,
+            quotas: None,
         });
         ANONYMOUS.clone()
     }
@@ -115,29 +145,50 @@ pub enum AuthError {
     Missing,
     #[error("the API key or token is not valid: {0}")]
     Invalid(String),
+    #[error("the credential cannot be checked now: {0}")]
+    Unavailable(String),
 }
 
-/// Checks API keys and tokens.
+/// Checks API keys, made keys, tokens and sessions, and keeps what they opened (`grants`).
 pub struct Authenticator {
-    /// SHA-256 of each API key, with its subject.
-    keys: Vec<([u8; 32], Arc<str>)>,
+    /// SHA-256 of each configured API key, with its subject and credential.
+    keys: Vec<([u8; 32], Arc<str>, Arc<str>)>,
     tokens: Option<tokens::Tokens>,
+    /// Where made keys and sessions are kept.
+    store: Store,
+    /// Made keys' last use, written at most once a minute per key.
+    made: keys::LastUse,
+    /// The live streams each credential opened, to end when it is taken back.
+    pub grants: Arc<Grants>,
 }
 
 impl Authenticator {
     /// From the configuration: reads the token keys' files (a missing or bad one stops the
     /// start) and begins fetching the JWKS, if any.
-    pub fn new(config: &Config) -> Result<Authenticator, String> {
+    pub fn new(config: &Config, store: Store) -> Result<Arc<Authenticator>, String> {
         let keys = config
             .api_keys
             .iter()
             .map(|key| {
                 let hash: [u8; 32] = digest(&SHA256, key.as_bytes()).as_ref().try_into().expect("32 bytes");
                 let subject = format!("{KEY_SUBJECT_PREFIX}{}", hex(&hash[..4]));
-                (hash, Arc::from(subject))
+                let credential = format!("{CONFIGURED_KEY_PREFIX}{}", hex(&hash[..8]));
+                (hash, Arc::from(subject), Arc::from(credential))
             })
             .collect();
-        Ok(Authenticator { keys, tokens: tokens::Tokens::new(config)? })
+        let auth = Arc::new(Authenticator {
+            keys,
+            tokens: tokens::Tokens::new(config)?,
+            store,
+            made: keys::LastUse::default(),
+            grants: Arc::default(),
+        });
+        if auth.enabled()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(grants::sweep(Arc::downgrade(&auth)));
+        }
+        Ok(auth)
     }
 
     /// Whether requests need a credential.
@@ -155,8 +206,11 @@ impl Authenticator {
         if credential.is_empty() {
             return Err(AuthError::Missing);
         }
-        if let Some(subject) = self.key(credential.as_bytes()) {
-            return Ok(Identity { subject, admin: true, expires_at: None, anonymous: false });
+        if let Some((subject, proof)) = self.key(credential.as_bytes()) {
+            return Ok(Identity::signed(subject, true, None, proof));
+        }
+        if credential.starts_with(MADE_KEY_PREFIX) {
+            return self.made_key(credential).await;
         }
         match &self.tokens {
             Some(tokens) if credential.bytes().filter(|b| *b == b'.').count() == 2 => {
@@ -170,17 +224,42 @@ impl Authenticator {
     /// The subject of the key `presented` is, compared in a time that depends on neither where
     /// the inputs differ nor their lengths: both sides are hashed to 32 bytes, then compared in
     /// constant time against every key (no early exit at a match).
-    fn key(&self, presented: &[u8]) -> Option<Arc<str>> {
+    fn key(&self, presented: &[u8]) -> Option<(Arc<str>, Arc<str>)> {
         let presented = digest(&SHA256, presented);
         let mut found = None;
-        for (hash, subject) in &self.keys {
+        for (hash, subject, credential) in &self.keys {
             if bool::from(hash.ct_eq(presented.as_ref())) {
-                found = Some(subject.clone());
+                found = Some((subject.clone(), credential.clone()));
             }
         }
         found
     }
+
+    /// The identity of the session whose id hashes to `id_hash`: none when it ended, or when
+    /// the credential that made it was taken back (a configured key no longer configured, a
+    /// key the JWKS withdrew; a made key's revocation removes its sessions).
+    pub async fn session(&self, id_hash: &str) -> Result<Option<Identity>, StoreError> {
+        let Some(session) = self.store.session(id_hash, crate::store::now_ms()).await? else { return Ok(None) };
+        let identity = Identity::of_session(session, id_hash);
+        Ok(self.credential_live(&identity.credential).then_some(identity))
+    }
+
+    /// Whether a credential of this gateway's own checking (configured keys, token keys) still
+    /// stands; made keys and sessions are the database's to say.
+    pub fn credential_live(&self, credential: &str) -> bool {
+        if credential.starts_with(CONFIGURED_KEY_PREFIX) {
+            return self.keys.iter().any(|(_, _, c)| &**c == credential);
+        }
+        match &self.tokens {
+            Some(tokens) if credential.starts_with(tokens::TOKEN_PREFIX) => tokens.key_live(credential),
+            None if credential.starts_with(tokens::TOKEN_PREFIX) => false,
+            _ => true,
+        }
+    }
 }
+
+/// What a configured key's credential begins with (then a prefix of its SHA-256).
+const CONFIGURED_KEY_PREFIX: &str = "api-key:";
 
 /// What the store keeps of a session's id: its SHA-256, in hex.
 pub fn session_hash(id: &str) -> String {
@@ -195,15 +274,16 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 mod tests {
     use super::*;
 
-    fn with_keys(keys: &[&str]) -> Authenticator {
+    async fn with_keys(keys: &[&str]) -> (Arc<Authenticator>, crate::store::testing::TestStore) {
         let mut config = Config::defaults();
         config.api_keys = keys.iter().map(|k| (*k).to_owned()).collect();
-        Authenticator::new(&config).unwrap()
+        let t = crate::store::testing::every_backend().await.remove(0);
+        (Authenticator::new(&config, t.store.clone()).unwrap(), t)
     }
 
     #[tokio::test]
     async fn keys_compare_exactly_and_are_administrators() {
-        let auth = with_keys(&["secret", "other"]);
+        let (auth, _store) = with_keys(&["secret", "other"]).await;
         let one = auth.identify("secret").await.unwrap();
         assert!(one.admin && one.subject.starts_with("key:"));
         let two = auth.identify("other").await.unwrap();
@@ -211,12 +291,12 @@ mod tests {
         for bad in ["secreT", "secret2", "", "a.b.c"] {
             assert!(auth.identify(bad).await.is_err(), "{bad}");
         }
-        assert!(!with_keys(&[]).enabled());
+        assert!(!with_keys(&[]).await.0.enabled());
     }
 
     #[test]
     fn users_see_their_own() {
-        let alice = Identity { subject: Arc::from("alice"), admin: false, expires_at: None, anonymous: false };
+        let alice = Identity::signed(Arc::from("alice"), false, None, Arc::from("token:"));
         assert!(alice.may_see(Some("alice")));
         assert!(!alice.may_see(Some("bob")));
         assert!(!alice.may_see(None), "a conversation with no owner is the administrators'");

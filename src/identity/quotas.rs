@@ -77,7 +77,6 @@ impl From<OverBudget> for QuotaExceeded {
 /// This gateway's open streams per subject, mirrored in the database for the others.
 pub struct StreamQuota {
     store: Store,
-    max: Option<u32>,
     /// This gateway's name in `quota_streams` (new at every start: a restarted gateway's old
     /// row ages out).
     gateway: String,
@@ -91,14 +90,11 @@ pub struct StreamPlace {
 }
 
 impl StreamQuota {
-    pub fn new(store: Store, quotas: &Quotas) -> Arc<StreamQuota> {
-        let quota = Arc::new(StreamQuota {
-            store,
-            max: quotas.streams,
-            gateway: uuid::Uuid::new_v4().to_string(),
-            open: Mutex::default(),
-        });
-        if quota.max.is_some()
+    /// Counts streams when any `streams` quota can apply: the configured one, or a made key's
+    /// (`auth`: keys can be made).
+    pub fn new(store: Store, quotas: &Quotas, auth: bool) -> Arc<StreamQuota> {
+        let quota = Arc::new(StreamQuota { store, gateway: uuid::Uuid::new_v4().to_string(), open: Mutex::default() });
+        if (quotas.streams.is_some() || auth)
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             runtime.spawn(refresh(Arc::downgrade(&quota)));
@@ -110,9 +106,14 @@ impl StreamQuota {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A place for one more stream of `subject` (none needed without a `streams` quota).
-    pub async fn take(self: &Arc<Self>, subject: &Arc<str>) -> Result<Option<StreamPlace>, QuotaError> {
-        let Some(max) = self.max else { return Ok(None) };
+    /// A place for one more stream of `subject` under `max` (its `streams` quota; none needed
+    /// without one).
+    pub async fn take(
+        self: &Arc<Self>,
+        subject: &Arc<str>,
+        max: Option<u32>,
+    ) -> Result<Option<StreamPlace>, QuotaError> {
+        let Some(max) = max else { return Ok(None) };
         let now = now_ms();
         let elsewhere = self.store.open_streams_elsewhere(&self.gateway, subject, now).await?;
         let open = {

@@ -17,6 +17,9 @@ use super::jwks::Jwks;
 use super::{ADMIN_SCOPE, Identity, TokenError};
 use crate::config::Config;
 
+/// What a token's credential begins with (then the `kid` of the JWKS key that checked it).
+pub(super) const TOKEN_PREFIX: &str = "token:";
+
 /// Clock skew allowed on `exp`, `nbf` and `iat`, in seconds.
 const LEEWAY_SECS: u64 = 30;
 
@@ -76,6 +79,7 @@ impl Tokens {
                 url,
                 config.jwks_max_bytes as usize,
                 std::time::Duration::from_secs(config.jwks_refetch_secs),
+                std::time::Duration::from_secs(config.jwks_refresh_secs),
             )?),
             None => None,
         };
@@ -97,12 +101,25 @@ impl Tokens {
     pub(super) async fn verify(&self, token: &str) -> Result<Identity, TokenError> {
         let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
         let key: [u8; 32] = digest.as_ref().try_into().expect("32 bytes");
-        if let Some(identity) = self.verified.get(&key) {
+        // A remembered token signed by a key the JWKS no longer has is checked again (and
+        // refused): a withdrawn key takes effect at the set's next read.
+        if let Some(identity) = self.verified.get(&key)
+            && self.key_live(&identity.credential)
+        {
             return Ok(identity);
         }
         let identity = self.check(token).await?;
         self.verified.put(key, &identity);
         Ok(identity)
+    }
+
+    /// Whether the key behind a token's `credential` (`token:<kid>`) is still trusted: a JWKS
+    /// key while the set has it; the configured secret or public key while the gateway runs.
+    pub(super) fn key_live(&self, credential: &str) -> bool {
+        match (credential.strip_prefix(TOKEN_PREFIX), &self.jwks) {
+            (Some(kid), Some(jwks)) if !kid.is_empty() => jwks.knows(kid),
+            _ => true,
+        }
     }
 
     async fn check(&self, token: &str) -> Result<Identity, TokenError> {
@@ -146,7 +163,13 @@ impl Tokens {
             )));
         }
         let admin = claims.scope.as_deref().is_some_and(|s| s.split(' ').any(|s| s == ADMIN_SCOPE));
-        Ok(Identity { subject: Arc::from(sub), admin, expires_at: Some(exp), anonymous: false })
+        // The key's id only when the JWKS checked it (a configured key has none to withdraw).
+        let kid = if self.jwks.is_some() && matches!(header.alg, Algorithm::RS256 | Algorithm::ES256) {
+            header.kid.as_deref().unwrap_or_default()
+        } else {
+            ""
+        };
+        Ok(Identity::signed(Arc::from(sub), admin, Some(exp), Arc::from(format!("{TOKEN_PREFIX}{kid}"))))
     }
 }
 
@@ -232,7 +255,7 @@ mod tests {
     use super::*;
 
     fn someone(expires_at: u64) -> Identity {
-        Identity { subject: Arc::from("alice"), admin: false, expires_at: Some(expires_at), anonymous: false }
+        Identity::signed(Arc::from("alice"), false, Some(expires_at), Arc::from("token:"))
     }
 
     #[test]

@@ -161,6 +161,11 @@ impl Session {
     }
 
     /// The hub's flush window now (status changes are held for as long).
+    /// Why the session was ended early: its credential was taken back (none: it was not).
+    pub fn ended(&self) -> Option<&str> {
+        self._permit.ended()
+    }
+
     pub fn window(&self) -> Duration {
         self.hub.window()
     }

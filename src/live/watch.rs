@@ -170,6 +170,11 @@ impl Watch {
             Wake::Delivery(delivery) => delivery,
             Wake::Tick if std::mem::take(&mut self.sent) => return Action::Idle,
             Wake::Tick => return Action::Write(keepalive(self.format)),
+            // The credential that opened the stream was taken back: it ends now, saying why.
+            Wake::Drained if let Some(why) = self._permit.ended() => {
+                let message = format!("this stream's credential was taken back: {why}");
+                return self.cut(&message, ErrorCode::Unauthorized);
+            }
             Wake::Drained => match self.cursor.try_batch(BATCH) {
                 Some(delivery) => delivery,
                 // Shutdown with a turn still unsealed under the cursor: it ends cut, saying so.

@@ -240,9 +240,18 @@ fn valid_close_code(code: u16) -> bool {
 }
 
 /// A close frame with `code`.
-fn put_close(out: &mut BytesMut, code: Option<u16>) {
-    let payload = code.map(u16::to_be_bytes);
-    put_ws_frame(out, WS_CLOSE, payload.as_ref().map_or(&[][..], |p| &p[..]));
+fn put_close(out: &mut BytesMut, code: Option<u16>, reason: &str) {
+    let mut payload = Vec::new();
+    if let Some(code) = code {
+        payload.extend_from_slice(&code.to_be_bytes());
+        // A control frame's payload is at most 125 bytes: the reason is cut at a character.
+        let mut end = reason.len().min(123);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        payload.extend_from_slice(&reason.as_bytes()[..end]);
+    }
+    put_ws_frame(out, WS_CLOSE, &payload);
 }
 
 /// What the session woke up for.
@@ -326,6 +335,8 @@ pub async fn serve(stream: &Arc<Connection>, mut session: Session, read: Vec<u8>
             }
             Some(Woke::Status(Err(RecvError::Closed))) => draining = true,
             Some(Woke::Ping) => session.ping(),
+            // The credential that opened the session was taken back: it closes now (1008).
+            Some(Woke::Drained) if session.ended().is_some() => break Some(POLICY),
             Some(Woke::Drained) => draining = true,
             Some(Woke::Incomplete) => break Some(POLICY),
             Some(Woke::Handed) | None => {}
@@ -370,7 +381,11 @@ pub async fn serve(stream: &Arc<Connection>, mut session: Session, read: Vec<u8>
     // Whatever was gathered and held, then the close frame (best effort: the client may be gone).
     waits.release(&mut session);
     out.extend_from_slice(&session.out().split());
-    put_close(&mut out, end);
+    let reason = match (end, session.ended()) {
+        (Some(POLICY), Some(why)) => format!("credential taken back: {why}"),
+        _ => String::new(),
+    };
+    put_close(&mut out, end, &reason);
     let _ = write_all(stream, &mut [IoSlice::new(&out)], drain).await;
 }
 
@@ -378,6 +393,10 @@ pub async fn serve(stream: &Arc<Connection>, mut session: Session, read: Vec<u8>
 /// close without one) when the client closes or breaks the protocol.
 async fn read_ops(session: &mut Session, frames: &mut FrameDecoder) -> Option<Option<u16>> {
     loop {
+        // Nothing a client sends after its credential was taken back is acted on.
+        if session.ended().is_some() {
+            return Some(Some(POLICY));
+        }
         match frames.next() {
             Ok(Some(Incoming::Text(t))) => session.handle(&t).await,
             Ok(Some(Incoming::Binary(b))) => match std::str::from_utf8(&b) {

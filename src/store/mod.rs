@@ -14,6 +14,7 @@ mod batch;
 mod bus_secret;
 mod conversations;
 mod deletion;
+mod keys;
 mod lease;
 mod log;
 #[cfg(feature = "cluster")]
@@ -33,6 +34,7 @@ use std::time::Duration;
 use crate::config::Database;
 use crate::metrics::Metrics;
 pub use conversations::{ConversationFilter, NewConversation, Ownership, Setting, Settings};
+pub use keys::StoredKey;
 pub use log::{HistoryPage, HistoryWindow};
 pub use quotas::{OverBudget, TurnBudget};
 pub use reads::{History, HistoryChunk, LastText, ModelThroughput, RuntimeMemory};

@@ -340,7 +340,8 @@ impl Turns {
             return Err(StartError::NotFound(req.conversation_id.clone()));
         }
         // Checked, and the turn counted, by the opening write itself (exact under races).
-        let budget = req.caller.viewer().and_then(|subject| crate::identity::turn_budget(&self.quotas, subject));
+        let quotas = req.caller.quotas(&self.quotas);
+        let budget = req.caller.viewer().and_then(|subject| crate::identity::turn_budget(quotas, subject));
         let model = req.model.clone().or(settings.model).unwrap_or_else(|| self.registry.default_model().to_owned());
         let Some((runtime, native_model)) = self.registry.resolve(&model) else {
             return Err(StartError::UnknownModel(model));

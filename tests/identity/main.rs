@@ -6,6 +6,7 @@ mod budgets;
 #[path = "../common/mod.rs"]
 mod common;
 mod ownership;
+mod revocation;
 mod tokens;
 
 use std::path::Path;

@@ -54,14 +54,14 @@ fn base64_url(bytes: &[u8]) -> String {
 
 /// What the test's JWKS endpoint does.
 #[derive(Clone)]
-enum Jwks {
+pub(super) enum Jwks {
     Serve(String),
     Huge,
     Silent,
 }
 
 /// A JWKS endpoint on an ephemeral port, answering as `mode` says at each request; counts them.
-async fn jwks_server(mode: Arc<Mutex<Jwks>>) -> (String, Arc<Mutex<u32>>) {
+pub(super) async fn jwks_server(mode: Arc<Mutex<Jwks>>) -> (String, Arc<Mutex<u32>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/jwks.json", listener.local_addr().unwrap());
     let fetches = Arc::new(Mutex::new(0));
@@ -94,7 +94,7 @@ async fn jwks_server(mode: Arc<Mutex<Jwks>>) -> (String, Arc<Mutex<u32>>) {
     (url, fetches)
 }
 
-fn jwk_set(keys: &[(&str, &EncodingKey)]) -> String {
+pub(super) fn jwk_set(keys: &[(&str, &EncodingKey)]) -> String {
     let keys: Vec<Value> = keys
         .iter()
         .map(|(kid, key)| {

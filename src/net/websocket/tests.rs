@@ -264,6 +264,6 @@ fn close_codes_a_peer_may_not_send_are_protocol_errors() {
 #[test]
 fn a_close_frame_carries_its_code() {
     let mut out = BytesMut::new();
-    put_close(&mut out, Some(1001));
+    put_close(&mut out, Some(1001), "");
     assert_eq!(&out[..], &[0x88, 2, 0x03, 0xe9]);
 }

@@ -27,6 +27,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (6, "identities", include_str!("../../../migrations/postgres/0006_identities.sql")),
     (7, "bus secret", include_str!("../../../migrations/postgres/0007_bus_secret.sql")),
     (8, "turn ttft", include_str!("../../../migrations/postgres/0008_turn_ttft.sql")),
+    (9, "credentials", include_str!("../../../migrations/postgres/0009_credentials.sql")),
 ];
 
 /// The database server's clock in epoch ms, for lease times: every gateway compares them on

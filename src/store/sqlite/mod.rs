@@ -40,6 +40,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (11, "identities", include_str!("../../../migrations/sqlite/0011_identities.sql")),
     (12, "bus secret", include_str!("../../../migrations/sqlite/0012_bus_secret.sql")),
     (13, "turn ttft", include_str!("../../../migrations/sqlite/0013_turn_ttft.sql")),
+    (14, "credentials", include_str!("../../../migrations/sqlite/0014_credentials.sql")),
 ];
 
 /// The database's clock in epoch ms, for lease times (see `store/lease.rs`).
