@@ -1,10 +1,13 @@
 //! What a subject has used, for its quotas (docs/identity.md): counted in the database so that every
 //! gateway of a cluster sees the same numbers.
 //!
-//! - Turns running: the conversations the subject owns whose lease a turn holds.
-//! - Turns per minute and tokens per day: `quota_turns`, a row per turn the subject started,
-//!   its tokens set by the seal's transaction (the usage the runtime reported, or the turn's
-//!   estimate when it ended without one).
+//! - Turns running: the conversations the subject owns whose lease a turn holds (a partial
+//!   index holds only the leased ones).
+//! - Turns per minute: `quota_seconds`, the turns the subject started per second; the minute
+//!   is the seconds that began in the last 60 s and the current one.
+//! - Tokens per day: `quota_tokens`, the subject's tokens per hour, added by each seal's
+//!   transaction (the usage the runtime reported, or the turn's estimate when it ended without
+//!   one); the day is the hours that began in the last 24 h and this one.
 //!
 //! Admission is exact: the counts are read and the turn recorded in one transaction
 //! ([`TurnBudget`], checked by each backend's opening write). On SQLite the one writer
@@ -18,11 +21,22 @@ use super::sql::Query;
 use super::{Store, StoreError, StoreResult};
 
 pub(super) const DAY_MS: i64 = 24 * 60 * 60 * 1000;
+pub(super) const HOUR_MS: i64 = 60 * 60 * 1000;
+
+/// The hour `at` falls in (its start, in ms).
+pub(super) fn hour_of(at: i64) -> i64 {
+    at.div_euclid(HOUR_MS) * HOUR_MS
+}
+
+/// The second `at` falls in (its start, in ms).
+pub(super) fn second_of(at: i64) -> i64 {
+    at.div_euclid(1000) * 1000
+}
 
 /// How long a gateway's stream count stands without being refreshed.
 pub const STREAM_ROW_FRESH_MS: i64 = 60_000;
 
-const MINUTE_MS: i64 = 60_000;
+pub(super) const MINUTE_MS: i64 = 60_000;
 
 /// The limits a subject's new turn is admitted against (none set: no check, no row).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,8 +60,8 @@ pub struct OverBudget {
     pub window_ms: i64,
 }
 
-/// What the budget's check reads: turns running, turns and the oldest start in the last
-/// minute, tokens and the oldest counted start in the last day.
+/// What the budget's check reads: turns running, turns and the oldest counted second in the
+/// last minute, tokens and the oldest counted hour in the last day.
 type BudgetRow = (i64, i64, Option<i64>, i64, Option<i64>);
 
 impl TurnBudget {
@@ -57,12 +71,11 @@ impl TurnBudget {
         let sql = "SELECT
               (SELECT count(*) FROM conversations
                  WHERE owner = $1 AND lease_turn IS NOT NULL AND deleted_at IS NULL),
-              (SELECT count(*) FROM quota_turns WHERE subject = $1 AND started_at > $2),
-              (SELECT min(started_at) FROM quota_turns WHERE subject = $1 AND started_at > $2),
-              (SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) FROM quota_turns
-                 WHERE subject = $1 AND started_at > $3 AND tokens > 0),
-              (SELECT min(started_at) FROM quota_turns WHERE subject = $1 AND started_at > $3 AND tokens > 0)";
-        Query::new(sql).bind(self.subject.as_str()).bind(now - MINUTE_MS).bind(now - DAY_MS)
+              (SELECT CAST(coalesce(sum(turns), 0) AS BIGINT) FROM quota_seconds WHERE subject = $1 AND second >= $2),
+              (SELECT min(second) FROM quota_seconds WHERE subject = $1 AND second >= $2),
+              (SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) FROM quota_tokens WHERE subject = $1 AND hour >= $3),
+              (SELECT min(hour) FROM quota_tokens WHERE subject = $1 AND hour >= $3 AND tokens > 0)";
+        Query::new(sql).bind(self.subject.as_str()).bind(second_of(now - MINUTE_MS)).bind(hour_of(now - DAY_MS))
     }
 
     /// Whether one more turn fits what [`TurnBudget::usage`] read.
@@ -77,20 +90,22 @@ impl TurnBudget {
             .and_then(|max| over("concurrent_turns", running, u64::from(max), None, 0))
             .or_else(|| {
                 self.turns_per_minute
-                    .and_then(|max| over("turns_per_minute", minute, u64::from(max), minute_oldest, MINUTE_MS))
+                    .and_then(|max| over("turns_per_minute", minute, u64::from(max), minute_oldest, MINUTE_MS + 1000))
             })
-            .or_else(|| self.tokens_per_day.and_then(|max| over("tokens_per_day", tokens, max, day_oldest, DAY_MS)));
+            .or_else(|| {
+                self.tokens_per_day.and_then(|max| over("tokens_per_day", tokens, max, day_oldest, DAY_MS + HOUR_MS))
+            });
         refusal.map_or(Ok(()), |over| Err(StoreError::OverBudget(over)))
     }
 }
 
 impl Store {
-    /// Tokens charged to the turns `subject` started since `since_ms` (what `tokens_per_day`
-    /// counts).
+    /// Tokens charged to `subject` in the hours from the one `since_ms` falls in (what
+    /// `tokens_per_day` counts).
     pub async fn tokens_since(&self, subject: &str, since_ms: i64) -> StoreResult<u64> {
-        let sql =
-            "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) FROM quota_turns WHERE subject = $1 AND started_at > $2";
-        let (n,): (i64,) = self.fetch_optional(Query::new(sql).bind(subject).bind(since_ms)).await?.unwrap_or((0,));
+        let sql = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) FROM quota_tokens WHERE subject = $1 AND hour >= $2";
+        let q = Query::new(sql).bind(subject).bind(hour_of(since_ms));
+        let (n,): (i64,) = self.fetch_optional(q).await?.unwrap_or((0,));
         Ok(n.max(0) as u64)
     }
 

@@ -101,14 +101,7 @@ async fn thirty_parallel_requests_start_at_most_the_limit() {
 async fn thirty_parallel_requests_over_two_gateways_start_at_most_the_limit() {
     let Some(database) = dispatch_testkit::postgres::fresh_database().await else { return };
     let dir = tempfile::tempdir().unwrap();
-    let mut servers = Vec::new();
-    for name in ["a", "b"] {
-        let home = dir.path().join(name);
-        std::fs::create_dir_all(&home).unwrap();
-        let mut config = budget_config(&home);
-        config.database = Database::Postgres(database.url.clone());
-        servers.push(TestServer::start(config).await);
-    }
+    let servers = two_gateways(dir.path(), &database.url, budget_config).await;
     parallel_requests_start_at_most_the_limit(&[&servers[0], &servers[1]]).await;
 }
 

@@ -253,14 +253,7 @@ async fn a_session_ends_with_the_configured_key_that_made_it() {
 async fn taking_back_on_one_gateway_ends_streams_on_another() {
     let Some(database) = dispatch_testkit::postgres::fresh_database().await else { return };
     let dir = tempfile::tempdir().unwrap();
-    let mut servers = Vec::new();
-    for name in ["a", "b"] {
-        let home = dir.path().join(name);
-        std::fs::create_dir_all(&home).unwrap();
-        let mut config = keys_config(&home);
-        config.database = Database::Postgres(database.url.clone());
-        servers.push(TestServer::start(config).await);
-    }
+    let servers = two_gateways(dir.path(), &database.url, keys_config).await;
     let (a, b) = (&servers[0], &servers[1]);
     let (secret, id) = make_key(a, json!({"name": "shared"})).await;
     let mut sse = watch(b, "x1", &[bearer(&secret)]).await;
@@ -282,16 +275,11 @@ async fn taking_back_on_one_gateway_ends_streams_on_another() {
 /// and the streams its tokens opened end then; a token of a key still in the set stands.
 #[tokio::test]
 async fn a_key_withdrawn_from_the_jwks_is_refused_from_the_next_read_and_ends_its_streams() {
-    use super::tokens::{Jwks, jwk_set, jwks_server};
+    use super::tokens::{Jwks, jwk_set, jwks_server, rs256 as signed};
     let dir = tempfile::tempdir().unwrap();
     let (one, _) = key_pair(dir.path(), "rsa");
     let (two, _) = key_pair(dir.path(), "rsa");
     let (one, two) = (EncodingKey::from_rsa_pem(&one).unwrap(), EncodingKey::from_rsa_pem(&two).unwrap());
-    let signed = |kid: &str, key: &EncodingKey, sub: &str| {
-        let mut header = Header::new(Algorithm::RS256);
-        header.kid = Some(kid.to_owned());
-        encode(&header, &user(sub), key).unwrap()
-    };
     let mode = Arc::new(Mutex::new(Jwks::Serve(jwk_set(&[("k1", &one), ("k2", &two)]))));
     let (url, _) = jwks_server(mode.clone()).await;
     let mut config = test_config(dir.path());

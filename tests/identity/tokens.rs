@@ -94,6 +94,13 @@ pub(super) async fn jwks_server(mode: Arc<Mutex<Jwks>>) -> (String, Arc<Mutex<u3
     (url, fetches)
 }
 
+/// An RS256 token for `sub` naming the JWKS key `kid`, signed with `key`.
+pub(super) fn rs256(kid: &str, key: &EncodingKey, sub: &str) -> String {
+    let mut header = Header::new(Algorithm::RS256);
+    header.kid = Some(kid.to_owned());
+    encode(&header, &user(sub), key).unwrap()
+}
+
 pub(super) fn jwk_set(keys: &[(&str, &EncodingKey)]) -> String {
     let keys: Vec<Value> = keys
         .iter()
@@ -114,11 +121,7 @@ async fn jwks_keys_rotate_and_a_jwks_that_is_down_huge_or_slow_is_bounded() {
     let (one, _) = key_pair(dir.path(), "rsa");
     let (two, _) = key_pair(dir.path(), "rsa");
     let (one, two) = (EncodingKey::from_rsa_pem(&one).unwrap(), EncodingKey::from_rsa_pem(&two).unwrap());
-    let signed = |kid: &str, key: &EncodingKey, sub: &str| {
-        let mut header = Header::new(Algorithm::RS256);
-        header.kid = Some(kid.to_owned());
-        encode(&header, &user(sub), key).unwrap()
-    };
+    let signed = rs256;
     let mode = Arc::new(Mutex::new(Jwks::Serve(jwk_set(&[("k1", &one)]))));
     let (url, fetches) = jwks_server(mode.clone()).await;
     let mut config = test_config(dir.path());

@@ -5,6 +5,7 @@ use sqlx::{PgConnection, Postgres as Driver, Transaction};
 
 use super::log::append;
 use crate::store::batch::{Write, Written};
+use crate::store::quotas::{DAY_MS, MINUTE_MS, hour_of, second_of};
 use crate::store::turns::{
     IDEMPOTENCY_KEEP_MS, duplicate_key, first_ttft_ms, gen_total_ms, interrupted_marker, user_chunk,
 };
@@ -119,17 +120,19 @@ async fn begin_turn(conn: &mut PgConnection, t: &BeginTurn<'_>, lease_ms: i64) -
     }
     if let Some(budget) = t.budget {
         let subject = budget.subject.as_str();
-        sqlx::query("DELETE FROM quota_turns WHERE subject = $1 AND started_at < $2")
+        sqlx::query("DELETE FROM quota_seconds WHERE subject = $1 AND second < $2")
             .bind(subject)
-            .bind(t.now - super::super::quotas::DAY_MS)
+            .bind(second_of(t.now - MINUTE_MS))
             .execute(&mut *conn)
             .await?;
-        sqlx::query("INSERT INTO quota_turns (subject, turn_id, started_at) VALUES ($1, $2, $3)")
-            .bind(subject)
-            .bind(t.turn_id)
-            .bind(t.now)
-            .execute(&mut *conn)
-            .await?;
+        sqlx::query(
+            "INSERT INTO quota_seconds (subject, second, turns) VALUES ($1, $2, 1)
+             ON CONFLICT (subject, second) DO UPDATE SET turns = quota_seconds.turns + 1",
+        )
+        .bind(subject)
+        .bind(second_of(t.now))
+        .execute(&mut *conn)
+        .await?;
     }
     if let Some(record) = &t.idempotency {
         sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
@@ -184,12 +187,20 @@ async fn seal_turn(conn: &mut PgConnection, s: &SealTurn<'_>) -> StoreResult<cra
     // None: the turn does not hold the lease (an error: the seal's other statements roll back).
     let status = crate::store::status_of(&status.ok_or(StoreError::LeaseLost)?)?;
     if let Some(charge) = s.charge {
-        sqlx::query("UPDATE quota_turns SET tokens = $1 WHERE subject = $2 AND turn_id = $3")
-            .bind(charge.tokens.min(i64::MAX as u64) as i64)
+        sqlx::query("DELETE FROM quota_tokens WHERE subject = $1 AND hour < $2")
             .bind(charge.subject)
-            .bind(s.turn_id)
+            .bind(hour_of(s.now - DAY_MS))
             .execute(&mut *conn)
             .await?;
+        sqlx::query(
+            "INSERT INTO quota_tokens (subject, hour, tokens) VALUES ($1, $2, $3)
+             ON CONFLICT (subject, hour) DO UPDATE SET tokens = quota_tokens.tokens + excluded.tokens",
+        )
+        .bind(charge.subject)
+        .bind(hour_of(s.now))
+        .bind(charge.tokens.min(i64::MAX as u64) as i64)
+        .execute(&mut *conn)
+        .await?;
     }
     Ok(status)
 }

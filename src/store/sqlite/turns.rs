@@ -8,6 +8,7 @@ use super::log::{append_to, appended_seq};
 use super::script::Script;
 use crate::store::NewChunk;
 use crate::store::batch::{Write, Written};
+use crate::store::quotas::{DAY_MS, MINUTE_MS, hour_of, second_of};
 use crate::store::turns::{
     IDEMPOTENCY_KEEP_MS, duplicate_key, first_ttft_ms, gen_total_ms, interrupted_marker, user_chunk,
 };
@@ -131,15 +132,15 @@ fn begin_to(script: &mut Script, t: &BeginTurn<'_>, lease_ms: i64) -> StoreResul
         let subject = budget.subject.as_str();
         script
             .sql(
-                "DELETE FROM quota_turns WHERE subject = ? AND started_at < ?;
-                 INSERT INTO quota_turns (subject, turn_id, started_at)
-                 SELECT ?, ?, ? WHERE EXISTS (SELECT 1 FROM conversations WHERE id = ? AND lease_turn = ?);",
+                "DELETE FROM quota_seconds WHERE subject = ? AND second < ?;
+                 INSERT INTO quota_seconds (subject, second, turns)
+                 SELECT ?, ?, 1 WHERE EXISTS (SELECT 1 FROM conversations WHERE id = ? AND lease_turn = ?)
+                 ON CONFLICT (subject, second) DO UPDATE SET turns = turns + 1;",
             )
             .bind(subject)
-            .bind(t.now - super::super::quotas::DAY_MS)
+            .bind(second_of(t.now - MINUTE_MS))
             .bind(subject)
-            .bind(t.turn_id)
-            .bind(t.now)
+            .bind(second_of(t.now))
             .bind(t.conversation_id)
             .bind(t.turn_id);
     }
@@ -170,10 +171,16 @@ fn seal_to(script: &mut Script, s: &SealTurn<'_>, final_chunks: &[NewChunk]) -> 
     // Before the status row, which must stay the script's last.
     if let Some(charge) = s.charge {
         script
-            .sql("UPDATE quota_turns SET tokens = ? WHERE subject = ? AND turn_id = ?;")
-            .bind(charge.tokens.min(i64::MAX as u64) as i64)
+            .sql(
+                "DELETE FROM quota_tokens WHERE subject = ? AND hour < ?;
+                 INSERT INTO quota_tokens (subject, hour, tokens) VALUES (?, ?, ?)
+                 ON CONFLICT (subject, hour) DO UPDATE SET tokens = tokens + excluded.tokens;",
+            )
             .bind(charge.subject)
-            .bind(s.turn_id);
+            .bind(hour_of(s.now - DAY_MS))
+            .bind(charge.subject)
+            .bind(hour_of(s.now))
+            .bind(charge.tokens.min(i64::MAX as u64) as i64);
     }
     script
         .sql(
