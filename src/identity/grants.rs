@@ -169,3 +169,45 @@ async fn look(auth: &Authenticator) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn signed_in(subject: &str, credential: &str, session: Option<&str>) -> Identity {
+        let mut identity = Identity::signed(Arc::from(subject), false, None, Arc::from(credential));
+        identity.session = session.map(Arc::from);
+        identity
+    }
+
+    /// Each way of taking back ends exactly the grants it names, saying why; a stream that
+    /// ended leaves the registry; an anonymous caller holds nothing.
+    #[test]
+    fn taking_back_ends_only_what_it_names() {
+        let grants = Arc::new(Grants::default());
+        let drained = CancellationToken::new();
+        let (by_session, _a) = grants.hold(&signed_in("alice", "token:k1", Some("s1")), &drained).unwrap();
+        let (by_token, _b) = grants.hold(&signed_in("alice", "token:k1", None), &drained).unwrap();
+        let (by_key, _c) = grants.hold(&signed_in("key:7", "key:7", None), &drained).unwrap();
+        let (other, held) = grants.hold(&signed_in("bob", "token:k1", Some("s2")), &drained).unwrap();
+        assert!(grants.hold(&Identity::anonymous(), &drained).is_none());
+        assert_eq!(grants.len(), 4);
+
+        assert_eq!(grants.end_session("s1", "signed out"), 1);
+        assert_eq!(by_session.why(), Some("signed out"));
+        assert!(by_session.token.is_cancelled() && !by_token.token.is_cancelled());
+        assert_eq!(
+            grants.end_sessions_of("alice", "ended"),
+            1,
+            "alice's one session again; her token's stream is no session"
+        );
+        assert_eq!(grants.end_credential("key:7", "revoked"), 1);
+        assert_eq!(by_key.why(), Some("revoked"));
+        assert!(!other.token.is_cancelled() && !by_token.token.is_cancelled());
+        drop(held);
+        assert_eq!(grants.len(), 3, "a stream that ended left");
+        // The shutdown ends every stream too, without a reason of its own.
+        drained.cancel();
+        assert!(by_token.token.is_cancelled() && by_token.why().is_none());
+    }
+}
