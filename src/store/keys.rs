@@ -67,15 +67,8 @@ impl Store {
 
     /// Which of the keys `ids` still work at `now`.
     pub async fn live_keys(&self, ids: &[&str], now: i64) -> StoreResult<Vec<String>> {
-        let mut live = Vec::new();
-        for some in ids.chunks(500) {
-            let list = (2..some.len() + 2).map(|n| format!("${n}")).collect::<Vec<_>>().join(", ");
-            let sql =
-                format!("SELECT id FROM api_keys WHERE (expires_at IS NULL OR expires_at > $1) AND id IN ({list})");
-            let q = some.iter().fold(Query::new(sql).bind(now), |q, id| q.bind(*id));
-            live.extend(self.fetch_all::<(String,)>(q).await?.into_iter().map(|(id,)| id));
-        }
-        Ok(live)
+        let sql = "SELECT id FROM api_keys WHERE (expires_at IS NULL OR expires_at > $1) AND id IN ({list})";
+        self.found_among(sql, now, ids).await
     }
 
     /// Notes that the key was used at `now`.

@@ -71,15 +71,8 @@ impl Store {
 
     /// Which of the sessions under `id_hashes` still work at `now`.
     pub async fn live_sessions(&self, id_hashes: &[&str], now: i64) -> StoreResult<Vec<String>> {
-        let mut live = Vec::new();
-        for some in id_hashes.chunks(500) {
-            let list = (2..some.len() + 2).map(|n| format!("${n}")).collect::<Vec<_>>().join(", ");
-            let sql = format!(
-                "SELECT id_hash FROM sessions WHERE expires_at > $1 AND id_hash IN ({list}) AND {SESSION_ALIVE}"
-            );
-            let q = some.iter().fold(Query::new(sql).bind(now), |q, h| q.bind(*h));
-            live.extend(self.fetch_all::<(String,)>(q).await?.into_iter().map(|(h,)| h));
-        }
-        Ok(live)
+        let sql =
+            format!("SELECT id_hash FROM sessions WHERE expires_at > $1 AND id_hash IN ({{list}}) AND {SESSION_ALIVE}");
+        self.found_among(&sql, now, id_hashes).await
     }
 }

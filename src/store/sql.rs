@@ -244,6 +244,19 @@ impl Store {
         .await
     }
 
+    /// Which of `names` a lookup finds: `sql` reads one text column and holds `{list}` where
+    /// the names go (`$2, $3, ...`; `$1` is `first`). Asked 500 names at a time, so that no
+    /// statement passes either backend's bound on values.
+    pub(super) async fn found_among(&self, sql: &str, first: i64, names: &[&str]) -> StoreResult<Vec<String>> {
+        let mut found = Vec::new();
+        for some in names.chunks(500) {
+            let list = (2..some.len() + 2).map(|n| format!("${n}")).collect::<Vec<_>>().join(", ");
+            let q = some.iter().fold(Query::new(sql.replace("{list}", &list)).bind(first), |q, name| q.bind(*name));
+            found.extend(self.fetch_all::<(String,)>(q).await?.into_iter().map(|(name,)| name));
+        }
+        Ok(found)
+    }
+
     /// Runs a write outside the turns' writer task (SQLite: on the writer connection);
     /// answers the rows it changed. A refusal is recorded (see `noted`).
     pub(super) async fn execute(&self, q: Query) -> StoreResult<u64> {
