@@ -593,3 +593,50 @@ async fn an_event_past_the_limit_ends_the_turn_and_the_next_one_streams() {
     let events = turn(&server, "big", "again").await;
     assert_eq!(events.iter().find(|e| e["type"] == "text-delta").unwrap()["delta"], "fits");
 }
+
+/// A user's turn stopped before the upstream's last event (where it reports usage) is charged
+/// what the gateway sent, the conversation's history included (the estimate that trims
+/// context), and what it streamed; a turn that reported usage is charged that.
+#[tokio::test]
+async fn a_stopped_turn_is_charged_the_request_it_sent() {
+    set_key();
+    let upstream = FakeUpstream::start(vec![
+        Reply::Stream(vec![delta(json!({"content": "ok"})), finish("stop"), usage(3000, 1)]),
+        Reply::Stall(vec![delta(json!({"content": "x".repeat(400)}))]),
+    ])
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config_with(dir.path(), &upstream, |_| {});
+    let secret = "a-secret-of-at-least-thirty-two-bytes!!";
+    std::fs::write(dir.path().join("secret"), secret).unwrap();
+    config.jwt_secret_file = Some(dir.path().join("secret"));
+    config.quotas.tokens_per_day = Some(1_000_000);
+    let server = TestServer::start(config).await;
+    let claims = json!({"sub": "alice", "exp": jsonwebtoken::get_current_timestamp() + 3600});
+    let key = jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()).unwrap();
+    let alice = jsonwebtoken::encode(&jsonwebtoken::Header::default(), &claims, &key).unwrap();
+    let chat = |message: String| {
+        server
+            .client
+            .post(server.url("/chat"))
+            .bearer_auth(&alice)
+            .json(&json!({"conversationId": "c", "message": message}))
+    };
+    // 10,000 bytes of prompt: the next turn's request carries them as history.
+    EventStream::new(chat("word ".repeat(2000)).send().await.unwrap()).collect().await;
+    let reported = server.state.store.tokens_since("alice", 0).await.unwrap();
+    assert_eq!(reported, 3001, "the usage the upstream reported");
+    let mut events = EventStream::new(chat("go on".into()).send().await.unwrap());
+    while let Some(event) = events.next_event().await {
+        if event["type"] == "text-delta" {
+            break;
+        }
+    }
+    let r = server.client.post(server.url("/conversations/c/stop")).bearer_auth(&alice).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let rest = events.collect().await;
+    assert!(rest.iter().any(|e| e["type"] == "done" && e["reason"] == "aborted"), "{rest:?}");
+    let stopped = server.state.store.tokens_since("alice", 0).await.unwrap() - reported;
+    // ~2,500 tokens of history and prompt, 100 of output: not the 2-word prompt alone, not 0.
+    assert!((2_600..3_000).contains(&stopped), "the stopped turn was charged {stopped}");
+}
