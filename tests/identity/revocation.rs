@@ -168,7 +168,36 @@ async fn only_administrators_make_keys_and_bad_requests_say_why() {
     let alice = hs256(user("alice"), SECRET.as_bytes());
     let (status, body) = ask(&server, &alice, "POST", "/keys", Some(&json!({"name": "mine"}))).await;
     assert_eq!(status, 403, "{body}");
-    assert_eq!(ask(&server, &alice, "DELETE", "/auth/sessions?subject=bob", None).await.0, 403);
+    for (method, path) in
+        [("GET", "/keys"), ("DELETE", "/keys/0123456789abcdef"), ("DELETE", "/auth/sessions?subject=bob")]
+    {
+        assert_eq!(ask(&server, &alice, method, path, None).await.0, 403, "{method} {path} as a user");
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let r = server.client.request(method, server.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{path} with no credential");
+    }
+    let (status, body) = ask(&server, ADMIN, "DELETE", "/auth/sessions", None).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("subject"), "{body}");
+    let (status, body) = ask(&server, ADMIN, "DELETE", "/keys/no%0Asuch%1Bkey", None).await;
+    assert_eq!(status, 404, "{body}");
+    assert!(!body["error"].as_str().unwrap().contains('\u{1b}'), "{body}");
+    let r = server.client.post(server.url("/keys")).bearer_auth(ADMIN).header("content-type", "application/json");
+    let (status, body) = read_json(r.body("{not json").send().await.unwrap()).await;
+    assert_eq!((status, body["error"].as_str()), (400, Some("Invalid JSON body")));
+    // An administrator signed in at the console: a page on another loopback port cannot make
+    // a key with the cookie; the console's own origin can.
+    let cookie = sign_in(&server, ADMIN).await;
+    let elsewhere = format!("http://127.0.0.1:{}", server.addr.port() + 1);
+    let r = server.client.post(server.url("/keys")).header("cookie", &cookie).header("origin", elsewhere);
+    assert_eq!(r.json(&json!({"name": "stolen"})).send().await.unwrap().status(), 403);
+    let mut r = server.client.post(server.url("/keys"));
+    for (name, value) in own_page(&server, &cookie) {
+        r = r.header(name, value);
+    }
+    assert_eq!(r.json(&json!({"name": "from the console"})).send().await.unwrap().status(), 201);
+    let (_, listed) = ask(&server, ADMIN, "GET", "/keys", None).await;
+    assert!(!listed.to_string().contains("stolen"), "{listed}");
     for (bad, says) in [
         (json!({}), "name"),
         (json!({"name": ""}), "name"),
