@@ -232,8 +232,15 @@ async fn sign_out_an_administrator_and_expiry_end_open_streams() {
     let mut socket = ws(&server, "", &own_page(&server, &cookie)).await;
     let mut sse = watch(&server, "a1", &own_page(&server, &cookie)).await;
     assert_eq!(with_cookie(&server, &cookie, reqwest::Method::DELETE, "/auth/session").await, 204);
+    // A frame the page sends after the sign-out (before it has read the close) starts nothing.
+    use futures_util::SinkExt;
+    let late = json!({"type": "chat.send", "conversationId": "after-sign-out", "message": "hi"});
+    let _ = socket.send(Message::text(late.to_string())).await;
     let (code, reason) = closed(&mut socket).await;
     assert_eq!((code, reason.as_str()), (1008, "credential taken back: signed out"));
+    let (status, _) = ask(&server, ADMIN, "GET", "/conversations/after-sign-out/status", None).await;
+    let (_, listed) = ask(&server, ADMIN, "GET", "/conversations", None).await;
+    assert!(!listed.to_string().contains("after-sign-out"), "a turn started after the sign-out ({status}): {listed}");
     assert!(ended(&mut sse).await["message"].as_str().unwrap().contains("signed out"));
     assert_eq!(with_cookie(&server, &cookie, reqwest::Method::POST, "/conversations/a1/messages").await, 401);
 
