@@ -127,6 +127,11 @@ async fn a_revoked_key_ends_its_requests_its_sessions_and_its_streams_at_once() 
     assert_eq!(listed["keys"][0]["id"], id.as_str(), "{listed}");
     assert_eq!(listed["keys"][0]["subject"], format!("key:{id}"));
     assert!(!listed.to_string().contains(&secret[3..]), "the secret is never listed");
+    // Only its hash is at rest: no byte of the database's files holds the secret.
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        let bytes = std::fs::read(entry.unwrap().path()).unwrap_or_default();
+        assert!(!bytes.windows(secret.len()).any(|w| w == secret.as_bytes()), "the secret is stored");
+    }
     let (status, who) = ask(&server, &secret, "GET", "/auth/session", None).await;
     assert_eq!(
         (status, who["subject"].as_str(), who["admin"].as_bool()),
