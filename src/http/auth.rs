@@ -129,8 +129,7 @@ pub async fn begin_session(
 pub async fn end_session(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     if let Some(id) = session_cookie(&headers) {
         let hash = crate::identity::session_hash(id);
-        state.store.end_session(&hash).await?;
-        state.auth.grants.end_session(&hash, "signed out");
+        state.auth.end_session(&hash).await?;
     }
     let secure = if secure_request(&state, &headers) { "; Secure" } else { "" };
     let cookie = format!("{COOKIE}=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0{secure}");

@@ -214,7 +214,6 @@ pub async fn end_sessions(
     administrator(&caller, state.auth.enabled())?;
     let subject =
         query.get("subject").filter(|s| !s.is_empty()).ok_or_else(|| ApiError::bad("`subject` is required"))?;
-    let ended = state.store.end_sessions_of(subject).await?;
-    state.auth.grants.end_sessions_of(subject, "an administrator ended your sessions");
+    let ended = state.auth.end_sessions_of(subject).await?;
     Ok(Json(EndedSessions { ended }))
 }

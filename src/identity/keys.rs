@@ -1,5 +1,6 @@
-//! Keys made at runtime (docs/identity.md): `POST /keys` makes one and answers its secret once
-//! (`dk_` and 32 random bytes, URL-safe base64); the database keeps its SHA-256. A made key's
+//! Keys made at runtime, and taking keys and sessions back (docs/identity.md): `POST /keys`
+//! makes a key and answers its secret once (`dk_` and 32 random bytes, URL-safe base64); the
+//! database keeps its SHA-256. A made key's
 //! subject is `key:<id>`, its credential the same; its quotas, when given, replace `[quotas]`
 //! for it. Revoking removes it, and everything it opened ends (sessions, streams).
 
@@ -107,6 +108,21 @@ impl Authenticator {
         };
         self.store.create_key(&key, &hash_hex(&secret)).await?;
         Ok(MadeKey { secret, key })
+    }
+
+    /// Ends the session whose id hashes to `id_hash` (a sign-out): everywhere at once, and the
+    /// streams it opened here at once (on the other gateways at their next look).
+    pub async fn end_session(&self, id_hash: &str) -> Result<(), StoreError> {
+        self.store.end_session(id_hash).await?;
+        self.grants.end_session(id_hash, "signed out");
+        Ok(())
+    }
+
+    /// Ends every session of `subject`, as [`Authenticator::end_session`] ends one; how many.
+    pub async fn end_sessions_of(&self, subject: &str) -> Result<u64, StoreError> {
+        let ended = self.store.end_sessions_of(subject).await?;
+        self.grants.end_sessions_of(subject, "an administrator ended your sessions");
+        Ok(ended)
     }
 
     /// Revokes a made key: it is refused from now on, on every gateway, and what it opened ends
